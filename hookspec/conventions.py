@@ -1,0 +1,93 @@
+"""The conventions of the standard quantities, stated once as the code they equal.
+
+Every implementation of the contract (``torch_impl``, ``jax_ref``, a user's
+processor) computes these quantities with exactly these definitions. Shapes:
+``z`` are the logits of one token, ``[V]`` (global vocabulary); ``y`` the
+selected token id; ``T`` the temperature (a scalar or one value per token).
+
+Selected-token logprob with temperature::
+
+    logprob = z[y] / T - logsumexp(z / T)                  # <= 0
+
+Entropy of the tempered distribution, non-negative (NeMo RL's chunked entropy
+returns the negative; we do not)::
+
+    p = softmax(z / T)
+    entropy = logsumexp(z / T) - sum(p * z / T)            # >= 0
+
+Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
+``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
+gradient is zero, and it counts in no aggregation. Any other label outside
+``[0, vocab_size)`` is an error, never a silent value.
+
+KL estimators between the policy ``logp`` and the reference ``ref`` (both
+selected-token logprobs ``[b, s]``), with ``log_ratio = ref - logp``::
+
+    k1 = logp - ref
+    k2 = (logp - ref) ** 2 / 2
+    k3 = exp(log_ratio) - log_ratio - 1                    # >= 0, unbiased
+
+PPO clipped objective with ``ratio = exp(logp - old)`` and advantages ``A``::
+
+    loss = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+    # dual clip, A < 0 only, with c > 1:
+    loss = min(loss, -A * c)
+
+Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
+
+    token-mean:          sum(L * M) / sum(M)
+    seq-mean-token-sum:  mean_b( sum_s(L * M) )            # over sequences with sum_s M > 0
+    seq-mean-token-mean: mean_b( sum_s(L * M) / sum_s(M) ) # over sequences with sum_s M > 0
+
+An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "IGNORE_INDEX",
+    "UPSTREAM_HOOK_KEYWORDS",
+    "Aggregation",
+    "KLEstimator",
+]
+
+IGNORE_INDEX: int = -100
+"""The default ignore index, as in ``torch.nn.functional.cross_entropy``."""
+
+UPSTREAM_HOOK_KEYWORDS: tuple[str, ...] = (
+    "hidden_states",
+    "output_layer",
+    "output_weight",
+    "labels",
+    "loss_mask",
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "decoder_input",
+    "inference_context",
+    "packed_seq_params",
+    "runtime_gather_output",
+    "context",
+    "compute_language_model_loss",
+    "scale_logits",
+    "config",
+)
+"""The 16 keywords Megatron Core's native ``output_processor`` hook passes (0.18+)."""
+
+
+class KLEstimator(str, enum.Enum):
+    """The KL estimators ``k1``, ``k2``, ``k3`` of the module docstring."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class Aggregation(str, enum.Enum):
+    """How a per-token loss ``[b, s]`` becomes a scalar (module docstring)."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"

@@ -1,0 +1,141 @@
+"""Validation at the contract boundary: one check each, one error type.
+
+Every check raises :class:`~hookspec.ContractError` naming the field, the
+expected and the actual shape, dtype or range. Value checks (label range) read
+the array's contents, which costs one device synchronisation; the shape checks
+read metadata only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .arrays import dtype_name, format_shape, is_array, is_floating, is_integer, shape_of
+from .errors import ContractError
+
+if TYPE_CHECKING:
+    from .context import OutputContext, VocabShard
+
+__all__ = [
+    "check_labels",
+    "validate_context",
+    "validate_result",
+]
+
+
+def check_rank(field: str, rank: int, size: int) -> None:
+    if not (isinstance(size, int) and size >= 1):
+        raise ContractError(f"{field}_size", expected="an int >= 1", actual=repr(size))
+    if not (isinstance(rank, int) and 0 <= rank < size):
+        raise ContractError(f"{field}_rank", expected=f"an int in [0, {size})", actual=repr(rank))
+
+
+def check_vocab_shard(vocab: VocabShard) -> None:
+    start, end, size = vocab.start, vocab.end, vocab.size
+    if not (0 <= start < end <= size):
+        raise ContractError(
+            "vocab",
+            expected="0 <= start < end <= size",
+            actual=f"start={start}, end={end}, size={size}",
+        )
+
+
+def _check_array(field: str, x: object) -> None:
+    if not is_array(x):
+        raise ContractError(field, expected="an array with shape and dtype", actual=type(x).__name__)
+
+
+def check_labels(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
+    """Labels must be integers in ``[0, vocab_size)`` or equal to ``ignore_index``.
+
+    Reads the values (one synchronisation on an accelerator).
+    """
+    _check_array(field, labels)
+    if not is_integer(labels):
+        raise ContractError(field, expected="an integer dtype", actual=dtype_name(labels))
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bool(bad.any()):
+        flat = labels[bad]
+        lo, hi = int(flat.min()), int(flat.max())
+        raise ContractError(
+            field,
+            expected=f"token ids in [0, {vocab_size}) or ignore_index={ignore_index}",
+            actual=f"{int(bad.sum())} ids outside it, in [{lo}, {hi}]",
+        )
+
+
+def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
+    """Check the shapes of ``ctx`` against each other, and the label range.
+
+    ``hidden_states`` ``[s_h, b, h]`` with ``s_h * (tp if sequence_parallel else
+    1) == s``; ``labels``, ``loss_mask`` and ``padding_mask`` ``[b, s]``;
+    ``vocab_weight`` ``[vocab.end - vocab.start, h]``.
+    """
+    _check_array("hidden_states", ctx.hidden_states)
+    hs = shape_of(ctx.hidden_states)
+    if len(hs) != 3:
+        raise ContractError("hidden_states", expected="3 dims [s, b, h]", actual=format_shape(hs))
+    if not is_floating(ctx.hidden_states):
+        raise ContractError("hidden_states", expected="a floating dtype", actual=dtype_name(ctx.hidden_states))
+    sp = ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1
+    s_full, b, h = hs[0] * sp, hs[1], hs[2]
+    sp_note = f" (hidden_states {format_shape(hs)} x tp={sp} under sequence parallel)" if sp > 1 else ""
+    for name in ("labels", "loss_mask", "padding_mask"):
+        value = getattr(ctx, name)
+        if value is None:
+            continue
+        _check_array(name, value)
+        actual = shape_of(value)
+        if actual != (b, s_full):
+            raise ContractError(
+                name,
+                expected=f"shape [b={b}, s={s_full}]{sp_note}",
+                actual=format_shape(actual),
+            )
+    if ctx.vocab_weight is not None:
+        _check_array("vocab_weight", ctx.vocab_weight)
+        ws = shape_of(ctx.vocab_weight)
+        rows = ctx.vocab.local_size if ctx.vocab is not None else ws[0]
+        if ws != (rows, h):
+            raise ContractError("vocab_weight", expected=f"shape [V/tp={rows}, h={h}]", actual=format_shape(ws))
+    if ctx.vocab is not None and ctx.vocab.local_size * ctx.parallel.tp_size != ctx.vocab.size:
+        raise ContractError(
+            "vocab",
+            expected=f"(end - start) * tp_size == size with tp_size={ctx.parallel.tp_size}",
+            actual=f"start={ctx.vocab.start}, end={ctx.vocab.end}, size={ctx.vocab.size}",
+        )
+    if not (isinstance(ctx.mtp_depth, int) and ctx.mtp_depth >= 0):
+        raise ContractError("mtp_depth", expected="an int >= 0", actual=repr(ctx.mtp_depth))
+    if check_values and ctx.labels is not None and ctx.vocab is not None:
+        check_labels(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
+
+
+def _check_result_array(field: str, value: object, batch: int, seq: int) -> None:
+    if not is_array(value):
+        raise ContractError(
+            field,
+            expected=f"an array of shape [b={batch}, s={seq}] or a scalar loss",
+            actual=f"{type(value).__name__}",
+        )
+    shape = shape_of(value)  # type: ignore[arg-type]
+    if shape not in ((), (batch, seq)):
+        raise ContractError(
+            field,
+            expected=f"shape [b={batch}, s={seq}] (per token) or [] (a loss)",
+            actual=format_shape(shape),
+        )
+
+
+def validate_result(result: object, *, batch: int, seq: int, field: str = "processor result") -> None:
+    """A processor returns per-token values ``[b, s]``, a scalar loss ``[]``, or a
+    non-empty mapping from ``str`` to either."""
+    if isinstance(result, Mapping):
+        if not result:
+            raise ContractError(field, expected="a non-empty mapping of arrays", actual="an empty mapping")
+        for key, value in result.items():
+            if not isinstance(key, str):
+                raise ContractError(field, expected="str keys", actual=f"key {key!r}")
+            _check_result_array(f"{field}[{key!r}]", value, batch, seq)
+        return
+    _check_result_array(field, result, batch, seq)

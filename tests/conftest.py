@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("megatron") is not None
+
+
+@pytest.fixture
+def megatron_single() -> Iterator[None]:
+    """torch.distributed (gloo, world size 1) and Megatron's groups, torn down after."""
+    from torch_impl.tiny import megatron_parallel
+
+    with megatron_parallel():
+        yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

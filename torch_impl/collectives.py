@@ -1,0 +1,54 @@
+"""``hookspec.Collectives`` over a Megatron tensor-parallel process group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+__all__ = ["TorchCollectives"]
+
+
+class TorchCollectives:
+    """The contract's collectives over ``group``, Megatron's own autograd mappings.
+
+    - ``all_reduce_sum``: ``reduce_from_tensor_model_parallel_region`` (forward
+      all-reduce, backward identity) on a copy: ``x`` is never modified.
+    - ``all_reduce_max``: ``torch.distributed.all_reduce(op=MAX)`` on a detached
+      copy; no gradient.
+    - ``gather_hidden_states``: ``gather_from_sequence_parallel_region(...,
+      tensor_parallel_output_grad=True)`` under sequence parallel (backward
+      reduce-scatter), else ``copy_to_tensor_model_parallel_region`` (forward
+      identity, backward all-reduce), so the hidden-state gradient is whole.
+    """
+
+    def __init__(self, group: Any, *, sequence_parallel: bool) -> None:
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.size = torch.distributed.get_world_size(group) if group is not None else 1
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return reduce_from_tensor_model_parallel_region(x.clone(), group=self.group)
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        y = x.detach().clone()
+        if self.size > 1:
+            torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return y
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.group)
+        return copy_to_tensor_model_parallel_region(x, group=self.group)
+
+    def __repr__(self) -> str:
+        return f"TorchCollectives(size={self.size}, sequence_parallel={self.sequence_parallel})"
