@@ -14,6 +14,25 @@ from megatron.core.tensor_parallel.mappings import (
 __all__ = ["TorchCollectives"]
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    Megatron Core before 0.17 all-reduces ``grad.contiguous()`` in
+    ``copy_to_tensor_model_parallel_region``'s backward and returns the
+    *unreduced* gradient when it was not contiguous (an einsum's gradient often
+    is not), silently leaving each rank with its own partial hidden-state
+    gradient. Placing this after the mapping hands it a contiguous gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class TorchCollectives:
     """The contract's collectives over ``group``, Megatron's own autograd mappings.
 
@@ -24,7 +43,8 @@ class TorchCollectives:
     - ``gather_hidden_states``: ``gather_from_sequence_parallel_region(...,
       tensor_parallel_output_grad=True)`` under sequence parallel (backward
       reduce-scatter), else ``copy_to_tensor_model_parallel_region`` (forward
-      identity, backward all-reduce), so the hidden-state gradient is whole.
+      identity, backward all-reduce), so the hidden-state gradient is whole; its
+      gradient is made contiguous first (see ``_ContiguousGrad``).
     """
 
     def __init__(self, group: Any, *, sequence_parallel: bool) -> None:
@@ -47,8 +67,10 @@ class TorchCollectives:
         if self.size == 1:
             return x
         if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.group)
-        return copy_to_tensor_model_parallel_region(x, group=self.group)
+            full = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.group)
+        else:
+            full = copy_to_tensor_model_parallel_region(x, group=self.group)
+        return _ContiguousGrad.apply(full)
 
     def __repr__(self) -> str:
         return f"TorchCollectives(size={self.size}, sequence_parallel={self.sequence_parallel})"
