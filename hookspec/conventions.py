@@ -77,7 +77,7 @@ UPSTREAM_HOOK_KEYWORDS: tuple[str, ...] = (
 """The 16 keywords Megatron Core's native ``output_processor`` hook passes (0.18+)."""
 
 
-class KLEstimator(str, enum.Enum):
+class KLEstimator(enum.StrEnum):
     """The KL estimators ``k1``, ``k2``, ``k3`` of the module docstring."""
 
     K1 = "k1"
@@ -85,7 +85,7 @@ class KLEstimator(str, enum.Enum):
     K3 = "k3"
 
 
-class Aggregation(str, enum.Enum):
+class Aggregation(enum.StrEnum):
     """How a per-token loss ``[b, s]`` becomes a scalar (module docstring)."""
 
     TOKEN_MEAN = "token-mean"

@@ -77,7 +77,9 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
     if len(hs) != 3:
         raise ContractError("hidden_states", expected="3 dims [s, b, h]", actual=format_shape(hs))
     if not is_floating(ctx.hidden_states):
-        raise ContractError("hidden_states", expected="a floating dtype", actual=dtype_name(ctx.hidden_states))
+        raise ContractError(
+            "hidden_states", expected="a floating dtype", actual=dtype_name(ctx.hidden_states)
+        )
     sp = ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1
     s_full, b, h = hs[0] * sp, hs[1], hs[2]
     sp_note = f" (hidden_states {format_shape(hs)} x tp={sp} under sequence parallel)" if sp > 1 else ""
@@ -98,7 +100,9 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
         ws = shape_of(ctx.vocab_weight)
         rows = ctx.vocab.local_size if ctx.vocab is not None else ws[0]
         if ws != (rows, h):
-            raise ContractError("vocab_weight", expected=f"shape [V/tp={rows}, h={h}]", actual=format_shape(ws))
+            raise ContractError(
+                "vocab_weight", expected=f"shape [V/tp={rows}, h={h}]", actual=format_shape(ws)
+            )
     if ctx.vocab is not None and ctx.vocab.local_size * ctx.parallel.tp_size != ctx.vocab.size:
         raise ContractError(
             "vocab",

@@ -15,18 +15,22 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, args: tuple, errors: Any) -> None:
+def _worker(
+    rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, backend: str, args: tuple, errors: Any
+) -> None:
     from torch_impl.tiny import megatron_parallel
 
     try:
-        with megatron_parallel(tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port):
+        with megatron_parallel(tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port, backend=backend):
             fn(rank, *args)
     except BaseException:  # reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
         raise
 
 
-def run_distributed(fn: Callable[..., Any], *args: Any, tp: int = 1, pp: int = 1) -> None:
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, tp: int = 1, pp: int = 1, backend: str = "gloo"
+) -> None:
     from torch_impl.tiny import free_port
 
     ctx = mp.get_context("spawn")
@@ -34,7 +38,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, tp: int = 1, pp: int = 1
     port = free_port()
     try:
         mp.start_processes(
-            _worker, args=(fn, tp, pp, port, args, errors), nprocs=tp * pp, join=True, start_method="spawn"
+            _worker,
+            args=(fn, tp, pp, port, backend, args, errors),
+            nprocs=tp * pp,
+            join=True,
+            start_method="spawn",
         )
     except mp.ProcessRaisedException as exc:
         reports = []

@@ -45,9 +45,13 @@ def test_without_processor_outputs_and_grads_are_bitwise_stock(tied: bool) -> No
     assert logits_stock.shape == (2, 8, 64) and torch.equal(logits_stock, logits_enabled)
 
 
-@pytest.mark.parametrize("processor", [cases.stock_loss_upstream, cases.stock_loss], ids=["upstream", "hookspec"])
+@pytest.mark.parametrize(
+    "processor", [cases.stock_loss_upstream, cases.stock_loss], ids=["upstream", "hookspec"]
+)
 @pytest.mark.parametrize("tied", [False, True])
-def test_processor_through_output_layer_gives_bitwise_stock_loss_and_grads(processor: Any, tied: bool) -> None:
+def test_processor_through_output_layer_gives_bitwise_stock_loss_and_grads(
+    processor: Any, tied: bool
+) -> None:
     batch = tiny_batch()
     model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
     stock = _loss_and_grads(model, batch)
@@ -132,7 +136,9 @@ def test_options_reach_the_context() -> None:
     model(
         *cases.model_inputs(batch),
         labels=batch["labels"],
-        output_processor=hookspec.processor(lambda ctx: seen.append(ctx.ignore_index) or ctx.hidden_states.sum()),
+        output_processor=hookspec.processor(
+            lambda ctx: seen.append(ctx.ignore_index) or ctx.hidden_states.sum()
+        ),
     )
     assert seen == [-1]
 
@@ -161,7 +167,9 @@ def test_works_through_float16module() -> None:
     stock = wrapped(*cases.model_inputs(batch), labels=batch["labels"])
     torch_impl.enable_output_processor(wrapped)
     assert torch_impl.is_output_processor_enabled(wrapped)
-    out = wrapped(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream)
+    out = wrapped(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream
+    )
     assert out.dtype == torch.float32 and torch.equal(out, stock)
     assert torch.equal(wrapped(*cases.model_inputs(batch), labels=batch["labels"]), stock)
 
@@ -195,7 +203,9 @@ def test_processor_returning_the_wrong_shape_or_a_non_array(result: Any, actual:
     assert "[b=2, s=8]" in str(info.value.expected) and actual in str(info.value.actual)
 
 
-@pytest.mark.parametrize("processor", [cases.stock_loss_upstream, cases.stock_loss], ids=["upstream", "hookspec"])
+@pytest.mark.parametrize(
+    "processor", [cases.stock_loss_upstream, cases.stock_loss], ids=["upstream", "hookspec"]
+)
 @pytest.mark.parametrize("bad_label", [64, 1000, -1])
 def test_labels_outside_the_vocabulary(processor: Any, bad_label: int) -> None:
     model = torch_impl.enable_output_processor(build_tiny_gpt())

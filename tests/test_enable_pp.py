@@ -29,7 +29,9 @@ def _counting_logprobs(ctx: OutputContext) -> dict[str, torch.Tensor]:
     return cases.vocab_parallel_logprobs_fn(ctx)
 
 
-def _stage_state(full: dict[str, torch.Tensor], model: torch.nn.Module, offset: int) -> dict[str, torch.Tensor]:
+def _stage_state(
+    full: dict[str, torch.Tensor], model: torch.nn.Module, offset: int
+) -> dict[str, torch.Tensor]:
     """The full model's tensors under this stage's local names."""
 
     def global_name(name: str) -> str:
@@ -38,7 +40,9 @@ def _stage_state(full: dict[str, torch.Tensor], model: torch.nn.Module, offset: 
     return {name: full[global_name(name)] for name in model.state_dict() if "_extra_state" not in name}
 
 
-def _pp2_rank(rank: int, full_state: dict[str, torch.Tensor], expected: dict[str, Any], batch: dict[str, Any]) -> None:
+def _pp2_rank(
+    rank: int, full_state: dict[str, torch.Tensor], expected: dict[str, Any], batch: dict[str, Any]
+) -> None:
     CALLS.clear()
     model = torch_impl.enable_output_processor(build_tiny_gpt())
     model.load_state_dict(_stage_state(full_state, model, offset=rank), strict=False)
@@ -74,7 +78,9 @@ def test_pp2_processor_runs_on_the_last_stage_and_matches_pp1() -> None:
     batch = tiny_batch()
     with megatron_parallel():
         model = torch_impl.enable_output_processor(build_tiny_gpt())
-        out = model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs)
+        out = model(
+            *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs
+        )
         out["logprobs"].sum().backward()
         expected = {
             "logprobs": out["logprobs"].detach(),

@@ -31,7 +31,9 @@ def _logprob_run(model: torch.nn.Module, batch: dict[str, Any], cotangent: torch
         return cases.vocab_parallel_logprobs_fn(ctx)
 
     model.zero_grad(set_to_none=True)
-    out = model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=hookspec.processor(keep_hidden))
+    out = model(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=hookspec.processor(keep_hidden)
+    )
     (out["logprobs"] * cotangent).sum().backward()
     inner = torch_impl.unwrap_model(model)
     return {
@@ -43,7 +45,9 @@ def _logprob_run(model: torch.nn.Module, batch: dict[str, Any], cotangent: torch
     }
 
 
-def _tp2_rank(rank: int, expected: dict[str, torch.Tensor], batch: dict[str, Any], cotangent: torch.Tensor) -> None:
+def _tp2_rank(
+    rank: int, expected: dict[str, torch.Tensor], batch: dict[str, Any], cotangent: torch.Tensor
+) -> None:
     model = torch_impl.enable_output_processor(build_tiny_gpt())
     got = _logprob_run(model, batch, cotangent)
     ctx = got["ctx"]
@@ -63,7 +67,9 @@ def _tp2_rank(rank: int, expected: dict[str, torch.Tensor], batch: dict[str, Any
     stock = build_tiny_gpt()(*cases.model_inputs(batch), labels=batch["labels"])
     through = model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss)
     assert torch.equal(stock, through)
-    upstream = model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream)
+    upstream = model(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream
+    )
     assert torch.equal(stock, upstream)
 
 

@@ -89,7 +89,9 @@ def test_mismatched_shapes_name_field_expected_actual(
 def test_sequence_parallel_hidden_states_are_a_tp_slice() -> None:
     sp = ParallelLayout(tp_size=2, tp_rank=1, sequence_parallel=True)
     ctx = _ctx(
-        hidden_states=np.zeros((4, 2, 4), np.float32), parallel=sp, vocab=VocabShard(8, 16, 16),
+        hidden_states=np.zeros((4, 2, 4), np.float32),
+        parallel=sp,
+        vocab=VocabShard(8, 16, 16),
         vocab_weight=np.zeros((8, 4), np.float32),
     )
     hookspec.validate_context(ctx)

@@ -81,4 +81,3 @@ def build_output_context(
         ignore_index=ignore_index,
         collectives=TorchCollectives(tp_group, sequence_parallel=layout.sequence_parallel),
     )
-

@@ -12,6 +12,9 @@ is reassigned, and :func:`disable_output_processor` restores the class.
   stock one when no processor is given; with one, it runs the same steps
   (tied weight, MTP block, MTP losses through Megatron's own functions) and
   then the processor in place of the output layer and loss.
+- An ``mtp_processor=`` (``torch_impl.mtp``) takes the adapter's own
+  ``_postprocess`` path on every release; a ``HybridModel``, which has no
+  ``_postprocess``, gets ``torch_impl.hybrid``'s adapter.
 
 The choice keys on the signature of the installed ``forward``, never on a
 version string.
@@ -19,8 +22,10 @@ version string.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -71,7 +76,12 @@ def has_native_hook(model_or_class: Any) -> bool:
 
 
 def _is_language_model(module: object) -> bool:
-    return isinstance(module, torch.nn.Module) and hasattr(module, "_postprocess") and hasattr(module, "decoder")
+    """A Megatron ``LanguageModule`` with a decoder: GPTModel, HybridModel."""
+    return (
+        isinstance(module, torch.nn.Module)
+        and hasattr(module, "decoder")
+        and hasattr(module, "compute_language_model_loss")
+    )
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,7 +93,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         if nxt is None or seen > 8:
             raise ContractError(
                 "model",
-                expected="a Megatron GPTModel, or one wrapped by Float16Module or DDP",
+                expected="a Megatron GPTModel or HybridModel, or one wrapped by Float16Module or DDP",
                 actual=type(model).__name__,
             )
         inner, seen = nxt, seen + 1
@@ -104,7 +114,9 @@ class _HookCall:
     ) -> None:
         if not callable(processor):
             raise ContractError(
-                "output_processor", expected="a callable or a hookspec processor", actual=type(processor).__name__
+                "output_processor",
+                expected="a callable or a hookspec processor",
+                actual=type(processor).__name__,
             )
         self.model = model
         self.processor = processor
@@ -146,40 +158,75 @@ class _OutputHookAdapter:
         *args: Any,
         output_processor: Any = None,
         output_processor_context: Any = None,
+        mtp_processor: Any = None,
         **kwargs: Any,
     ) -> Any:
         native = self._hookspec_native
-        if output_processor is None:
+        if output_processor is None and mtp_processor is None:
             if native:
                 kwargs["output_processor_context"] = output_processor_context
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        call = _HookCall(
+        call, mtp_call = _bridges(
             self,  # type: ignore[arg-type]
             output_processor,
             output_processor_context,
+            mtp_processor,
             kwargs.get("padding_mask"),
-            self.__dict__[_STATE],
         )
-        if native:
+        if native and mtp_call is None:
             return super().forward(  # type: ignore[misc]
                 *args, output_processor=call, output_processor_context=output_processor_context, **kwargs
             )
-        self.__dict__[_CALL] = call
-        try:
+        return self._hookspec_run(args, kwargs, call, mtp_call)
+
+    def _hookspec_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: Any, mtp_call: Any) -> Any:
+        """The model's own ``forward``; its ``_postprocess`` (below) picks the bridges up."""
+        with _stashed(self, call, mtp_call):  # type: ignore[arg-type]
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.__dict__.pop(_CALL, None)
 
     def _postprocess(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.__dict__.get(_CALL)
-        if call is None:
+        pending = self.__dict__.get(_CALL)
+        if pending is None:
             return super()._postprocess(*args, **kwargs)  # type: ignore[misc]
         from ._postprocess import postprocess_with_processor
 
         bound = inspect.signature(self._hookspec_original_class._postprocess).bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")
-        return postprocess_with_processor(self, call, **arguments)  # type: ignore[arg-type]
+        call, mtp_call = pending
+        return postprocess_with_processor(self, call, mtp_call=mtp_call, **arguments)  # type: ignore[arg-type]
+
+
+def _bridges(
+    model: torch.nn.Module, output_processor: Any, user_context: Any, mtp_processor: Any, padding_mask: Any
+) -> tuple[_HookCall | None, Any]:
+    """The main hook's bridge (``None`` for the stock head) and the MTP bridge
+    (``None`` for the stock MTP loss). Validates both before the model runs."""
+    from ._postprocess import default_output
+
+    hook = _HookCall(
+        model,
+        output_processor if output_processor is not None else default_output,
+        user_context,
+        padding_mask,
+        model.__dict__[_STATE],
+    )
+    mtp_call = None
+    if mtp_processor is not None:
+        from .mtp import MTPCall
+
+        mtp_call = MTPCall(model, mtp_processor, hook)
+    return (hook if output_processor is not None else None), mtp_call
+
+
+@contextlib.contextmanager
+def _stashed(model: torch.nn.Module, call: Any, mtp_call: Any) -> Iterator[None]:
+    """The bridges on the instance for the adapter's ``_postprocess`` to find."""
+    model.__dict__[_CALL] = (call, mtp_call)
+    try:
+        yield
+    finally:
+        model.__dict__.pop(_CALL, None)
 
 
 _ADAPTED_CLASSES: dict[type, type] = {}
@@ -188,9 +235,14 @@ _ADAPTED_CLASSES: dict[type, type] = {}
 def _adapted_class(cls: type) -> type:
     adapted = _ADAPTED_CLASSES.get(cls)
     if adapted is None:
+        mixin: type = _OutputHookAdapter
+        if not hasattr(cls, "_postprocess"):
+            from .hybrid import HybridOutputHookAdapter
+
+            mixin = HybridOutputHookAdapter
         adapted = type(
             f"OutputHook{cls.__name__}",
-            (_OutputHookAdapter, cls),
+            (mixin, cls),
             {
                 "__module__": __name__,
                 "__doc__": cls.__doc__,
@@ -207,9 +259,7 @@ def is_output_processor_enabled(model: torch.nn.Module) -> bool:
     return isinstance(unwrap_model(model), _OutputHookAdapter)
 
 
-def enable_output_processor(
-    model: M, *, ignore_index: int = IGNORE_INDEX, check_values: bool = True
-) -> M:
+def enable_output_processor(model: M, *, ignore_index: int = IGNORE_INDEX, check_values: bool = True) -> M:
     """Give ``model`` keyword-only ``output_processor=`` and ``output_processor_context=``.
 
     Returns ``model`` itself (a wrapper stays the wrapper; the language model
@@ -222,6 +272,10 @@ def enable_output_processor(
     extras come from the model's process groups) or an upstream-style callable
     taking the native hook's sixteen keywords, which runs unchanged on every
     release. Its result is returned from ``forward`` unchanged.
+
+    ``mtp_processor`` (keyword-only, models with MTP layers) replaces the
+    per-depth MTP loss while Megatron keeps rolling, logging and scaling; see
+    ``torch_impl.mtp``. A ``HybridModel`` (0.19+) gets the same keywords.
     """
     inner = unwrap_model(model)
     options = HookOptions(ignore_index=ignore_index, check_values=check_values)

@@ -84,7 +84,9 @@ class CPUCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q.to(q.device)
             seq_id = torch.bucketize(torch.arange(sq, device=q.device), cu[1:], right=True)
             mask = mask & (seq_id[:, None] == seq_id[None, :])
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.softmax_scale
+        )
         out = out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * hn)
         return out.squeeze(1) if thd else out
 
@@ -194,9 +196,10 @@ def megatron_parallel(
     rank: int = 0,
     world_size: int | None = None,
     port: int | None = None,
+    backend: str = "gloo",
 ) -> Iterator[None]:
-    """Initialise ``torch.distributed`` over gloo on loopback and Megatron's model
-    parallel groups; tear both down on exit. One process per rank."""
+    """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
+    model parallel groups; tear both down on exit. One process per rank."""
     world_size = world_size or tp * pp
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -204,7 +207,7 @@ def megatron_parallel(
             os.environ["MASTER_PORT"] = str(port)
         else:
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp

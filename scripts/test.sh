@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up both environments and run every test: lint, type checks, and pytest on
+#   py312: Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12
+#   py311: Python 3.11, megatron-core 0.16.1 (no hook; the adapter's own path), jax 0.10
+# Extra arguments go to both pytest runs (e.g. -x, -k tp2).
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venvs=${HOOKSPEC_VENVS:-$root/.venvs}
+bash scripts/setup_env.sh py312 || exit 1
+bash scripts/setup_env.sh py311 || exit 1
+
+status=0
+step() { echo; echo "== $*"; }
+step "lint: ruff check + ruff format --check"
+"$venvs/py312/bin/ruff" check . || status=1
+"$venvs/py312/bin/ruff" format --check . || status=1
+step "types: mypy (strict on hookspec)"
+"$venvs/py312/bin/mypy" || status=1
+
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+for name in py311 py312; do
+  step "pytest on $name ($("$venvs/$name/bin/python" -c 'import megatron.core as m, sys; print(f"Python {sys.version.split()[0]}, megatron-core {m.__version__}")'))"
+  "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=1
+done
+echo
+if [ $status -eq 0 ]; then echo "== all checks passed on py311 and py312"; else echo "== SOME CHECKS FAILED"; fi
+exit $status
