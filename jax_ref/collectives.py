@@ -1,0 +1,56 @@
+"""``hookspec.Collectives`` in JAX, over a named mesh axis inside ``shard_map``.
+
+The contract's semantics map onto JAX's collectives with varying-value checks
+on (``shard_map(..., check_vma=True)``, the default):
+
+- ``all_reduce_sum(x)`` is ``lax.psum(x, axis)``. Its transpose is the identity
+  broadcast, which is the contract's backward.
+- ``all_reduce_max(x)`` is ``lax.pmax(lax.stop_gradient(x), axis)``: no gradient.
+- ``gather_hidden_states(x)``: under sequence parallel ``lax.all_gather(x,
+  axis, axis=0, tiled=True)`` (backward: reduce-scatter); otherwise
+  ``lax.pcast(x, axis, to="varying")`` (forward identity, backward psum), so
+  the hidden-state gradient sums every vocab shard's part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+
+__all__ = ["JaxCollectives", "vma_axes"]
+
+
+def vma_axes(x: Any) -> frozenset[str]:
+    """The mesh axes along which ``x`` varies inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+class JaxCollectives:
+    """The collectives over the mesh axis ``axis_name`` (the vocab-parallel axis)."""
+
+    def __init__(self, axis_name: str = "tp", *, sequence_parallel: bool = False) -> None:
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel
+
+    def all_reduce_sum(self, x: jax.Array, /) -> jax.Array:
+        return lax.psum(x, self.axis_name)
+
+    def all_reduce_max(self, x: jax.Array, /) -> jax.Array:
+        return lax.pmax(lax.stop_gradient(x), self.axis_name)
+
+    def gather_hidden_states(self, x: jax.Array, /) -> jax.Array:
+        if self.sequence_parallel:
+            return lax.all_gather(x, self.axis_name, axis=0, tiled=True)
+        if self.axis_name in vma_axes(x):
+            return x
+        return lax.pcast(x, self.axis_name, to="varying")
+
+    def rank(self) -> jax.Array:
+        """This shard's index along the axis (a traced scalar)."""
+        return lax.axis_index(self.axis_name)
+
+    def __repr__(self) -> str:
+        return f"JaxCollectives(axis_name={self.axis_name!r}, sequence_parallel={self.sequence_parallel})"

@@ -1,0 +1,256 @@
+"""float64 JAX references for the standard quantities of ``hookspec.conventions``.
+
+Pure functions of JAX arrays; each casts its floating inputs to float64 and so
+must run inside :func:`jax_ref.float64` (it raises a ``ContractError`` where
+float64 is off). Gradients come from ``jax.vjp``; the tests check every one
+with ``jax.test_util.check_grads``. Shapes: ``z`` logits ``[..., V]``, ``y``
+labels ``[...]``, per-token arrays ``[b, s]``; ``T`` a temperature, a scalar or
+one value per token ``[...]``.
+
+The vocab-parallel entry point :func:`linear_logprobs` takes a
+``hookspec.Collectives`` (identity by default, :class:`jax_ref.JaxCollectives`
+inside ``shard_map``) and the first global id of its weight shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hookspec import (
+    IGNORE_INDEX,
+    Aggregation,
+    Collectives,
+    ContractError,
+    KLEstimator,
+    SingleProcessCollectives,
+)
+
+from ._x64 import as_float64
+
+__all__ = [
+    "LinearLogprobs",
+    "aggregate",
+    "gspo_loss",
+    "kl_penalty",
+    "linear_logits",
+    "linear_logprobs",
+    "ppo_loss",
+    "token_entropy",
+    "token_logprobs",
+]
+
+_SINGLE = SingleProcessCollectives()
+
+
+def _temperature(temperature: Any, like: jax.Array) -> jax.Array:
+    t = as_float64(temperature, where="temperature")
+    return jnp.broadcast_to(t, like.shape) if t.ndim else t
+
+
+def linear_logits(
+    hidden: jax.Array,
+    weight: jax.Array,
+    /,
+    *,
+    bias: jax.Array | None = None,
+    scale: float = 1.0,
+) -> jax.Array:
+    """``(hidden @ weight.T + bias) * scale``: ``[..., h] x [V, h] -> [..., V]``
+    in float64 (``scale`` is Megatron's MuP ``mup_output_mult``, else 1)."""
+    z = as_float64(hidden) @ as_float64(weight).T
+    if bias is not None:
+        z = z + as_float64(bias)
+    return z * scale
+
+
+def token_logprobs(
+    logits: jax.Array,
+    labels: jax.Array,
+    /,
+    *,
+    temperature: Any = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> jax.Array:
+    """``where(y == ignore_index, 0, log_softmax(z / T)[y])``: ``[..., V] -> [...]``.
+
+    Over the full vocabulary, plainly: ``jax.nn.log_softmax``.
+    """
+    z = as_float64(logits)
+    t = _temperature(temperature, labels)
+    lp = jax.nn.log_softmax(z / (t[..., None] if t.ndim else t), axis=-1)
+    ignored = labels == ignore_index
+    safe = jnp.where(ignored, 0, labels)
+    picked = jnp.take_along_axis(lp, safe[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(ignored, 0.0, picked)
+
+
+def token_entropy(logits: jax.Array, /, *, temperature: Any = 1.0) -> jax.Array:
+    """``-sum(p * log p)`` with ``p = softmax(z / T)``: ``[..., V] -> [...]``, ``>= 0``."""
+    z = as_float64(logits)
+    t = _temperature(temperature, z[..., 0])
+    zt = z / (t[..., None] if t.ndim else t)
+    lp = jax.nn.log_softmax(zt, axis=-1)
+    return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearLogprobs:
+    """``logprobs`` ``[...]`` (0 at ignored labels); ``entropy`` ``[...]`` or None."""
+
+    logprobs: jax.Array
+    entropy: jax.Array | None = None
+
+
+def linear_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    /,
+    *,
+    temperature: Any = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    with_entropy: bool = False,
+    vocab_start: Any = 0,
+    bias: jax.Array | None = None,
+    logit_scale: float = 1.0,
+    collectives: Collectives = _SINGLE,
+) -> LinearLogprobs:
+    """Selected-token logprob (and entropy) from hidden states and a vocab shard.
+
+    ``hidden [..., h]``, ``weight [V_local, h]`` holding global ids
+    ``[vocab_start, vocab_start + V_local)``, ``labels [...]`` global ids. The
+    contract's vocab-parallel recipe, which is the plain one on one shard::
+
+        z   = linear_logits(hidden, weight, bias=bias, scale=logit_scale) / T
+        m   = all_reduce_max(stop_gradient(max(z, -1)))
+        se  = all_reduce_sum(sum(exp(z - m), -1))
+        lse = m + log(se)
+        z_y = all_reduce_sum(z[y - vocab_start] if y is local else 0)
+        logprobs = where(y == ignore_index, 0, z_y - lse)
+        entropy  = lse - all_reduce_sum(sum(exp(z - m) * z, -1)) / se
+    """
+    z = linear_logits(hidden, weight, bias=bias, scale=logit_scale)
+    t = _temperature(temperature, labels)
+    z = z / (t[..., None] if t.ndim else t)
+    m = collectives.all_reduce_max(lax.stop_gradient(jnp.max(z, axis=-1)))
+    e = jnp.exp(z - m[..., None])
+    se = collectives.all_reduce_sum(jnp.sum(e, axis=-1))
+    lse = m + jnp.log(se)
+    local = labels.astype(jnp.int32) - vocab_start
+    rows = z.shape[-1]
+    here = (local >= 0) & (local < rows)
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)[..., 0]
+    z_y = collectives.all_reduce_sum(jnp.where(here, picked, 0.0))
+    logprobs = jnp.where(labels == ignore_index, 0.0, z_y - lse)
+    entropy = None
+    if with_entropy:
+        entropy = lse - collectives.all_reduce_sum(jnp.sum(e * z, axis=-1)) / se
+    return LinearLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def kl_penalty(logp: jax.Array, ref: jax.Array, /, *, estimator: KLEstimator | str) -> jax.Array:
+    """Per-token KL estimate, ``log_ratio = ref - logp``::
+
+    k1 = logp - ref;  k2 = (logp - ref) ** 2 / 2;  k3 = exp(log_ratio) - log_ratio - 1
+    """
+    try:
+        kind = KLEstimator(estimator)
+    except ValueError:
+        raise ContractError(
+            "estimator", expected=[k.value for k in KLEstimator], actual=repr(estimator)
+        ) from None
+    diff = as_float64(logp) - as_float64(ref)
+    if kind is KLEstimator.K1:
+        return diff
+    if kind is KLEstimator.K2:
+        return diff**2 / 2
+    log_ratio = -diff
+    return jnp.exp(log_ratio) - log_ratio - 1
+
+
+def ppo_loss(
+    logp: jax.Array,
+    old: jax.Array,
+    advantages: jax.Array,
+    /,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> jax.Array:
+    """The clipped PPO loss per token, ``[b, s]``::
+
+    ratio = exp(logp - old)
+    loss = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+    loss = where(A < 0, min(loss, -A * dual_clip), loss)   # when dual_clip is set
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    a = as_float64(advantages)
+    ratio = jnp.exp(as_float64(logp) - as_float64(old))
+    loss = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    if dual_clip is not None:
+        loss = jnp.where(a < 0, jnp.minimum(loss, -a * dual_clip), loss)
+    return loss
+
+
+def gspo_loss(
+    logp: jax.Array,
+    old: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    /,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float | None = None,
+) -> jax.Array:
+    """GSPO's clipped loss per token with the sequence-level ratio, ``[b, s]``::
+
+    seq_log_ratio = sum_s(M * (logp - old)) / sum_s(M)          # [b]
+    ratio = exp(stop_gradient(seq_log_ratio)[:, None] + logp - stop_gradient(logp))
+    loss = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+
+    The value of ``ratio`` is the sequence ratio ``s_b`` at every token; its
+    gradient per token is ``s_b * d logp``, so with the seq-mean-token-mean
+    aggregation this is GSPO's sequence objective exactly.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    lp, m = as_float64(logp), as_float64(mask)
+    count = jnp.sum(m, axis=-1)
+    seq = jnp.sum(m * (lp - as_float64(old)), axis=-1) / jnp.maximum(count, 1.0)
+    log_ratio = lax.stop_gradient(seq)[:, None] + lp - lax.stop_gradient(lp)
+    ratio = jnp.exp(log_ratio)
+    a = as_float64(advantages)
+    a = a[:, None] if a.ndim == 1 else a
+    return jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+
+
+def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -> jax.Array:
+    """A per-token loss ``[b, s]`` under a mask ``[b, s]`` to a scalar::
+
+    token-mean:          sum(L * M) / sum(M)
+    seq-mean-token-sum:  mean over sequences with sum_s M > 0 of sum_s(L * M)
+    seq-mean-token-mean: mean over sequences with sum_s M > 0 of sum_s(L * M) / sum_s(M)
+
+    An empty mask gives ``0.0`` with a zero gradient.
+    """
+    try:
+        kind = Aggregation(mode)
+    except ValueError:
+        raise ContractError("mode", expected=[a.value for a in Aggregation], actual=repr(mode)) from None
+    lm = as_float64(loss) * as_float64(mask)
+    m = as_float64(mask)
+    if kind is Aggregation.TOKEN_MEAN:
+        total = jnp.sum(m)
+        return jnp.where(total > 0, jnp.sum(lm) / jnp.maximum(total, 1.0), 0.0)
+    per_seq_count = jnp.sum(m, axis=-1)
+    per_seq = jnp.sum(lm, axis=-1)
+    if kind is Aggregation.SEQ_MEAN_TOKEN_MEAN:
+        per_seq = per_seq / jnp.maximum(per_seq_count, 1.0)
+    valid = per_seq_count > 0
+    n = jnp.sum(valid)
+    return jnp.where(n > 0, jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n, 1), 0.0)

@@ -1,0 +1,216 @@
+"""The float64 references against numpy float64, and their gradients with check_grads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from scipy.special import logsumexp
+
+import jax_ref
+from hookspec import ContractError
+from jax_ref import references as R
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with jax_ref.float64():
+        yield
+
+
+def _np_logprobs(z, y, t, ignore=-100):
+    zt = z / t[..., None]
+    lp = zt - logsumexp(zt, axis=-1, keepdims=True)
+    safe = np.where(y == ignore, 0, y)
+    out = np.take_along_axis(lp, safe[..., None], -1)[..., 0]
+    return np.where(y == ignore, 0.0, out)
+
+
+def _np_entropy(z, t):
+    zt = z / t[..., None]
+    lse = logsumexp(zt, axis=-1)
+    p = np.exp(zt - lse[..., None])
+    return lse - (p * zt).sum(-1)
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    b, s, h, v = 3, 7, 13, 67  # awkward sizes
+    hidden = rng.normal(size=(b, s, h))
+    weight = rng.normal(size=(v, h)) / np.sqrt(h) * 3
+    labels = rng.integers(0, v, size=(b, s))
+    labels[0, 2] = labels[2, 6] = -100
+    temp = rng.uniform(0.5, 2.0, size=(b, s))
+    return hidden, weight, labels, temp
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_token_logprobs_and_entropy_match_numpy(data, per_token):
+    hidden, weight, labels, temp = data
+    t = temp if per_token else np.full(labels.shape, 0.7)
+    z = hidden @ weight.T
+    got = R.token_logprobs(jnp.asarray(z), jnp.asarray(labels), temperature=t if per_token else 0.7)
+    want = _np_logprobs(z, labels, t)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-13, atol=1e-13)
+    assert got.dtype == jnp.float64
+    assert np.all(np.asarray(got) <= 0) and np.all(np.asarray(got)[labels == -100] == 0)
+    ent = R.token_entropy(jnp.asarray(z), temperature=t if per_token else 0.7)
+    np.testing.assert_allclose(np.asarray(ent), _np_entropy(z, t), rtol=1e-12, atol=1e-13)
+    assert np.all(np.asarray(ent) >= 0)
+
+
+def test_linear_logprobs_equals_plain_path(data):
+    hidden, weight, labels, temp = data
+    res = R.linear_logprobs(
+        jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp, with_entropy=True
+    )
+    z = hidden @ weight.T
+    want = _np_logprobs(z, labels, temp)
+    np.testing.assert_allclose(np.asarray(res.logprobs), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12)
+    assert R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)).entropy is None
+
+
+def test_linear_logprobs_gradients(data):
+    hidden, weight, labels, temp = data
+    y = jnp.asarray(labels)
+
+    def f(h, w):
+        r = R.linear_logprobs(h, w, y, temperature=temp, with_entropy=True)
+        return r.logprobs, r.entropy
+
+    check_grads(jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd"))
+    # ignored labels get a zero gradient from the logprob
+    _, vjp = jax.vjp(lambda h: f(h, jnp.asarray(weight))[0], jnp.asarray(hidden))
+    ct = np.zeros(labels.shape)
+    ct[0, 2] = 1.0
+    (dh,) = vjp(jnp.asarray(ct))
+    assert float(jnp.abs(dh).max()) == 0.0
+
+
+def test_strongly_negative_logits_are_finite():
+    z = jnp.full((2, 5, 11), -1e4) + jnp.linspace(0, 1, 11)
+    y = jnp.zeros((2, 5), jnp.int64)
+    lp = R.token_logprobs(z, y)
+    assert bool(jnp.isfinite(lp).all()) and float(lp.max()) <= 0
+    assert bool(jnp.isfinite(R.token_entropy(z)).all())
+
+
+def test_kl_estimators():
+    rng = np.random.default_rng(1)
+    logp, ref = -rng.uniform(0, 3, (4, 5)), -rng.uniform(0, 3, (4, 5))
+    lr = ref - logp
+    np.testing.assert_allclose(np.asarray(R.kl_penalty(logp, ref, estimator="k1")), logp - ref, rtol=1e-15)
+    np.testing.assert_allclose(np.asarray(R.kl_penalty(logp, ref, estimator="k2")), (logp - ref) ** 2 / 2)
+    k3 = np.asarray(R.kl_penalty(logp, ref, estimator="k3"))
+    np.testing.assert_allclose(k3, np.exp(lr) - lr - 1, rtol=1e-13)
+    assert np.all(k3 >= 0)
+    for est in ("k1", "k2", "k3"):
+        check_grads(jax.jit(lambda a, b, e=est: R.kl_penalty(a, b, estimator=e)), (logp, ref), order=2)
+    with pytest.raises(ContractError, match="estimator"):
+        R.kl_penalty(logp, ref, estimator="k4")
+
+
+def _np_ppo(logp, old, a, eps_low, eps_high, c):
+    out = np.empty_like(logp)
+    for i in np.ndindex(logp.shape):
+        r = np.exp(logp[i] - old[i])
+        loss = max(-a[i] * r, -a[i] * min(max(r, 1 - eps_low), 1 + eps_high))
+        if c is not None and a[i] < 0:
+            loss = min(loss, -a[i] * c)
+        out[i] = loss
+    return out
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_loss_asymmetric_and_dual_clip(dual_clip):
+    rng = np.random.default_rng(2)
+    old = -rng.uniform(0.1, 3, (4, 6))
+    logp = old + rng.normal(0, 0.6, (4, 6))
+    logp[0, 0] = old[0, 0] + 2.0  # ratio e^2 > dual clip 3 with A < 0
+    a = rng.normal(size=(4, 6))
+    a[0, 0] = -1.0
+    got = np.asarray(R.ppo_loss(logp, old, a, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip))
+    np.testing.assert_allclose(got, _np_ppo(logp, old, a, 0.2, 0.28, dual_clip), rtol=1e-14)
+    if dual_clip is not None:
+        assert got[0, 0] == pytest.approx(3.0)
+    # gradients away from the clip boundaries
+    check_grads(
+        jax.jit(lambda lp: R.ppo_loss(lp, old, a, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip)),
+        (logp,),
+        order=1,
+        eps=1e-6,
+    )
+
+
+def test_gspo_matches_the_sequence_objective():
+    rng = np.random.default_rng(3)
+    b, s = 3, 5
+    old = -rng.uniform(0.1, 3, (b, s))
+    logp = old + rng.normal(0, 0.05, (b, s))
+    mask = np.ones((b, s))
+    mask[1, 3:] = 0
+    adv = rng.normal(size=b)
+    eps = 0.02
+
+    def token_form(lp):
+        loss = R.gspo_loss(lp, old, adv, mask, eps_low=eps, eps_high=eps)
+        return R.aggregate(loss, mask, mode="seq-mean-token-mean")
+
+    def sequence_form(lp):  # GSPO as written in the paper: one ratio per sequence
+        sr = jnp.exp(jnp.sum(mask * (lp - old), -1) / mask.sum(-1))
+        per_seq = jnp.maximum(-adv * sr, -adv * jnp.clip(sr, 1 - eps, 1 + eps))
+        return jnp.mean(per_seq)
+
+    np.testing.assert_allclose(float(token_form(logp)), float(sequence_form(logp)), rtol=1e-14)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(token_form)(jnp.asarray(logp))),
+        np.asarray(jax.grad(sequence_form)(jnp.asarray(logp))),
+        rtol=1e-12,
+        atol=1e-15,
+    )
+    ratio_value = np.exp((mask * (logp - old)).sum(-1) / mask.sum(-1))
+    per_token = np.asarray(R.gspo_loss(logp, old, adv, mask, eps_low=10.0, eps_high=10.0))
+    np.testing.assert_allclose(per_token, -adv[:, None] * ratio_value[:, None] * np.ones((b, s)), rtol=1e-13)
+
+
+def test_aggregations_match_numpy_and_skip_empty_sequences():
+    rng = np.random.default_rng(4)
+    loss = rng.normal(size=(3, 5))
+    mask = (rng.uniform(size=(3, 5)) > 0.3).astype(float)
+    mask[2] = 0  # an empty sequence counts in no mean
+    mask[0, 0] = 1
+    lm = loss * mask
+    want = {
+        "token-mean": lm.sum() / mask.sum(),
+        "seq-mean-token-sum": lm[:2].sum(-1).mean(),
+        "seq-mean-token-mean": (lm[:2].sum(-1) / mask[:2].sum(-1)).mean(),
+    }
+    empty = np.zeros_like(mask)
+    for mode, value in want.items():
+        assert float(R.aggregate(loss, mask, mode=mode)) == pytest.approx(value, rel=1e-14)
+        check_grads(jax.jit(lambda x, m=mode: R.aggregate(x, mask, mode=m)), (loss,), order=1)
+        assert float(R.aggregate(loss, empty, mode=mode)) == 0.0
+        g = jax.grad(lambda x, m=mode, e=empty: R.aggregate(x, e, mode=m))(jnp.asarray(loss))
+        assert float(jnp.abs(g).max()) == 0.0
+    with pytest.raises(ContractError, match="mode"):
+        R.aggregate(loss, mask, mode="sum")
+
+
+def test_references_refuse_to_run_without_float64():
+    with jax.enable_x64(False), pytest.raises(ContractError, match=r"jax_ref\.float64"):
+        R.token_entropy(jnp.zeros((2, 3)))
+
+
+def test_references_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, jax_ref, jax_ref.references, jax_ref.collectives; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
