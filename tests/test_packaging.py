@@ -1,0 +1,33 @@
+"""One distribution; hookspec needs nothing, the extras bring each framework."""
+
+from __future__ import annotations
+
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_hookspec_installs_with_no_dependency() -> None:
+    assert _project()["dependencies"] == []
+
+
+def test_extras_bring_the_frameworks() -> None:
+    extras = {
+        k: {r.split(">")[0].split("=")[0].split("[")[0] for r in v}
+        for k, v in _project()["optional-dependencies"].items()
+    }
+    assert {"torch", "megatron-core"} <= extras["torch"]
+    assert {"jax", "flax"} <= extras["jax"]
+    assert _project()["scripts"]["hookcheck"] == "jax_ref.hookcheck:main"
+
+
+def test_requirements_pin_the_two_megatron_releases() -> None:
+    py312 = (ROOT / "requirements" / "py312.txt").read_text().split()
+    py311 = (ROOT / "requirements" / "py311.txt").read_text().split()
+    assert "megatron-core==0.19.2" in py312 and "torch==2.13.0" in py312
+    assert "megatron-core==0.16.1" in py311 and "torch==2.13.0" in py311
