@@ -114,3 +114,19 @@ def _sp_rank(rank: int) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="sequence parallel needs tp=2, one GPU per rank")
 def test_sequence_parallel_gathers_hidden_states() -> None:
     run_distributed(_sp_rank, tp=2, backend="nccl")
+
+
+def test_megatron_ddp_wrapper() -> None:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    with megatron_parallel():
+        stock = _cuda_gpt(get_gpt_layer_local_spec())
+        model = _cuda_gpt(get_gpt_layer_local_spec())
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        assert torch_impl.enable_output_processor(ddp) is ddp and torch_impl.unwrap_model(ddp) is model
+        batch = _cuda_batch()
+        out = ddp(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss)
+        assert torch.equal(out, stock(*cases.model_inputs(batch), labels=batch["labels"]))
+        out.sum().backward()
+        assert model.output_layer.weight.main_grad.abs().sum() > 0
