@@ -1,0 +1,327 @@
+"""MTP under the output hook: the MTP processor, bitwise stock defaults, the RL cases.
+
+Training mode on a CPU: Megatron's MTP loss logging allocates its tracker on
+CUDA the first time it logs. The ``cpu_tracker`` fixture puts CPU buffers of
+the same shape into ``MTPLossLoggingHelper.tracker`` (Megatron's own store,
+emptied and restored after the test), so that training mode runs the same code
+on a CPU and the logged values can be compared. ``test_training_mode_on_gpu``
+runs training mode without that help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+import hookspec
+from hookspec import ContractError, OutputContext
+from tests.hook_cases import grads, stock_loss, stock_loss_upstream
+from torch_impl import enable_output_processor
+from torch_impl.mtp import chunked_mtp_loss, default_mtp_loss, mtp_loss_processor, mtp_semantics
+from torch_impl.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+
+pytestmark = pytest.mark.usefixtures("megatron_single")
+
+DEPTHS = 2
+SEMANTICS = mtp_semantics()
+
+
+def build_mtp_gpt(
+    depths: int = DEPTHS, *, seed: int = 1234, tied: bool = False, vocab: int = 64, **overrides: Any
+) -> Any:
+    """A tiny GPT with ``depths`` MTP layers of Megatron's local MTP spec."""
+    shape = TinyGPTShape(vocab_size=vocab)
+    config = tiny_config(shape, mtp_num_layers=depths, **overrides)
+    spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(), use_transformer_engine=False)
+    return build_tiny_gpt(
+        shape,
+        seed=seed,
+        mtp_block_spec=spec,
+        mtp_num_layers=depths,
+        share_embeddings_and_output_weights=tied,
+        **overrides,
+    )
+
+
+def run(model: Any, batch: dict[str, Any], **kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Forward, backward of ``sum`` of every floating output, and the grads."""
+    model.zero_grad(set_to_none=True)
+    out = model(batch["input_ids"], batch["position_ids"], None, **kw)
+    values = out.values() if isinstance(out, dict) else [out]
+    sum(v.float().sum() for v in values).backward()
+    return out, grads(model)
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def tracker_snapshot() -> dict[str, torch.Tensor]:
+    tracker = MTPLossLoggingHelper.tracker
+    return {k: v.clone() for k, v in tracker.items() if isinstance(v, torch.Tensor)}
+
+
+def clear_tracker() -> None:
+    for value in MTPLossLoggingHelper.tracker.values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()
+
+
+@pytest.fixture
+def cpu_tracker() -> Iterator[None]:
+    tracker = MTPLossLoggingHelper.tracker
+    saved = dict(tracker)
+    tracker.clear()
+    keys = ("loss_values", "correct_values", "total_values") if SEMANTICS.logs_acceptance else ("values",)
+    for key in keys:
+        tracker[key] = torch.zeros(DEPTHS)
+    yield
+    tracker.clear()
+    tracker.update(saved)
+
+
+CONFIGS = {
+    "plain": {},
+    "tied": {"tied": True},
+    "per_token": {"calculate_per_token_loss": True},
+    "detach_heads": {"mtp_detach_heads": True},
+}
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_default_mtp_processor_is_bitwise_stock(config: str, training: bool, cpu_tracker: None) -> None:
+    overrides = dict(CONFIGS[config])
+    if config == "detach_heads" and not hasattr(tiny_config(), "mtp_detach_heads"):
+        pytest.skip("this Megatron Core has no mtp_detach_heads")
+    batch = tiny_batch()
+    batch["loss_mask"][0, 5:] = 0.0  # uneven token counts per depth
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    stock = build_mtp_gpt(**overrides).train(training)
+    want, want_grads = run(stock, batch, **kw)
+    want_log = tracker_snapshot()
+    model = enable_output_processor(build_mtp_gpt(**overrides)).train(training)
+    cases = {
+        "mtp only": {"mtp_processor": default_mtp_loss},
+        "both": {"output_processor": stock_loss, "mtp_processor": default_mtp_loss},
+        "main only": {"output_processor": stock_loss_upstream},
+    }
+    for name, processors in cases.items():
+        clear_tracker()
+        got, got_grads = run(model, batch, **kw, **processors)
+        assert torch.equal(got, want), name
+        assert_same_grads(got_grads, want_grads)
+        if training:
+            log = tracker_snapshot()
+            assert log.keys() == want_log.keys()
+            for key in want_log:
+                assert torch.equal(log[key], want_log[key]), (name, key)
+            assert log[next(iter(log))].abs().sum() > 0  # something was logged
+
+
+def test_mtp_processor_sees_each_depth_rolled() -> None:
+    seen: list[OutputContext] = []
+
+    @hookspec.processor
+    def record(ctx: OutputContext) -> Any:
+        seen.append(ctx)
+        return default_mtp_loss(ctx)
+
+    model = enable_output_processor(build_mtp_gpt()).eval()
+    batch = tiny_batch(seq=8)
+    batch["loss_mask"][1, 2] = 0.0
+    labels, mask = batch["labels"], batch["loss_mask"]
+    model(
+        batch["input_ids"],
+        batch["position_ids"],
+        None,
+        labels=labels,
+        loss_mask=mask,
+        mtp_processor=record,
+        output_processor_context={"temperature": 0.7},
+    )
+    assert [c.mtp_depth for c in seen] == list(range(1, DEPTHS + 1))
+    for ctx in seen:
+        k = ctx.mtp_depth
+        want_labels = torch.zeros_like(labels)
+        want_labels[:, :-k] = labels[:, k:]
+        want_mask = torch.zeros_like(mask)
+        want_mask[:, :-k] = mask[:, k:]
+        assert torch.equal(ctx.labels, want_labels)
+        assert torch.equal(ctx.loss_mask, want_mask)
+        assert tuple(ctx.hidden_states.shape) == (8, 2, 32)
+        assert ctx.vocab_weight is model.output_layer.weight
+        assert ctx.output_weight is None
+        assert ctx.context == {"temperature": 0.7}
+        assert ctx.vocab is not None and (ctx.vocab.start, ctx.vocab.end) == (0, 64)
+    assert not torch.equal(seen[0].hidden_states, seen[1].hidden_states)
+
+
+def test_rl_main_head_values_and_labels_from_input_ids(cpu_tracker: None) -> None:
+    """labels=None: the main head returns logprobs, MTP trains on labels derived
+    from input_ids (rolled once, last position masked), as 0.19's stock does;
+    the reference is the stock model given those labels explicitly."""
+    batch = tiny_batch()
+    ids = batch["input_ids"]
+    derived = torch.zeros_like(ids)
+    derived[:, :-1] = ids[:, 1:]
+    mask = torch.ones(ids.shape)
+    mask[:, -1] = 0.0
+
+    stock = build_mtp_gpt().train()
+    loss = stock(ids, batch["position_ids"], None, labels=derived, loss_mask=mask)
+    (loss * 0.0).sum().backward()
+    want = grads(stock)
+
+    @hookspec.processor
+    def logprobs(ctx: OutputContext) -> Any:
+        logits = torch.einsum("sbh,vh->bsv", ctx.hidden_states, ctx.vocab_weight)
+        return {"logprobs": torch.log_softmax(logits, -1)[..., 0], "entropy": logits.detach()[..., 0]}
+
+    model = enable_output_processor(build_mtp_gpt()).train()
+    out = model(ids, batch["position_ids"], None, output_processor=logprobs)
+    assert set(out) == {"logprobs", "entropy"} and tuple(out["logprobs"].shape) == (2, 8)
+    (out["logprobs"] * 0.0).sum().backward()
+    assert_same_grads(grads(model), want)
+    assert any(g.abs().sum() > 0 for g in want.values())
+
+
+def test_detached_head_trains_mtp_layers_but_not_the_head() -> None:
+    batch = tiny_batch()
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+
+    def main_zero(ctx: OutputContext) -> Any:
+        return ctx.hidden_states.sum(-1).transpose(0, 1) * 0.0
+
+    results = {}
+    for name, mtp in {"attached": default_mtp_loss, "detached": mtp_loss_processor(detach_head=True)}.items():
+        model = enable_output_processor(build_mtp_gpt()).eval()
+        _, results[name] = run(
+            model, batch, **kw, output_processor=hookspec.processor(main_zero), mtp_processor=mtp
+        )
+    attached, detached = results["attached"], results["detached"]
+    assert attached["output_layer.weight"].abs().sum() > 0
+    assert "output_layer.weight" not in detached or torch.equal(
+        detached["output_layer.weight"], torch.zeros_like(attached["output_layer.weight"])
+    )
+    mtp_names = [n for n in attached if n.startswith("mtp.")]
+    assert mtp_names
+    for name in mtp_names:
+        assert torch.equal(detached[name], attached[name]), name
+
+
+class _LogitWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most rows of any tensor produced whose last dim is the vocabulary
+    (the weight's transpose ``[h, V]`` and its gradient aside)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden, self.rows = vocab, hidden, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                if tuple(t.shape) == (self.hidden, self.vocab):
+                    continue
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def test_chunked_mtp_loss_matches_and_never_materialises_the_logits() -> None:
+    batch = tiny_batch(seq=8, vocab_size=72)  # V = 72: no other activation is [.., 72]
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+
+    @hookspec.processor
+    def main_without_logits(ctx: OutputContext) -> Any:
+        return ctx.hidden_states.float().pow(2).mean(-1).transpose(0, 1)
+
+    peaks, results = {}, {}
+    for name, mtp in {"default": default_mtp_loss, "chunked": chunked_mtp_loss(chunk_tokens=4)}.items():
+        model = enable_output_processor(build_mtp_gpt(vocab=72)).eval()
+        with _LogitWatch(vocab=72, hidden=32) as watch:
+            results[name] = run(model, batch, **kw, output_processor=main_without_logits, mtp_processor=mtp)
+        peaks[name] = watch.rows
+    assert peaks["default"] >= 16  # [s=8, b=2, V]: the watch sees logits
+    assert peaks["chunked"] <= 4
+    (_, want), (_, got) = results["default"], results["chunked"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_mtp_loss_values_against_float64() -> None:
+    torch.manual_seed(0)
+    h = torch.randn(5, 3, 32, dtype=torch.float32)
+    w = torch.randn(64, 32) * 3.0
+    labels = torch.randint(0, 64, (3, 5))
+    ctx = OutputContext(hidden_states=h, labels=labels, vocab_weight=w, vocab=hookspec.VocabShard(0, 64, 64))
+    got = chunked_mtp_loss(chunk_tokens=4)(ctx)
+    logits = torch.einsum("sbh,vh->bsv", h.double(), w.double())
+    want = -torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- bad input -------------------------------------------------------------
+
+
+def _bad_shape(ctx: OutputContext) -> Any:
+    return torch.zeros(ctx.batch_size, ctx.seq_len - 1)
+
+
+@pytest.mark.parametrize(
+    ("mtp", "field", "expected"),
+    [
+        (_bad_shape, "mtp_processor '_bad_shape' result at depth 1['loss']", "per-token shape [b=2, s=8]"),
+        (lambda ctx: {"logprobs": torch.zeros(2, 8)}, "result at depth 1", "a mapping with a 'loss'"),
+        (lambda ctx: [0.0], "result at depth 1['loss']", "a torch.Tensor"),
+        (lambda ctx: torch.zeros(2, 8, dtype=torch.long), "result at depth 1['loss']", "a floating dtype"),
+    ],
+)
+def test_mtp_processor_returning_the_wrong_thing(mtp: Any, field: str, expected: str) -> None:
+    model = enable_output_processor(build_mtp_gpt()).eval()
+    batch = tiny_batch()
+    with pytest.raises(ContractError) as err:
+        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], mtp_processor=mtp)
+    assert field in err.value.field and expected in str(err.value.expected)
+
+
+def test_mtp_processor_on_a_model_without_mtp_layers() -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    with pytest.raises(ContractError) as err:
+        model(batch["input_ids"], batch["position_ids"], None, mtp_processor=default_mtp_loss)
+    assert err.value.field == "mtp_processor" and "mtp_num_layers=None" in str(err.value.actual)
+
+
+def test_mtp_processor_that_is_not_callable() -> None:
+    model = enable_output_processor(build_mtp_gpt()).eval()
+    batch = tiny_batch()
+    with pytest.raises(ContractError, match="mtp_processor: expected a hookspec processor"):
+        model(batch["input_ids"], batch["position_ids"], None, mtp_processor="mtp")
+
+
+@pytest.mark.gpu
+def test_training_mode_on_gpu() -> None:
+    """Training mode without the CPU tracker: Megatron allocates its own on CUDA."""
+    batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch().items()}
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    stock = build_mtp_gpt().cuda().train()
+    MTPLossLoggingHelper.tracker.clear()
+    want, want_grads = run(stock, batch, **kw)
+    want_log = tracker_snapshot()
+    MTPLossLoggingHelper.tracker.clear()
+    model = enable_output_processor(build_mtp_gpt().cuda()).train()
+    got, got_grads = run(model, batch, **kw, output_processor=stock_loss, mtp_processor=default_mtp_loss)
+    assert torch.equal(got, want)
+    assert_same_grads(got_grads, want_grads)
+    log = tracker_snapshot()
+    for key in want_log:
+        assert torch.equal(log[key], want_log[key]), key
+    MTPLossLoggingHelper.tracker.clear()
