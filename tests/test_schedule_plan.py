@@ -1,0 +1,310 @@
+"""The hook on the combined-1F1B schedule plan.
+
+On a CPU the plan's post-process node is driven directly (``forward_impl``):
+the plan's streams and events need CUDA. Where the release builds a plan on a
+CPU (0.19 with a CUDA build of torch, dense layers), the node comes from
+``torch_impl.build_schedule_plan``; elsewhere (0.16's plan takes a CUDA stream
+when built; an MTP plan needs MoE MTP layers) it is Megatron's
+``PostProcessNode`` over a ``ModelChunkState`` filled the way the plan fills
+it, adapted by the same ``prepare_plan_hook`` and ``attach_plan_hook``. The
+whole plan runs in the GPU test.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+from megatron.core.models.common.model_chunk_schedule_plan import ModelChunkState
+
+import hookspec
+from hookspec import ContractError, OutputContext
+from tests.hook_cases import stock_loss, stock_loss_upstream
+from tests.test_mtp import build_mtp_gpt
+from torch_impl import enable_output_processor
+from torch_impl._postprocess import as_inner_stage
+from torch_impl.mtp import default_mtp_loss
+from torch_impl.schedule_plan import (
+    attach_plan_hook,
+    build_schedule_plan,
+    plan_loss_func,
+    plan_outputs,
+    prepare_plan_hook,
+)
+from torch_impl.tiny import build_tiny_gpt, tiny_batch
+
+try:
+    from megatron.core.models.common.utils import PostProcessNode
+except ImportError:  # 0.16
+    from megatron.core.models.gpt.fine_grained_callables import PostProcessNode
+
+pytestmark = pytest.mark.usefixtures("megatron_single")
+
+
+def _plan_builds_on_cpu(model: Any) -> bool:
+    try:
+        torch.cuda.Event()
+    except RuntimeError:
+        return False
+    return not model.config.mtp_num_layers
+
+
+def post_node(model: Any, batch: dict[str, Any], **processors: Any) -> Any:
+    """A plan-like ``(state, post_process)`` whose post-process node carries the hook."""
+    args = (batch["input_ids"], batch["position_ids"], None)
+    kw = {"labels": batch.get("labels"), "loss_mask": batch.get("loss_mask")}
+    if _plan_builds_on_cpu(model):
+        plan = build_schedule_plan(model, *args, **kw, **processors)
+        state = plan.state
+    else:
+        state = ModelChunkState()
+        for name, value in dict(
+            input_ids=args[0],
+            position_ids=args[1],
+            attention_mask=None,
+            decoder_input=None,
+            labels=kw["labels"],
+            mtp_hidden_states=None,
+            loss_mask=kw["loss_mask"],
+            packed_seq_params=None,
+            padding_mask=None,
+            extra_block_kwargs=None,
+            runtime_gather_output=None,
+            output_processor=None,
+            output_processor_context=None,
+            model=model,
+        ).items():
+            setattr(state, name, value)
+        native_kwargs, hook = prepare_plan_hook(
+            model, {"input_ids": args[0], "position_ids": args[1]}, **processors
+        )
+        for name, value in native_kwargs.items():
+            setattr(state, name, value)
+        node = PostProcessNode(model, state, None, None)
+        attach_plan_hook(node, hook)
+        plan = types.SimpleNamespace(state=state, post_process=node)
+    for name in ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "sequence_len_offset"):
+        setattr(state, name, None)  # what the pre-process node sets, for learned positions
+    return plan
+
+
+def decoder_output(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """What reaches the post-process node: the decoder's (and MTP layers') hidden states."""
+    with torch.no_grad(), as_inner_stage(model):
+        hidden = model(batch["input_ids"], batch["position_ids"], None)
+    return hidden.detach().requires_grad_(True)
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["gpt", "gpt+mtp"])
+@pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])
+def test_post_process_node_runs_the_hook_like_forward(processor: Any, mtp: bool) -> None:
+    model = enable_output_processor(build_mtp_gpt() if mtp else build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    extra = {"mtp_processor": default_mtp_loss} if mtp else {}
+    want = model(batch["input_ids"], batch["position_ids"], None, **kw, output_processor=processor, **extra)
+    want.sum().backward()
+    want_grad = model.output_layer.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+
+    plan = post_node(model, batch, output_processor=processor, **extra)
+    got = plan.post_process.forward_impl(decoder_output(model, batch))
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert torch.equal(model.output_layer.weight.grad, want_grad)
+
+
+def test_hook_sees_the_original_ids_where_mtp_rolled_them() -> None:
+    """The MTP pre-dispatch writes ids rolled once per MTP layer into the chunk
+    state; the hook sees the chunk's own ids, and MTP's labels derived from
+    them (labels=None) match plain forward's."""
+    seen: dict[str, list[OutputContext]] = {"forward": [], "plan": []}
+
+    def recorder(where: str) -> Any:
+        @hookspec.processor
+        def record(ctx: OutputContext) -> Any:
+            seen[where].append(ctx)
+            return default_mtp_loss(ctx) if ctx.mtp_depth else ctx.hidden_states.sum(-1).transpose(0, 1)
+
+        return record
+
+    model = enable_output_processor(build_mtp_gpt()).eval()
+    batch = tiny_batch()
+    batch.pop("labels")
+    batch.pop("loss_mask")
+    model(
+        batch["input_ids"],
+        batch["position_ids"],
+        None,
+        output_processor=recorder("forward"),
+        mtp_processor=recorder("forward"),
+    )
+    plan = post_node(model, batch, output_processor=recorder("plan"), mtp_processor=recorder("plan"))
+    hidden = decoder_output(model, batch)
+    rolled = torch.roll(batch["input_ids"], -2, dims=-1)  # two MTP layers rolled them twice
+    plan.state.input_ids = rolled
+    plan.post_process.forward_impl(hidden)
+    assert plan.state.input_ids is rolled  # the chunk state is left as the schedule had it
+    assert len(seen["plan"]) == len(seen["forward"]) == 3
+    for got, want in zip(seen["plan"], seen["forward"]):
+        assert got.mtp_depth == want.mtp_depth
+        assert torch.equal(got.input_ids, batch["input_ids"])
+        assert torch.equal(got.labels, want.labels) if want.labels is not None else got.labels is None
+        assert torch.equal(got.loss_mask, want.loss_mask) if want.loss_mask is not None else True
+
+
+@hookspec.processor
+def logprobs_and_entropy(ctx: OutputContext) -> Any:
+    logits = torch.einsum("sbh,vh->bsv", ctx.hidden_states, ctx.vocab_weight).float()
+    logp = torch.log_softmax(logits, -1)
+    chosen = logp.gather(-1, ctx.labels.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return {"logprobs": chosen, "entropy": entropy, "loss": -chosen.mean()}
+
+
+def test_mapping_result_crosses_the_plan_packed() -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    want = model(
+        batch["input_ids"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        output_processor=logprobs_and_entropy,
+    )
+    (want["loss"] * 2.0).backward()
+    want_grad = model.output_layer.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    plan = post_node(model, batch, output_processor=logprobs_and_entropy)
+    received: list[Any] = []
+
+    def loss_func(output: Any, *, scale: float = 1.0) -> Any:
+        received.append(output)
+        return output["loss"] * scale, {"lm loss": output["loss"].detach()}
+
+    wrapped = plan_loss_func(plan, loss_func)
+    packed = plan.post_process.forward_impl(decoder_output(model, batch))
+    assert (
+        isinstance(packed, tuple) and len(packed) == 2
+    )  # logprobs and loss require grad; entropy rides along
+    assert plan_outputs(plan).packed == ("logprobs", "loss")
+    # what combined_1f1b does: the loss node takes detached inputs, its grads go to the node's backward
+    inputs = [t.detach().requires_grad_(True) for t in packed]
+    loss, _ = wrapped(*inputs, scale=2.0)
+    (output,) = received
+    assert list(output) == ["logprobs", "entropy", "loss"]
+    for key in want:
+        assert torch.equal(output[key], want[key]), key
+    assert torch.equal(loss, want["loss"] * 2.0)
+    loss.backward()
+    grads = tuple(t.grad for t in inputs)
+    assert grads[0] is None  # the loss did not use the logprobs
+    plan.post_process.backward_func(packed, grads)
+    assert torch.equal(model.output_layer.weight.grad, want_grad)
+
+
+def test_tensor_result_reaches_the_loss_function_unchanged() -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    plan = post_node(model, batch, output_processor=stock_loss)
+    out = plan.post_process.forward_impl(decoder_output(model, batch))
+    assert isinstance(out, torch.Tensor)
+    assert plan_loss_func(plan, lambda x: x)(out) is out
+
+
+def test_mapping_result_without_the_loss_wrapper_is_refused() -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    plan = post_node(model, batch, output_processor=logprobs_and_entropy)
+    with pytest.raises(ContractError) as err:
+        plan.post_process.forward_impl(decoder_output(model, batch))
+    assert err.value.field == "schedule plan output" and "plan_loss_func" in err.value.hint
+    assert "a mapping with keys ['entropy', 'logprobs', 'loss']" in str(err.value.actual)
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (lambda **kw: [kw["hidden_states"].sum()], "a tensor, a tuple of tensors or a mapping of tensors"),
+        (
+            hookspec.processor(lambda ctx: {"entropy": ctx.hidden_states.detach().sum(-1).T}, name="no_grad"),
+            "at least one value that requires grad",
+        ),
+    ],
+    ids=["list", "nothing-differentiable"],
+)
+def test_results_the_plan_cannot_carry(result: Any, expected: str) -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    plan = post_node(model, batch, output_processor=result)
+    plan_loss_func(plan, lambda x: x)
+    with pytest.raises(ContractError, match=expected):
+        plan.post_process.forward_impl(decoder_output(model, batch))
+
+
+def test_bad_processors_are_refused_before_the_plan_is_built() -> None:
+    model = enable_output_processor(build_tiny_gpt()).eval()
+    batch = tiny_batch()
+    args = (batch["input_ids"], batch["position_ids"], None)
+    with pytest.raises(ContractError, match="mtp_processor: expected a model with MTP layers"):
+        build_schedule_plan(model, *args, mtp_processor=default_mtp_loss)
+    with pytest.raises(ContractError, match="output_processor: expected a callable"):
+        build_schedule_plan(model, *args, output_processor=3)
+    with pytest.raises(ContractError, match="model: expected a model enabled"):
+        build_schedule_plan(build_tiny_gpt(), *args, output_processor=stock_loss)
+
+
+# ---- the whole plan, on a GPU ------------------------------------------------
+
+
+def _whole_plan_step(model: Any, batch: dict[str, Any], processor: Any, loss_func: Any) -> Any:
+    """One microbatch through the plan the way ``combined_1f1b`` drives it:
+    forward of the plan, the loss node, the loss's backward, the plan's backward."""
+    from megatron.core.pipeline_parallel.utils import ScheduleNode, get_comp_stream, set_streams
+
+    set_streams()
+    plan = build_schedule_plan(
+        model,
+        batch["input_ids"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        output_processor=processor,
+    )
+    wrapped = plan_loss_func(plan, loss_func)
+    output = type(plan).run(plan, None)
+    loss_node = ScheduleNode(wrapped, get_comp_stream, plan.event, name="loss_func")
+    loss = loss_node.forward(output)
+    torch.autograd.backward(loss)
+    type(plan).run(None, plan, b_grad=loss_node.get_grad())
+    torch.cuda.synchronize()
+    return loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("processor", [stock_loss, logprobs_and_entropy], ids=["tensor", "mapping"])
+def test_whole_plan_on_gpu_matches_forward(processor: Any) -> None:
+    def loss_func(output: Any) -> torch.Tensor:
+        return output["loss"] if isinstance(output, dict) else output.sum()
+
+    batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch().items()}
+    reference = enable_output_processor(build_tiny_gpt().cuda())
+    out = reference(
+        batch["input_ids"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        output_processor=processor,
+    )
+    want = loss_func(out)
+    want.backward()
+    model = enable_output_processor(build_tiny_gpt().cuda())
+    got = _whole_plan_step(model, batch, processor, loss_func)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
