@@ -111,7 +111,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
         (64, 16, 1024, (256, 64)),  # round
     ],
 )
-def test_three_way_shapes(dtype: torch.dtype, n: int, hidden: int, vocab: int, chunks: tuple[int, int]) -> None:
+def test_three_way_shapes(
+    dtype: torch.dtype, n: int, hidden: int, vocab: int, chunks: tuple[int, int]
+) -> None:
     h, w, y = _inputs(n, hidden, vocab, dtype, scale=3.0)
     errors = three_way(h, w, y, chunk_size=chunks[0], token_chunk_size=chunks[1])
     assert_no_worse(errors, dtype)
