@@ -1,0 +1,405 @@
+"""The policy-loss processor against an independent float64 computation.
+
+The truth here takes the full logits in float64, writes every formula of
+``hookspec.conventions`` out directly and aggregates with Python loops over the
+sequences; it imports nothing from ``torch_impl.processors`` but the processor
+and its two dataclasses. Both paths of the processor are checked: gradients
+formed in the forward pass (``fused=True``) and autograd through
+``linear_logprobs`` (``fused=False``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
+from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
+
+IGNORE = -100
+S, B, H, V = 9, 3, 8, 50
+
+
+def _data(dtype: torch.dtype = torch.float64, *, seed: int = 0, s: int = S, b: int = B) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(s, b, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.8
+    labels = torch.randint(0, V, (b, s), generator=g)
+    labels[0, 2] = IGNORE
+    mask = (torch.rand(b, s, generator=g) > 0.2).float()
+    mask[-1] = 0.0
+    mask[-1, :2] = 1.0  # a short sequence
+    lp = (
+        torch.einsum("sbh,vh->bsv", h, w)
+        .log_softmax(-1)
+        .gather(2, labels.clamp(min=0)[..., None])
+        .squeeze(-1)
+    )
+    old = (lp + 0.3 * torch.randn(b, s, generator=g, dtype=torch.float64)).detach()
+    ref = (lp + 0.2 * torch.randn(b, s, generator=g, dtype=torch.float64)).detach()
+    adv = torch.randn(b, s, generator=g, dtype=torch.float64)
+    return {
+        "h": h.to(dtype),
+        "w": w.to(dtype),
+        "labels": labels,
+        "batch": PolicyBatch(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref),
+    }
+
+
+def _ctx(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any, **kw: Any) -> OutputContext:
+    return OutputContext(
+        hidden_states=h, labels=labels, vocab_weight=w, vocab=VocabShard(0, V, V), context=batch, **kw
+    )
+
+
+def _truth(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    batch: PolicyBatch,
+    cfg: PolicyLossConfig,
+    sequences: list[list[tuple[int, int]]] | None = None,
+    loss_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Loss, metrics and gradients in float64 with the full logits."""
+    h = h.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    b, s = labels.shape
+    t = batch.temperature
+    t = 1.0 if t is None else (t.double()[..., None] if isinstance(t, torch.Tensor) else t)
+    z = torch.einsum("sbh,vh->bsv", h, w) / t
+    logp_all = z.log_softmax(-1)
+    lp = logp_all.gather(2, labels.clamp(min=0)[..., None]).squeeze(-1)
+    lp = torch.where(labels == IGNORE, 0.0, lp)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    mask = batch.mask if batch.mask is not None else loss_mask
+    m = (torch.ones(b, s) if mask is None else mask).double() * (labels != IGNORE)
+    if sequences is None:
+        sequences = [[(i, j) for j in range(s)] for i in range(b)]
+    old, adv = batch.old_logprobs.double(), batch.advantages.double()
+    clamp = cfg.log_ratio_clamp or float("inf")
+    if cfg.ratio == "token":
+        log_ratio = torch.where(m > 0, lp - old, 0.0).clamp(-clamp, clamp)
+    else:
+        per_token: dict[tuple[int, int], torch.Tensor] = {}
+        for seq in sequences:
+            n_k = sum(m[i, j] for i, j in seq)
+            mean = sum(m[i, j] * (lp[i, j] - old[i, j]) for i, j in seq) / n_k if n_k > 0 else lp.sum() * 0
+            for i, j in seq:
+                per_token[i, j] = torch.as_tensor(mean).clamp(-clamp, clamp)
+        zero = lp.sum() * 0
+        log_ratio = torch.stack(
+            [torch.stack([per_token.get((i, j), zero) for j in range(s)]) for i in range(b)]
+        )
+    ratio = torch.exp(log_ratio)
+    hi = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + hi)
+    pg = torch.maximum(pg1, pg2)
+    if cfg.dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
+    ref = (
+        torch.where(m > 0, batch.ref_logprobs.double(), lp.detach())
+        if batch.ref_logprobs is not None
+        else None
+    )
+    kl = None
+    if ref is not None:
+        r = (ref - lp).clamp(-clamp, clamp)
+        kl = {"k1": -r, "k2": r**2 / 2, "k3": torch.exp(r) - r - 1}[cfg.kl_estimator.value]
+    per_token = pg + (cfg.kl_coef * kl if kl is not None else 0.0) - cfg.entropy_coef * ent
+
+    def aggregate(x: torch.Tensor) -> torch.Tensor:
+        how = cfg.aggregation.value
+        if how == "token-mean":
+            total = m.sum() if batch.global_tokens is None else batch.global_tokens
+            return (x * m).sum() / total if total > 0 else (x * 0).sum()
+        sums, counts = [], []
+        for seq in sequences:
+            sums.append(sum(x[i, j] * m[i, j] for i, j in seq))
+            counts.append(sum(m[i, j] for i, j in seq))
+        live = [k for k, c in enumerate(counts) if c > 0]
+        k_seq = len(live) if batch.global_sequences is None else batch.global_sequences
+        if not live:
+            return (x * 0).sum()
+        if how == "seq-mean-token-sum":
+            return sum(sums[k] for k in live) / k_seq
+        return sum(sums[k] / counts[k] for k in live) / k_seq
+
+    loss = aggregate(per_token)
+    loss.backward()
+    mm = m.sum()
+    return {
+        "loss": loss.detach(),
+        "pg_loss": aggregate(pg.detach()),
+        "entropy": (ent.detach() * m).sum() / mm,
+        "clip_fraction": ((pg2 > pg1).double() * m).sum() / mm,
+        "dh": h.grad,
+        "dw": w.grad,
+    }
+
+
+CONFIGS = {
+    "ppo": PolicyLossConfig.ppo(),
+    "ppo-asym-dual-seqsum": PolicyLossConfig.ppo(
+        clip_low=0.2, clip_high=0.28, dual_clip=3.0, aggregation="seq-mean-token-sum"
+    ),
+    "grpo-k3": PolicyLossConfig.grpo(),
+    "grpo-k1": PolicyLossConfig.grpo(kl_estimator="k1", kl_coef=0.1),
+    "kl-k2-entropy-token-mean": PolicyLossConfig(kl_coef=0.2, kl_estimator="k2", entropy_coef=0.05),
+    "entropy-seq-mean-token-mean": PolicyLossConfig(entropy_coef=0.3, aggregation="seq-mean-token-mean"),
+    "gspo": PolicyLossConfig.gspo(clip_low=0.05, clip_high=0.08),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_policy_loss_float64(name: str, fused: bool) -> None:
+    cfg = dataclasses.replace(CONFIGS[name], fused=fused)
+    d = _data(seed=hash(name) % 1000)
+    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
+    h = d["h"].clone().requires_grad_()
+    w = d["w"].clone().requires_grad_()
+    out = policy_loss(cfg, chunk_size=13, token_chunk_size=4, fused_tile_elements=3 * V)(
+        _ctx(h, w, d["labels"], d["batch"])
+    )
+    out["loss"].backward()
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    torch.testing.assert_close(out["loss"], truth["loss"], **tol)
+    torch.testing.assert_close(h.grad, truth["dh"], **tol)
+    torch.testing.assert_close(w.grad, truth["dw"], **tol)
+    for metric in ("pg_loss", "entropy", "clip_fraction"):
+        torch.testing.assert_close(out[metric], truth[metric], **tol, msg=metric)
+    assert set(out) >= {"loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "kl"}
+    assert all(v.shape == () for v in out.values())
+    assert float(out["approx_kl"]) >= 0.0
+    if cfg.dual_clip is not None:
+        assert "dual_clip_fraction" in out
+
+
+def test_some_tokens_are_clipped() -> None:
+    """The cases above exercise both branches of the clip."""
+    d = _data(seed=1)
+    out = policy_loss(PolicyLossConfig.ppo(clip_low=0.1))(_ctx(d["h"], d["w"], d["labels"], d["batch"]))
+    assert 0.0 < float(out["clip_fraction"]) < 1.0
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo-k3", "kl-k2-entropy-token-mean"])
+def test_policy_loss_float32_three_way(name: str) -> None:
+    """fp32: both paths no worse than the naive fp32 computation plus a slack."""
+    cfg = CONFIGS[name]
+    d = _data(seed=5)
+    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
+    h32, w32 = d["h"].float(), d["w"].float()
+    b32 = dataclasses.replace(
+        d["batch"],
+        old_logprobs=d["batch"].old_logprobs.float(),
+        ref_logprobs=d["batch"].ref_logprobs.float(),
+        advantages=d["batch"].advantages.float(),
+    )
+    naive = _truth_in_float32(h32, w32, d["labels"], b32, cfg)
+    for fused in (True, False):
+        h = h32.clone().requires_grad_()
+        w = w32.clone().requires_grad_()
+        out = policy_loss(dataclasses.replace(cfg, fused=fused))(_ctx(h, w, d["labels"], b32))
+        out["loss"].backward()
+        for key, got in (("loss", out["loss"]), ("dh", h.grad), ("dw", w.grad)):
+            ours_err = float((got.double() - truth[key]).abs().max())
+            naive_err = float((naive[key].double() - truth[key]).abs().max())
+            assert ours_err <= naive_err + 1e-5 * max(1.0, float(truth[key].abs().max())), (key, fused)
+
+
+def _truth_in_float32(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: PolicyBatch, cfg: PolicyLossConfig
+) -> dict[str, torch.Tensor]:
+    """The naive path in fp32: full logits, log_softmax, the same formulas."""
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    logp_all = torch.einsum("sbh,vh->bsv", h, w).log_softmax(-1)
+    lp = torch.where(labels == IGNORE, 0.0, logp_all.gather(2, labels.clamp(min=0)[..., None]).squeeze(-1))
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    m = batch.mask * (labels != IGNORE)
+    ratio = torch.exp(torch.where(m > 0, lp - batch.old_logprobs, 0.0))
+    adv = batch.advantages
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.eps_high))
+    r = torch.where(m > 0, batch.ref_logprobs - lp, 0.0)
+    kl = {"k1": -r, "k2": r**2 / 2, "k3": torch.exp(r) - r - 1}[cfg.kl_estimator.value]
+    per_token = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
+    if cfg.aggregation.value == "token-mean":
+        loss = (per_token * m).sum() / m.sum()
+    else:
+        n_k = m.sum(1)
+        live = n_k > 0
+        loss = ((per_token * m).sum(1)[live] / n_k[live]).sum() / live.sum()
+    loss.backward()
+    return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+
+
+def test_packed_sequences_use_cu_seqlens() -> None:
+    """THD: one row of three sequences; seq-mean aggregations follow cu_seqlens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    d = _data(seed=2, s=12, b=1)
+    cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    sequences = [[(0, j) for j in range(a, z)] for a, z in ((0, 5), (5, 9), (9, 12))]
+    for cfg in (
+        PolicyLossConfig.grpo(),
+        PolicyLossConfig.gspo(clip_low=0.1),
+        PolicyLossConfig(aggregation="seq-mean-token-sum"),
+    ):
+        batch = dataclasses.replace(d["batch"], mask=torch.ones(1, 12))
+        truth = _truth(d["h"], d["w"], d["labels"], batch, cfg, sequences=sequences)
+        h = d["h"].clone().requires_grad_()
+        out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch, packed_seq_params=packed))
+        out["loss"].backward()
+        torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(h.grad, truth["dh"], rtol=1e-10, atol=1e-12)
+        # Without the packing the row would be one sequence: a different loss.
+        rowwise = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch))
+        assert abs(float(rowwise["loss"]) - float(truth["loss"])) > 1e-6
+
+
+def test_context_parallel_shares_sum_to_the_loss() -> None:
+    """Two context-parallel ranks, each with half of every sequence and the global
+    token count: their losses and gradients sum to the whole batch's."""
+    d = _data(seed=3, s=10)
+    cfg = PolicyLossConfig(kl_coef=0.1)
+    whole = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], d["batch"]))
+    tokens = float((d["batch"].mask * (d["labels"] != IGNORE)).sum())
+    total = torch.zeros((), dtype=torch.float64)
+    for rank, part in enumerate((slice(0, 5), slice(5, 10))):
+        batch = PolicyBatch(
+            old_logprobs=d["batch"].old_logprobs[:, part],
+            advantages=d["batch"].advantages[:, part],
+            mask=d["batch"].mask[:, part],
+            ref_logprobs=d["batch"].ref_logprobs[:, part],
+            global_tokens=tokens,
+        )
+        ctx = _ctx(
+            d["h"][part],
+            d["w"],
+            d["labels"][:, part],
+            batch,
+            parallel=ParallelLayout(cp_size=2, cp_rank=rank),
+        )
+        total = total + policy_loss(cfg)(ctx)["loss"]
+    torch.testing.assert_close(total, whole["loss"], rtol=1e-12, atol=1e-12)
+    ctx = _ctx(d["h"], d["w"], d["labels"], d["batch"], parallel=ParallelLayout(cp_size=2))
+    with pytest.raises(ContractError, match=r"context\.global_tokens"):
+        policy_loss(cfg)(ctx)
+    with pytest.raises(ContractError, match=r"parallel\.cp_size"):
+        policy_loss(PolicyLossConfig.gspo())(ctx)
+
+
+def test_mask_defaults_to_loss_mask_then_to_every_token() -> None:
+    d = _data(seed=4)
+    batch = dataclasses.replace(d["batch"], mask=None)
+    cfg = PolicyLossConfig(entropy_coef=0.1)
+    loss_mask = (torch.arange(S) % 2).float().expand(B, S)
+    out = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask))
+    truth = _truth(d["h"], d["w"], d["labels"], batch, cfg, loss_mask=loss_mask)
+    torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
+    out = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch))
+    truth = _truth(d["h"], d["w"], d["labels"], batch, cfg)
+    torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
+
+
+def test_per_token_temperature_from_the_batch() -> None:
+    d = _data(seed=6)
+    t = torch.rand(B, S, dtype=torch.float64) + 0.5
+    batch = dataclasses.replace(d["batch"], temperature=t)
+    for fused in (True, False):
+        cfg = PolicyLossConfig.grpo(fused=fused)
+        truth = _truth(d["h"], d["w"], d["labels"], batch, cfg)
+        h = d["h"].clone().requires_grad_()
+        out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch))
+        out["loss"].backward()
+        torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(h.grad, truth["dh"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+def test_empty_mask_is_zero_with_zero_gradient(fused: bool) -> None:
+    d = _data(seed=7)
+    batch = dataclasses.replace(d["batch"], mask=torch.zeros(B, S))
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        h = d["h"].clone().requires_grad_()
+        out = policy_loss(PolicyLossConfig(aggregation=agg, fused=fused, kl_coef=0.1))(
+            _ctx(h, d["w"], d["labels"], batch)
+        )
+        out["loss"].backward()
+        assert float(out["loss"]) == 0.0
+        assert torch.equal(h.grad, torch.zeros_like(h))
+        assert all(bool(torch.isfinite(v)) for v in out.values())
+
+
+def test_fused_forms_no_gradient_without_grad_mode() -> None:
+    d = _data(seed=8)
+    h = d["h"].clone().requires_grad_()
+    with torch.no_grad():
+        out = policy_loss(PolicyLossConfig())(_ctx(h, d["w"], d["labels"], d["batch"]))
+    assert not out["loss"].requires_grad
+    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], PolicyLossConfig())
+    torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+def test_nan_hidden_state_makes_the_loss_nan(fused: bool) -> None:
+    d = _data(seed=9)
+    h = d["h"].clone()
+    h[1, 0, 3] = float("nan")  # token s=1 of sequence 0, counted by the mask
+    batch = dataclasses.replace(d["batch"], mask=torch.ones(B, S))
+    out = policy_loss(PolicyLossConfig(fused=fused))(_ctx(h, d["w"], d["labels"], batch))
+    assert bool(torch.isnan(out["loss"])) and bool(torch.isnan(out["entropy"]))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_mismatched_context_shapes_raise() -> None:
+    d = _data()
+    b = d["batch"]
+    cases = {
+        "context.old_logprobs": dataclasses.replace(b, old_logprobs=b.old_logprobs[:, :-1]),
+        "context.advantages": dataclasses.replace(b, advantages=b.advantages.T),
+        "context.mask": dataclasses.replace(b, mask=torch.ones(B, S + 1)),
+        "context.ref_logprobs": dataclasses.replace(b, ref_logprobs=b.ref_logprobs[:1]),
+        "context.temperature": dataclasses.replace(b, temperature=torch.ones(B, S - 1)),
+        "context.global_tokens": dataclasses.replace(b, global_tokens=0),
+    }
+    for field, batch in cases.items():
+        with pytest.raises(ContractError, match=field.replace(".", r"\.")):
+            policy_loss(PolicyLossConfig.grpo())(_ctx(d["h"], d["w"], d["labels"], batch))
+    with pytest.raises(ContractError, match=r"context\.ref_logprobs: expected a tensor"):
+        policy_loss(PolicyLossConfig.grpo())(
+            _ctx(d["h"], d["w"], d["labels"], dataclasses.replace(b, ref_logprobs=None))
+        )
+    with pytest.raises(ContractError, match=r"context: expected a torch_impl\.processors\.PolicyBatch"):
+        policy_loss()(_ctx(d["h"], d["w"], d["labels"], {"old_logprobs": b.old_logprobs}))
+    with pytest.raises(ContractError, match=r"context\.temperature"):
+        policy_loss()(_ctx(d["h"], d["w"], d["labels"], dataclasses.replace(b, temperature=0.0)))
+    bad_labels = d["labels"].clone()
+    bad_labels[0, 0] = V
+    with pytest.raises(ContractError, match="labels"):
+        policy_loss()(_ctx(d["h"], d["w"], bad_labels, b))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"clip_low": -0.1}, "clip_low"),
+        ({"clip_high": float("nan")}, "clip_high"),
+        ({"aggregation": "mean"}, "aggregation"),
+        ({"ratio": "seq"}, "ratio"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"kl_coef": float("inf")}, "kl_coef"),
+        ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
+    ],
+)
+def test_bad_config_raises(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ContractError, match=field):
+        PolicyLossConfig(**kwargs)
