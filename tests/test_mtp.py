@@ -164,6 +164,37 @@ def test_mtp_processor_sees_each_depth_rolled() -> None:
     assert not torch.equal(seen[0].hidden_states, seen[1].hidden_states)
 
 
+def test_packed_sequences_roll_within_each_sequence() -> None:
+    """THD input: Megatron's roll_tensor rolls each sequence on its own; the
+    default MTP processor stays bitwise stock there too."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = tiny_batch(batch=1, seq=12)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7
+    )
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"], "packed_seq_params": packed}
+    want, want_grads = run(build_mtp_gpt().eval(), batch, **kw)
+    seen: list[OutputContext] = []
+
+    def record(ctx: OutputContext) -> Any:
+        seen.append(ctx)
+        return default_mtp_loss(ctx)
+
+    model = enable_output_processor(build_mtp_gpt()).eval()
+    got, got_grads = run(model, batch, **kw, output_processor=stock_loss, mtp_processor=record)
+    assert torch.equal(got, want)
+    assert_same_grads(got_grads, want_grads)
+    labels = batch["labels"][0]
+    first = seen[0]
+    assert torch.equal(first.labels[0, :4], labels[1:5]) and int(first.labels[0, 4]) == 0
+    assert torch.equal(first.labels[0, 5:11], labels[6:12]) and int(first.labels[0, 11]) == 0
+    assert first.loss_mask[0].tolist() == [1.0] * 4 + [0.0] + [1.0] * 6 + [0.0]
+    assert first.packed_seq_params is packed
+
+
 def test_rl_main_head_values_and_labels_from_input_ids(cpu_tracker: None) -> None:
     """labels=None: the main head returns logprobs, MTP trains on labels derived
     from input_ids (rolled once, last position masked), as 0.19's stock does;
