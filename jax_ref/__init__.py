@@ -10,18 +10,14 @@ that holds a torch processor to them.
 - ``jax_ref.dlpack``, ``jax_ref.harness``, ``jax_ref.hookcheck``: the torch side
   (these import torch; nothing else in ``jax_ref`` does).
 
-Importing ``jax_ref`` leaves ``jax_enable_x64`` alone: computations run inside
-:func:`float64`.
+Importing ``jax_ref`` imports nothing heavy (names load on first use) and leaves
+``jax_enable_x64`` alone: computations run inside :func:`float64`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from ._x64 import float64
-from .collectives import JaxCollectives
-from .inputs import ReferenceInputs
 
 __all__ = [
     "CrossCheckReport",
@@ -35,6 +31,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "float64": "jax_ref._x64",
+    "JaxCollectives": "jax_ref.collectives",
+    "ReferenceInputs": "jax_ref.inputs",
     "to_jax": "jax_ref.dlpack",
     "to_torch": "jax_ref.dlpack",
     "CrossCheckReport": "jax_ref.harness",

@@ -1,0 +1,129 @@
+"""Example torch processors, right and deliberately wrong, with their references.
+
+They show what ``hookcheck`` catches; each is a ``module:attr`` target::
+
+    hookcheck --processor jax_ref.examples:wrong_sign_entropy \\
+              --reference jax_ref.examples:logprobs_entropy_reference      # exits 1
+
+- :data:`vocab_parallel_logprobs`: logprobs and entropy by the contract's
+  vocab-parallel recipe (right on any tp).
+- :func:`full_vocab_logprobs`: an upstream-style processor (the native hook's
+  keywords) through the output layer and a full softmax (right at tp=1).
+- :data:`token_mean_loss`: masked token-mean cross entropy, a scalar (right).
+- :data:`wrong_sign_entropy`: entropy returned as ``sum p log p``, negative
+  (NeMo RL's chunked entropy has that sign; the contract's does not).
+- :data:`wrong_reduction_loss`: the masked sum where the token mean is meant.
+- :data:`missing_tp_reduction`: multiplies the raw hidden states by its vocab
+  shard without ``collectives.gather_hidden_states``: values right, but under
+  tensor parallelism each rank's hidden-state gradient holds only its shard's
+  part (the backward all-reduce is missing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookspec import OutputContext, processor
+
+from .inputs import ReferenceInputs
+from .processors import selected_logprobs
+from .references import aggregate
+
+__all__ = [
+    "full_vocab_logprobs",
+    "logprobs_entropy_reference",
+    "missing_tp_reduction",
+    "token_mean_loss",
+    "token_mean_loss_reference",
+    "vocab_parallel_logprobs",
+    "wrong_reduction_loss",
+    "wrong_sign_entropy",
+]
+
+
+def _recipe(ctx: OutputContext, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, s]`` logprobs and entropy from gathered hidden states ``h [s, b, h]``."""
+    coll, vocab = ctx.collectives, ctx.vocab
+    assert vocab is not None and ctx.labels is not None
+    z = torch.matmul(h.float(), ctx.vocab_weight.float().t())  # type: ignore[union-attr]  # [s, b, V/tp]
+    m = coll.all_reduce_max(z.detach().amax(-1))
+    e = torch.exp(z - m[..., None])
+    se = coll.all_reduce_sum(e.sum(-1))
+    lse = m + torch.log(se)
+    # contiguous: Megatron Core 0.16 all-reduces a contiguous *copy* of a strided input
+    y = ctx.labels.t().contiguous()  # type: ignore[attr-defined]  # [s, b]
+    local = y - vocab.start
+    here = (local >= 0) & (local < vocab.local_size)
+    z_y = torch.gather(z, -1, local.clamp(0, vocab.local_size - 1)[..., None])[..., 0]
+    z_y = coll.all_reduce_sum(torch.where(here, z_y, torch.zeros_like(z_y)))
+    logprobs = torch.where(y == ctx.ignore_index, torch.zeros_like(z_y), z_y - lse)
+    entropy = lse - coll.all_reduce_sum((e * z).sum(-1)) / se
+    return logprobs.t(), entropy.t()
+
+
+@processor
+def vocab_parallel_logprobs(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    """``{"logprobs": [b, s], "entropy": [b, s]}`` by the vocab-parallel recipe."""
+    lp, ent = _recipe(ctx, ctx.collectives.gather_hidden_states(ctx.hidden_states))
+    return {"logprobs": lp, "entropy": ent}
+
+
+def full_vocab_logprobs(
+    *, hidden_states: Any, output_layer: Any, output_weight: Any, labels: Any, **_: Any
+) -> Any:
+    """Upstream-style: ``logits, _ = output_layer(hidden, weight=output_weight)``,
+    then ``log_softmax`` over the (whole, tp=1) vocabulary."""
+    logits, _ = output_layer(hidden_states, weight=output_weight)
+    lsm = torch.log_softmax(logits.float(), dim=-1)  # [s, b, V]
+    y = labels.t()
+    picked = torch.gather(lsm, -1, y.clamp(min=0)[..., None])[..., 0]
+    logprobs = torch.where(y == -100, torch.zeros_like(picked), picked)
+    entropy = -(lsm.exp() * lsm).sum(-1)
+    return {"logprobs": logprobs.t(), "entropy": entropy.t()}
+
+
+@processor
+def wrong_sign_entropy(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    """Wrong on purpose: entropy with the opposite sign."""
+    out = vocab_parallel_logprobs(ctx)
+    return {"logprobs": out["logprobs"], "entropy": -out["entropy"]}
+
+
+@processor
+def missing_tp_reduction(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    """Wrong on purpose under tp > 1: no ``gather_hidden_states`` (no backward all-reduce)."""
+    lp, ent = _recipe(ctx, ctx.hidden_states)  # type: ignore[arg-type]
+    return {"logprobs": lp, "entropy": ent}
+
+
+def _masked_ce(ctx: OutputContext) -> tuple[torch.Tensor, torch.Tensor]:
+    lp, _ = _recipe(ctx, ctx.collectives.gather_hidden_states(ctx.hidden_states))
+    mask = ctx.loss_mask.float() * (ctx.labels != ctx.ignore_index)  # type: ignore[union-attr, operator]
+    return -lp * mask, mask
+
+
+@processor
+def token_mean_loss(ctx: OutputContext) -> torch.Tensor:
+    """``sum(CE * M) / sum(M)`` over the loss mask and non-ignored labels (a scalar)."""
+    loss, mask = _masked_ce(ctx)
+    return loss.sum() / mask.sum().clamp(min=1.0)
+
+
+@processor
+def wrong_reduction_loss(ctx: OutputContext) -> torch.Tensor:
+    """Wrong on purpose: the masked sum, not the token mean."""
+    loss, _ = _masked_ce(ctx)
+    return loss.sum()
+
+
+logprobs_entropy_reference = selected_logprobs(entropy=True)
+"""The reference of :data:`vocab_parallel_logprobs` and its wrong variants."""
+
+
+def token_mean_loss_reference(hidden: Any, weight: Any, inputs: ReferenceInputs) -> Any:
+    """``aggregate(-logprobs, loss_mask * (labels != ignore), "token-mean")``."""
+    lp = logprobs_entropy_reference(hidden, weight, inputs)["logprobs"]
+    mask = inputs.loss_mask * (inputs.labels != inputs.ignore_index)
+    return aggregate(-lp, mask, mode="token-mean")

@@ -1,0 +1,280 @@
+"""Cases from a real tiny Megatron GPT on a CPU, on one process or tensor parallel.
+
+:func:`build_case_model` is ``torch_impl.tiny.build_tiny_gpt`` (wider init, so
+logits spread over a few units rather than sitting near uniform), wrapped in
+Megatron's ``Float16Module`` for bf16 and fp16 (the hidden states then reach
+the hook in that dtype) and enabled for output processors.
+
+:func:`run_tensor_parallel` runs one processor through the hook on ``tp`` gloo
+processes (one per rank, Megatron's tensor-parallel groups, vocab split over
+ranks) and brings each rank's :class:`~jax_ref.torch_run.TorchRun` back to
+the caller, its tensors pickled across the process boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import queue as queue_module
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookspec import ContractError, OutputContext, VocabShard
+
+from .torch_run import TorchRun, run_through_hook
+
+__all__ = [
+    "GPTCase",
+    "build_case_model",
+    "case_batch",
+    "resolve",
+    "run_gpt_case",
+    "run_tensor_parallel",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTCase:
+    """One tiny-GPT case. ``processor`` and ``make_context`` are ``module:attr``
+    specs (picklable, importable in a spawned rank)."""
+
+    processor: str
+    make_context: str | None = None
+    dtype: str = "float32"
+    tied: bool = False
+    seed: int = 0
+    batch: int = 3
+    seq: int = 8
+
+    @property
+    def name(self) -> str:
+        return "gpt-tied" if self.tied else "gpt"
+
+
+def resolve(spec: str, /, *, field: str = "processor") -> Any:
+    """The object named by ``"package.module:attr.sub"``; a ``ContractError`` if
+    the module does not import or the attribute is missing."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ContractError(field, expected="'module:attr'", actual=repr(spec))
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's spec, reported in one line
+        raise ContractError(
+            field,
+            expected=f"an importable module {module_name!r}",
+            actual=f"{type(exc).__name__}: {exc}".splitlines()[0],
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ContractError(field, expected=f"{spec!r} to exist", actual=f"no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 1234) -> torch.nn.Module:
+    """An enabled tiny GPT in ``dtype`` (call inside ``megatron_parallel``)."""
+    from megatron.core.transformer.module import Float16Module
+
+    from torch_impl import enable_output_processor
+    from torch_impl.tiny import build_tiny_gpt
+
+    flags = {"bfloat16": {"bf16": True}, "float16": {"fp16": True}}.get(dtype, {})
+    model: torch.nn.Module = build_tiny_gpt(
+        seed=seed, share_embeddings_and_output_weights=tied, init_method_std=0.2, **flags
+    )
+    if flags:
+        model = Float16Module(model.config, model)
+    return enable_output_processor(model)
+
+
+def case_batch(batch: int = 3, seq: int = 8, *, seed: int = 0) -> dict[str, Any]:
+    """``torch_impl.tiny.tiny_batch`` with two ignored labels and a partly masked sequence."""
+    from torch_impl.tiny import tiny_batch
+
+    data = tiny_batch(batch, seq, seed=seed)
+    data["labels"][0, 1] = data["labels"][-1, -1] = -100
+    data["loss_mask"][-1, seq // 2 :] = 0
+    return data
+
+
+def run_gpt_case(case: GPTCase, proc: Any = None, make_context: Any = None) -> TorchRun:
+    """Run ``case`` through the hook on this process (inside ``megatron_parallel``)."""
+    proc = proc if proc is not None else resolve(case.processor)
+    if make_context is None and case.make_context:
+        make_context = resolve(case.make_context, field="make_context")
+    model = build_case_model(dtype=case.dtype, tied=case.tied)
+    return run_through_hook(
+        proc, model, case_batch(case.batch, case.seq), make_user_context=make_context, seed=case.seed
+    )
+
+
+# ---------------------------------------------------------------- tensor parallel over gloo
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return (
+            "tensor",
+            str(t.dtype).removeprefix("torch."),
+            t.to(torch.float64 if t.is_floating_point() else t.dtype).numpy().copy(),
+        )
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (
+            "dataclass",
+            type(obj),
+            {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init},
+        )
+    if isinstance(obj, Mapping):
+        return ("dict", {k: _to_wire(v) for k, v in obj.items()})
+    if isinstance(obj, (tuple, list)):
+        return ("seq", type(obj), [_to_wire(v) for v in obj])
+    return ("plain", obj)
+
+
+def _from_wire(wire: Any) -> Any:
+    kind = wire[0]
+    if kind == "tensor":
+        return torch.from_numpy(wire[2]).to(_DTYPES.get(wire[1], getattr(torch, wire[1])))
+    if kind == "dataclass":
+        return wire[1](**{k: _from_wire(v) for k, v in wire[2].items()})
+    if kind == "dict":
+        return {k: _from_wire(v) for k, v in wire[1].items()}
+    if kind == "seq":
+        return wire[1](_from_wire(v) for v in wire[2])
+    return wire[1]
+
+
+_CONTEXT_FIELDS = (
+    "hidden_states",
+    "labels",
+    "loss_mask",
+    "input_ids",
+    "position_ids",
+    "context",
+    "vocab_weight",
+)
+
+
+def _run_to_wire(run: TorchRun) -> dict[str, Any]:
+    ctx = run.context
+    vocab = ctx.vocab
+    assert vocab is not None
+    return {
+        "context": {k: _to_wire(getattr(ctx, k)) for k in _CONTEXT_FIELDS},
+        "vocab": (vocab.start, vocab.end, vocab.size),
+        "ignore_index": ctx.ignore_index,
+        "parallel": ctx.parallel,
+        "use_mup": (
+            bool(getattr(ctx.config, "use_mup", False)),
+            float(getattr(ctx.config, "mup_output_mult", 1.0)),
+        ),
+        "run": {
+            k: _to_wire(getattr(run, k)) for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
+        },
+        "single": run.single,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _MupConfig:
+    use_mup: bool
+    mup_output_mult: float
+
+
+def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
+    fields = {k: _from_wire(v) for k, v in wire["context"].items()}
+    use_mup, mult = wire["use_mup"]
+    ctx = OutputContext(
+        **fields,
+        vocab=VocabShard(*wire["vocab"]),
+        ignore_index=wire["ignore_index"],
+        parallel=wire["parallel"],
+        config=_MupConfig(use_mup, mult),
+    )
+    parts = {k: _from_wire(v) for k, v in wire["run"].items()}
+    return TorchRun(context=ctx, single=wire["single"], via_hook=True, **parts)
+
+
+def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], results: Any) -> None:
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    try:
+        from torch_impl.tiny import megatron_parallel
+
+        with megatron_parallel(tp=tp, rank=rank, world_size=tp, port=port):
+            wires = [_run_to_wire(run_gpt_case(case)) for case in cases]
+        results.put((rank, "ok", wires))
+    except ContractError as exc:
+        results.put((rank, "contract", (exc.field, exc.expected, exc.actual, exc.hint)))
+    except BaseException as exc:
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_tensor_parallel(
+    cases: Sequence[GPTCase], /, *, tp: int = 2, timeout_s: float = 300.0
+) -> list[list[TorchRun]]:
+    """Each case through the hook on ``tp`` ranks (one spawn of ``tp`` gloo
+    processes for all of them); for each case, one :class:`TorchRun` per rank
+    in rank order. A ``ContractError`` raised on a rank is raised here; another
+    exception becomes a ``RuntimeError`` naming the rank."""
+    import torch.multiprocessing as mp
+
+    from torch_impl.tiny import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_tp_worker, args=(r, tp, port, tuple(cases), results), daemon=True)
+        for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < tp:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    raise RuntimeError(
+                        f"rank {dead[0]} of {tp} exited with code {procs[dead[0]].exitcode} before reporting"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel run timed out after {timeout_s:.0f} s") from None
+                continue
+            if status == "contract":
+                field, expected, actual, hint = payload
+                raise ContractError(field, expected=expected, actual=actual, hint=hint)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {tp} failed: {payload}")
+            got[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return [[_run_from_wire(got[r][i]) for r in range(tp)] for i in range(len(cases))]
+
+
+def gathered_weight(runs: list[TorchRun], /) -> torch.Tensor:
+    """The full ``[V, h]`` output weight from every rank's shard, in rank order."""
+    return torch.cat([r.context.vocab_weight.detach() for r in runs], dim=0)  # type: ignore[union-attr]
+
+
+def max_rank_difference(runs: list[TorchRun], name: str = "hidden_states") -> float:
+    """``max |x_r - x_0|`` over ranks for a context field (hidden states are
+    replicated without sequence parallel)."""
+    base = getattr(runs[0].context, name).detach().double()
+    return max(float(np.abs((getattr(r.context, name).detach().double() - base).numpy()).max()) for r in runs)

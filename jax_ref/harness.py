@@ -1,0 +1,406 @@
+"""Cross-check a torch processor against a float64 JAX reference.
+
+::
+
+    report = cross_check(processor, reference, ctx)   # ctx: hookspec.OutputContext (torch)
+    print(report)                                     # a table; report.passed -> bool
+
+Steps: run the processor (either kind of the contract) with its VJPs
+(:mod:`jax_ref.torch_run`); hand the hidden states, the weight, the labels,
+masks and the user context to JAX over DLPack (:mod:`jax_ref.dlpack`); run the
+reference in float64 under ``jax.vjp``; pull back the same cotangents; compare
+each output's value, ``d/d hidden`` and ``d/d weight``.
+
+Tolerance policy, per dtype of the hidden states (:data:`TOLERANCES`): a
+compared array passes when ``max|a - r| <= atol + rtol * max|r|``, ``r`` the
+float64 reference on the very same (rounded) inputs. The error is measured
+against the array's scale, not element by element, so near-zero gradient
+entries cannot hide a wrong sign or a missing reduction, and ``rtol`` stays far
+below what such bugs cost (a factor 2 or more). A non-finite value where the
+reference is finite fails, whatever the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from hookspec import ContractError, OutputContext
+
+from ._x64 import float64
+from .dlpack import to_jax
+from .inputs import ReferenceInputs
+from .torch_run import SINGLE_OUTPUT, TorchRun, processor_name, run_on_context
+
+__all__ = [
+    "TOLERANCES",
+    "CrossCheckReport",
+    "Row",
+    "Tolerance",
+    "compare_run",
+    "cross_check",
+    "reference_inputs",
+    "to_reference_tree",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Pass when ``max_abs_error <= atol + rtol * max|reference|``."""
+
+    rtol: float
+    atol: float
+
+    def allows(self, max_abs: float, scale: float) -> bool:
+        return max_abs <= self.atol + self.rtol * scale
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(rtol=1e-10, atol=1e-13),
+    "float32": Tolerance(rtol=1e-4, atol=1e-7),
+    "float16": Tolerance(rtol=5e-3, atol=1e-6),
+    "bfloat16": Tolerance(rtol=2e-2, atol=1e-5),
+}
+"""The default policy. float32 allows ~1000 ulps of cancellation; bf16 and fp16
+a few units of the format's rounding, relative to the array's scale."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One compared array: ``quantity`` is ``value``, ``d/d hidden`` or ``d/d weight``."""
+
+    case: str
+    dtype: str
+    output: str
+    quantity: str
+    max_abs: float
+    max_rel: float
+    rtol: float
+    passed: bool
+    note: str = ""
+
+
+_HEADER = ("case", "dtype", "output", "quantity", "max abs err", "max rel err", "rtol", "result")
+
+
+def _fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:.2e}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossCheckReport:
+    """The rows of one or more cross-checks; ``str(report)`` is a table."""
+
+    processor: str
+    reference: str
+    rows: tuple[Row, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def failures(self) -> tuple[Row, ...]:
+        return tuple(r for r in self.rows if not r.passed)
+
+    def merged(self, other: CrossCheckReport) -> CrossCheckReport:
+        return dataclasses.replace(self, rows=self.rows + other.rows)
+
+    def table(self) -> str:
+        cells = [_HEADER] + [
+            (
+                r.case,
+                r.dtype,
+                r.output,
+                r.quantity,
+                _fmt(r.max_abs),
+                _fmt(r.max_rel),
+                f"{r.rtol:.0e}",
+                "ok" if r.passed else f"FAIL {r.note}".rstrip(),
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(_HEADER))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        status = "passed" if self.passed else f"FAILED ({len(self.failures())} of {len(self.rows)})"
+        return f"{self.processor} vs {self.reference}: {status}\n{self.table()}"
+
+
+# ---------------------------------------------------------------- the JAX side
+
+
+def to_reference_tree(obj: Any, /, *, field: str = "context") -> Any:
+    """``obj`` with every torch tensor replaced by a JAX array over DLPack.
+
+    Floating tensors become float64. A dataclass is rebuilt with
+    ``dataclasses.replace`` (or, when its checks refuse JAX arrays, a
+    ``types.SimpleNamespace`` with the same attributes); a mapping becomes a
+    dict; tuples and lists keep their type; anything else passes unchanged.
+    """
+    if isinstance(obj, torch.Tensor):
+        a = to_jax(obj, field=field)
+        return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    if isinstance(obj, np.ndarray):
+        return to_reference_tree(torch.from_numpy(obj), field=field)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = {
+            f.name: to_reference_tree(getattr(obj, f.name), field=f"{field}.{f.name}")
+            for f in dataclasses.fields(obj)
+        }
+        try:
+            return dataclasses.replace(obj, **{k: v for k, v in values.items() if k in _init_fields(obj)})
+        except Exception:
+            return types.SimpleNamespace(**values)
+    if isinstance(obj, Mapping):
+        return {k: to_reference_tree(v, field=f"{field}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_reference_tree(v, field=f"{field}[{i}]") for i, v in enumerate(obj))
+    return obj
+
+
+def _init_fields(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj) if f.init}
+
+
+def logit_scale(config: Any) -> float:
+    """Megatron's MuP output multiplier when ``config.use_mup``, else 1."""
+    if config is not None and getattr(config, "use_mup", False):
+        return float(getattr(config, "mup_output_mult", 1.0))
+    return 1.0
+
+
+def reference_inputs(ctx: OutputContext, /) -> ReferenceInputs:
+    """The data of a torch ``OutputContext`` for a reference (inside :func:`float64`)."""
+    with float64():
+
+        def opt(name: str) -> Any:
+            value = getattr(ctx, name)
+            return None if value is None else to_reference_tree(value, field=name)
+
+        vocab = ctx.vocab
+        return ReferenceInputs(
+            labels=opt("labels"),
+            loss_mask=opt("loss_mask"),
+            padding_mask=opt("padding_mask"),
+            input_ids=opt("input_ids"),
+            context=opt("context"),
+            vocab_start=0 if vocab is None else vocab.start,
+            vocab_size=0 if vocab is None else vocab.size,
+            ignore_index=ctx.ignore_index,
+            logit_scale=logit_scale(ctx.config),
+            mtp_depth=ctx.mtp_depth,
+        )
+
+
+def _describe(tree: Mapping[str, Any], single: bool) -> str:
+    parts = [f"{k} {list(np.shape(v))}" for k, v in sorted(tree.items())]
+    return f"one array {parts[0].split(' ', 1)[1]}" if single else "{" + ", ".join(parts) + "}"
+
+
+def _reference_outputs(out: Any, single: bool, name: str) -> dict[str, Any]:
+    if isinstance(out, Mapping):
+        if single:
+            raise ContractError(
+                f"reference {name!r} result",
+                expected="one array, as the processor returns",
+                actual="a mapping",
+            )
+        return dict(out)
+    if single and hasattr(out, "shape"):
+        return {SINGLE_OUTPUT: out}
+    raise ContractError(
+        f"reference {name!r} result",
+        expected="a mapping of arrays, as the processor returns" if not single else "one array",
+        actual=type(out).__name__,
+    )
+
+
+def _np64(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def compare(actual: Any, expected: Any, tol: Tolerance) -> tuple[float, float, bool, str]:
+    """``(max_abs, max_rel, passed, note)`` for two arrays of one shape."""
+    a, e = _np64(actual), _np64(expected)
+    if a.shape != e.shape:
+        return math.inf, math.inf, False, f"shape {list(a.shape)} vs reference {list(e.shape)}"
+    bad = ~np.isfinite(a) & np.isfinite(e)
+    if bad.any():
+        return math.nan, math.nan, False, f"non-finite: {int(bad.sum())} of {a.size} values"
+    both = np.isfinite(a) & np.isfinite(e)
+    diff = np.abs(a - e)[both]
+    max_abs = float(diff.max()) if diff.size else 0.0
+    if not np.array_equal(np.isfinite(e), np.isfinite(a)):
+        return max_abs, math.inf, False, "finite where the reference is not"
+    scale = float(np.abs(e[both]).max()) if diff.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return max_abs, max_rel, tol.allows(max_abs, scale), ""
+
+
+def _run_reference(
+    reference: Callable[..., Any], hidden: Any, weight: Any, inputs: ReferenceInputs
+) -> tuple[Any, Callable[..., Any]]:
+    with float64():
+        h = (
+            to_jax(hidden, field="hidden_states").astype(jnp.float64)
+            if isinstance(hidden, torch.Tensor)
+            else hidden
+        )
+        w = (
+            to_jax(weight, field="vocab_weight").astype(jnp.float64)
+            if isinstance(weight, torch.Tensor)
+            else weight
+        )
+        return jax.vjp(lambda h_, w_: reference(h_, w_, inputs), h, w)
+
+
+def compare_run(
+    run: TorchRun,
+    reference: Callable[..., Any],
+    /,
+    *,
+    case: str,
+    tolerance: Tolerance | None = None,
+    inputs: ReferenceInputs | None = None,
+    reference_fn: Callable[..., tuple[Any, Callable[..., Any]]] | None = None,
+    weight_rows: slice | None = None,
+) -> list[Row]:
+    """Compare one :class:`TorchRun` with ``reference`` on the same inputs.
+
+    ``reference_fn(hidden, weight, inputs) -> (out, pullback)`` replaces the
+    plain ``jax.vjp`` (the sharded reference uses it); ``weight_rows`` selects
+    this rank's rows of the reference's weight gradient.
+    """
+    ctx = run.context
+    dtype = str(ctx.hidden_states.dtype).removeprefix("torch.")
+    tol = tolerance or TOLERANCES.get(dtype, TOLERANCES["float32"])
+    name = getattr(reference, "__name__", type(reference).__name__)
+    inputs = inputs if inputs is not None else reference_inputs(ctx)
+    runner = reference_fn or (lambda h, w, i: _run_reference(reference, h, w, i))
+    with float64():
+        out, pullback = runner(ctx.hidden_states, ctx.vocab_weight, inputs)
+        ref = _reference_outputs(out, run.single, name)
+        if set(ref) != set(run.outputs) or any(
+            tuple(np.shape(ref[k])) != tuple(run.outputs[k].shape) for k in run.outputs
+        ):
+            raise ContractError(
+                f"reference {name!r} result",
+                expected=f"the processor's structure {_describe(run.outputs, run.single)}",
+                actual=_describe(ref, isinstance(out, jax.Array)),
+            )
+        rows = []
+        zeros = {k: jnp.zeros(np.shape(v), jnp.float64) for k, v in ref.items()}
+        for key in sorted(run.outputs):
+            max_abs, max_rel, ok, note = compare(run.outputs[key], ref[key], tol)
+            rows.append(Row(case, dtype, key, "value", max_abs, max_rel, tol.rtol, ok, note))
+            if key not in run.cotangents:
+                continue
+            cot = dict(zeros)
+            cot[key] = jnp.asarray(_np64(run.cotangents[key]))  # uncommitted: any device or mesh
+            dh, dw = pullback(cot[SINGLE_OUTPUT] if run.single else cot)
+            if weight_rows is not None:
+                dw = dw[weight_rows]
+            for quantity, got, want in (
+                ("d/d hidden", run.grad_hidden[key], dh),
+                ("d/d weight", run.grad_weight[key], dw),
+            ):
+                max_abs, max_rel, ok, note = compare(got, want, tol)
+                rows.append(Row(case, dtype, key, quantity, max_abs, max_rel, tol.rtol, ok, note))
+    return rows
+
+
+def cross_check(
+    processor: Any,
+    reference: Callable[..., Any],
+    case: OutputContext | TorchRun,
+    /,
+    *,
+    case_name: str = "case",
+    tolerance: Tolerance | None = None,
+    seed: int = 0,
+) -> CrossCheckReport:
+    """Values and VJPs of ``processor`` against ``reference`` on one case.
+
+    ``case`` is a torch ``OutputContext`` (the processor runs on it) or a
+    :class:`TorchRun` already made, e.g. by
+    :func:`jax_ref.torch_run.run_through_hook`. Raises :class:`ContractError`
+    when the reference's output structure differs from the processor's.
+    """
+    run = case if isinstance(case, TorchRun) else run_on_context(processor, case, seed=seed)
+    rows = compare_run(run, reference, case=case_name, tolerance=tolerance)
+    ref_name = getattr(reference, "__name__", type(reference).__name__)
+    return CrossCheckReport(processor_name(processor), ref_name, tuple(rows))
+
+
+def combine(reports: Sequence[CrossCheckReport], /, *, processor: str, reference: str) -> CrossCheckReport:
+    """One report holding the rows of ``reports``."""
+    rows: tuple[Row, ...] = ()
+    for r in reports:
+        rows += r.rows
+    return CrossCheckReport(processor, reference, rows)
+
+
+def cross_check_tensor_parallel(
+    runs: Sequence[TorchRun],
+    reference: Callable[..., Any],
+    /,
+    *,
+    processor: str,
+    case: str = "gpt",
+    tolerance: Tolerance | None = None,
+    sharded: bool | None = None,
+) -> tuple[CrossCheckReport, str]:
+    """Each rank's run against the reference on the full weight, shard by shard.
+
+    ``runs[r]`` holds rank ``r``'s hidden states (whole: no sequence
+    parallel), its weight shard, values, and gradients. The reference runs on
+    the gathered weight ``[V, h]``: under :func:`jax_ref.sharded.shard_reference`
+    over a mesh of ``tp`` devices when JAX has them (``sharded=None``: when it
+    can), else on one device. Rank ``r``'s values and ``d/d hidden`` are
+    compared whole, its ``d/d weight`` with rows ``[r*V/tp, (r+1)*V/tp)`` of
+    the reference's. Returns the report and a line saying how the reference ran.
+    """
+    from .sharded import shard_reference, vocab_mesh
+
+    tp = len(runs)
+    full = torch.cat([r.context.vocab_weight.detach() for r in runs], dim=0)  # type: ignore[union-attr]
+    rows_per_rank = full.shape[0] // tp
+    can_shard = len(jax.devices()) >= tp
+    use_sharded = can_shard if sharded is None else sharded
+    f = shard_reference(reference, vocab_mesh(tp)) if use_sharded else reference
+    how = (
+        f"reference sharded over {tp} JAX devices (shard_map, vocab axis 'tp')"
+        if use_sharded
+        else f"reference on one JAX device with the gathered weight (JAX sees {len(jax.devices())} device(s))"
+    )
+    rows: list[Row] = []
+    for rank, run in enumerate(runs):
+        inputs = reference_inputs(run.context).replace(vocab_start=0)
+
+        def runner(h: Any, _w: Any, i: ReferenceInputs) -> tuple[Any, Callable[..., Any]]:
+            return _run_reference(f, h, full, i)
+
+        rows += compare_run(
+            run,
+            reference,
+            case=f"{case} tp{tp} rank{rank}",
+            tolerance=tolerance,
+            inputs=inputs,
+            reference_fn=runner,
+            weight_rows=slice(rank * rows_per_rank, (rank + 1) * rows_per_rank),
+        )
+    ref_name = getattr(reference, "__name__", type(reference).__name__)
+    return CrossCheckReport(processor, ref_name, tuple(rows)), how
