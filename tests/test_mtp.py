@@ -22,7 +22,8 @@ import hookspec
 from hookspec import ContractError, OutputContext
 from tests.hook_cases import grads, stock_loss, stock_loss_upstream
 from torch_impl import enable_output_processor
-from torch_impl.mtp import chunked_mtp_loss, default_mtp_loss, mtp_loss_processor, mtp_semantics
+from torch_impl.mtp import default_mtp_loss, detached_head, mtp_semantics
+from torch_impl.processors import cross_entropy_loss
 from torch_impl.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
@@ -232,20 +233,31 @@ def test_detached_head_trains_mtp_layers_but_not_the_head() -> None:
         return ctx.hidden_states.sum(-1).transpose(0, 1) * 0.0
 
     results = {}
-    for name, mtp in {"attached": default_mtp_loss, "detached": mtp_loss_processor(detach_head=True)}.items():
+    fused = cross_entropy_loss(chunk_size=16, token_chunk_size=4)
+    mtps = {
+        "attached": default_mtp_loss,
+        "detached": detached_head(default_mtp_loss),
+        "fused detached": detached_head(fused),
+    }
+    for name, mtp in mtps.items():
         model = enable_output_processor(build_mtp_gpt()).eval()
         _, results[name] = run(
             model, batch, **kw, output_processor=hookspec.processor(main_zero), mtp_processor=mtp
         )
-    attached, detached = results["attached"], results["detached"]
+    attached = results["attached"]
     assert attached["output_layer.weight"].abs().sum() > 0
-    assert "output_layer.weight" not in detached or torch.equal(
-        detached["output_layer.weight"], torch.zeros_like(attached["output_layer.weight"])
-    )
     mtp_names = [n for n in attached if n.startswith("mtp.")]
     assert mtp_names
-    for name in mtp_names:
-        assert torch.equal(detached[name], attached[name]), name
+    for which in ("detached", "fused detached"):
+        detached = results[which]
+        assert "output_layer.weight" not in detached or torch.equal(
+            detached["output_layer.weight"], torch.zeros_like(attached["output_layer.weight"])
+        )
+        for name in mtp_names:
+            if which == "detached":
+                assert torch.equal(detached[name], attached[name]), name
+            else:
+                torch.testing.assert_close(detached[name], attached[name], rtol=1e-5, atol=1e-6)
 
 
 class _LogitWatch(torch.utils._python_dispatch.TorchDispatchMode):
@@ -266,7 +278,10 @@ class _LogitWatch(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def test_chunked_mtp_loss_matches_and_never_materialises_the_logits() -> None:
+def test_fused_mtp_processor_matches_and_never_materialises_the_logits() -> None:
+    """The project's fused per-token cross entropy as the MTP processor: the same
+    gradients as the stock MTP loss, and no tensor of more than one token chunk
+    of logits (4 tokens here) anywhere in forward or backward."""
     batch = tiny_batch(seq=8, vocab_size=72)  # V = 72: no other activation is [.., 72]
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
 
@@ -275,28 +290,17 @@ def test_chunked_mtp_loss_matches_and_never_materialises_the_logits() -> None:
         return ctx.hidden_states.float().pow(2).mean(-1).transpose(0, 1)
 
     peaks, results = {}, {}
-    for name, mtp in {"default": default_mtp_loss, "chunked": chunked_mtp_loss(chunk_tokens=4)}.items():
+    fused = cross_entropy_loss(chunk_size=16, token_chunk_size=4)
+    for name, mtp in {"default": default_mtp_loss, "fused": fused}.items():
         model = enable_output_processor(build_mtp_gpt(vocab=72)).eval()
         with _LogitWatch(vocab=72, hidden=32) as watch:
             results[name] = run(model, batch, **kw, output_processor=main_without_logits, mtp_processor=mtp)
         peaks[name] = watch.rows
     assert peaks["default"] >= 16  # [s=8, b=2, V]: the watch sees logits
-    assert peaks["chunked"] <= 4
-    (_, want), (_, got) = results["default"], results["chunked"]
+    assert peaks["fused"] <= 4
+    (_, want), (_, got) = results["default"], results["fused"]
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
-
-
-def test_chunked_mtp_loss_values_against_float64() -> None:
-    torch.manual_seed(0)
-    h = torch.randn(5, 3, 32, dtype=torch.float32)
-    w = torch.randn(64, 32) * 3.0
-    labels = torch.randint(0, 64, (3, 5))
-    ctx = OutputContext(hidden_states=h, labels=labels, vocab_weight=w, vocab=hookspec.VocabShard(0, 64, 64))
-    got = chunked_mtp_loss(chunk_tokens=4)(ctx)
-    logits = torch.einsum("sbh,vh->bsv", h.double(), w.double())
-    want = -torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 # ---- bad input -------------------------------------------------------------

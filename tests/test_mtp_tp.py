@@ -1,9 +1,10 @@
-"""The MTP processors under tensor parallelism 2 (two gloo processes).
+"""The default MTP processor's vocab-parallel part under tensor parallelism 2.
 
 A whole MTP model cannot run tp=2 on a CPU: the MTP layer's projection gathers
-its output into a CUDA buffer. These tests run the vocab-parallel parts of the
-MTP processors on shards of known global arrays instead, against float64 and
-single-process references.
+its output into a CUDA buffer. The top-1 acceptance that feeds Megatron's
+logging runs here on two vocab shards of known logits, against a
+single-process argmax (the loss itself is Megatron's vocab-parallel cross
+entropy, called as it is).
 """
 
 from __future__ import annotations
@@ -37,27 +38,9 @@ def _shard_ctx(rank: int, hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 def _tp2_rank(rank: int, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
-    from torch_impl.mtp import _top1_accepted, chunked_mtp_loss
+    from torch_impl.mtp import _top1_accepted
 
-    # chunked cross entropy against float64 on the global arrays
-    h = hidden.clone().requires_grad_(True)
-    w = weight.clone().requires_grad_(True)
-    ctx = _shard_ctx(rank, h, w, labels)
-    loss = chunked_mtp_loss(chunk_tokens=3)(ctx)  # [b, s]
-    cot = torch.linspace(-1.0, 2.0, loss.numel()).reshape(loss.shape)
-    (loss * cot).sum().backward()
-    h64 = hidden.double().requires_grad_(True)
-    w64 = weight.double().requires_grad_(True)
-    logits = torch.einsum("sbh,vh->bsv", h64, w64)
-    want = -torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    (want * cot.double()).sum().backward()
-    tol = {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(loss.double(), want.detach(), **tol)
-    torch.testing.assert_close(h.grad.double(), h64.grad, **tol)  # both shards' parts
     rows = slice(32 * rank, 32 * (rank + 1))
-    torch.testing.assert_close(w.grad[rows].double(), w64.grad[rows], **tol)
-    assert torch.equal(w.grad[32 * (1 - rank) : 32 * (2 - rank)], torch.zeros(32, H))
-
     # top-1 acceptance over the two shards, with a tie across them: the first index wins
     z = torch.einsum("sbh,vh->sbv", hidden, weight)
     z[0, 0, 5] = z[0, 0, 40] = 100.0
@@ -68,9 +51,16 @@ def _tp2_rank(rank: int, hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     accepted = _top1_accepted(_shard_ctx(rank, hidden, weight, chosen), z[..., rows])
     assert torch.equal(accepted, want_accepted)
     assert bool(accepted[0, 0]) and not bool(accepted[1, 1])
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if hasattr(mtp, "_vocab_parallel_argmax"):  # 0.19: Megatron's own rule for its acceptance count
+        group = parallel_state.get_tensor_model_parallel_group()
+        preds = mtp._vocab_parallel_argmax(z[..., rows].contiguous(), group, 2)
+        assert torch.equal(accepted, preds.transpose(0, 1) == chosen)
 
 
-def test_mtp_processors_under_tp2() -> None:
+def test_top1_acceptance_under_tp2() -> None:
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(5, 2, H, generator=g)  # [s, b, h]
     weight = torch.randn(V, H, generator=g) * 2.0

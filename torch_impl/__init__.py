@@ -11,7 +11,7 @@ from .enable import (
     require_output_processor,
     unwrap_model,
 )
-from .mtp import chunked_mtp_loss, default_mtp_loss, mtp_loss_processor
+from .mtp import default_mtp_loss, detached_head
 from .schedule_plan import build_schedule_plan, plan_loss_func
 
 __all__ = [
@@ -19,13 +19,12 @@ __all__ = [
     "TorchCollectives",
     "build_output_context",
     "build_schedule_plan",
-    "chunked_mtp_loss",
     "default_mtp_loss",
+    "detached_head",
     "disable_output_processor",
     "enable_output_processor",
     "has_native_hook",
     "is_output_processor_enabled",
-    "mtp_loss_processor",
     "parallel_layout",
     "plan_loss_func",
     "require_output_processor",

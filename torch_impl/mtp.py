@@ -27,6 +27,9 @@ the label (used only for Megatron's acceptance-rate logging)::
 with ``scale = mtp_loss_scaling_factor / K``. The formulas of scaling and
 logging follow the installed release (:func:`mtp_semantics`), so that
 :data:`default_mtp_loss` reproduces the stock MTP losses and gradients bitwise.
+Any per-token loss processor fits, e.g. the fused
+``torch_impl.processors.cross_entropy_loss()``, which never materialises the
+MTP logits; :func:`detached_head` detaches the output weight for any of them.
 """
 
 from __future__ import annotations
@@ -48,9 +51,8 @@ __all__ = [
     "MTPCall",
     "MTPSemantics",
     "attach_mtp_losses",
-    "chunked_mtp_loss",
     "default_mtp_loss",
-    "mtp_loss_processor",
+    "detached_head",
     "mtp_semantics",
 ]
 
@@ -109,127 +111,41 @@ def _top1_accepted(ctx: OutputContext, logits: torch.Tensor) -> torch.Tensor:
         return pred.transpose(0, 1) == ctx.labels
 
 
-def mtp_loss_processor(*, detach_head: bool = False) -> Processor:
-    """The stock MTP loss as an MTP processor::
-
-        logits = output_layer(h_k, weight=ctx.output_weight)   # [s, b, V/tp]
-        logits = scale_logits(logits)                          # only with config.use_mup (0.19)
-        loss = compute_language_model_loss(labels_k, logits)   # [b, s]
-
-    ``detach_head=True`` detaches the output weight (tied embedding or output
-    layer) so that the MTP loss trains the MTP layers but not the head, on any
-    release (Megatron 0.19's ``config.mtp_detach_heads`` does the same and is
-    honoured whatever this processor says).
-    """
-
-    def mtp_loss(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        weight = ctx.output_weight
-        if detach_head:
-            weight = (weight if weight is not None else ctx.vocab_weight).detach()
-        logits, _ = ctx.output_layer(
-            ctx.hidden_states, weight=weight, runtime_gather_output=ctx.runtime_gather_output
-        )
-        if mtp_semantics().mup_scaling and getattr(ctx.config, "use_mup", False):
-            logits = ctx.scale_logits(logits)
-        loss = ctx.compute_language_model_loss(ctx.labels, logits)
-        return {"loss": loss, "accepted": _top1_accepted(ctx, logits)}
-
-    return processor(mtp_loss, name="mtp_loss_detached_head" if detach_head else "mtp_loss")
+def _default_mtp_loss(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    logits, _ = ctx.output_layer(
+        ctx.hidden_states, weight=ctx.output_weight, runtime_gather_output=ctx.runtime_gather_output
+    )
+    if mtp_semantics().mup_scaling and getattr(ctx.config, "use_mup", False):
+        logits = ctx.scale_logits(logits)
+    loss = ctx.compute_language_model_loss(ctx.labels, logits)
+    return {"loss": loss, "accepted": _top1_accepted(ctx, logits)}
 
 
-default_mtp_loss: Processor = mtp_loss_processor()
-"""The MTP processor that reproduces Megatron's own MTP loss (bitwise)."""
+default_mtp_loss: Processor = processor(_default_mtp_loss, name="default_mtp_loss")
+"""The stock MTP loss as an MTP processor (bitwise Megatron's own)::
+
+    logits = output_layer(h_k, weight=ctx.output_weight)   # [s, b, V/tp]
+    logits = scale_logits(logits)                          # only with config.use_mup (0.19)
+    loss = compute_language_model_loss(labels_k, logits)   # [b, s]
+    accepted = argmax(logits) == labels_k                  # [b, s], for acceptance logging
+"""
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """``loss[n] = logsumexp_v(x[n] @ w.T) - (x[n] @ w.T)[y[n]]`` over the global
-    vocabulary, ``chunk`` rows of logits at a time in forward and in backward.
+def detached_head(mtp_processor: Any, /) -> Processor:
+    """``mtp_processor`` with the output head detached: it sees
+    ``ctx.vocab_weight.detach()`` as both ``vocab_weight`` and ``output_weight``,
+    so the MTP loss trains the MTP layers but not the shared output weight (or
+    tied embedding). Works with any MTP processor and on any release (0.19's
+    ``config.mtp_detach_heads`` does the same for every processor)."""
 
-    Forward keeps ``lse [N]`` only; backward recomputes each chunk's logits and
-    uses ``d loss / d z = softmax(z) - onehot(y)``. Under tensor parallelism
-    ``w`` is the local shard: the forward's max and sums go through ``coll``;
-    ``grad_x`` is this shard's part, which the caller's
-    ``gather_hidden_states`` sums over the shards in its backward.
-    """
+    def fn(ctx: OutputContext) -> Any:
+        if ctx.vocab_weight is None:
+            return mtp_processor(ctx)
+        weight = ctx.vocab_weight.detach()
+        return mtp_processor(ctx.replace(vocab_weight=weight, output_weight=weight))
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, coll: Any, start: int, chunk: int
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        loss = torch.empty(n, dtype=torch.float32, device=x.device)
-        for i in range(0, n, chunk):
-            z = (x[i : i + chunk] @ w.t()).float()  # [c, V/tp]
-            local, idx = _local_targets(y[i : i + chunk], start, z.shape[-1])
-            m = coll.all_reduce_max(z.max(dim=-1).values)
-            lse[i : i + chunk] = m + torch.log(coll.all_reduce_sum(torch.exp(z - m[:, None]).sum(-1)))
-            picked = z.gather(-1, idx[:, None]).squeeze(-1) * local
-            loss[i : i + chunk] = lse[i : i + chunk] - coll.all_reduce_sum(picked)
-        ctx.save_for_backward(x, w, y, lse)
-        ctx.start, ctx.chunk = start, chunk
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, w, y, lse = ctx.saved_tensors
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = (
-            torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        )
-        for i in range(0, x.shape[0], ctx.chunk):
-            xs = x[i : i + ctx.chunk]
-            g = (xs @ w.t()).float().sub_(lse[i : i + ctx.chunk, None]).exp_()  # softmax [c, V/tp]
-            local, idx = _local_targets(y[i : i + ctx.chunk], ctx.start, g.shape[-1])
-            g.scatter_add_(-1, idx[:, None], -local.to(g.dtype)[:, None])  # - onehot(y) on this shard
-            g.mul_(grad_loss[i : i + ctx.chunk, None].float())
-            if grad_x is not None:
-                grad_x[i : i + ctx.chunk] = (g.to(w.dtype) @ w).to(x.dtype)
-            if grad_w is not None:
-                grad_w += g.t() @ xs.float()
-        return grad_x, (grad_w.to(w.dtype) if grad_w is not None else None), None, None, None, None
-
-
-def _local_targets(y: torch.Tensor, start: int, local_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which labels live on this vocab shard, and their local rows (0 elsewhere)."""
-    local = (y >= start) & (y < start + local_size)
-    return local, torch.where(local, y - start, torch.zeros_like(y))
-
-
-def chunked_mtp_loss(*, chunk_tokens: int = 1024, detach_head: bool = False) -> Processor:
-    """Per-token cross entropy of depth ``k`` without materialising its logits::
-
-        z = h @ W.T                           # never whole: chunk_tokens rows at a time
-        loss = logsumexp(z) - z[label]        # [b, s], float32, vocab-parallel
-
-    Forward and backward each hold one chunk's logits ``[chunk_tokens, V/tp]``
-    at a time (backward recomputes them), never ``[s, b, V/tp]``. Works under
-    tensor and sequence parallelism through ``ctx.collectives``. It multiplies
-    the vocab weight directly, so it skips the output layer's forward hooks,
-    does not report acceptance, and refuses MuP (``config.use_mup``).
-    """
-    if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
-        raise ContractError("chunk_tokens", expected="an int >= 1", actual=repr(chunk_tokens))
-
-    def mtp_chunked_loss(ctx: OutputContext) -> torch.Tensor:
-        if ctx.labels is None or ctx.vocab_weight is None or ctx.vocab is None:
-            raise ContractError("labels", expected="labels and a vocab weight for the MTP loss", actual=None)
-        if getattr(ctx.config, "use_mup", False):
-            raise ContractError(
-                "config.use_mup",
-                expected="False for chunked_mtp_loss",
-                actual=True,
-                hint="use default_mtp_loss",
-            )
-        weight = ctx.vocab_weight.detach() if detach_head else ctx.vocab_weight
-        hidden = ctx.collectives.gather_hidden_states(ctx.hidden_states)  # [s, b, h]
-        s, b, h = hidden.shape
-        x = hidden.transpose(0, 1).reshape(b * s, h)
-        y = ctx.labels.reshape(b * s)
-        loss = _ChunkedCrossEntropy.apply(x, weight, y, ctx.collectives, ctx.vocab.start, chunk_tokens)
-        return loss.reshape(b, s)
-
-    return processor(mtp_chunked_loss, name=f"chunked_mtp_loss[{chunk_tokens}]")
+    name = getattr(mtp_processor, "name", getattr(mtp_processor, "__name__", "mtp_processor"))
+    return processor(fn, name=f"detached_head({name})")
 
 
 # ---------------------------------------------------------------------------
