@@ -1,0 +1,223 @@
+"""Logprobs + entropy, and the PPO loss, forward + backward: time and peak extra memory
+of ours against the naive path and veRL's ``FusedLinearForPPO``, measured in the
+same run, each method in its own process, best of ``--repeats``.
+
+    python -m benchmarks.logprobs            # 8192 tokens, hidden 1024, V 65536, fp32 and bf16, + sweep
+    python -m benchmarks.logprobs --quick    # small sizes, seconds (smoke test)
+
+Writes ``benchmarks/results/logprobs.csv``, ``logprobs_summary.md`` (the targets,
+met or not) and ``logprobs.png``. ``scripts/bench.sh`` fetches veRL's file and runs
+this and ``benchmarks.hook_overhead``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._harness import load_average, measure, ratio, write_csv
+from .methods import LOGPROB_METHODS, POLICY_METHODS, available
+
+FULL = {"tokens": 8192, "hidden": 1024, "vocab": 65536}
+QUICK = {"tokens": 1024, "hidden": 256, "vocab": 8192}
+SWEEP = {"tokens": [2048, 4096, 8192], "at_vocab": 32768, "vocab": [16384, 65536, 131072], "at_tokens": 2048}
+QUICK_SWEEP = {"tokens": [256, 1024], "at_vocab": 4096, "vocab": [2048, 8192], "at_tokens": 256}
+
+TARGETS = {  # CPU targets of the issue
+    "mem_vs_naive": 0.05,
+    "time_vs_naive": 1.35,
+    "time_vs_verl": 1.0,
+    "policy_vs_naive": 1.05,
+}
+
+COLUMNS = [
+    "section", "device", "dtype", "tokens", "hidden", "vocab", "method", "time_s", "peak_extra_mib",
+    "time_vs_naive", "mem_vs_naive", "time_vs_verl", "runs_s", "load_avg", "error",
+]  # fmt: skip
+
+
+def _methods(device: str, floors: bool) -> tuple[list[str], dict[str, str]]:
+    names = ["naive", "verl", "ours"]
+    if floors:
+        names += ["floor3", "floor4"]
+    names += ["liger", "cce", "ours-ce"] if device == "cuda" else []
+    names += list(POLICY_METHODS)
+    skipped = {}
+    runnable = []
+    for name in names:
+        ok, why = available(name, device)
+        (runnable.append(name) if ok else skipped.__setitem__(name, why))
+    return runnable, skipped
+
+
+def _case(
+    section: str, shape: dict[str, int], dtype: str, device: str, methods: list[str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    print(f"{section}: {shape} {dtype} on {device}", flush=True)
+    rows = []
+    for method in methods:
+        spec = dict(shape, method=method, dtype=dtype, device=device)
+        row = measure(spec, repeats=args.repeats, timeout=args.timeout)
+        row.update(section=section, load_avg=round(load_average(), 2))
+        rows.append(row)
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        base = by.get("policy-naive" if r["method"].startswith("policy") else "naive")
+        if base is not None:
+            r["time_vs_naive"] = ratio(r["time_s"], base["time_s"])
+            r["mem_vs_naive"] = ratio(r["peak_extra_mib"], base["peak_extra_mib"])
+        if "verl" in by and r["method"] in LOGPROB_METHODS:
+            r["time_vs_verl"] = ratio(r["time_s"], by["verl"]["time_s"])
+    return rows
+
+
+def _summary(
+    rows: list[dict[str, Any]], device: str, skipped: dict[str, str], args: argparse.Namespace
+) -> str:
+    main = [r for r in rows if r["section"] == "main"]
+    lines = [
+        f"Measured on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {device}; best of {args.repeats} runs, each in its own process; "
+        f"load average {min(r['load_avg'] for r in rows):.1f} to {max(r['load_avg'] for r in rows):.1f}.",
+        "",
+        "| dtype | method | time (s) | peak extra (MiB) | time / naive | memory / naive | time / veRL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in main:
+        lines.append(
+            f"| {r['dtype']} | {r['method']} | {r['time_s']:.2f} | {r['peak_extra_mib']:.0f} | "
+            f"{_r(r.get('time_vs_naive'))} | {_r(r.get('mem_vs_naive'))} | {_r(r.get('time_vs_verl'))} |"
+        )
+    lines += ["", "| target (CPU) | dtype | measured | met |", "|---|---|---|---|"]
+    for dtype in sorted({r["dtype"] for r in main}):
+        by = {r["method"]: r for r in main if r["dtype"] == dtype}
+        ours = by.get("ours", {})
+        checks = [
+            ("peak extra memory <= 5% of naive", ours.get("mem_vs_naive"), TARGETS["mem_vs_naive"]),
+            ("logprobs+entropy fwd+bwd <= 1.35x naive", ours.get("time_vs_naive"), TARGETS["time_vs_naive"]),
+            ("logprobs+entropy fwd+bwd <= veRL", ours.get("time_vs_verl"), TARGETS["time_vs_verl"]),
+            (
+                "policy loss in the processor <= 1.05x naive",
+                by.get("policy-ours-fused", {}).get("time_vs_naive"),
+                TARGETS["policy_vs_naive"],
+            ),
+        ]
+        for label, value, target in checks:
+            met = "n/a" if value is None or value != value else ("yes" if value <= target else "no")
+            lines.append(f"| {label} | {dtype} | {_r(value)} | {met} |")
+    if skipped:
+        lines += ["", "Not run: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "."]
+    errors = [r for r in rows if r.get("error")]
+    if errors:
+        lines += [
+            "",
+            "Errors: " + "; ".join(f"{r['method']} {r['dtype']}: {r['error']}" for r in errors) + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _r(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.3f}" if value < 0.1 else f"{value:.2f}"
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in rows if r["section"] == "main" and not r.get("error")]
+    sweep = [r for r in rows if r["section"].startswith("sweep") and not r.get("error")]
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
+    dtypes = sorted({r["dtype"] for r in main})
+    methods = list(dict.fromkeys(r["method"] for r in main))
+    width = 0.8 / max(1, len(dtypes))
+    for k, dtype in enumerate(dtypes):
+        by = {r["method"]: r for r in main if r["dtype"] == dtype}
+        xs = [i + k * width for i in range(len(methods))]
+        axes[0].bar(xs, [by[m].get("time_vs_naive", math.nan) if m in by else math.nan for m in methods],
+                    width, label=dtype)  # fmt: skip
+        axes[1].bar(xs, [by[m].get("mem_vs_naive", math.nan) if m in by else math.nan for m in methods],
+                    width, label=dtype)  # fmt: skip
+    for ax, title in zip(axes[:2], ("time / naive (fwd+bwd)", "peak extra memory / naive")):
+        ax.set_xticks([i + width * (len(dtypes) - 1) / 2 for i in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=30, ha="right")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(title)
+        ax.legend()
+    axes[1].set_yscale("log")
+    axes[1].axhline(TARGETS["mem_vs_naive"], color="red", lw=0.8, ls="--")
+    axes[0].axhline(TARGETS["time_vs_naive"], color="red", lw=0.8, ls="--")
+    if sweep:
+        ax = axes[2]
+        for section, key, marker in (("sweep-tokens", "tokens", "o"), ("sweep-vocab", "vocab", "s")):
+            for method in ("ours", "verl"):
+                pts = sorted((r[key], r.get("time_vs_naive", math.nan)) for r in sweep
+                             if r["section"] == section and r["method"] == method)  # fmt: skip
+                if pts:
+                    ax.plot(range(len(pts)), [p[1] for p in pts], marker=marker,
+                            label=f"{method} time, {key} " + "/".join(str(p[0]) for p in pts))  # fmt: skip
+            pts = sorted((r[key], r.get("mem_vs_naive", math.nan)) for r in sweep
+                         if r["section"] == section and r["method"] == "ours")  # fmt: skip
+            if pts:
+                ax.plot(
+                    range(len(pts)), [p[1] for p in pts], marker=marker, ls=":", label=f"ours memory, {key}"
+                )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title("sweep (fp32): ratio to naive")
+        ax.set_xlabel("size step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.logprobs", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tokens and V sweep")
+    parser.add_argument("--floors", action="store_true", help="also time bare GEMMs (3 and 4)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+
+    shape = QUICK if args.quick else FULL
+    methods, skipped = _methods(args.device, args.floors)
+    rows: list[dict[str, Any]] = []
+    for dtype in args.dtypes.split(","):
+        rows += _case("main", shape, dtype, args.device, methods, args)
+    if args.sweep:
+        sweep_methods = [m for m in ("naive", "verl", "ours") if m in methods]
+        sweep, hidden = (QUICK_SWEEP if args.quick else SWEEP), shape["hidden"]
+        for n in sweep["tokens"]:
+            sweep_shape = {"tokens": n, "hidden": hidden, "vocab": sweep["at_vocab"]}
+            rows += _case("sweep-tokens", sweep_shape, "fp32", args.device, sweep_methods, args)
+        for v in sweep["vocab"]:
+            sweep_shape = {"tokens": sweep["at_tokens"], "hidden": hidden, "vocab": v}
+            rows += _case("sweep-vocab", sweep_shape, "fp32", args.device, sweep_methods, args)
+    out = args.out
+    write_csv(rows, out / "logprobs.csv", COLUMNS)
+    summary = _summary(rows, args.device, skipped, args)
+    (out / "logprobs_summary.md").write_text(summary)
+    _plot(rows, out / "logprobs.png")
+    print()
+    print(summary)
+    print(f"wrote {out / 'logprobs.csv'}, {out / 'logprobs_summary.md'}, {out / 'logprobs.png'}")
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
