@@ -15,6 +15,7 @@ The scope nests, and restores the previous setting on exit, so importing
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,9 @@ import jax.numpy as jnp
 
 from hookspec import ContractError
 
-__all__ = ["as_float64", "float64", "require_float64"]
+__all__ = ["as_float64", "computing_in", "float64", "require_float64"]
+
+_COMPUTE_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jax_ref_compute_dtype", default=None)
 
 
 @contextlib.contextmanager
@@ -45,6 +48,24 @@ def require_float64(where: str) -> None:
 
 
 def as_float64(x: Any, /, *, where: str = "jax_ref") -> jax.Array:
-    """``jnp.asarray(x, float64)``, refusing to run where float64 is off."""
+    """``jnp.asarray(x, float64)``, refusing to run where float64 is off.
+
+    Inside :func:`computing_in` the references' floating inputs are cast to
+    that dtype instead (the harness's plain low-precision baseline).
+    """
+    dtype = _COMPUTE_DTYPE.get()
+    if dtype is not None:
+        return jnp.asarray(x, dtype=dtype)
     require_float64(where)
     return jnp.asarray(x, dtype=jnp.float64)
+
+
+@contextlib.contextmanager
+def computing_in(dtype: Any) -> Iterator[None]:
+    """Make :func:`as_float64` cast to ``dtype`` (e.g. float32) in the body: the
+    references then run as the plain formulas in that precision."""
+    token = _COMPUTE_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _COMPUTE_DTYPE.reset(token)

@@ -12,7 +12,11 @@ labels with a few ``ignore_index`` entries and a loss mask. The kinds:
   half of them on the label.
 - ``masked``: a fully masked sequence and many ignored labels (empty
   aggregations, zero gradients).
-- ``awkward``: sizes that divide nothing (b=3, s=7, h=13, V=67).
+- ``awkward``: sizes that divide nothing (b=3, s=7, h=13, V=67), with the
+  masking of ``masked``.
+
+The default sizes are the tiny GPT's (b=3, s=8, h=32, V=64), so that JAX
+compiles the reference's operations once for both.
 """
 
 from __future__ import annotations
@@ -60,10 +64,10 @@ def synthetic_context(
     kind: str = "random",
     /,
     *,
-    batch: int = 2,
-    seq: int = 6,
-    hidden: int = 16,
-    vocab: int = 48,
+    batch: int = 3,
+    seq: int = 8,
+    hidden: int = 32,
+    vocab: int = 64,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     context: Any = None,
@@ -89,7 +93,7 @@ def synthetic_context(
         labels = torch.where(hit, top.t(), labels)
         w = 0.2 * w
         h = 0.2 * h + 25.0 * w[top] / w[top].pow(2).sum(-1, keepdim=True)
-    elif kind == "masked":
+    if kind in ("masked", "awkward"):
         mask[-1] = 0
         mask[0, ::2] = 0
         labels[0, 1::3] = IGNORE_INDEX

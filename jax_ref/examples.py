@@ -32,6 +32,7 @@ from .processors import selected_logprobs
 from .references import aggregate
 
 __all__ = [
+    "current_logprobs",
     "full_vocab_logprobs",
     "logprobs_entropy_reference",
     "missing_tp_reduction",
@@ -43,11 +44,13 @@ __all__ = [
 ]
 
 
-def _recipe(ctx: OutputContext, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, s]`` logprobs and entropy from gathered hidden states ``h [s, b, h]``."""
+def _recipe(
+    ctx: OutputContext, h: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, s]`` logprobs and entropy from gathered hidden states ``h [s, b, h]``, in ``dtype``."""
     coll, vocab = ctx.collectives, ctx.vocab
     assert vocab is not None and ctx.labels is not None
-    z = torch.matmul(h.float(), ctx.vocab_weight.float().t())  # type: ignore[union-attr]  # [s, b, V/tp]
+    z = torch.matmul(h.to(dtype), ctx.vocab_weight.to(dtype).t())  # type: ignore[union-attr]  # [s, b, V/tp]
     m = coll.all_reduce_max(z.detach().amax(-1))
     e = torch.exp(z - m[..., None])
     se = coll.all_reduce_sum(e.sum(-1))
@@ -59,8 +62,18 @@ def _recipe(ctx: OutputContext, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     z_y = torch.gather(z, -1, local.clamp(0, vocab.local_size - 1)[..., None])[..., 0]
     z_y = coll.all_reduce_sum(torch.where(here, z_y, torch.zeros_like(z_y)))
     logprobs = torch.where(y == ctx.ignore_index, torch.zeros_like(z_y), z_y - lse)
-    entropy = lse - coll.all_reduce_sum((e * z).sum(-1)) / se
+    entropy = (
+        torch.log(se) - coll.all_reduce_sum((e * (z - m[..., None])).sum(-1)) / se
+    )  # shifted: no cancellation
     return logprobs.t(), entropy.t()
+
+
+def current_logprobs(ctx: OutputContext) -> torch.Tensor:
+    """The context's selected-token logprobs ``[b, s]`` in float64, no gradient
+    (collective over the vocab shards: call it on every rank)."""
+    with torch.no_grad():
+        h = ctx.collectives.gather_hidden_states(ctx.hidden_states.detach())  # type: ignore[attr-defined]
+        return _recipe(ctx, h, torch.float64)[0]
 
 
 @processor

@@ -4,7 +4,11 @@
 Each mirrors a factory of ``torch_impl.processors`` and returns the same
 structure; each follows the vocab-parallel recipe through
 ``inputs.collectives`` and ``inputs.vocab_start``, so it runs on one shard or
-under :func:`jax_ref.sharded.shard_reference`.
+under :func:`jax_ref.sharded.shard_reference`. The policy loss reads its
+configuration by attribute (``clip_low``, ``clip_high``, ``dual_clip``,
+``ratio``, ``kl_coef``, ``kl_estimator``, ``entropy_coef``, ``aggregation``,
+``log_ratio_clamp``), so a ``torch_impl.processors.PolicyLossConfig`` serves
+as is and nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -13,13 +17,36 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hookspec import ContractError
 
 from .inputs import ReferenceInputs
-from .references import linear_logprobs
+from .references import aggregate, clipped_objective, gspo_ratio, kl_penalty, linear_logprobs
 
-__all__ = ["Reference", "cross_entropy_loss", "selected_logprobs", "token_logprobs_of"]
+__all__ = [
+    "Reference",
+    "context_temperature",
+    "cross_entropy_loss",
+    "policy_loss",
+    "selected_logprobs",
+    "token_logprobs_of",
+]
 
 Reference = Callable[[jax.Array, jax.Array, ReferenceInputs], Any]
+
+
+def context_temperature(inputs: ReferenceInputs, given: float | None) -> Any:
+    """``given``, else the user context's ``temperature`` (a number or ``[b, s]``), else 1."""
+    from_context = getattr(inputs.context, "temperature", None)
+    if given is not None and from_context is not None:
+        raise ContractError(
+            "temperature", expected="one source: the reference's or the context's", actual="both"
+        )
+    if from_context is not None:
+        return from_context
+    return 1.0 if given is None else given
 
 
 def token_logprobs_of(
@@ -47,11 +74,13 @@ def token_logprobs_of(
     return res.logprobs, res.entropy
 
 
-def selected_logprobs(*, temperature: float = 1.0, entropy: bool = False) -> Reference:
-    """``{"logprobs": [b, s]}`` and, with ``entropy``, ``{"entropy": [b, s]}``."""
+def selected_logprobs(*, temperature: float | None = None, entropy: bool = False) -> Reference:
+    """``{"logprobs": [b, s]}`` and, with ``entropy``, ``{"entropy": [b, s]}``;
+    the temperature as :func:`context_temperature` resolves it."""
 
     def selected_logprobs_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
-        lp, ent = token_logprobs_of(hidden, weight, inputs, temperature=temperature, with_entropy=entropy)
+        t = context_temperature(inputs, temperature)
+        lp, ent = token_logprobs_of(hidden, weight, inputs, temperature=t, with_entropy=entropy)
         return {"logprobs": lp, "entropy": ent} if entropy else {"logprobs": lp}
 
     return selected_logprobs_reference
@@ -65,3 +94,69 @@ def cross_entropy_loss() -> Reference:
         return -lp
 
     return cross_entropy_reference
+
+
+def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return aggregate(lax.stop_gradient(x), mask, mode="token-mean")
+
+
+def policy_loss(config: Any) -> Reference:
+    """The policy loss and its metrics, each a scalar; the user context holds
+    ``old_logprobs``, ``advantages``, ``mask`` (or None: the loss mask),
+    ``ref_logprobs`` and ``temperature``::
+
+        M = where(labels == ignore_index, 0, mask)
+        r = exp(clip(logp - old))                    # ratio="token"
+        r = gspo_ratio(logp, old, M)                 # ratio="sequence"
+        pg = clipped_objective(r, A, eps_low=clip_low, eps_high=clip_high, dual_clip=dual_clip)
+        L = pg + kl_coef * kl_penalty(logp, ref) - entropy_coef * entropy
+        loss = aggregate(L, M, aggregation)
+
+    Metrics (no gradient): ``pg_loss`` and ``kl`` aggregated like the loss;
+    ``entropy``, ``clip_fraction`` (``-A clip(r) > -A r``), ``approx_kl`` (k3 of
+    ``old`` against ``logp``) and ``dual_clip_fraction`` as token means over ``M``.
+    """
+    eps_low = float(config.clip_low)
+    eps_high = eps_low if config.clip_high is None else float(config.clip_high)
+    clamp = config.log_ratio_clamp
+    mode = getattr(config.aggregation, "value", config.aggregation)
+    estimator = getattr(config.kl_estimator, "value", config.kl_estimator)
+
+    def policy_loss_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
+        batch = inputs.context
+        t = context_temperature(inputs, None)
+        logp, ent = token_logprobs_of(hidden, weight, inputs, temperature=t, with_entropy=True)
+        mask = batch.mask if batch.mask is not None else inputs.loss_mask
+        mask = jnp.ones(logp.shape) if mask is None else jnp.asarray(mask, jnp.float64)
+        mask = jnp.where(inputs.labels == inputs.ignore_index, 0.0, mask)
+        old = lax.stop_gradient(batch.old_logprobs)
+        adv = lax.stop_gradient(batch.advantages)
+        if config.ratio == "sequence":
+            ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=clamp)
+        else:
+            ratio = jnp.exp(logp - old if clamp is None else jnp.clip(logp - old, -clamp, clamp))
+        pg = clipped_objective(ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip)
+        pg1, pg2 = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+        total = pg
+        kl = None
+        if batch.ref_logprobs is not None:
+            kl = kl_penalty(logp, lax.stop_gradient(batch.ref_logprobs), estimator=estimator, clamp=clamp)
+            if config.kl_coef != 0.0:
+                total = total + config.kl_coef * kl
+        if config.entropy_coef != 0.0:
+            total = total - config.entropy_coef * ent
+        out = {
+            "loss": aggregate(total, mask, mode=mode),
+            "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode),
+            "entropy": _token_mean(ent, mask),
+            "clip_fraction": _token_mean((pg2 > pg1).astype(jnp.float64), mask),
+            "approx_kl": _token_mean(kl_penalty(logp, old, estimator="k3", clamp=clamp), mask),
+        }
+        if kl is not None:
+            out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode)
+        if config.dual_clip is not None:
+            dual = (adv < 0) & (jnp.maximum(pg1, pg2) > -adv * config.dual_clip)
+            out["dual_clip_fraction"] = _token_mean(dual.astype(jnp.float64), mask)
+        return out
+
+    return policy_loss_reference

@@ -35,7 +35,9 @@ from ._x64 import as_float64
 __all__ = [
     "LinearLogprobs",
     "aggregate",
+    "clipped_objective",
     "gspo_loss",
+    "gspo_ratio",
     "kl_penalty",
     "linear_logits",
     "linear_logprobs",
@@ -153,10 +155,13 @@ def linear_logprobs(
     return LinearLogprobs(logprobs=logprobs, entropy=entropy)
 
 
-def kl_penalty(logp: jax.Array, ref: jax.Array, /, *, estimator: KLEstimator | str) -> jax.Array:
-    """Per-token KL estimate, ``log_ratio = ref - logp``::
+def kl_penalty(
+    logp: jax.Array, ref: jax.Array, /, *, estimator: KLEstimator | str, clamp: float | None = None
+) -> jax.Array:
+    """Per-token KL estimate, ``log_ratio = ref - logp`` (clipped to ``[-clamp,
+    clamp]`` when ``clamp`` is set)::
 
-    k1 = logp - ref;  k2 = (logp - ref) ** 2 / 2;  k3 = exp(log_ratio) - log_ratio - 1
+    k1 = -log_ratio;  k2 = log_ratio ** 2 / 2;  k3 = exp(log_ratio) - log_ratio - 1
     """
     try:
         kind = KLEstimator(estimator)
@@ -164,13 +169,35 @@ def kl_penalty(logp: jax.Array, ref: jax.Array, /, *, estimator: KLEstimator | s
         raise ContractError(
             "estimator", expected=[k.value for k in KLEstimator], actual=repr(estimator)
         ) from None
-    diff = as_float64(logp) - as_float64(ref)
+    log_ratio = _clip(as_float64(ref) - as_float64(logp), clamp)
     if kind is KLEstimator.K1:
-        return diff
+        return -log_ratio
     if kind is KLEstimator.K2:
-        return diff**2 / 2
-    log_ratio = -diff
+        return log_ratio**2 / 2
     return jnp.exp(log_ratio) - log_ratio - 1
+
+
+def _clip(x: jax.Array, bound: float | None) -> jax.Array:
+    return x if bound is None else jnp.clip(x, -bound, bound)
+
+
+def clipped_objective(
+    ratio: jax.Array,
+    advantages: jax.Array,
+    /,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> jax.Array:
+    """``max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))``, then, when
+    ``dual_clip`` is set, ``min(., -A * dual_clip)`` where ``A < 0``."""
+    eps_high = eps_low if eps_high is None else eps_high
+    a = as_float64(advantages)
+    loss = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    if dual_clip is not None:
+        loss = jnp.where(a < 0, jnp.minimum(loss, -a * dual_clip), loss)
+    return loss
 
 
 def ppo_loss(
@@ -182,20 +209,37 @@ def ppo_loss(
     eps_low: float = 0.2,
     eps_high: float | None = None,
     dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> jax.Array:
     """The clipped PPO loss per token, ``[b, s]``::
 
-    ratio = exp(logp - old)
+    ratio = exp(clip(logp - old, -log_ratio_clamp, log_ratio_clamp))   # no clip when None
     loss = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
     loss = where(A < 0, min(loss, -A * dual_clip), loss)   # when dual_clip is set
     """
-    eps_high = eps_low if eps_high is None else eps_high
-    a = as_float64(advantages)
-    ratio = jnp.exp(as_float64(logp) - as_float64(old))
-    loss = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
-    if dual_clip is not None:
-        loss = jnp.where(a < 0, jnp.minimum(loss, -a * dual_clip), loss)
-    return loss
+    ratio = jnp.exp(_clip(as_float64(logp) - as_float64(old), log_ratio_clamp))
+    return clipped_objective(ratio, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+
+
+def gspo_ratio(
+    logp: jax.Array, old: jax.Array, mask: jax.Array, /, *, log_ratio_clamp: float | None = None
+) -> jax.Array:
+    """GSPO's sequence-level ratio at every token of the sequence, ``[b, s]``::
+
+    seq_log_ratio = clip(sum_s(M * (logp - old)) / sum_s(M), -clamp, clamp)   # [b], 0 if sum_s(M) == 0
+    ratio = exp(seq_log_ratio)[:, None]                                        # broadcast over s
+
+    Differentiated through the mean: ``d ratio_b / d logp_t = ratio_b * M_t /
+    sum_s(M)`` (none where the clamp binds), so a token's gradient gathers the
+    advantages of its whole sequence. With one advantage per sequence and the
+    seq-mean-token-mean aggregation this is GSPO's sequence objective, and its
+    gradient equals that of the "GSPO-token" form ``exp(sg(seq_log_ratio) +
+    logp - sg(logp))``; with per-token advantages the two differ, and this is
+    the one the contract's policy loss computes.
+    """
+    lp, m = as_float64(logp), as_float64(mask)
+    raw = jnp.sum(m * (lp - as_float64(old)), axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    return jnp.broadcast_to(jnp.exp(_clip(raw, log_ratio_clamp))[:, None], lp.shape)
 
 
 def gspo_loss(
@@ -207,26 +251,15 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float | None = None,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
 ) -> jax.Array:
-    """GSPO's clipped loss per token with the sequence-level ratio, ``[b, s]``::
-
-    seq_log_ratio = sum_s(M * (logp - old)) / sum_s(M)          # [b]
-    ratio = exp(stop_gradient(seq_log_ratio)[:, None] + logp - stop_gradient(logp))
-    loss = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
-
-    The value of ``ratio`` is the sequence ratio ``s_b`` at every token; its
-    gradient per token is ``s_b * d logp``, so with the seq-mean-token-mean
-    aggregation this is GSPO's sequence objective exactly.
-    """
-    eps_high = eps_low if eps_high is None else eps_high
-    lp, m = as_float64(logp), as_float64(mask)
-    count = jnp.sum(m, axis=-1)
-    seq = jnp.sum(m * (lp - as_float64(old)), axis=-1) / jnp.maximum(count, 1.0)
-    log_ratio = lax.stop_gradient(seq)[:, None] + lp - lax.stop_gradient(lp)
-    ratio = jnp.exp(log_ratio)
+    """GSPO's clipped loss per token, ``[b, s]``: :func:`clipped_objective` of
+    :func:`gspo_ratio`; ``advantages`` ``[b]`` or ``[b, s]``."""
     a = as_float64(advantages)
     a = a[:, None] if a.ndim == 1 else a
-    return jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=log_ratio_clamp)
+    return clipped_objective(ratio, a, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
 
 
 def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -> jax.Array:

@@ -1,0 +1,104 @@
+"""The built-in processors ``hookcheck`` checks, as importable objects, and the
+user contexts they read. Imports ``torch_impl.processors``: where it is missing,
+``hookcheck`` reports these checks as unavailable and runs the others.
+
+Tile sizes are small on purpose: on the tiny model (V = 64, 24 tokens) the
+online logsumexp then spans several vocabulary and token tiles, as it does at
+scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hookspec import OutputContext
+from torch_impl.processors import (
+    PolicyBatch,
+    PolicyLossConfig,
+    cross_entropy_loss,
+    policy_loss,
+    selected_logprobs,
+)
+
+from .examples import current_logprobs
+
+__all__ = [
+    "CROSS_ENTROPY",
+    "GRPO",
+    "GRPO_CONFIG",
+    "GSPO",
+    "GSPO_CONFIG",
+    "LOGPROBS",
+    "LOGPROBS_CONTEXT_TEMPERATURE",
+    "LOGPROBS_T07",
+    "PPO",
+    "PPO_CONFIG",
+    "SEQ_SUM",
+    "SEQ_SUM_CONFIG",
+    "TemperatureContext",
+    "gspo_context",
+    "policy_context",
+    "temperature_context",
+]
+
+_TILES = {"chunk_size": 24, "token_chunk_size": 7}
+
+LOGPROBS = selected_logprobs(entropy=True, **_TILES)
+LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, **_TILES)
+LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, **_TILES)
+CROSS_ENTROPY = cross_entropy_loss(**_TILES)
+
+PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+PPO = policy_loss(PPO_CONFIG, fused_tile_elements=200)  # fused: 3 tokens x 64 logits per tile
+GRPO_CONFIG = PolicyLossConfig.grpo(fused=False)
+GRPO = policy_loss(GRPO_CONFIG, **_TILES)
+GSPO_CONFIG = PolicyLossConfig.gspo(kl_coef=0.02, kl_estimator="k1")
+GSPO = policy_loss(GSPO_CONFIG, **_TILES)
+SEQ_SUM_CONFIG = PolicyLossConfig(aggregation="seq-mean-token-sum", kl_coef=0.1, kl_estimator="k2")
+SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, fused_tile_elements=200)
+
+
+@dataclasses.dataclass(frozen=True)
+class TemperatureContext:
+    """A user context carrying a per-token temperature ``[b, s]``."""
+
+    temperature: torch.Tensor
+
+
+def temperature_context(ctx: OutputContext) -> TemperatureContext:
+    b, s = ctx.batch_size, ctx.seq_len
+    g = torch.Generator().manual_seed(11)
+    return TemperatureContext(torch.rand(b, s, generator=g) + 0.5)
+
+
+def _near_policy(ctx: OutputContext, noise: float, seed: int) -> PolicyBatch:
+    lp = current_logprobs(ctx)  # [b, s] float64
+    g = torch.Generator().manual_seed(seed)
+    b, s = lp.shape
+
+    def randn() -> torch.Tensor:
+        return torch.randn(b, s, generator=g, dtype=torch.float64)
+
+    old = lp + noise * randn()
+    adv = randn()
+    old[0, 2], adv[0, 2] = lp[0, 2] - 1.5, -1.0  # ratio e^1.5 > dual clip 3, A < 0
+    ref = lp + 0.2 * randn()
+    return PolicyBatch(old_logprobs=old.float(), advantages=adv.float(), ref_logprobs=ref.float())
+
+
+def policy_context(ctx: OutputContext) -> PolicyBatch:
+    """Old and reference logprobs near the current ones (log-ratio noise 0.2:
+    some tokens clipped, some not), random advantages."""
+    return _near_policy(ctx, 0.2, seed=5)
+
+
+def gspo_context(ctx: OutputContext) -> PolicyBatch:
+    """As :func:`policy_context` with noise 3e-4, so that GSPO's narrow clip
+    (3e-4, 4e-4) on the sequence ratio leaves some sequences unclipped."""
+    batch = _near_policy(ctx, 3e-4, seed=6)
+    lp = current_logprobs(ctx)
+    old = batch.old_logprobs.clone()
+    old[0, 2] = lp[0, 2].float()
+    return dataclasses.replace(batch, old_logprobs=old)

@@ -1,0 +1,464 @@
+"""``hookcheck``: cross-check output processors against the float64 JAX reference.
+
+With no arguments it builds the tiny Megatron GPT on the CPU (fp32, bf16, fp16,
+and fp32 with tied embeddings), runs every built-in processor through the
+output hook, compares values and the VJPs for the hidden states and the output
+weight with ``jax_ref``, adds synthetic and adversarial cases, prints the table
+and exits 1 on a mismatch::
+
+    hookcheck
+    hookcheck --processor mypkg.procs:my_logprobs --reference mypkg.refs:my_reference
+    hookcheck --tp 2            # vocab-parallel over 2 gloo ranks, sharded reference
+
+Exit status: 0 all passed, 1 a mismatch (or a non-finite value), 2 bad input
+(a ``module:attr`` that does not import, a reference whose output structure
+differs from the processor's, a dtype DLPack cannot carry, a processor that
+raises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+__all__ = ["BUILTIN_CHECKS", "BuiltinCheck", "main"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+_MAX_FAILURE_LINES = 20
+SYNTHETIC_KINDS = ("strongly-negative", "peaked", "awkward")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinCheck:
+    """A processor (``module:attr``), its reference (a factory, called once the
+    processor imported), and the maker of its user context (``module:attr``)."""
+
+    name: str
+    processor: str
+    reference: Callable[[], Any]
+    make_context: str | None = None
+
+
+def _policy_reference(config_spec: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from . import processors
+        from .gpt_cases import resolve
+
+        return processors.policy_loss(resolve(config_spec))
+
+    return make
+
+
+def _ref(name: str, **kwargs: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        from . import processors
+
+        return getattr(processors, name)(**kwargs)
+
+    return make
+
+
+def _example_ref(name: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from . import examples
+
+        return getattr(examples, name)
+
+    return make
+
+
+_B = "jax_ref.builtin_processors"
+BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
+    BuiltinCheck("selected_logprobs(entropy)", f"{_B}:LOGPROBS", _ref("selected_logprobs", entropy=True)),
+    BuiltinCheck(
+        "selected_logprobs(T=0.7)",
+        f"{_B}:LOGPROBS_T07",
+        _ref("selected_logprobs", temperature=0.7, entropy=True),
+    ),
+    BuiltinCheck(
+        "selected_logprobs(T per token)",
+        f"{_B}:LOGPROBS_CONTEXT_TEMPERATURE",
+        _ref("selected_logprobs", entropy=True),
+        f"{_B}:temperature_context",
+    ),
+    BuiltinCheck("cross_entropy_loss", f"{_B}:CROSS_ENTROPY", _ref("cross_entropy_loss")),
+    BuiltinCheck(
+        "policy_loss(ppo, fused)", f"{_B}:PPO", _policy_reference(f"{_B}:PPO_CONFIG"), f"{_B}:policy_context"
+    ),
+    BuiltinCheck(
+        "policy_loss(grpo)", f"{_B}:GRPO", _policy_reference(f"{_B}:GRPO_CONFIG"), f"{_B}:policy_context"
+    ),
+    BuiltinCheck(
+        "policy_loss(gspo)", f"{_B}:GSPO", _policy_reference(f"{_B}:GSPO_CONFIG"), f"{_B}:gspo_context"
+    ),
+    BuiltinCheck(
+        "policy_loss(seq-mean-token-sum)",
+        f"{_B}:SEQ_SUM",
+        _policy_reference(f"{_B}:SEQ_SUM_CONFIG"),
+        f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
+        "example: vocab-parallel recipe",
+        "jax_ref.examples:vocab_parallel_logprobs",
+        _example_ref("logprobs_entropy_reference"),
+    ),
+    BuiltinCheck(
+        "example: upstream-style processor",
+        "jax_ref.examples:full_vocab_logprobs",
+        _example_ref("logprobs_entropy_reference"),
+    ),
+    BuiltinCheck(
+        "example: token-mean loss",
+        "jax_ref.examples:token_mean_loss",
+        _example_ref("token_mean_loss_reference"),
+    ),
+)
+"""What ``hookcheck`` checks with no arguments."""
+
+
+class _Progress:
+    def __init__(self, total: int, stream: TextIO, quiet: bool) -> None:
+        self.total, self.done, self.stream, self.quiet = total, 0, stream, quiet
+        self.start = time.monotonic()
+
+    def step(self, what: str, status: str) -> None:
+        self.done += 1
+        if not self.quiet:
+            elapsed = time.monotonic() - self.start
+            width = len(str(self.total))
+            print(
+                f"[{self.done:>{width}}/{self.total}] {elapsed:5.1f}s  {what}: {status}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, file=self.stream, flush=True)
+
+
+@dataclasses.dataclass
+class _Job:
+    name: str
+    processor: Any
+    reference: Any
+    make_context: Any
+    spec: str
+    context_spec: str | None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hookcheck",
+        description="Cross-check output processors (values and VJPs) against the float64 JAX reference, "
+        "on a tiny Megatron GPT run on the CPU and on synthetic cases.",
+    )
+    p.add_argument(
+        "--processor",
+        action="append",
+        metavar="MODULE:ATTR",
+        help="a processor of either kind (hookspec or upstream); repeat to check several",
+    )
+    p.add_argument(
+        "--reference",
+        action="append",
+        metavar="MODULE:ATTR",
+        help="its JAX reference, f(hidden, weight, inputs) -> the processor's structure; one per --processor",
+    )
+    p.add_argument(
+        "--context",
+        action="append",
+        metavar="MODULE:ATTR",
+        help="make_context(ctx) -> the user context (output_processor_context) the processor reads "
+        "('-' for none); one per --processor, in order",
+    )
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="dtypes to check (default: all three)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks for the GPT case (gloo processes)"
+    )
+    p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic and adversarial cases")
+    p.add_argument("--full", action="store_true", help="print every compared array, not the summary")
+    p.add_argument("--seed", type=int, default=0, help="seed of the cotangents")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
+    return p
+
+
+def _error(message: str, stream: TextIO) -> int:
+    print(f"hookcheck: error: {message}", file=stream, flush=True)
+    return 2
+
+
+def _versions() -> str:
+    import jax
+    import megatron.core
+    import torch
+
+    from torch_impl import has_native_hook
+
+    try:
+        from megatron.core.models.gpt import GPTModel
+
+        hook = "native hook" if has_native_hook(GPTModel) else "no native hook: the adapter's own path"
+    except Exception:  # pragma: no cover - informative only
+        hook = "?"
+    return (
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"megatron-core {megatron.core.__version__} ({hook}), "
+        f"jax {jax.__version__}, {len(jax.devices())} JAX device(s)"
+    )
+
+
+def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]:
+    from hookspec import ContractError
+
+    from .gpt_cases import resolve
+
+    if args.processor or args.reference:
+        procs, refs, contexts = args.processor or [], args.reference or [], args.context or []
+        if len(procs) != len(refs) or len(contexts) > len(procs):
+            raise ContractError(
+                "arguments",
+                expected="one --reference per --processor (in order), at most one --context each",
+                actual=f"{len(procs)} --processor, {len(refs)} --reference, {len(contexts)} --context",
+            )
+        jobs = []
+        for i, (proc_spec, ref_spec) in enumerate(zip(procs, refs)):
+            context_spec = contexts[i] if i < len(contexts) and contexts[i] != "-" else None
+            proc = resolve(proc_spec, field="--processor")
+            ref = resolve(ref_spec, field="--reference")
+            make = resolve(context_spec, field="--context") if context_spec else None
+            if not callable(proc):
+                raise ContractError(
+                    "--processor",
+                    expected=f"{proc_spec} to be a callable processor",
+                    actual=type(proc).__name__,
+                )
+            if not callable(ref):
+                raise ContractError(
+                    "--reference",
+                    expected=f"{ref_spec} to be a callable reference",
+                    actual=type(ref).__name__,
+                )
+            jobs.append(_Job(proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec))
+        return jobs, []
+    jobs, unavailable = [], []
+    for check in BUILTIN_CHECKS:
+        try:
+            proc = resolve(check.processor)
+            make = resolve(check.make_context, field="make_context") if check.make_context else None
+        except ContractError as exc:
+            unavailable.append(f"{check.name} ({check.processor}): {exc.actual}")
+            continue
+        jobs.append(_Job(check.name, proc, check.reference(), make, check.processor, check.make_context))
+    return jobs, unavailable
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    progress = _Progress(0, err, args.quiet)
+    progress.say(f"hookcheck: {_versions()}")
+    jobs, unavailable = _jobs(args, out)
+    for line in unavailable:
+        progress.say(f"hookcheck: unavailable, skipped: {line}")
+    if not jobs:
+        return _error("no processor to check", err)
+    dtypes = tuple(args.dtype or DTYPES)
+    builtin = not args.processor
+    kinds = () if args.no_synthetic else SYNTHETIC_KINDS
+    model_cases = [(d, False) for d in dtypes] + ([("float32", True)] if "float32" in dtypes else [])
+    if args.tp > 1:
+        model_cases = [("float32", False)]
+    progress.total = len(jobs) * (len(model_cases) + len(kinds))
+    from .harness import CrossCheckReport
+
+    rows: list[Any] = []
+    notes: list[str] = []
+    if args.tp > 1:
+        rows += _run_tensor_parallel(jobs, args, progress, notes)
+    else:
+        rows += _run_gpt(jobs, model_cases, args, progress)
+    rows += _run_synthetic(jobs, kinds, args, progress)
+    report = CrossCheckReport("processors" if builtin else jobs[0].name, "jax_ref", tuple(rows))
+    _print_report(report, args.full, out)
+    for note in notes:
+        print(note, file=out)
+    failures = report.failures()
+    if failures:
+        for row in failures[:_MAX_FAILURE_LINES]:
+            reason = (
+                row.note
+                if row.note.startswith(("non-finite", "shape", "finite"))
+                else f"max abs err {row.max_abs:.3g}, {row.max_rel:.3g} of the reference's scale "
+                f"(rtol {row.rtol:g}) {row.note}".rstrip()
+            )
+            print(
+                f"FAIL {row.processor}: {row.output} {row.quantity} [{row.case}, {row.dtype}]: {reason}",
+                file=out,
+            )
+        if len(failures) > _MAX_FAILURE_LINES:
+            print(f"... and {len(failures) - _MAX_FAILURE_LINES} more (--full prints every row)", file=out)
+        print(f"hookcheck: {len(failures)} of {len(report.rows)} comparisons FAILED", file=out)
+        return 1
+    print(f"hookcheck: all {len(report.rows)} comparisons passed", file=out)
+    return 0
+
+
+def _print_report(report: Any, full: bool, out: TextIO) -> None:
+    print(report.table() if full else report.summary(), file=out)
+    print(file=out)
+
+
+def _name(obj: Any) -> str:
+    return str(getattr(obj, "__name__", type(obj).__name__))
+
+
+def _processor_failed(job: _Job, exc: Exception) -> Exception:
+    from hookspec import ContractError
+
+    if isinstance(exc, ContractError):
+        return exc
+    return ContractError(
+        f"processor {job.name!r}",
+        expected="to run on the case",
+        actual=f"{type(exc).__name__}: {exc}".splitlines()[0],
+    )
+
+
+def _run_gpt(
+    jobs: list[_Job], model_cases: list[tuple[str, bool]], args: argparse.Namespace, progress: _Progress
+) -> list[Any]:
+    from torch_impl.tiny import megatron_parallel
+
+    from .gpt_cases import build_case_model, case_batch
+    from .harness import compare_run
+    from .torch_run import run_through_hook
+
+    rows: list[Any] = []
+    with megatron_parallel():
+        for dtype, tied in model_cases:
+            model = build_case_model(dtype=dtype, tied=tied)
+            batch = case_batch()
+            case = "gpt-tied" if tied else "gpt"
+            for job in jobs:
+                try:
+                    run = run_through_hook(
+                        job.processor, model, batch, make_user_context=job.make_context, seed=args.seed
+                    )
+                except Exception as exc:
+                    raise _processor_failed(job, exc) from None
+                got = compare_run(run, job.reference, case=case, processor=job.name)
+                rows += got
+                progress.step(f"{job.name} | {case} {dtype}", _status(got))
+    return rows
+
+
+def _run_synthetic(
+    jobs: list[_Job], kinds: Sequence[str], args: argparse.Namespace, progress: _Progress
+) -> list[Any]:
+    from .cases import synthetic_context
+    from .harness import compare_run
+    from .torch_run import run_on_context
+
+    rows: list[Any] = []
+    for kind in kinds:
+        for job in jobs:
+            ctx = synthetic_context(kind, seed=args.seed)
+            try:
+                if job.make_context is not None:
+                    ctx = ctx.replace(context=job.make_context(ctx))
+                run = run_on_context(job.processor, ctx, seed=args.seed)
+            except Exception as exc:
+                raise _processor_failed(job, exc) from None
+            got = compare_run(run, job.reference, case=kind, processor=job.name)
+            rows += got
+            progress.step(f"{job.name} | {kind} float32", _status(got))
+    return rows
+
+
+def _run_tensor_parallel(
+    jobs: list[_Job], args: argparse.Namespace, progress: _Progress, notes: list[str]
+) -> list[Any]:
+    from hookspec import ContractError
+
+    from .gpt_cases import GPTCase, run_tensor_parallel
+    from .harness import cross_check_tensor_parallel
+
+    for job in jobs:
+        if ":" not in job.spec or (job.make_context is not None and not job.context_spec):
+            raise ContractError("--tp", expected="processors named by module:attr", actual=job.spec)
+    progress.say(f"hookcheck: starting {args.tp} gloo ranks for {len(jobs)} processor(s) ...")
+    cases = [GPTCase(processor=j.spec, make_context=j.context_spec, seed=args.seed) for j in jobs]
+    all_runs = run_tensor_parallel(cases, tp=args.tp)
+    rows: list[Any] = []
+    how = ""
+    for job, runs in zip(jobs, all_runs):
+        report, how = cross_check_tensor_parallel(
+            runs, job.reference, processor=job.name, case=f"{job.name} | gpt"
+        )
+        rows += report.rows
+        progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
+    notes.append(f"hookcheck: tp={args.tp}: {how}")
+    return rows
+
+
+def _status(rows: Sequence[Any]) -> str:
+    bad = [r for r in rows if not r.passed]
+    return "ok" if not bad else f"FAIL ({len(bad)} of {len(rows)})"
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run ``hookcheck`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = _parser().parse_args(argv)
+    if args.tp < 1:
+        return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
+    saved_flags = os.environ.get("XLA_FLAGS")
+    if args.tp > 1 and _DEVICE_COUNT_FLAG not in (saved_flags or ""):
+        # virtual CPU devices for the sharded reference; read when JAX starts its backend
+        os.environ["XLA_FLAGS"] = f"{saved_flags or ''} {_DEVICE_COUNT_FLAG}={args.tp}".strip()
+    try:
+        return _main(args, out, err)
+    finally:
+        if saved_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = saved_flags
+
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _quiet_logs()
+        from hookspec import ContractError
+
+        try:
+            return _run(args, out, err)
+        except ContractError as exc:
+            return _error(str(exc), err)
+        except Exception as exc:
+            if args.traceback:
+                raise
+            return _error(
+                f"{type(exc).__name__}: {exc} (run with --traceback for details)".replace("\n", " "), err
+            )
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    for name in ("megatron", "megatron.core", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
