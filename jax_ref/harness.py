@@ -196,8 +196,9 @@ def to_reference_tree(obj: Any, /, *, field: str = "context") -> Any:
     dict; tuples and lists keep their type; anything else passes unchanged.
     """
     if isinstance(obj, torch.Tensor):
-        a = to_jax(obj, field=field)
-        return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+        with float64():
+            a = to_jax(obj, field=field)
+            return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
     if isinstance(obj, np.ndarray):
         return to_reference_tree(torch.from_numpy(obj), field=field)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
