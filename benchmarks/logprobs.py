@@ -42,7 +42,7 @@ COLUMNS = [
 
 
 def _methods(device: str, floors: bool) -> tuple[list[str], dict[str, str]]:
-    names = ["naive", "verl", "ours"]
+    names = ["naive", "naive-upcast", "verl", "ours"]
     if floors:
         names += ["floor3", "floor4"]
     names += ["liger", "cce", "ours-ce"] if device == "cuda" else []
@@ -61,6 +61,8 @@ def _case(
     print(f"{section}: {shape} {dtype} on {device}", flush=True)
     rows = []
     for method in methods:
+        if method == "naive-upcast" and dtype == "fp32":
+            continue
         spec = dict(shape, method=method, dtype=dtype, device=device)
         row = measure(spec, repeats=args.repeats, timeout=args.timeout)
         row.update(section=section, load_avg=round(load_average(), 2))

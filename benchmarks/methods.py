@@ -7,6 +7,9 @@ of those. Baselines:
 
 - ``naive``: what a training loop writes: the output layer, fp32 logits,
   logsumexp, gather, softmax for the entropy (``[n, V]`` tensors throughout).
+- ``naive-upcast`` (bf16/fp16 only): the same with the inputs cast to fp32
+  first; CPUs without bf16 instructions run fp32 GEMMs several times faster,
+  and ours computes in fp32 on a CPU.
 - ``verl``: veRL 0.9.1's pure-torch ``FusedLinearForPPO`` (chunks of 512
   tokens, logits recomputed in backward), loaded by file path from the
   unpacked wheel (``scripts/bench.sh`` fetches it); never vendored.
@@ -41,6 +44,12 @@ def naive(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
     logprobs = z.gather(1, y[:, None]).squeeze(1) - lse
     entropy = lse - (z.softmax(-1) * z).sum(-1)
     return logprobs, entropy
+
+
+def naive_upcast(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    """``naive`` with bf16/fp16 inputs cast to fp32 before the output layer: the
+    baseline that runs its GEMMs in the dtype ours uses on a CPU."""
+    return naive(h.float(), w.float(), y)
 
 
 def ours(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
@@ -101,6 +110,7 @@ def ours_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
 
 LOGPROB_METHODS: dict[str, Callable[..., Result]] = {
     "naive": naive,
+    "naive-upcast": naive_upcast,
     "verl": verl,
     "ours": ours,
     "floor3": floor3,
