@@ -26,6 +26,7 @@ import torch
 
 from hookspec import IGNORE_INDEX, Collectives
 
+from ._checks import check_floating
 from ._logprobs import (
     Plan,
     Stats,
@@ -149,12 +150,18 @@ class _FusedTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_loss: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_token_loss: backward through the same loss twice; its gradients were formed "
+                "once in the forward pass (use the recomputing path, PolicyLossConfig(fused=False))"
+            )
         dh, dw = ctx.grads
-        ctx.grads = None
+        ctx.grads = None  # handed over (and scaled in place): the graph keeps no copy
         if g_loss is None:
             return None, None, None, None, None, None
-        dh = dh.mul_(g_loss.to(dh.dtype)) if dh is not None else None
-        dw = dw.mul_(g_loss.to(dw.dtype)) if dw is not None else None
+        if not bool(g_loss == 1):
+            dh = dh.mul_(g_loss.to(dh.dtype)) if dh is not None else None
+            dw = dw.mul_(g_loss.to(dw.dtype)) if dw is not None else None
         return dh, dw, None, None, None, None
 
 
@@ -186,6 +193,7 @@ def fused_token_loss(
     and ``dh``.
     """
     check_hidden(hidden)
+    check_floating("weight", weight)
     h = gather_rows(hidden, collectives)
     local = int(weight.shape[0]) if weight.dim() == 2 else 1
     plan = make_plan(

@@ -400,8 +400,9 @@ def policy_loss(
             )
         )
         mask_t = to_tokens(mask)
-        old, adv = to_tokens(batch.old_logprobs).detach(), to_tokens(batch.advantages).detach()
-        ref = to_tokens(batch.ref_logprobs).detach() if batch.ref_logprobs is not None else None
+        old = to_tokens(batch.old_logprobs).detach().to(device)
+        adv = to_tokens(batch.advantages).detach().to(device)
+        ref = to_tokens(batch.ref_logprobs).detach().to(device) if batch.ref_logprobs is not None else None
         temperature = _temperature(None, ctx, x.b, x.s)
         fused = config.fused and config.ratio == "token"
         if fused:
@@ -440,7 +441,7 @@ def policy_loss(
                 log_ratio = to_tokens(
                     sequence_log_ratio(
                         from_tokens(logp, x.b, x.s),
-                        batch.old_logprobs.to(logp.dtype),
+                        batch.old_logprobs.to(device=device, dtype=logp.dtype),
                         mask,
                         segments,
                         count,

@@ -1,0 +1,101 @@
+"""``fused_token_loss`` (gradients formed in the forward pass) against autograd
+through ``linear_logprobs`` and against float64 truth."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from torch_impl.processors import fused_token_loss, linear_logprobs
+
+IGNORE = -100
+
+
+def _inputs(dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = 41, 12, 157
+    y = torch.randint(0, v, (n,), generator=g)
+    y[[3, 17]] = IGNORE
+    return {
+        "h": torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype),
+        "w": (torch.randn(v, h, generator=g, dtype=torch.float64) * 0.6).to(dtype),
+        "y": y,
+        "t": torch.rand(n, generator=g, dtype=torch.float64) + 0.5,
+        "a": torch.randn(n, generator=g, dtype=torch.float64),
+        "b": torch.randn(n, generator=g, dtype=torch.float64),
+    }
+
+
+def _loss(x: dict[str, Any]) -> Any:
+    """A nonlinear per-token loss of both the logprob and the entropy."""
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        lp, ent = lp.double(), ent.double()
+        return (x["a"][rows] * torch.exp(lp.clamp(max=0)) + x["b"][rows] * ent**2 + 0.1 * lp * ent).sum()
+
+    return token_loss
+
+
+def _autograd(x: dict[str, Any], scale: float) -> tuple[torch.Tensor, ...]:
+    h = x["h"].clone().requires_grad_()
+    w = x["w"].clone().requires_grad_()
+    r = linear_logprobs(h, w, x["y"], temperature=x["t"].to(x["h"].dtype), with_entropy=True)
+    assert r.entropy is not None
+    loss = _loss(x)(r.logprobs, r.entropy, slice(None))
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("tile", [157, 5 * 157, 10_000])  # one row per tile, several, all rows
+def test_fused_equals_autograd_float64(tile: int) -> None:
+    x = _inputs(torch.float64)
+    loss_a, dh_a, dw_a = _autograd(x, 2.5)
+    h = x["h"].clone().requires_grad_()
+    w = x["w"].clone().requires_grad_()
+    f = fused_token_loss(h, w, x["y"], _loss(x), temperature=x["t"], tile_elements=tile)
+    (f.loss * 2.5).backward()  # the stored gradients are scaled by the incoming one
+    tol = {"rtol": 1e-11, "atol": 1e-12}
+    torch.testing.assert_close(f.loss, loss_a, **tol)
+    torch.testing.assert_close(h.grad, dh_a, **tol)
+    torch.testing.assert_close(w.grad, dw_a, **tol)
+    assert f.logprobs.shape == (41,) and float(f.logprobs[3]) == 0.0
+    assert not f.logprobs.requires_grad and bool((f.entropy >= 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_no_worse_than_autograd_in_low_precision(dtype: torch.dtype) -> None:
+    x = _inputs(dtype, seed=1)
+    x64 = dict(x, h=x["h"].double(), w=x["w"].double())
+    truth = _autograd(x64, 1.0)
+    other = _autograd(x, 1.0)
+    h = x["h"].clone().requires_grad_()
+    w = x["w"].clone().requires_grad_()
+    f = fused_token_loss(h, w, x["y"], _loss(x), temperature=x["t"].to(dtype), tile_elements=600)
+    f.loss.backward()
+    for got, ref, want in zip((f.loss, h.grad, w.grad), other, truth):
+        scale = max(1.0, float(want.abs().max()))
+        err = float((got.double() - want).abs().max())
+        assert err <= float((ref.double() - want).abs().max()) + 1e-5 * scale
+
+
+def test_only_needed_gradients_and_no_grad_mode() -> None:
+    x = _inputs(torch.float32, seed=2)
+    w = x["w"].clone().requires_grad_()
+    f = fused_token_loss(x["h"], w, x["y"], _loss(x))
+    f.loss.backward()
+    assert w.grad is not None and x["h"].grad is None
+    h = x["h"].clone().requires_grad_()
+    with torch.no_grad():
+        f = fused_token_loss(h, x["w"], x["y"], _loss(x))
+    assert not f.loss.requires_grad
+
+
+def test_second_backward_raises() -> None:
+    x = _inputs(torch.float32, seed=3)
+    h = x["h"].clone().requires_grad_()
+    f = fused_token_loss(h, x["w"], x["y"], _loss(x))
+    f.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
+        f.loss.backward()
