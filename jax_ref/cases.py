@@ -6,8 +6,9 @@ states ``[s, b, h]``, a weight leaf ``[V, h]`` (``vocab_weight``, and the
 labels with a few ``ignore_index`` entries and a loss mask. The kinds:
 
 - ``random``: unit-scale hidden states, logits of spread ~2.
-- ``strongly-negative``: every logit near ``-60`` (a running max started at 0
-  underflows: veRL #7439).
+- ``strongly-negative``: every logit near ``-150``: ``exp(z)`` underflows to 0
+  in fp32 and bf16, so a softmax without the max shift (or a running max
+  started at 0, veRL #7439) returns NaN or -inf.
 - ``peaked``: one logit per token ~25 above the rest (softmax near one-hot),
   half of them on the label.
 - ``masked``: a fully masked sequence and many ignored labels (empty
@@ -85,8 +86,8 @@ def synthetic_context(
     if kind == "strongly-negative":
         u = torch.randn(hidden, generator=g, dtype=torch.float64)
         u = u / u.norm()
-        h = 8.0 * u + 0.05 * h  # every logit ~ -60 +- 1
-        w = -7.5 * u + 0.1 * w / (2.0 / hidden**0.5)
+        h = 12.0 * u + 0.05 * h  # every logit ~ -150 +- 1.5
+        w = -12.5 * u + 0.1 * w / (2.0 / hidden**0.5)
     elif kind == "peaked":
         top = torch.randint(0, vocab, (seq, batch), generator=g)
         hit = torch.rand(batch, seq, generator=g) < 0.5

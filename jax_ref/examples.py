@@ -13,6 +13,10 @@ They show what ``hookcheck`` catches; each is a ``module:attr`` target::
 - :data:`wrong_sign_entropy`: entropy returned as ``sum p log p``, negative
   (NeMo RL's chunked entropy has that sign; the contract's does not).
 - :data:`wrong_reduction_loss`: the masked sum where the token mean is meant.
+- :data:`unshifted_softmax`: ``exp(z) / sum(exp(z))`` with no max shift:
+  right on small logits, NaN where every logit is strongly negative (the
+  exponentials underflow to 0/0; veRL #7439 had this with a running max
+  started at 0).
 - :data:`missing_tp_reduction`: multiplies the raw hidden states by its vocab
   shard without ``collectives.gather_hidden_states``: values right, but under
   tensor parallelism each rank's hidden-state gradient holds only its shard's
@@ -38,6 +42,7 @@ __all__ = [
     "missing_tp_reduction",
     "token_mean_loss",
     "token_mean_loss_reference",
+    "unshifted_softmax",
     "vocab_parallel_logprobs",
     "wrong_reduction_loss",
     "wrong_sign_entropy",
@@ -102,6 +107,18 @@ def wrong_sign_entropy(ctx: OutputContext) -> dict[str, torch.Tensor]:
     """Wrong on purpose: entropy with the opposite sign."""
     out = vocab_parallel_logprobs(ctx)
     return {"logprobs": out["logprobs"], "entropy": -out["entropy"]}
+
+
+@processor
+def unshifted_softmax(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    """Wrong on purpose: a softmax without the max shift (tp=1)."""
+    z = torch.matmul(ctx.hidden_states.float(), ctx.vocab_weight.float().t())  # type: ignore[union-attr]
+    p = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+    y = ctx.labels.t()  # type: ignore[attr-defined]
+    picked = torch.log(torch.gather(p, -1, y.clamp(min=0)[..., None])[..., 0])
+    logprobs = torch.where(y == ctx.ignore_index, torch.zeros_like(picked), picked)
+    entropy = -(p * torch.log(p)).sum(-1)
+    return {"logprobs": logprobs.t(), "entropy": entropy.t()}
 
 
 @processor

@@ -14,7 +14,6 @@ the caller, its tensors pickled across the process boundary.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import queue as queue_module
 import time
@@ -27,6 +26,7 @@ import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
 
+from ._spec import resolve
 from .torch_run import TorchRun, run_through_hook
 
 __all__ = [
@@ -57,27 +57,6 @@ class GPTCase:
     @property
     def name(self) -> str:
         return "gpt-tied" if self.tied else "gpt"
-
-
-def resolve(spec: str, /, *, field: str = "processor") -> Any:
-    """The object named by ``"package.module:attr.sub"``; a ``ContractError`` if
-    the module does not import or the attribute is missing."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ContractError(field, expected="'module:attr'", actual=repr(spec))
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's spec, reported in one line
-        raise ContractError(
-            field,
-            expected=f"an importable module {module_name!r}",
-            actual=f"{type(exc).__name__}: {exc}".splitlines()[0],
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ContractError(field, expected=f"{spec!r} to exist", actual=f"no attribute {part!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 1234) -> torch.nn.Module:
@@ -216,7 +195,8 @@ def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], result
     except ContractError as exc:
         results.put((rank, "contract", (exc.field, exc.expected, exc.actual, exc.hint)))
     except BaseException as exc:
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        results.put((rank, "error", (first, traceback.format_exc())))
 
 
 def run_tensor_parallel(
@@ -258,7 +238,10 @@ def run_tensor_parallel(
                 field, expected, actual, hint = payload
                 raise ContractError(field, expected=expected, actual=actual, hint=hint)
             if status == "error":
-                raise RuntimeError(f"rank {rank} of {tp} failed: {payload}")
+                first, trace = payload
+                error = RuntimeError(f"rank {rank} of {tp} failed: {first}")
+                error.add_note(f"traceback on rank {rank}:\n{trace}")
+                raise error
             got[rank] = payload
     finally:
         for p in procs:

@@ -45,7 +45,9 @@ __all__ = [
     "CrossCheckReport",
     "Row",
     "Tolerance",
+    "combine",
     "compare_run",
+    "cross_check_tensor_parallel",
     "cross_check",
     "reference_inputs",
     "to_reference_tree",
@@ -144,7 +146,7 @@ class CrossCheckReport:
     def table(self) -> str:
         """Every compared array: its max abs and max relative error (to the
         reference array's largest magnitude), and the verdict."""
-        head = (("processor",) if any(r.processor for r in self.rows) else ()) + _HEADER
+        head = (("processor",) if len({r.processor for r in self.rows}) > 1 else ()) + _HEADER
         cells = [head] + [
             ((r.processor,) if len(head) > len(_HEADER) else ())
             + (
@@ -175,7 +177,8 @@ class CrossCheckReport:
                 worst.append(_fmt(max(errs)) if errs else "-")
             bad = [r for r in rows if not r.passed]
             outputs = ",".join(sorted({r.output for r in rows}))
-            verdict = "ok" if not bad else f"FAIL ({len(bad)} of {len(rows)})"
+            floored = any(r.floor for r in rows)
+            verdict = f"FAIL ({len(bad)} of {len(rows)})" if bad else "ok (f32 floor)" if floored else "ok"
             cells.append((proc, case, dtype, outputs, *worst, verdict))
         return _grid(cells)
 
@@ -262,15 +265,16 @@ def _reference_outputs(out: Any, single: bool, name: str) -> dict[str, Any]:
             raise ContractError(
                 f"reference {name!r} result",
                 expected="one array, as the processor returns",
-                actual="a mapping",
+                actual=f"a mapping with keys {sorted(out)}",
             )
         return dict(out)
     if single and hasattr(out, "shape"):
         return {SINGLE_OUTPUT: out}
+    actual = f"one array of shape {list(np.shape(out))}" if hasattr(out, "shape") else type(out).__name__
     raise ContractError(
         f"reference {name!r} result",
         expected="a mapping of arrays, as the processor returns" if not single else "one array",
-        actual=type(out).__name__,
+        actual=actual,
     )
 
 
@@ -417,7 +421,9 @@ def cross_check(
     when the reference's output structure differs from the processor's.
     """
     run = case if isinstance(case, TorchRun) else run_on_context(processor, case, seed=seed)
-    rows = compare_run(run, reference, case=case_name, tolerance=tolerance)
+    rows = compare_run(
+        run, reference, case=case_name, tolerance=tolerance, processor=processor_name(processor)
+    )
     ref_name = getattr(reference, "__name__", type(reference).__name__)
     return CrossCheckReport(processor_name(processor), ref_name, tuple(rows))
 

@@ -43,12 +43,13 @@ class BuiltinCheck:
     processor: str
     reference: Callable[[], Any]
     make_context: str | None = None
+    tp1_only: bool = False
 
 
 def _policy_reference(config_spec: str) -> Callable[[], Any]:
     def make() -> Any:
         from . import processors
-        from .gpt_cases import resolve
+        from ._spec import resolve
 
         return processors.policy_loss(resolve(config_spec))
 
@@ -112,6 +113,7 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         "example: upstream-style processor",
         "jax_ref.examples:full_vocab_logprobs",
         _example_ref("logprobs_entropy_reference"),
+        tp1_only=True,
     ),
     BuiltinCheck(
         "example: token-mean loss",
@@ -218,7 +220,7 @@ def _versions() -> str:
 def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]:
     from hookspec import ContractError
 
-    from .gpt_cases import resolve
+    from ._spec import resolve
 
     if args.processor or args.reference:
         procs, refs, contexts = args.processor or [], args.reference or [], args.context or []
@@ -250,6 +252,9 @@ def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]
         return jobs, []
     jobs, unavailable = [], []
     for check in BUILTIN_CHECKS:
+        if check.tp1_only and args.tp > 1:
+            unavailable.append(f"{check.name} ({check.processor}): written for tp=1 only")
+            continue
         try:
             proc = resolve(check.processor)
             make = resolve(check.make_context, field="make_context") if check.make_context else None
@@ -262,8 +267,8 @@ def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress = _Progress(0, err, args.quiet)
-    progress.say(f"hookcheck: {_versions()}")
     jobs, unavailable = _jobs(args, out)
+    progress.say(f"hookcheck: {_versions()}")
     for line in unavailable:
         progress.say(f"hookcheck: unavailable, skipped: {line}")
     if not jobs:
@@ -398,9 +403,7 @@ def _run_tensor_parallel(
     rows: list[Any] = []
     how = ""
     for job, runs in zip(jobs, all_runs):
-        report, how = cross_check_tensor_parallel(
-            runs, job.reference, processor=job.name, case=f"{job.name} | gpt"
-        )
+        report, how = cross_check_tensor_parallel(runs, job.reference, processor=job.name, case="gpt")
         rows += report.rows
         progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
     notes.append(f"hookcheck: tp={args.tp}: {how}")

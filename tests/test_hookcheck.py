@@ -1,0 +1,138 @@
+"""``hookcheck``: the built-in run, deliberately wrong processors, tensor parallel."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_ref.hookcheck import BUILTIN_CHECKS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = "jax_ref.examples:logprobs_entropy_reference"
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+_ROW = (
+    r"^(.+?)\s{2,}(.+?)\s{2,}(float32|bfloat16|float16)\s{2,}.*?\s{2,}"
+    r"(ok(?: \(f32 floor\))?|FAIL \(\d+ of \d+\))$"
+)
+
+
+def _summary(out: str) -> dict[tuple[str, str, str], str]:
+    """``(processor, case, dtype) -> result`` from the summary table."""
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(_ROW, line)
+        if m:
+            rows[m.group(1), m.group(2), m.group(3)] = m.group(4)
+    return rows
+
+
+def test_default_run_checks_every_builtin_processor():
+    code, out, err = _run()
+    assert code == 0, out + err
+    rows = _summary(out)
+    unavailable = re.findall(r"unavailable, skipped: (.+?) \(", err)
+    for check in BUILTIN_CHECKS:
+        if check.name in unavailable:
+            continue
+        for case, dtype in [
+            ("gpt", "float32"),
+            ("gpt", "bfloat16"),
+            ("gpt", "float16"),
+            ("gpt-tied", "float32"),
+        ]:
+            assert rows[check.name, case, dtype].startswith("ok")
+        for kind in ("strongly-negative", "peaked", "awkward"):
+            assert rows[check.name, kind, "float32"].startswith("ok")
+    assert "policy_loss(gspo)" not in unavailable, "torch_impl.processors should be importable here"
+    assert re.search(r"hookcheck: all \d+ comparisons passed", out)
+    progress = re.findall(r"^\[\s*(\d+)/(\d+)\]", err, flags=re.M)
+    assert progress and progress[-1][0] == progress[-1][1] and int(progress[-1][1]) == len(rows)
+    assert "Traceback" not in out + err
+
+
+def test_deliberately_wrong_processors_are_caught():
+    code, out, err = _run(
+        "--dtype", "float32", "--no-synthetic",
+        "--processor", "jax_ref.examples:wrong_sign_entropy", "--reference", REF,
+        "--processor", "jax_ref.examples:wrong_reduction_loss",
+        "--reference", "jax_ref.examples:token_mean_loss_reference",
+        "--processor", "jax_ref.examples:vocab_parallel_logprobs", "--reference", REF,
+    )  # fmt: skip
+    assert code == 1, out + err
+    rows = _summary(out)
+    assert rows["wrong_sign_entropy", "gpt", "float32"] == "FAIL (3 of 6)"
+    assert rows["wrong_reduction_loss", "gpt", "float32"] == "FAIL (3 of 3)"
+    assert rows["vocab_parallel_logprobs", "gpt", "float32"] == "ok"
+    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[", out, flags=re.M)
+    assert {(p, o) for p, o, _ in fails} == {
+        ("wrong_sign_entropy", "entropy"),
+        ("wrong_reduction_loss", "output"),
+    }
+    assert "hookcheck: 12 of 30 comparisons FAILED" in out  # gpt and gpt-tied, 3 processors
+
+
+def test_non_finite_values_fail_with_a_clear_line():
+    code, out, _ = _run(
+        "--dtype", "float32", "--processor", "jax_ref.examples:unshifted_softmax", "--reference", REF
+    )  # fmt: skip
+    assert code == 1
+    assert (
+        "FAIL unshifted_softmax: logprobs value [strongly-negative, float32]: non-finite: 23 of 24 values"
+        in out
+    )
+    assert _summary(out)["unshifted_softmax", "gpt", "float32"] == "ok"
+
+
+def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
+    """Two gloo ranks (Megatron tp=2, vocab split), the reference sharded over two
+    virtual JAX devices: the right recipe passes on both ranks; the processor that
+    skips gather_hidden_states fails exactly the hidden-state gradients."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("XLA_FLAGS", None)
+    argv = [
+        sys.executable, "-m", "jax_ref.hookcheck", "--tp", "2", "--no-synthetic",
+        "--processor", "jax_ref.examples:vocab_parallel_logprobs", "--reference", REF,
+        "--processor", "jax_ref.examples:missing_tp_reduction", "--reference", REF,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert "reference sharded over 2 JAX devices" in out
+    rows = _summary(out)
+    for rank in (0, 1):
+        assert rows["vocab_parallel_logprobs", f"gpt tp2 rank{rank}", "float32"] == "ok"
+        assert rows["missing_tp_reduction", f"gpt tp2 rank{rank}", "float32"] == "FAIL (2 of 6)"
+    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[(.+?), float32\]", out, flags=re.M)
+    assert {(p, q) for p, _, q, _ in fails} == {("missing_tp_reduction", "d/d hidden")}
+    assert {c for *_, c in fails} == {"gpt tp2 rank0", "gpt tp2 rank1"}
+    assert "Traceback" not in out + proc.stderr
+
+
+def test_console_script_and_module_entry_points():
+    script = Path(sys.executable).with_name("hookcheck")
+    assert script.exists(), "pip install -e . installs the hookcheck console script"
+    for argv in ([str(script), "--help"], [sys.executable, "-m", "jax_ref.hookcheck", "--help"]):
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "--processor MODULE:ATTR" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--full"])
+def test_full_table(flag):
+    code, out, _ = _run(flag, "--dtype", "float32", "--no-synthetic", "--processor",
+                        "jax_ref.examples:token_mean_loss", "--reference",
+                        "jax_ref.examples:token_mean_loss_reference")  # fmt: skip
+    assert code == 0
+    assert "max abs err" in out and len(re.findall(r"^gpt", out, flags=re.M)) == 6

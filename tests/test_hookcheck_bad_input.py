@@ -1,0 +1,145 @@
+"""``hookcheck`` on bad input: one clear line, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hookspec
+from jax_ref.hookcheck import main
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = "jax_ref.examples:logprobs_entropy_reference"
+GOOD = "jax_ref.examples:vocab_parallel_logprobs"
+FAST = ("--dtype", "float32", "--no-synthetic", "--quiet")
+
+
+def float8_context(ctx):
+    """A user context holding a tensor DLPack cannot hand to the reference."""
+    return {"scale": torch.zeros(ctx.batch_size, ctx.seq_len).to(torch.float8_e4m3fn)}
+
+
+@hookspec.processor
+def raising(ctx):
+    raise RuntimeError("boom in the processor")
+
+
+NOT_CALLABLE = 42
+
+
+def _run(*argv: str) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    text = out.getvalue() + err.getvalue()
+    assert "Traceback" not in text, text
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("--processor", "no_such_package.procs:mine", "--reference", REF),
+            "hookcheck: error: --processor: expected an importable module 'no_such_package.procs', "
+            "got ModuleNotFoundError: No module named 'no_such_package'",
+        ),
+        (
+            ("--processor", "jax_ref.examples:nope", "--reference", REF),
+            "hookcheck: error: --processor: expected 'jax_ref.examples:nope' to exist, "
+            "got no attribute 'nope'",
+        ),
+        (
+            ("--processor", "jax_ref.examples", "--reference", REF),
+            "hookcheck: error: --processor: expected 'module:attr', got 'jax_ref.examples'",
+        ),
+        (
+            ("--processor", GOOD, "--reference", "jax_ref.no_such_module:ref"),
+            "hookcheck: error: --reference: expected an importable module 'jax_ref.no_such_module'",
+        ),
+        (
+            ("--processor", GOOD, "--reference", "tests.test_hookcheck_bad_input:NOT_CALLABLE"),
+            "hookcheck: error: --reference: expected tests.test_hookcheck_bad_input:NOT_CALLABLE "
+            "to be a callable reference, got int",
+        ),
+        (
+            ("--processor", GOOD),
+            "hookcheck: error: arguments: expected one --reference per --processor",
+        ),
+        (
+            ("--processor", GOOD, "--reference", "jax_ref.examples:token_mean_loss_reference"),
+            "hookcheck: error: reference 'token_mean_loss_reference' result: expected a mapping of arrays, "
+            "as the processor returns, got one array of shape []",
+        ),
+        (
+            (
+                "--processor",
+                GOOD,
+                "--reference",
+                REF,
+                "--context",
+                "tests.test_hookcheck_bad_input:float8_context",
+            ),
+            "hookcheck: error: context['scale']: expected a dtype the DLPack boundary carries "
+            "(float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool), "
+            "got float8_e4m3fn",
+        ),
+        (
+            ("--processor", "tests.test_hookcheck_bad_input:raising", "--reference", REF),
+            "hookcheck: error: processor 'raising': expected to run on the case, "
+            "got RuntimeError: boom in the processor",
+        ),
+        (("--tp", "0"), "hookcheck: error: --tp: expected an int >= 1, got 0"),
+    ],
+    ids=[
+        "module-missing",
+        "attr-missing",
+        "no-colon",
+        "reference-missing",
+        "reference-not-callable",
+        "no-reference",
+        "structure",
+        "dlpack-dtype",
+        "processor-raises",
+        "tp",
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
+    code, err = _run(*FAST, *argv)
+    assert code == 2
+    assert message in err, err
+
+
+def test_a_reference_missing_an_output_names_both_structures():
+    def partial_ref(hidden, weight, inputs):
+        from jax_ref.examples import logprobs_entropy_reference
+
+        return {"logprobs": logprobs_entropy_reference(hidden, weight, inputs)["logprobs"]}
+
+    sys.modules[__name__].partial_ref = partial_ref  # importable as module:attr for this test
+    try:
+        code, err = _run(*FAST, "--processor", GOOD, "--reference", f"{__name__}:partial_ref")
+    finally:
+        del sys.modules[__name__].partial_ref
+    assert code == 2
+    assert (
+        "reference 'partial_ref' result: expected the processor's structure "
+        "{entropy [3, 8], logprobs [3, 8]}, got {logprobs [3, 8]}" in err
+    ), err
+
+
+def test_a_contract_error_inside_the_processor_keeps_its_message():
+    code, err = _run(*FAST, "--processor", "torch_impl.processors:policy_loss", "--reference", REF)
+    assert code == 2 and "hookcheck: error:" in err and err.count("\n") <= 2
+
+
+def test_bad_input_from_the_command_line_has_no_traceback():
+    argv = [sys.executable, "-m", "jax_ref.hookcheck", "--processor", "no_such_package:x", "--reference", REF]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "hookcheck: error: --processor: expected an importable module 'no_such_package'" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
