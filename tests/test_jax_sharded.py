@@ -14,8 +14,6 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,25 +71,31 @@ def _references():
 
 
 def sharded_equals_unsharded() -> None:
+    import itertools
+
     import jax
     import numpy as np
 
     import jax_ref
     from jax_ref.sharded import shard_reference, vocab_mesh
 
-    n = len(jax.devices())
+    assert len(jax.devices()) == 4
     with jax_ref.float64():
         hidden, weight, inputs = _case()
-        for name, ref in _references().items():
+        for (name, ref), n in itertools.product(_references().items(), (2, 4)):
             sharded = shard_reference(ref, vocab_mesh(n))
             out, vjp = jax.vjp(lambda h, w, r=ref: r(h, w, inputs), hidden, weight)
             out_s, vjp_s = jax.vjp(lambda h, w, f=sharded: f(h, w, inputs), hidden, weight)
             leaves, leaves_s = jax.tree.leaves(out), jax.tree.leaves(out_s)
             for a, b in zip(leaves, leaves_s):
-                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-13, err_msg=name)
+                np.testing.assert_allclose(
+                    np.asarray(b), np.asarray(a), rtol=1e-12, atol=1e-13, err_msg=f"{name} n={n}"
+                )
             cot = jax.tree.map(lambda x: jax.numpy.ones_like(x) * 0.7, out)
             for a, b in zip(vjp(cot), vjp_s(cot)):
-                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-11, atol=1e-13, err_msg=name)
+                np.testing.assert_allclose(
+                    np.asarray(b), np.asarray(a), rtol=1e-11, atol=1e-13, err_msg=f"{name} n={n}"
+                )
             assert float(np.abs(np.asarray(vjp_s(cot)[0])).max()) > 0, name
 
 
@@ -105,7 +109,7 @@ def collectives_follow_the_contract() -> None:
     from jax_ref import JaxCollectives
     from jax_ref.sharded import shard_map, vocab_mesh
 
-    mesh = vocab_mesh(2)
+    mesh = vocab_mesh(2)  # the first 2 of the 4 devices
     coll = JaxCollectives("tp")
     with jax_ref.float64():
         x = jnp.arange(8.0).reshape(2, 4)  # row r on rank r
@@ -171,22 +175,22 @@ def too_few_devices_is_a_clear_error() -> None:
     from jax_ref.sharded import vocab_mesh
 
     try:
-        vocab_mesh(4)
+        vocab_mesh(8)
     except ContractError as exc:
-        assert "xla_force_host_platform_device_count=4" in str(exc), str(exc)
+        assert "xla_force_host_platform_device_count=8" in str(exc), str(exc)
     else:
         raise AssertionError("expected a ContractError")
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_sharded_reference_equals_the_unsharded_one(devices):
-    _in_subprocess("sharded_equals_unsharded", devices)
+def collectives_and_errors() -> None:
+    collectives_follow_the_contract()
+    a_reference_that_does_not_reduce_is_refused()
+    too_few_devices_is_a_clear_error()
 
 
-def test_jax_collectives_follow_the_contract():
-    _in_subprocess("collectives_follow_the_contract", 2)
+def test_sharded_reference_equals_the_unsharded_one_on_2_and_4_devices():
+    _in_subprocess("sharded_equals_unsharded", 4)
 
 
-def test_errors():
-    _in_subprocess("a_reference_that_does_not_reduce_is_refused", 2)
-    _in_subprocess("too_few_devices_is_a_clear_error", 2)
+def test_jax_collectives_follow_the_contract_and_errors_are_clear():
+    _in_subprocess("collectives_and_errors", 4)
