@@ -32,6 +32,7 @@ from hookspec import (
     OutputContext,
     is_hookspec_processor,
     processor,
+    validate_context,
     validate_result,
 )
 
@@ -125,7 +126,11 @@ def _leaf_weight(ctx: OutputContext) -> OutputContext:
 
 
 def run_on_context(proc: Any, ctx: OutputContext, /, *, seed: int = 0) -> TorchRun:
-    """Run ``proc`` on ``ctx`` (hidden states replaced by a fresh leaf) and take its VJPs."""
+    """Run ``proc`` on ``ctx`` (hidden states replaced by a fresh leaf) and take its VJPs.
+
+    ``ctx`` is checked first (``hookspec.validate_context``: shapes and label range).
+    """
+    validate_context(ctx)
     ctx = _leaf_weight(ctx)
     h = ctx.hidden_states.detach().requires_grad_()  # type: ignore[attr-defined]
     ctx = ctx.replace(hidden_states=h)

@@ -155,6 +155,19 @@ def test_bf16_through_float16module(megatron_single):
     assert cross_check(E.vocab_parallel_logprobs, REF, run).passed
 
 
+def test_a_context_that_breaks_the_contract_is_refused():
+    ctx = synthetic_context("random")
+    bad = ctx.replace(labels=ctx.labels.clone().fill_(64))  # V = 64: one past the last id
+    with pytest.raises(ContractError, match=r"labels: expected token ids in \[0, 64\)"):
+        cross_check(E.vocab_parallel_logprobs, REF, bad)
+
+
+def test_jax_collectives_satisfy_the_contract_protocol():
+    from jax_ref import JaxCollectives
+
+    assert isinstance(JaxCollectives("tp"), hookspec.Collectives)
+
+
 def test_tolerance_policy():
     tol = Tolerance(rtol=1e-3, atol=1e-9, slack=4.0)
     assert tol.allows(1e-3, 1.0) and not tol.allows(2e-3, 1.0) and tol.allows(2e-3, 1.0, floor=5e-4)
