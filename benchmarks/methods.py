@@ -94,6 +94,7 @@ def liger(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     loss = liger_fused_linear_cross_entropy(h, w, y, reduction="none")
+    loss = loss[0] if isinstance(loss, tuple) else loss  # (loss, z_loss) in some releases
     return -loss, None
 
 
