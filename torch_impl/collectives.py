@@ -37,7 +37,9 @@ class TorchCollectives:
     """The contract's collectives over ``group``, Megatron's own autograd mappings.
 
     - ``all_reduce_sum``: ``reduce_from_tensor_model_parallel_region`` (forward
-      all-reduce, backward identity) on a copy: ``x`` is never modified.
+      all-reduce, backward identity) on a contiguous copy: ``x`` is never
+      modified, and a strided ``x`` is reduced too (Megatron < 0.17 returns a
+      strided input unreduced).
     - ``all_reduce_max``: ``torch.distributed.all_reduce(op=MAX)`` on a detached
       copy; no gradient.
     - ``gather_hidden_states``: ``gather_from_sequence_parallel_region(...,
@@ -55,7 +57,11 @@ class TorchCollectives:
     def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
         if self.size == 1:
             return x
-        return reduce_from_tensor_model_parallel_region(x.clone(), group=self.group)
+        # A contiguous copy: Megatron < 0.17 reduces a contiguous copy of a strided
+        # input in place and returns the unreduced original.
+        return reduce_from_tensor_model_parallel_region(
+            x.clone(memory_format=torch.contiguous_format), group=self.group
+        )
 
     def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
         y = x.detach().clone()
