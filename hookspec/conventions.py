@@ -33,6 +33,19 @@ PPO clipped objective with ``ratio = exp(logp - old)`` and advantages ``A``::
     # dual clip, A < 0 only, with c > 1:
     loss = min(loss, -A * c)
 
+Log ratios are clamped before ``exp`` (default ``C = 20``; ``None`` turns it
+off), so that a masked or far off-policy token cannot produce inf or NaN::
+
+    ratio = exp(clamp(logp - old, -C, C))
+    log_ratio = clamp(ref - logp, -C, C)                   # in the KL estimators
+
+GRPO is the PPO objective with group-relative advantages (the caller's
+``A``). GSPO replaces the token ratio by the sequence ratio, the masked mean
+of the token log-ratios of the token's sequence, differentiated through that
+mean (not the "GSPO-token" stop-gradient form)::
+
+    ratio_b = exp(clamp(sum_s((logp - old) * M) / sum_s(M), -C, C))   # [b], broadcast over s
+
 Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
 
     token-mean:          sum(L * M) / sum(M)
