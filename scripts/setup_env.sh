@@ -27,6 +27,10 @@ find_python() {  # $1 = 3.11 or 3.12
   return 1
 }
 
+pip_install() {  # pip, without the notes some pip configurations print for every package
+  "$env_dir/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 case $name in
   py311) py=$(find_python 3.11) ;;
   py312) py=$(find_python 3.12) ;;
@@ -41,9 +45,9 @@ if [ ! -x "$env_dir/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
   rm -rf "$env_dir"
   mkdir -p "$venvs"
   "$py" -m venv "$env_dir"
-  "$env_dir/bin/python" -m pip install -q --upgrade pip setuptools wheel
-  "$env_dir/bin/python" -m pip install -q -r "$req"
+  pip_install --upgrade pip setuptools wheel
+  pip_install -r "$req"
   echo "$want" > "$stamp"
 fi
-"$env_dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >/dev/null
+pip_install --no-deps --no-build-isolation -e "$root" >/dev/null
 echo "== $name ready: $env_dir"
