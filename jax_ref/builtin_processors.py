@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from hookspec import OutputContext
+from hookspec import Aggregation, KLEstimator, OutputContext
 from torch_impl.processors import (
     PolicyBatch,
     PolicyLossConfig,
@@ -56,7 +56,9 @@ GRPO_CONFIG = PolicyLossConfig.grpo(fused=False)
 GRPO = policy_loss(GRPO_CONFIG, **_TILES)
 GSPO_CONFIG = PolicyLossConfig.gspo(kl_coef=0.02, kl_estimator="k1")
 GSPO = policy_loss(GSPO_CONFIG, **_TILES)
-SEQ_SUM_CONFIG = PolicyLossConfig(aggregation="seq-mean-token-sum", kl_coef=0.1, kl_estimator="k2")
+SEQ_SUM_CONFIG = PolicyLossConfig(
+    aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
+)
 SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, fused_tile_elements=200)
 
 

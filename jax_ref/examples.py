@@ -25,11 +25,11 @@ They show what ``hookcheck`` catches; each is a ``module:attr`` target::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from hookspec import OutputContext, processor
+from hookspec import Array, OutputContext, processor
 
 from .inputs import ReferenceInputs
 from .processors import selected_logprobs
@@ -49,19 +49,25 @@ __all__ = [
 ]
 
 
+def _torch(x: Array | None) -> torch.Tensor:
+    """A context field these processors read: the torch tensor a context built by
+    ``torch_impl`` holds there."""
+    return cast(torch.Tensor, x)
+
+
 def _recipe(
     ctx: OutputContext, h: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[b, s]`` logprobs and entropy from gathered hidden states ``h [s, b, h]``, in ``dtype``."""
     coll, vocab = ctx.collectives, ctx.vocab
     assert vocab is not None and ctx.labels is not None
-    z = torch.matmul(h.to(dtype), ctx.vocab_weight.to(dtype).t())  # type: ignore[union-attr]  # [s, b, V/tp]
+    z = torch.matmul(h.to(dtype), _torch(ctx.vocab_weight).to(dtype).t())  # [s, b, V/tp]
     m = coll.all_reduce_max(z.detach().amax(-1))
     e = torch.exp(z - m[..., None])
     se = coll.all_reduce_sum(e.sum(-1))
     lse = m + torch.log(se)
     # contiguous: Megatron Core 0.16 all-reduces a contiguous *copy* of a strided input
-    y = ctx.labels.t().contiguous()  # type: ignore[attr-defined]  # [s, b]
+    y = _torch(ctx.labels).t().contiguous()  # [s, b]
     local = y - vocab.start
     here = (local >= 0) & (local < vocab.local_size)
     z_y = torch.gather(z, -1, local.clamp(0, vocab.local_size - 1)[..., None])[..., 0]
@@ -77,14 +83,14 @@ def current_logprobs(ctx: OutputContext) -> torch.Tensor:
     """The context's selected-token logprobs ``[b, s]`` in float64, no gradient
     (collective over the vocab shards: call it on every rank)."""
     with torch.no_grad():
-        h = ctx.collectives.gather_hidden_states(ctx.hidden_states.detach())  # type: ignore[attr-defined]
+        h = ctx.collectives.gather_hidden_states(_torch(ctx.hidden_states).detach())
         return _recipe(ctx, h, torch.float64)[0]
 
 
 @processor
 def vocab_parallel_logprobs(ctx: OutputContext) -> dict[str, torch.Tensor]:
     """``{"logprobs": [b, s], "entropy": [b, s]}`` by the vocab-parallel recipe."""
-    lp, ent = _recipe(ctx, ctx.collectives.gather_hidden_states(ctx.hidden_states))
+    lp, ent = _recipe(ctx, ctx.collectives.gather_hidden_states(_torch(ctx.hidden_states)))
     return {"logprobs": lp, "entropy": ent}
 
 
@@ -112,9 +118,9 @@ def wrong_sign_entropy(ctx: OutputContext) -> dict[str, torch.Tensor]:
 @processor
 def unshifted_softmax(ctx: OutputContext) -> dict[str, torch.Tensor]:
     """Wrong on purpose: a softmax without the max shift (tp=1)."""
-    z = torch.matmul(ctx.hidden_states.float(), ctx.vocab_weight.float().t())  # type: ignore[union-attr]
+    z = torch.matmul(_torch(ctx.hidden_states).float(), _torch(ctx.vocab_weight).float().t())
     p = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
-    y = ctx.labels.t()  # type: ignore[attr-defined]
+    y = _torch(ctx.labels).t()
     picked = torch.log(torch.gather(p, -1, y.clamp(min=0)[..., None])[..., 0])
     logprobs = torch.where(y == ctx.ignore_index, torch.zeros_like(picked), picked)
     entropy = -(p * torch.log(p)).sum(-1)
@@ -124,13 +130,13 @@ def unshifted_softmax(ctx: OutputContext) -> dict[str, torch.Tensor]:
 @processor
 def missing_tp_reduction(ctx: OutputContext) -> dict[str, torch.Tensor]:
     """Wrong on purpose under tp > 1: no ``gather_hidden_states`` (no backward all-reduce)."""
-    lp, ent = _recipe(ctx, ctx.hidden_states)  # type: ignore[arg-type]
+    lp, ent = _recipe(ctx, _torch(ctx.hidden_states))
     return {"logprobs": lp, "entropy": ent}
 
 
 def _masked_ce(ctx: OutputContext) -> tuple[torch.Tensor, torch.Tensor]:
-    lp, _ = _recipe(ctx, ctx.collectives.gather_hidden_states(ctx.hidden_states))
-    mask = ctx.loss_mask.float() * (ctx.labels != ctx.ignore_index)  # type: ignore[union-attr, operator]
+    lp, _ = _recipe(ctx, ctx.collectives.gather_hidden_states(_torch(ctx.hidden_states)))
+    mask = _torch(ctx.loss_mask).float() * (_torch(ctx.labels) != ctx.ignore_index)
     return -lp * mask, mask
 
 
@@ -155,5 +161,6 @@ logprobs_entropy_reference = selected_logprobs(entropy=True)
 def token_mean_loss_reference(hidden: Any, weight: Any, inputs: ReferenceInputs) -> Any:
     """``aggregate(-logprobs, loss_mask * (labels != ignore), "token-mean")``."""
     lp = logprobs_entropy_reference(hidden, weight, inputs)["logprobs"]
+    assert inputs.loss_mask is not None and inputs.labels is not None  # token_mean_loss needs both
     mask = inputs.loss_mask * (inputs.labels != inputs.ignore_index)
     return aggregate(-lp, mask, mode="token-mean")

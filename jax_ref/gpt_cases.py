@@ -66,7 +66,7 @@ def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 
     from torch_impl import enable_output_processor
     from torch_impl.tiny import build_tiny_gpt
 
-    flags = {"bfloat16": {"bf16": True}, "float16": {"fp16": True}}.get(dtype, {})
+    flags: dict[str, Any] = {"bfloat16": {"bf16": True}, "float16": {"fp16": True}}.get(dtype, {})
     model: torch.nn.Module = build_tiny_gpt(
         seed=seed, share_embeddings_and_output_weights=tied, init_method_std=0.2, **flags
     )
@@ -79,7 +79,7 @@ def case_batch(batch: int = 3, seq: int = 8, *, seed: int = 0) -> dict[str, Any]
     """``torch_impl.tiny.tiny_batch`` with two ignored labels and a partly masked sequence."""
     from torch_impl.tiny import tiny_batch
 
-    data = tiny_batch(batch, seq, seed=seed)
+    data: dict[str, Any] = tiny_batch(batch, seq, seed=seed)
     data["labels"][0, 1] = data["labels"][-1, -1] = -100
     data["loss_mask"][-1, seq // 2 :] = 0
     return data

@@ -169,7 +169,7 @@ class CrossCheckReport:
         groups: dict[tuple[str, str, str], list[Row]] = {}
         for r in self.rows:
             groups.setdefault((r.processor, r.case, r.dtype), []).append(r)
-        cells = [_SUMMARY]
+        cells: list[tuple[str, ...]] = [_SUMMARY]
         for (proc, case, dtype), rows in groups.items():
             worst = []
             for quantity in ("value", "d/d hidden", "d/d weight"):

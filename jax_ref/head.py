@@ -115,7 +115,7 @@ class OutputHead(nnx.Module):
 
         from ._x64 import float64
 
-        inner = unwrap_model(model)
+        inner: Any = unwrap_model(model)  # a GPTModel: its attributes, not nn.Module's __getattr__
         tied = bool(getattr(inner, "share_embeddings_and_output_weights", False))
         weight = inner.shared_embedding_or_output_weight() if tied else inner.output_layer.weight
         bias = getattr(inner.output_layer, "bias", None)

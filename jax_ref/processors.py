@@ -59,6 +59,8 @@ def token_logprobs_of(
     with_entropy: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``[b, s]`` logprobs (0 at ignored labels) and entropy of ``hidden [s, b, h]``."""
+    if inputs.labels is None:
+        raise ContractError("labels", expected="token ids [b, s] (the reference needs them)", actual="None")
     h = inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
     res = linear_logprobs(
         h,
@@ -126,6 +128,7 @@ def policy_loss(config: Any) -> Reference:
         batch = inputs.context
         t = context_temperature(inputs, None)
         logp, ent = token_logprobs_of(hidden, weight, inputs, temperature=t, with_entropy=True)
+        assert ent is not None  # with_entropy=True
         mask = batch.mask if batch.mask is not None else inputs.loss_mask
         mask = jnp.ones(logp.shape) if mask is None else jnp.asarray(mask, jnp.float64)
         mask = jnp.where(inputs.labels == inputs.ignore_index, 0.0, mask)

@@ -105,6 +105,8 @@ def _vjps(
             continue
         cot = _cotangent(key, out, seed)
         cots[key] = cot
+        gh: torch.Tensor | None
+        gw: torch.Tensor | None
         if out.requires_grad:
             gh, gw = torch.autograd.grad(out, (h, w), cot, retain_graph=True, allow_unused=True)
         else:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from hookspec import IGNORE_INDEX, UPSTREAM_HOOK_KEYWORDS, OutputContext, ParallelLayout, VocabShard
+from hookspec import (
+    IGNORE_INDEX,
+    UPSTREAM_HOOK_KEYWORDS,
+    Collectives,
+    OutputContext,
+    ParallelLayout,
+    VocabShard,
+)
 
 from .collectives import TorchCollectives
 
@@ -68,7 +75,7 @@ def build_output_context(
         )
         vocab = VocabShard(start=start, end=end, size=local * layout.tp_size)
     tp_group = getattr(getattr(model, "pg_collection", None), "tp", None)
-    fields = {k: hook_kwargs.get(k) for k in UPSTREAM_HOOK_KEYWORDS}
+    fields: dict[str, Any] = {k: hook_kwargs.get(k) for k in UPSTREAM_HOOK_KEYWORDS}
     if fields["scale_logits"] is None:
         fields["scale_logits"] = _identity
     return OutputContext(
@@ -79,5 +86,7 @@ def build_output_context(
         vocab=vocab,
         mtp_depth=mtp_depth,
         ignore_index=ignore_index,
-        collectives=TorchCollectives(tp_group, sequence_parallel=layout.sequence_parallel),
+        # The protocol is generic in the array type; these act on the torch
+        # tensors every context built here holds.
+        collectives=cast(Collectives, TorchCollectives(tp_group, sequence_parallel=layout.sequence_parallel)),
     )

@@ -70,7 +70,7 @@ class HookOptions:
 
 def has_native_hook(model_or_class: Any) -> bool:
     """True when the class's ``forward`` takes ``output_processor`` (Megatron Core 0.18+)."""
-    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    cls: type[Any] = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     cls = getattr(cls, "_hookspec_original_class", cls)
     return "output_processor" in inspect.signature(cls.forward).parameters
 
@@ -150,7 +150,7 @@ class _HookCall:
 class _OutputHookAdapter:
     """Mixed in before the model's own class; see the module docstring."""
 
-    _hookspec_original_class: type
+    _hookspec_original_class: type[Any]
     _hookspec_native: bool
 
     def forward(

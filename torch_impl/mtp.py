@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state
@@ -108,10 +108,13 @@ def _top1_accepted(ctx: OutputContext, logits: torch.Tensor) -> torch.Tensor:
             pred = -ctx.collectives.all_reduce_max(-candidate)  # the smallest global id at the max
         else:
             pred = logits.argmax(dim=-1)
-        return pred.transpose(0, 1) == ctx.labels
+        return pred.transpose(0, 1) == cast(torch.Tensor, ctx.labels)
 
 
 def _default_mtp_loss(ctx: OutputContext) -> dict[str, torch.Tensor]:
+    # Both are always set: Megatron passes them and build_output_context
+    # defaults scale_logits to the identity.
+    assert ctx.scale_logits is not None and ctx.compute_language_model_loss is not None
     logits, _ = ctx.output_layer(
         ctx.hidden_states, weight=ctx.output_weight, runtime_gather_output=ctx.runtime_gather_output
     )
@@ -141,7 +144,7 @@ def detached_head(mtp_processor: Any, /) -> Processor:
     def fn(ctx: OutputContext) -> Any:
         if ctx.vocab_weight is None:
             return mtp_processor(ctx)
-        weight = ctx.vocab_weight.detach()
+        weight = cast(torch.Tensor, ctx.vocab_weight).detach()
         return mtp_processor(ctx.replace(vocab_weight=weight, output_weight=weight))
 
     name = getattr(mtp_processor, "name", getattr(mtp_processor, "__name__", "mtp_processor"))
@@ -234,9 +237,10 @@ def attach_mtp_losses(
     def roll(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _mtp.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed)
 
-    labels, loss_mask = hook_kwargs.get("labels"), hook_kwargs.get("loss_mask")
+    labels: torch.Tensor | None = hook_kwargs.get("labels")
+    loss_mask: torch.Tensor | None = hook_kwargs.get("loss_mask")
     derived = labels is None
-    if derived:
+    if labels is None:
         input_ids = hook_kwargs.get("input_ids")
         if input_ids is None:
             return hidden

@@ -26,7 +26,7 @@ import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core.transformer.module import float16_to_fp32
@@ -195,7 +195,7 @@ def build_schedule_plan(
     loss_func)`` as the loss function.
     """
     inner = require_output_processor(model)
-    original = inner._hookspec_original_class  # type: ignore[attr-defined]
+    original = cast("type[Any]", inner._hookspec_original_class)
     if not hasattr(original, "build_schedule_plan"):
         raise ContractError(
             "model",

@@ -167,7 +167,7 @@ def build_tiny_gpt(
 
 def tiny_batch(
     batch: int = 2, seq: int = 8, vocab_size: int = 64, *, seed: int = 0
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | None]:
     """``input_ids``, ``position_ids``, ``attention_mask`` (None: causal inside the
     attention), ``labels`` (inputs shifted by one) and ``loss_mask``."""
     g = torch.Generator().manual_seed(seed)
