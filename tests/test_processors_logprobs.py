@@ -48,8 +48,8 @@ def three_way(
     values and the gradients."""
     g = torch.Generator().manual_seed(7)
     n = h.shape[0]
-    c_lp = torch.randn(n, generator=g, dtype=torch.float64)
-    c_ent = torch.randn(n, generator=g, dtype=torch.float64)
+    c_lp = torch.randn(n, generator=g, dtype=torch.float64).to(h.device)
+    c_ent = torch.randn(n, generator=g, dtype=torch.float64).to(h.device)
 
     def run(fn: object) -> dict[str, torch.Tensor]:
         hh = h.detach().clone().requires_grad_()
@@ -127,6 +127,16 @@ def test_three_way_temperature_per_token_and_ignored(dtype: torch.dtype) -> None
     errors = three_way(h, w, y, temperature=t, chunk_size=64, token_chunk_size=16)
     assert_no_worse(errors, dtype)
     errors = three_way(h, w, y, temperature=0.7, chunk_size=64, token_chunk_size=16)
+    assert_no_worse(errors, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_three_way_on_gpu(dtype: torch.dtype) -> None:
+    """On a GPU the matmuls run in the input dtype (fp32 out where cuBLAS allows)."""
+    h, w, y = _inputs(300, 64, 5000, dtype, seed=12, scale=3.0)
+    y[::7] = IGNORE
+    errors = three_way(h.cuda(), w.cuda(), y.cuda(), chunk_size=1024, token_chunk_size=128)
     assert_no_worse(errors, dtype)
 
 

@@ -169,9 +169,10 @@ class TileBuffers:
         """The tempered logits ``[rows, cols]`` of one tile, in the accumulation dtype."""
         plan = self.plan
         x = hs[rows]
-        z = torch.mm(x, wc.T, out=self.view("mm", x.shape[0], wc.shape[0], plan.compute_dtype))
-        if z.dtype != plan.acc_dtype:
-            z = self.view("acc", x.shape[0], wc.shape[0], plan.acc_dtype).copy_(z)
+        if plan.compute_dtype == plan.acc_dtype:
+            z = torch.mm(x, wc.T, out=self.view("mm", x.shape[0], wc.shape[0], plan.compute_dtype))
+        else:
+            z = mm_acc(x, wc.T, plan.acc_dtype)
         if not plan.fold:
             if isinstance(plan.inv_t, torch.Tensor):
                 z.mul_(plan.inv_t[rows, None])
@@ -278,12 +279,25 @@ def forward_stats(hs: torch.Tensor, w: torch.Tensor, plan: Plan) -> Stats:
     return combine(*local_stats(hs, w, plan), plan)
 
 
+def mm_acc(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype``: bf16/fp16 products come out in fp32 unrounded where
+    the backend can (``out_dtype`` on CUDA), else rounded once and cast."""
+    if a.dtype == dtype and b.dtype == dtype:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=dtype)
+        except (TypeError, RuntimeError):
+            pass
+    return torch.mm(a, b).to(dtype)
+
+
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` with ``out`` in the accumulation dtype."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
         out.addmm_(a, b)
     else:
-        out.add_(torch.mm(a, b).to(out.dtype))
+        out.add_(mm_acc(a, b, out.dtype))
 
 
 def logit_grad_coefficients(
