@@ -5,6 +5,14 @@ same run, each method in its own process, best of ``--repeats``.
     python -m benchmarks.logprobs            # 8192 tokens, hidden 1024, V 65536, fp32 and bf16, + sweep
     python -m benchmarks.logprobs --quick    # small sizes, seconds (smoke test)
 
+bf16 on a CPU: ATen's bf16 GEMM with a non-transposed right operand (the
+``dlogits @ W`` of every backward) runs at well under 1 GFLOP/s on CPUs without
+bf16 instructions (66 s for a 17 GFLOP product on the 2-core AVX2 machine here),
+so the naive path and veRL, which multiply in bf16, would take hours at the full
+size. There the bf16 baseline is ``naive-upcast`` (the naive path on inputs cast to
+fp32, the dtype ours multiplies in on a CPU), and every method, naive bf16 and
+veRL included, is also measured at ``BF16_SMALL`` (section ``bf16-small``).
+
 Writes ``benchmarks/results/logprobs.csv``, ``logprobs_summary.md`` (the targets,
 met or not) and ``logprobs.png``. ``scripts/bench.sh`` fetches veRL's file and runs
 this and ``benchmarks.hook_overhead``.
@@ -25,6 +33,8 @@ from .methods import LOGPROB_METHODS, POLICY_METHODS, available
 
 FULL = {"tokens": 8192, "hidden": 1024, "vocab": 65536}
 QUICK = {"tokens": 1024, "hidden": 256, "vocab": 8192}
+BF16_SMALL = {"tokens": 1024, "hidden": 1024, "vocab": 8192}
+BF16_GEMM_METHODS = ("naive", "verl", "policy-naive")  # multiply in bf16: hours at full size on a CPU
 SWEEP = {"tokens": [2048, 4096, 8192], "at_vocab": 32768, "vocab": [16384, 65536, 131072], "at_tokens": 2048}
 QUICK_SWEEP = {"tokens": [256, 1024], "at_vocab": 4096, "vocab": [2048, 8192], "at_tokens": 256}
 
@@ -37,12 +47,12 @@ TARGETS = {  # CPU targets of the issue
 
 COLUMNS = [
     "section", "device", "dtype", "tokens", "hidden", "vocab", "method", "time_s", "peak_extra_mib",
-    "time_vs_naive", "mem_vs_naive", "time_vs_verl", "runs_s", "load_avg", "error",
+    "baseline", "time_vs_naive", "mem_vs_naive", "time_vs_verl", "runs_s", "load_avg", "error",
 ]  # fmt: skip
 
 
 def _methods(device: str, floors: bool) -> tuple[list[str], dict[str, str]]:
-    names = ["naive", "naive-upcast", "verl", "ours"]
+    names = ["naive", "naive-upcast", "verl", "ours", "policy-naive-upcast"]
     if floors:
         names += ["floor3", "floor4"]
     names += ["liger", "cce", "ours-ce"] if device == "cuda" else []
@@ -56,21 +66,37 @@ def _methods(device: str, floors: bool) -> tuple[list[str], dict[str, str]]:
 
 
 def _case(
-    section: str, shape: dict[str, int], dtype: str, device: str, methods: list[str], args: argparse.Namespace
+    section: str,
+    shape: dict[str, int],
+    dtype: str,
+    device: str,
+    methods: list[str],
+    args: argparse.Namespace,
+    *,
+    skip: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     print(f"{section}: {shape} {dtype} on {device}", flush=True)
     rows = []
     for method in methods:
-        if method == "naive-upcast" and dtype == "fp32":
+        if method in skip or (method.endswith("naive-upcast") and dtype == "fp32"):
             continue
         spec = dict(shape, method=method, dtype=dtype, device=device)
         row = measure(spec, repeats=args.repeats, timeout=args.timeout)
         row.update(section=section, load_avg=round(load_average(), 2))
         rows.append(row)
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ratios of the rows of one case to its naive path (``naive``, else
+    ``naive-upcast``; the ``policy-`` ones for policy methods) and to veRL."""
     by = {r["method"]: r for r in rows}
     for r in rows:
-        base = by.get("policy-naive" if r["method"].startswith("policy") else "naive")
+        policy = r["method"].startswith("policy")
+        names = ("policy-naive", "policy-naive-upcast") if policy else ("naive", "naive-upcast")
+        base = next((by[n] for n in names if n in by), None)
         if base is not None:
+            r["baseline"] = base["method"]
             r["time_vs_naive"] = ratio(r["time_s"], base["time_s"])
             r["mem_vs_naive"] = ratio(r["peak_extra_mib"], base["peak_extra_mib"])
         if "verl" in by and r["method"] in LOGPROB_METHODS:
@@ -81,37 +107,49 @@ def _case(
 def _summary(
     rows: list[dict[str, Any]], device: str, skipped: dict[str, str], args: argparse.Namespace
 ) -> str:
-    main = [r for r in rows if r["section"] == "main"]
+    tables = [r for r in rows if r["section"] in ("main", "bf16-small")]
+    loads = [r["load_avg"] for r in rows if r.get("load_avg") == r.get("load_avg")] or [float("nan")]
     lines = [
         f"Measured on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, device {device}; best of {args.repeats} runs, each in its own process; "
-        f"load average {min(r['load_avg'] for r in rows):.1f} to {max(r['load_avg'] for r in rows):.1f}.",
+        f"load average {min(loads):.1f} to {max(loads):.1f}. Ratios are to the naive path of the same "
+        "case (`baseline`), measured in the same run.",
         "",
-        "| dtype | method | time (s) | peak extra (MiB) | time / naive | memory / naive | time / veRL |",
+        "| case | method | time (s) | peak extra (MiB) | time / naive | memory / naive | time / veRL |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in main:
+    for r in tables:
+        case = f"{r['dtype']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
         lines.append(
-            f"| {r['dtype']} | {r['method']} | {r['time_s']:.2f} | {r['peak_extra_mib']:.0f} | "
+            f"| {case} | {r['method']} | {r['time_s']:.2f} | {r['peak_extra_mib']:.0f} | "
             f"{_r(r.get('time_vs_naive'))} | {_r(r.get('mem_vs_naive'))} | {_r(r.get('time_vs_verl'))} |"
         )
-    lines += ["", "| target (CPU) | dtype | measured | met |", "|---|---|---|---|"]
-    for dtype in sorted({r["dtype"] for r in main}):
-        by = {r["method"]: r for r in main if r["dtype"] == dtype}
+    lines += ["", "| target (CPU) | case | measured | met |", "|---|---|---|---|"]
+    cases = dict.fromkeys((r["section"], r["dtype"]) for r in tables)
+    for section, dtype in cases:
+        by = {r["method"]: r for r in tables if r["section"] == section and r["dtype"] == dtype}
         ours = by.get("ours", {})
+        base = ours.get("baseline", "naive")
+        fused = by.get("policy-ours-fused", {})
         checks = [
-            ("peak extra memory <= 5% of naive", ours.get("mem_vs_naive"), TARGETS["mem_vs_naive"]),
-            ("logprobs+entropy fwd+bwd <= 1.35x naive", ours.get("time_vs_naive"), TARGETS["time_vs_naive"]),
+            (f"peak extra memory <= 5% of {base}", ours.get("mem_vs_naive"), TARGETS["mem_vs_naive"]),
+            (
+                f"logprobs+entropy fwd+bwd <= 1.35x {base}",
+                ours.get("time_vs_naive"),
+                TARGETS["time_vs_naive"],
+            ),
             ("logprobs+entropy fwd+bwd <= veRL", ours.get("time_vs_verl"), TARGETS["time_vs_verl"]),
             (
-                "policy loss in the processor <= 1.05x naive",
-                by.get("policy-ours-fused", {}).get("time_vs_naive"),
+                f"policy loss in the processor <= 1.05x {fused.get('baseline', '-')}",
+                fused.get("time_vs_naive"),
                 TARGETS["policy_vs_naive"],
             ),
         ]
         for label, value, target in checks:
-            met = "n/a" if value is None or value != value else ("yes" if value <= target else "no")
-            lines.append(f"| {label} | {dtype} | {_r(value)} | {met} |")
+            if value is None:
+                continue
+            met = "n/a" if value != value else ("yes" if value <= target else "no")
+            lines.append(f"| {label} | {section} {dtype} | {_r(value)} | {met} |")
     if skipped:
         lines += ["", "Not run: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "."]
     errors = [r for r in rows if r.get("error")]
@@ -135,14 +173,19 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    main = [r for r in rows if r["section"] == "main" and not r.get("error")]
+    def group(r: dict[str, Any]) -> str:
+        return (
+            r["dtype"] if r["section"] == "main" else f"{r['dtype']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
+        )
+
+    main = [r for r in rows if r["section"] in ("main", "bf16-small") and not r.get("error")]
     sweep = [r for r in rows if r["section"].startswith("sweep") and not r.get("error")]
     fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
-    dtypes = sorted({r["dtype"] for r in main})
+    dtypes = list(dict.fromkeys(group(r) for r in main))
     methods = list(dict.fromkeys(r["method"] for r in main))
     width = 0.8 / max(1, len(dtypes))
     for k, dtype in enumerate(dtypes):
-        by = {r["method"]: r for r in main if r["dtype"] == dtype}
+        by = {r["method"]: r for r in main if group(r) == dtype}
         xs = [i + k * width for i in range(len(methods))]
         axes[0].bar(xs, [by[m].get("time_vs_naive", math.nan) if m in by else math.nan for m in methods],
                     width, label=dtype)  # fmt: skip
@@ -188,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tokens and V sweep")
+    parser.add_argument("--sections", default="main,bf16-small,sweep", help="of main, bf16-small, sweep")
     parser.add_argument("--floors", action="store_true", help="also time bare GEMMs (3 and 4)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -198,23 +241,40 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = QUICK if args.quick else FULL
     methods, skipped = _methods(args.device, args.floors)
+    sections = set(args.sections.split(","))
     rows: list[dict[str, Any]] = []
-    for dtype in args.dtypes.split(","):
-        rows += _case("main", shape, dtype, args.device, methods, args)
-    if args.sweep:
+    out = args.out
+
+    def save() -> str:
+        write_csv(rows, out / "logprobs.csv", COLUMNS)
+        summary = _summary(rows, args.device, skipped, args)
+        (out / "logprobs_summary.md").write_text(summary)
+        _plot(rows, out / "logprobs.png")
+        return summary
+
+    slow_bf16 = args.device == "cpu" and not args.quick
+    if "main" in sections:
+        for dtype in args.dtypes.split(","):
+            skip = BF16_GEMM_METHODS if slow_bf16 and dtype != "fp32" else ()
+            rows += _case("main", shape, dtype, args.device, methods, args, skip=skip)
+            save()
+    if "bf16-small" in sections and slow_bf16:
+        rows += _case(
+            "bf16-small", BF16_SMALL, "bf16", args.device, [m for m in methods if "floor" not in m], args
+        )
+        save()
+    if "sweep" in sections:
         sweep_methods = [m for m in ("naive", "verl", "ours") if m in methods]
         sweep, hidden = (QUICK_SWEEP if args.quick else SWEEP), shape["hidden"]
         for n in sweep["tokens"]:
             sweep_shape = {"tokens": n, "hidden": hidden, "vocab": sweep["at_vocab"]}
             rows += _case("sweep-tokens", sweep_shape, "fp32", args.device, sweep_methods, args)
+            save()
         for v in sweep["vocab"]:
             sweep_shape = {"tokens": sweep["at_tokens"], "hidden": hidden, "vocab": v}
             rows += _case("sweep-vocab", sweep_shape, "fp32", args.device, sweep_methods, args)
-    out = args.out
-    write_csv(rows, out / "logprobs.csv", COLUMNS)
-    summary = _summary(rows, args.device, skipped, args)
-    (out / "logprobs_summary.md").write_text(summary)
-    _plot(rows, out / "logprobs.png")
+            save()
+    summary = save()
     print()
     print(summary)
     print(f"wrote {out / 'logprobs.csv'}, {out / 'logprobs_summary.md'}, {out / 'logprobs.png'}")

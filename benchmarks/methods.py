@@ -141,6 +141,13 @@ def policy_naive(
     return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
 
 
+def policy_naive_upcast(
+    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    lp, ent = naive_upcast(h, w, y)
+    return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
+
+
 def policy_autograd(
     h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -162,6 +169,7 @@ def policy_fused(
 
 POLICY_METHODS: dict[str, Callable[..., torch.Tensor]] = {
     "policy-naive": policy_naive,
+    "policy-naive-upcast": policy_naive_upcast,
     "policy-ours-autograd": policy_autograd,
     "policy-ours-fused": policy_fused,
 }

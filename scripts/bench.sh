@@ -2,7 +2,7 @@
 # Benchmarks of the production processors, on a fresh checkout, in one command:
 #   bash scripts/bench.sh            # full sizes (on 2 CPU cores: about an hour)
 #   bash scripts/bench.sh --quick    # small sizes, a few minutes
-# Extra arguments go to `python -m benchmarks.logprobs` (e.g. --dtypes fp32 --no-sweep).
+# Extra arguments go to `python -m benchmarks.logprobs` (e.g. --dtypes fp32 --sections main).
 # Sets up the py312 environment if needed, fetches veRL 0.9.1's wheel (no dependencies)
 # into .venvs/cache/verl and loads only verl/utils/experimental/torch_functional.py
 # from it by file path. Results: benchmarks/results/ (CSV, summary, PNG).

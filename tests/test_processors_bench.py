@@ -44,58 +44,35 @@ def test_policy_methods_agree() -> None:
 
 
 def test_summary_and_plot(tmp_path: Path) -> None:
-    rows = []
-    for dtype in ("fp32", "bf16"):
-        for method, t, mem in (("naive", 10.0, 1000.0), ("verl", 9.0, 100.0), ("ours", 8.0, 30.0)):
-            rows.append(
-                dict(section="main", dtype=dtype, method=method, time_s=t, peak_extra_mib=mem, load_avg=1.0)
-            )
-        rows.append(
-            dict(
-                section="main",
-                dtype=dtype,
-                method="policy-naive",
-                time_s=10.0,
-                peak_extra_mib=1000.0,
-                load_avg=1.0,
-            )
-        )
-        rows.append(
-            dict(
-                section="main",
-                dtype=dtype,
-                method="policy-ours-fused",
-                time_s=11.0,
-                peak_extra_mib=50.0,
-                load_avg=1.0,
-            )
-        )
+    def case(
+        section: str, dtype: str, figures: dict[str, tuple[float, float]], tokens: int = 8
+    ) -> list[dict]:
+        rows = [
+            dict(section=section, dtype=dtype, method=m, time_s=t, peak_extra_mib=mem, load_avg=1.0,
+                 tokens=tokens, hidden=4, vocab=16)
+            for m, (t, mem) in figures.items()
+        ]  # fmt: skip
+        return logprobs.add_ratios(rows)
+
+    policy = {"policy-naive": (10.0, 1000.0), "policy-ours-fused": (11.0, 50.0)}
+    rows = case(
+        "main", "fp32", {"naive": (10.0, 1000.0), "verl": (9.0, 100.0), "ours": (8.0, 30.0), **policy}
+    )
+    rows += case(
+        "main",
+        "bf16",
+        {"naive-upcast": (5.0, 800.0), "ours": (4.0, 20.0), "policy-naive-upcast": (5.0, 800.0)},
+    )
+    rows += case("bf16-small", "bf16", {"naive": (20.0, 100.0), "verl": (30.0, 50.0), "ours": (2.0, 10.0)})
     for n in (1, 2):
-        for method in ("naive", "ours"):
-            rows.append(
-                dict(
-                    section="sweep-tokens",
-                    dtype="fp32",
-                    method=method,
-                    tokens=n,
-                    time_s=n * 1.0,
-                    peak_extra_mib=5.0,
-                    load_avg=1.0,
-                )
-            )
-    by_case: dict[tuple[str, str, int], dict[str, dict]] = {}
-    for r in rows:
-        by_case.setdefault((r["section"], r["dtype"], r.get("tokens", 0)), {})[r["method"]] = r
-    for case in by_case.values():
-        for r in case.values():
-            base = case.get("policy-naive" if r["method"].startswith("policy") else "naive")
-            r["time_vs_naive"] = r["time_s"] / base["time_s"]
-            r["mem_vs_naive"] = r["peak_extra_mib"] / base["peak_extra_mib"]
-            if "verl" in case and not r["method"].startswith("policy"):
-                r["time_vs_verl"] = r["time_s"] / case["verl"]["time_s"]
+        rows += case("sweep-tokens", "fp32", {"naive": (n * 1.0, 5.0), "ours": (n * 0.9, 1.0)}, tokens=n)
+    assert rows[2]["time_vs_verl"] == pytest.approx(8.0 / 9.0)
+    assert rows[6]["baseline"] == "naive-upcast" and rows[6]["time_vs_naive"] == pytest.approx(0.8)
     summary = logprobs._summary(rows, "cpu", {"liger": "GPU only"}, argparse.Namespace(repeats=2))
-    assert "| peak extra memory <= 5% of naive | fp32 | 0.030 | yes |" in summary
-    assert "| policy loss in the processor <= 1.05x naive | bf16 | 1.10 | no |" in summary
+    assert "| peak extra memory <= 5% of naive | main fp32 | 0.030 | yes |" in summary
+    assert "| policy loss in the processor <= 1.05x policy-naive | main fp32 | 1.10 | no |" in summary
+    assert "| logprobs+entropy fwd+bwd <= 1.35x naive-upcast | main bf16 | 0.80 | yes |" in summary
+    assert "| logprobs+entropy fwd+bwd <= veRL | bf16-small bf16 | 0.067 | yes |" in summary
     assert "Not run: liger (GPU only)." in summary
     logprobs._plot(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
