@@ -258,3 +258,12 @@ def test_processor_on_a_model_that_was_not_enabled() -> None:
         assert "no native output hook" in str(info.value)
         with pytest.raises(TypeError, match="output_processor"):
             _run(model, tiny_batch(), cases.stock_loss)
+
+
+def test_state_dict_is_unchanged_by_the_adapter() -> None:
+    stock = build_tiny_gpt().state_dict()
+    enabled = torch_impl.enable_output_processor(build_tiny_gpt()).state_dict()
+    assert list(stock) == list(enabled)
+    for key, value in stock.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, enabled[key]), key
