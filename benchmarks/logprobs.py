@@ -56,7 +56,7 @@ def _methods(device: str, floors: bool) -> tuple[list[str], dict[str, str]]:
     if floors:
         names += ["floor3", "floor4"]
     names += ["liger", "cce", "ours-ce"] if device == "cuda" else []
-    names += list(POLICY_METHODS)
+    names = list(dict.fromkeys(names + list(POLICY_METHODS)))
     skipped = {}
     runnable = []
     for name in names:
