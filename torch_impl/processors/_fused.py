@@ -122,6 +122,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             rows = slice(i0, min(i0 + rows_per_tile, n))
             z = tiles.logits(hs, wc, rows)
             stats, e = _row_stats(z, tiles.exp, plan.labels_local[rows], plan.ignored[rows], plan.collectives)
+            assert stats.entropy is not None  # _row_stats always forms it on this path
             logprobs[rows] = stats.logprobs
             entropy[rows] = stats.entropy
             with torch.enable_grad():

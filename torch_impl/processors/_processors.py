@@ -85,8 +85,8 @@ def _hook_inputs(ctx: OutputContext, name: str) -> _HookInputs:
     b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
     return _HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
-        weight=ctx.vocab_weight,
-        labels=to_tokens(ctx.labels),
+        weight=typing.cast(torch.Tensor, ctx.vocab_weight),
+        labels=to_tokens(typing.cast(torch.Tensor, ctx.labels)),
         b=b,
         s=s,
         kwargs=dict(
@@ -383,9 +383,9 @@ def policy_loss(
         batch.validate(x.b, x.s, need_ref=config.kl_coef != 0.0)
         _check_cp(config, batch, ctx.parallel.cp_size)
         device = x.hidden.device
-        mask = batch.mask if batch.mask is not None else ctx.loss_mask
-        mask = torch.ones(x.b, x.s, device=device) if mask is None else mask.to(device)
-        labels_bs = ctx.labels.to(device)
+        given = batch.mask if batch.mask is not None else typing.cast("torch.Tensor | None", ctx.loss_mask)
+        mask = torch.ones(x.b, x.s, device=device) if given is None else given.to(device)
+        labels_bs = typing.cast(torch.Tensor, ctx.labels).to(device)
         acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
         mask = torch.where(labels_bs == ctx.ignore_index, 0.0, mask.to(acc))
         segments, count = sequence_ids(ctx, x.b, x.s, device)
