@@ -76,15 +76,28 @@ def _case(
     skip: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     print(f"{section}: {shape} {dtype} on {device}", flush=True)
-    rows = []
-    for method in methods:
-        if method in skip or (method.endswith("naive-upcast") and dtype == "fp32"):
-            continue
-        spec = dict(shape, method=method, dtype=dtype, device=device)
-        row = measure(spec, repeats=args.repeats, timeout=args.timeout)
+    names = [m for m in methods if m not in skip and not (m.endswith("naive-upcast") and dtype == "fp32")]
+    specs = [dict(shape, method=m, dtype=dtype, device=device) for m in names]
+    # Rounds of every method in turn, so that a burst of load elsewhere on the
+    # machine hits every method alike; best of the rounds.
+    rounds = [[measure(spec, repeats=1, timeout=args.timeout) for spec in specs] for _ in range(args.repeats)]
+    rows = [merge_runs([r[i] for r in rounds]) for i in range(len(specs))]
+    for row in rows:
         row.update(section=section, load_avg=round(load_average(), 2))
-        rows.append(row)
     return add_ratios(rows)
+
+
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best (smallest) time and peak memory of several single runs of one spec."""
+    ok = [r for r in runs if not r.get("error")]
+    row = dict(runs[0])
+    row.update(
+        time_s=min((r["time_s"] for r in ok), default=float("nan")),
+        peak_extra_mib=min((r["peak_extra_mib"] for r in ok), default=float("nan")),
+        runs_s=" ".join(r["runs_s"] for r in ok),
+        error="; ".join(r["error"] for r in runs if r.get("error")),
+    )
+    return row
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
