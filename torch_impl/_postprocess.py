@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hookspec import ContractError
+from hookspec import UPSTREAM_HOOK_KEYWORDS, ContractError
 
 __all__ = ["as_inner_stage", "default_output", "finish_postprocess", "postprocess_with_processor"]
 
@@ -138,14 +138,6 @@ def postprocess_with_processor(model: Any, call: Any, *, mtp_call: Any = None, *
     )
 
 
-_HOOK_INPUTS = (
-    "labels",
-    "loss_mask",
-    "input_ids",
-    "position_ids",
-    "attention_mask",
-    "decoder_input",
-    "inference_context",
-    "packed_seq_params",
-    "runtime_gather_output",
-)
+_HOOK_INPUTS = UPSTREAM_HOOK_KEYWORDS[3:12]
+"""The upstream keywords from ``labels`` to ``runtime_gather_output``: what the
+model's own call hands over; the rest come from the model or the caller."""
