@@ -195,7 +195,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     main = [r for r in rows if r["section"] in ("main", "bf16-small") and not r.get("error")]
     sweep = [r for r in rows if r["section"].startswith("sweep") and not r.get("error")]
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
+    fig, axes = plt.subplots(1, 4 if sweep else 2, figsize=(21 if sweep else 11, 4.5))
     dtypes = list(dict.fromkeys(group(r) for r in main))
     methods = list(dict.fromkeys(r["method"] for r in main))
     width = 0.8 / max(1, len(dtypes))
@@ -215,24 +215,22 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[1].set_yscale("log")
     axes[1].axhline(TARGETS["mem_vs_naive"], color="red", lw=0.8, ls="--")
     axes[0].axhline(TARGETS["time_vs_naive"], color="red", lw=0.8, ls="--")
-    if sweep:
-        ax = axes[2]
-        for section, key, marker in (("sweep-tokens", "tokens", "o"), ("sweep-vocab", "vocab", "s")):
-            for method in ("ours", "verl"):
-                pts = sorted((r[key], r.get("time_vs_naive", math.nan)) for r in sweep
-                             if r["section"] == section and r["method"] == method)  # fmt: skip
-                if pts:
-                    ax.plot(range(len(pts)), [p[1] for p in pts], marker=marker,
-                            label=f"{method} time, {key} " + "/".join(str(p[0]) for p in pts))  # fmt: skip
-            pts = sorted((r[key], r.get("mem_vs_naive", math.nan)) for r in sweep
-                         if r["section"] == section and r["method"] == "ours")  # fmt: skip
+    sections = (("sweep-tokens", "tokens"), ("sweep-vocab", "vocab"))
+    for ax, (section, key) in zip(axes[2:], sections):
+        at = [r for r in sweep if r["section"] == section]
+        lines = [(m, q, f"{mark}{ls}") for q, ls in (("time_vs_naive", "-"), ("mem_vs_naive", ":"))
+                 for m, mark in (("ours", "o"), ("verl", "s"))]  # fmt: skip
+        for method, metric, style in lines:
+            pts = sorted((r[key], r.get(metric, math.nan)) for r in at if r["method"] == method)
             if pts:
-                ax.plot(
-                    range(len(pts)), [p[1] for p in pts], marker=marker, ls=":", label=f"ours memory, {key}"
-                )
+                what = "time" if metric.startswith("time") else "memory"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{method} {what}")
+        other = "vocab" if key == "tokens" else "tokens"
+        fixed = {r[other] for r in at}
+        ax.set_xscale("log", base=2)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title("sweep (fp32): ratio to naive")
-        ax.set_xlabel("size step")
+        ax.set_title(f"fp32 sweep over {key} ({other} {', '.join(map(str, sorted(fixed)))}): / naive")
+        ax.set_xlabel(key)
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
