@@ -111,6 +111,31 @@ def test_hookspec_context_is_filled_from_the_model() -> None:
     assert ctx.scale_logits(x) is x or torch.equal(ctx.scale_logits(x), x)
 
 
+def test_context_reads_the_groups_once_per_model() -> None:
+    """The layout, vocab shard and collectives are cached per model and read
+    again when the groups object or the weight's rows change."""
+    import copy
+
+    model = build_tiny_gpt()
+    kw = {"output_layer": model.output_layer}
+    first = torch_impl.build_output_context(model, kw)
+    again = torch_impl.build_output_context(model, kw)
+    assert again.parallel is first.parallel and again.collectives is first.collectives
+    assert first.vocab == hookspec.VocabShard(0, 64, 64)
+    half = torch.zeros(32, model.config.hidden_size)
+    narrower = torch_impl.build_output_context(
+        model, {"output_layer": model.output_layer, "output_weight": half}
+    )
+    assert narrower.vocab == hookspec.VocabShard(0, 32, 32) and narrower.vocab_weight is half
+    model.pg_collection = copy.copy(model.pg_collection)
+    regrouped = torch_impl.build_output_context(model, kw)
+    assert regrouped.parallel == first.parallel and regrouped.collectives is not first.collectives
+    other = build_tiny_gpt()
+    assert torch_impl.build_output_context(other, {"output_layer": other.output_layer}).collectives is not (
+        regrouped.collectives
+    )
+
+
 def test_enable_is_idempotent_and_undone() -> None:
     model = build_tiny_gpt()
     stock_cls = type(model)
