@@ -33,6 +33,18 @@ PY
 fi
 [ -f "$file" ] && export HOOKSPEC_VERL_TORCH_FUNCTIONAL=$file
 
+# The Liger-Kernel and Cut Cross-Entropy rows need CUDA (Triton kernels). Where torch sees a GPU
+# the two packages are installed into py312, from $venvs/cache/gpu-bench when that folder holds
+# their wheels (for a GPU machine without PyPI: `pip download --no-deps -d .venvs/cache/gpu-bench
+# liger-kernel==0.8.5 cut-cross-entropy==25.1.1` beforehand), else from PyPI. Without them the
+# rows are skipped and the summary says why.
+if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  src=()
+  [ -d "$venvs/cache/gpu-bench" ] && src=(--no-index --find-links "$venvs/cache/gpu-bench")
+  "$py" -m pip install --quiet --no-deps "${src[@]}" liger-kernel==0.8.5 cut-cross-entropy==25.1.1 ||
+    echo "bench.sh: could not install liger-kernel / cut-cross-entropy; their rows will be skipped" >&2
+fi
+
 quick=()
 for arg in "$@"; do [ "$arg" = "--quick" ] && quick=(--quick); done
 export PYTHONWARNINGS=ignore
