@@ -5,8 +5,8 @@ forward + backward, in one process, the variants interleaved.
     python -m benchmarks.hook_overhead            # 4 layers, hidden 512, V 32768, 4 x 512 tokens
     python -m benchmarks.hook_overhead --quick
 
-Two measurements, because on a shared CPU the step-to-step noise (a few %) is
-larger than the effect asked about (1%):
+Two measurements, because on a shared CPU the step-to-step noise (10% to 20% on
+a 2-core VM) is larger than the effect asked about (1%):
 
 - end to end: per round every variant runs once, in rotated order; the figure
   is the median over rounds of ``t(variant) / t(stock)`` within the round
