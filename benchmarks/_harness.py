@@ -1,4 +1,4 @@
-"""Running measurements in subprocesses, best of ``k``, and writing CSV files."""
+"""Running one measurement in a subprocess, and writing CSV files."""
 
 from __future__ import annotations
 
@@ -21,44 +21,37 @@ def load_average() -> float:
         return float("nan")
 
 
-def measure(spec: dict[str, Any], *, repeats: int, timeout: float, log: bool = True) -> dict[str, Any]:
-    """Run ``spec`` ``repeats`` times, each in a fresh process; keep the best
-    (smallest) time and the smallest peak extra memory, and every raw figure."""
-    times: list[float] = []
-    mems: list[float] = []
+def measure(spec: dict[str, Any], *, timeout: float, log: bool = True) -> dict[str, Any]:
+    """Run ``spec`` once in a fresh process: its row with ``time_s``,
+    ``peak_extra_mib``, ``runs_s`` and ``error`` (empty when it ran).
+    ``benchmarks.logprobs.merge_runs`` keeps the best of several."""
+    time_s = peak = float("nan")
     error = ""
-    for _ in range(repeats):
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                cwd=ROOT,
-                env=env,
-            )
-        except subprocess.TimeoutExpired:
-            error = f"timeout after {timeout:.0f} s"
-            break
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        error = f"timeout after {timeout:.0f} s"
+    else:
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             error = f"exit {proc.returncode}: {tail[0][:200]}"
-            break
-        result = json.loads(lines[-1])
-        times.append(result["time_s"])
-        mems.append(result["peak_extra_mib"])
+        else:
+            result = json.loads(lines[-1])
+            time_s, peak = result["time_s"], result["peak_extra_mib"]
     row = dict(spec)
-    row.update(
-        time_s=min(times) if times else float("nan"),
-        peak_extra_mib=min(mems) if mems else float("nan"),
-        runs_s=" ".join(f"{t:.3f}" for t in times),
-        error=error,
-    )
+    row.update(time_s=time_s, peak_extra_mib=peak, runs_s="" if error else f"{time_s:.3f}", error=error)
     if log:
-        status = error or f"{row['time_s']:.2f} s, {row['peak_extra_mib']:.0f} MiB extra"
+        status = error or f"{time_s:.2f} s, {peak:.0f} MiB extra"
         shape = f"{spec.get('tokens')}x{spec.get('hidden')}x{spec.get('vocab')} {spec.get('dtype')}"
         print(f"  {spec['method']:<22} {shape:<22} {status}", flush=True)
     return row

@@ -13,8 +13,8 @@ a 2-core VM) is larger than the effect asked about (1%):
   (paired, so a load burst that hits a round hits its stock step too), with a
   95% bootstrap interval of that median;
 - per call: what the adapter adds to a forward, timed alone over the keywords
-  one real call handed the hook: ``build_output_context`` +
-  ``validate_context`` (label range read included) + ``validate_result``, as a
+  one real call handed the hook: its bridge made and called (context build,
+  ``validate_context`` with the label range read, ``validate_result``), as a
   fraction of the stock step's median time. The processor's own work is the
   stock path's and is not counted; the end-to-end figure covers everything else.
 
@@ -68,14 +68,20 @@ def median_interval(values: Sequence[float], *, resamples: int = 2000, seed: int
 
 
 def per_call_cost(model: Any, hook_kwargs: dict[str, Any], result: torch.Tensor, *, number: int) -> float:
-    """Seconds the adapter's own work takes per forward (see the module docstring)."""
-    from hookspec import validate_context, validate_result
-    from torch_impl.context import build_output_context
+    """Seconds the adapter's own work takes per forward: the bridge an enabled
+    model hands the hook, made and called as in a forward, over the keywords of
+    one real call and a processor that returns ``result`` at once."""
+    import hookspec
+    from torch_impl.enable import _bridges  # the adapter's own bridge, timed as it runs
+
+    @hookspec.processor
+    def ready(ctx: hookspec.OutputContext) -> torch.Tensor:
+        return result
 
     def adapter_work() -> None:
-        ctx = build_output_context(model, hook_kwargs)
-        validate_context(ctx)
-        validate_result(result, batch=ctx.batch_size, seq=ctx.seq_len)
+        call, _ = _bridges(model, ready, None, None, None)
+        assert call is not None
+        call(**hook_kwargs)
 
     adapter_work()
     return min(timeit.repeat(adapter_work, number=number, repeat=5)) / number

@@ -80,7 +80,7 @@ def _case(
     specs = [dict(shape, method=m, dtype=dtype, device=device) for m in names]
     # Rounds of every method in turn, so that a burst of load elsewhere on the
     # machine hits every method alike; best of the rounds.
-    rounds = [[measure(spec, repeats=1, timeout=args.timeout) for spec in specs] for _ in range(args.repeats)]
+    rounds = [[measure(spec, timeout=args.timeout) for spec in specs] for _ in range(args.repeats)]
     rows = [merge_runs([r[i] for r in rounds]) for i in range(len(specs))]
     for row in rows:
         row.update(section=section, load_avg=round(load_average(), 2))

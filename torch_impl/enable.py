@@ -152,7 +152,7 @@ class _OutputHookAdapter:
 
     _hookspec_original_class: type[Any]
     _hookspec_native: bool
-    _hookspec_postprocess_signature: inspect.Signature  # None on a HybridModel (no _postprocess)
+    _hookspec_postprocess_signature: inspect.Signature | None  # None on a HybridModel (no _postprocess)
 
     def forward(
         self,
@@ -191,7 +191,9 @@ class _OutputHookAdapter:
             return super()._postprocess(*args, **kwargs)  # type: ignore[misc]
         from ._postprocess import postprocess_with_processor
 
-        bound = self._hookspec_postprocess_signature.bind(self, *args, **kwargs)
+        signature = self._hookspec_postprocess_signature
+        assert signature is not None  # only a class with _postprocess reaches its override
+        bound = signature.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")
         call, mtp_call = pending
