@@ -1,8 +1,17 @@
-"""Input checks shared by the processors: each raises ``hookspec.ContractError``."""
+"""Input checks shared by the processors: each raises ``hookspec.ContractError``
+naming the field, what was expected and what was given.
+
+Numbers (options, counts, coefficients) are checked once, where they enter: a
+Python or NumPy number, finite, in its range (:func:`check_finite_number`,
+:func:`check_int`). Tensors are checked by shape and dtype only, never by value,
+except where a docstring says so.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,11 +20,93 @@ from hookspec import ContractError, check_labels
 from hookspec.arrays import format_shape
 
 __all__ = [
+    "check_bool",
+    "check_finite_number",
     "check_floating",
-    "check_shape",
+    "check_int",
     "check_temperature",
+    "context_field",
     "resolve_compute_dtype",
 ]
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def check_finite_number(
+    field: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` as a ``float``: a real number (Python or NumPy, not ``bool``, not a
+    tensor), finite, and in ``[low, high]`` (``low_open``/``high_open``: that end
+    excluded; ``None``: unbounded). Raises ``ContractError(field, ...)``::
+
+        check_finite_number("logit_scale", x, low=0.0, low_open=True)   # finite x > 0
+    """
+    where = _interval(low, high, low_open, high_open)
+    expected = f"a finite number {where}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ContractError(field, expected=expected, actual=_describe(value))
+    x = float(value)
+    if not math.isfinite(x):
+        raise ContractError(field, expected=expected, actual=repr(value))
+    if low is not None and (x <= low if low_open else x < low):
+        raise ContractError(field, expected=expected, actual=repr(value))
+    if high is not None and (x >= high if high_open else x > high):
+        raise ContractError(field, expected=expected, actual=repr(value))
+    return x
+
+
+def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
+    ``[low, high]``. Raises ``ContractError(field, ...)``::
+
+        check_int("chunk_size", n, low=1)
+    """
+    expected = f"an int {_interval(low, high, False, False)}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ContractError(field, expected=expected, actual=_describe(value))
+    n = int(value)
+    if (low is not None and n < low) or (high is not None and n > high):
+        raise ContractError(field, expected=expected, actual=repr(value))
+    return n
+
+
+def check_bool(field: str, value: Any) -> bool:
+    """``value`` is a ``bool`` (not a truthy string or number)."""
+    if not isinstance(value, bool):
+        raise ContractError(field, expected="True or False", actual=_describe(value))
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (str, numbers.Number)) or value is None:
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {format_shape(value.shape)} (pass a Python number)"
+    return type(value).__name__
+
+
+def context_field(context: Any, name: str) -> Any:
+    """``context[name]`` when the user context is a mapping (how veRL passes it),
+    else ``getattr(context, name)``; ``None`` when absent. The one way every
+    processor reads the user context."""
+    if isinstance(context, Mapping):
+        return context.get(name)
+    return getattr(context, name, None)
+
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -26,13 +117,6 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
     if x.dtype not in _FLOATS:
         raise ContractError(field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch."))
     return x
-
-
-def check_shape(field: str, x: torch.Tensor, shape: tuple[int, ...], what: str = "") -> None:
-    if tuple(x.shape) != shape:
-        raise ContractError(
-            field, expected=f"shape {what or format_shape(shape)}", actual=format_shape(x.shape)
-        )
 
 
 def check_temperature(temperature: Any, n: int, *, field: str = "temperature") -> float | torch.Tensor:

@@ -8,28 +8,30 @@ tests compare against in float64.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 
 from hookspec import Aggregation, ContractError, KLEstimator
 
+from ._checks import check_bool, check_finite_number
+
 __all__ = [
     "PolicyLossConfig",
     "aggregation_weights",
     "kl_penalty",
+    "kl_terms",
     "ppo_token_loss",
     "sequence_log_ratio",
+    "weights_of",
 ]
 
 
-def _finite_number(field: str, value: Any, *, low: float | None = None, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ContractError(field, expected="a finite number", actual=repr(value))
-    if low is not None and (value <= low if strict else value < low):
-        raise ContractError(field, expected=f"a number {'>' if strict else '>='} {low}", actual=repr(value))
-    return float(value)
+def _enum(field: str, kind: Any, value: Any) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,33 +67,26 @@ class PolicyLossConfig:
     fused: bool = True
 
     def __post_init__(self) -> None:
-        _finite_number("clip_low", self.clip_low, low=0.0)
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("clip_low", check_finite_number("clip_low", self.clip_low, low=0.0, high=1.0))
         if self.clip_high is not None:
-            _finite_number("clip_high", self.clip_high, low=0.0)
+            put("clip_high", check_finite_number("clip_high", self.clip_high, low=0.0))
         if self.dual_clip is not None:
-            _finite_number("dual_clip", self.dual_clip, low=1.0, strict=True)
+            put("dual_clip", check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True))
         if self.ratio not in ("token", "sequence"):
             raise ContractError("ratio", expected="'token' or 'sequence'", actual=repr(self.ratio))
-        _finite_number("kl_coef", self.kl_coef)
-        _finite_number("entropy_coef", self.entropy_coef)
+        put("kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
+        put("entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
         if self.log_ratio_clamp is not None:
-            _finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
-        try:
-            object.__setattr__(self, "kl_estimator", KLEstimator(self.kl_estimator))
-        except ValueError:
-            raise ContractError(
-                "kl_estimator",
-                expected=f"one of {[k.value for k in KLEstimator]}",
-                actual=repr(self.kl_estimator),
-            ) from None
-        try:
-            object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
-        except ValueError:
-            raise ContractError(
-                "aggregation",
-                expected=f"one of {[a.value for a in Aggregation]}",
-                actual=repr(self.aggregation),
-            ) from None
+            put(
+                "log_ratio_clamp",
+                check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True),
+            )
+        check_bool("fused", self.fused)
+        put("kl_estimator", _enum("kl_estimator", KLEstimator, self.kl_estimator))
+        put("aggregation", _enum("aggregation", Aggregation, self.aggregation))
 
     @property
     def eps_high(self) -> float:
@@ -125,7 +120,18 @@ def kl_penalty(
     logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
 ) -> torch.Tensor:
     """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``
-    with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``)."""
+    with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``; ``clamp`` a finite
+    number > 0, or ``None``: no clamp). Elementwise, any shape."""
+    estimator = _enum("estimator", KLEstimator, estimator)
+    if clamp is not None:
+        clamp = check_finite_number("clamp", clamp, low=0.0, low_open=True)
+    return kl_terms(logp, ref, estimator, clamp=clamp)
+
+
+def kl_terms(
+    logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
+) -> torch.Tensor:
+    """:func:`kl_penalty` on options already checked."""
     log_ratio = _clamp(ref - logp, clamp)
     if estimator == KLEstimator.K1:
         return -log_ratio
@@ -172,11 +178,12 @@ def sequence_log_ratio(
     clamp: float | None,
 ) -> torch.Tensor:
     """GSPO's ``log s_k = sum_t M_t (logp_t - old_t) / sum_t M_t`` over each
-    sequence ``k``, broadcast back to its tokens (same shape as ``logp``)."""
+    sequence ``k``, broadcast back to its tokens (same shape as ``logp``); ``0``
+    for a sequence whose ``sum_t M_t`` is exactly 0, NaN where it is NaN."""
     diff = torch.where(mask > 0, logp - old, 0.0) * mask
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
-    per_seq = torch.where(den > 0, num / den.clamp_min(1e-30), 0.0)
+    per_seq = num / torch.where(den == 0, 1.0, den)
     return _clamp(per_seq[segments], clamp)
 
 
@@ -197,22 +204,46 @@ def aggregation_weights(
 
     ``n_k``: the mask's sum over sequence ``k`` (``segments`` gives each
     token's sequence, ``count`` sequences); ``K``: the sequences with
-    ``n_k > 0``. ``global_tokens`` / ``global_sequences`` replace ``sum(M)`` /
-    ``K`` (counts over the ranks that share the loss). An empty mask gives
-    ``w = 0``.
+    ``n_k != 0``. ``global_tokens`` / ``global_sequences`` (finite numbers
+    > 0) replace ``sum(M)`` / ``K`` (counts over the ranks that share the
+    loss). A mask whose sum is exactly 0 gives ``w = 0``; an entry of ``M``
+    that is NaN, infinite or negative makes the weights it reaches NaN (all of
+    them for token-mean, its sequence's otherwise), never 0.
     """
+    how = _enum("aggregation", Aggregation, how)
+    for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
+        if value is not None:
+            check_finite_number(name, value, low=0.0, low_open=True)
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
+    return weights_of(m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences)
+
+
+def weights_of(
+    m: torch.Tensor,
+    segments: torch.Tensor,
+    count: int,
+    how: Aggregation,
+    *,
+    global_tokens: float | None,
+    global_sequences: float | None,
+) -> torch.Tensor:
+    """:func:`aggregation_weights` on inputs already checked (``m`` floating,
+    its bad entries already NaN)."""
     if how == Aggregation.TOKEN_MEAN:
-        total = m.sum() if global_tokens is None else torch.tensor(float(global_tokens), dtype=m.dtype)
-        return torch.where(total > 0, m / total.clamp_min(1e-30), 0.0)
+        total = (
+            m.sum()
+            if global_tokens is None
+            else torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
+        )
+        return m / torch.where(total == 0, 1.0, total)  # an exactly-0 total has m == 0
     n_k = segment_sum(m, segments, count)
     k = (
-        (n_k > 0).sum().to(m.dtype)
+        (n_k != 0).sum().to(m.dtype).clamp_min(1.0)  # K == 0 only where m == 0
         if global_sequences is None
-        else torch.tensor(float(global_sequences), dtype=m.dtype)
+        else torch.tensor(float(global_sequences), dtype=m.dtype, device=m.device)
     )
-    k = k.clamp_min(1e-30)
     if how == Aggregation.SEQ_MEAN_TOKEN_SUM:
         return m / k
     per_tok = n_k[segments]
-    return torch.where(per_tok > 0, m / (per_tok.clamp_min(1e-30) * k), 0.0)
+    return m / (torch.where(per_tok == 0, 1.0, per_tok) * k)

@@ -11,22 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from hookspec import Aggregation, ContractError, KLEstimator, OutputContext, Processor, processor
+from hookspec import (
+    Aggregation,
+    ContractError,
+    KLEstimator,
+    OutputContext,
+    Processor,
+    processor,
+    validate_context,
+)
 from hookspec.arrays import format_shape
 
-from ._checks import check_floating, check_temperature
+from ._checks import (
+    check_bool,
+    check_finite_number,
+    check_floating,
+    check_int,
+    check_temperature,
+    context_field,
+)
 from ._fused import FUSED_TILE_ELEMENTS, fused_token_loss
 from ._logprobs import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK, linear_logprobs
 from ._policy_math import (
     PolicyLossConfig,
-    aggregation_weights,
-    kl_penalty,
+    kl_terms,
     ppo_token_loss,
     sequence_log_ratio,
+    weights_of,
 )
 
 __all__ = [
@@ -61,11 +77,18 @@ class _HookInputs:
 
 
 def _logit_scale(ctx: OutputContext) -> float:
-    """MuP's output multiplier where the model applies it (``scale_logits``)."""
+    """MuP's output multiplier where the model applies it (``scale_logits``):
+    a finite number > 0."""
     config = ctx.config
     if config is not None and getattr(config, "use_mup", False):
-        return float(getattr(config, "mup_output_mult", 1.0))
+        mult = getattr(config, "mup_output_mult", 1.0)
+        return check_finite_number("config.mup_output_mult", mult, low=0.0, low_open=True)
     return 1.0
+
+
+def _check_chunks(chunk_size: Any, token_chunk_size: Any) -> None:
+    check_int("chunk_size", chunk_size, low=1)
+    check_int("token_chunk_size", token_chunk_size, low=1)
 
 
 def _hook_inputs(ctx: OutputContext, name: str) -> _HookInputs:
@@ -80,8 +103,11 @@ def _hook_inputs(ctx: OutputContext, name: str) -> _HookInputs:
     if ctx.vocab_weight is None or ctx.vocab is None:
         raise ContractError("vocab_weight", expected="the output weight shard [V/tp, h]", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
-    if hs.dim() != 3:
-        raise ContractError("hidden_states", expected="3 dims [s, b, h]", actual=format_shape(hs.shape))
+    # A direct call (not through the hook) gets the hook's shape checks too: shapes
+    # only, no values read; the label values are checked by linear_logprobs.
+    validate_context(ctx, check_values=False)
+    if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
+        raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
     b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
     return _HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
@@ -101,8 +127,8 @@ def _hook_inputs(ctx: OutputContext, name: str) -> _HookInputs:
 
 def _temperature(given: float | None, ctx: OutputContext, b: int, s: int) -> float | torch.Tensor:
     """The processor's ``temperature``, else the user context's ``temperature``
-    (a number or ``[b, s]``), else 1."""
-    from_context = getattr(ctx.context, "temperature", None)
+    (a number or ``[b, s]``; a mapping's key or an object's attribute), else 1."""
+    from_context = context_field(ctx.context, "temperature")
     if given is not None and from_context is not None:
         raise ContractError(
             "temperature",
@@ -138,12 +164,15 @@ def selected_logprobs(
         logprobs = log_softmax(z)[labels]               # 0 where labels == ignore_index
         entropy = logsumexp(z) - sum(softmax(z) * z)    # only with entropy=True
 
-    ``T``: ``temperature`` if given, else ``ctx.context.temperature`` when the
-    user context has one (a number or ``[b, s]`` per token, e.g.
+    ``T``: ``temperature`` if given, else the user context's ``temperature``
+    when it has one that is not ``None`` (a number or ``[b, s]`` per token; the
+    key of a mapping such as veRL's, or the attribute of an object such as
     :class:`PolicyBatch`), else 1. Both given is an error.
     """
     if temperature is not None:
         check_temperature(temperature, 1)
+    check_bool("entropy", entropy)
+    _check_chunks(chunk_size, token_chunk_size)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = _hook_inputs(ctx, "selected_logprobs")
@@ -177,10 +206,22 @@ def cross_entropy_loss(
     One difference: where ``labels == ctx.ignore_index`` the loss is ``0`` with a
     zero gradient (Megatron returns the logsumexp there, which the loss mask
     then removes).
+
+    It takes no temperature (Megatron's loss has none): a user context holding
+    a ``temperature`` that is not ``None`` raises rather than being ignored.
     """
+    _check_chunks(chunk_size, token_chunk_size)
 
     def fn(ctx: OutputContext) -> torch.Tensor:
         x = _hook_inputs(ctx, "cross_entropy_loss")
+        t = context_field(ctx.context, "temperature")
+        if t is not None:
+            raise ContractError(
+                "context.temperature",
+                expected="none (cross_entropy_loss is Megatron's loss, which takes no temperature; "
+                "use selected_logprobs for tempered logprobs)",
+                actual=f"a {type(t).__name__}",
+            )
         res = linear_logprobs(
             x.hidden, x.weight, x.labels, chunk_size=chunk_size, token_chunk_size=token_chunk_size, **x.kwargs
         )
@@ -248,10 +289,8 @@ class PolicyBatch:
                 )
         for name in ("global_tokens", "global_sequences"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
-                raise ContractError(f"context.{name}", expected="a number > 0 or None", actual=repr(value))
+            if value is not None:
+                check_finite_number(f"context.{name}", value, low=0.0, low_open=True)
 
 
 def _policy_batch(ctx: OutputContext) -> PolicyBatch:
@@ -261,6 +300,9 @@ def _policy_batch(ctx: OutputContext) -> PolicyBatch:
             "context",
             expected="a torch_impl.processors.PolicyBatch (output_processor_context=)",
             actual=type(batch).__name__,
+            hint="A mapping is not read as one: pass PolicyBatch(**mapping)"
+            if isinstance(batch, Mapping)
+            else "",
         )
     return batch
 
@@ -326,7 +368,7 @@ def _token_terms(
     total = pg
     kl = None
     if ref is not None:
-        kl = kl_penalty(
+        kl = kl_terms(
             logp,
             torch.where(live, ref.to(logp.dtype), logp.detach()),
             config.kl_estimator,
@@ -340,11 +382,26 @@ def _token_terms(
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``sum(x * m) / sum(m)`` over ``m > 0`` (0 for an empty mask); NaN at a
-    counted token stays NaN."""
+    """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
+    ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN."""
     total = m.sum()
     x = torch.where(m > 0, x.to(m.dtype), 0.0)
-    return torch.where(total > 0, (x * m).sum() / total.clamp_min(1e-30), 0.0)
+    return (x * m).sum() / torch.where(total == 0, 1.0, total)
+
+
+def _counted(
+    given: torch.Tensor | None, labels: torch.Tensor, ignore_index: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The mask ``M`` ``[b, s]``: ``given`` (every token when ``None``), 0 where the
+    label is the ignore index. An entry that is not a finite number ``>= 0`` becomes
+    NaN, wherever it is (also at an ignored label), so that the loss shows it."""
+    if given is None:
+        return torch.where(
+            labels == ignore_index, 0.0, torch.ones(labels.shape, dtype=dtype, device=labels.device)
+        )
+    m = given.to(device=labels.device, dtype=dtype)
+    m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
+    return torch.where(labels == ignore_index, m * 0.0, m)
 
 
 def policy_loss(
@@ -376,6 +433,8 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     if not isinstance(config, PolicyLossConfig):
         raise ContractError("config", expected="a PolicyLossConfig", actual=type(config).__name__)
+    _check_chunks(chunk_size, token_chunk_size)
+    check_int("fused_tile_elements", fused_tile_elements, low=1)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = _hook_inputs(ctx, "policy_loss")
@@ -384,13 +443,12 @@ def policy_loss(
         _check_cp(config, batch, ctx.parallel.cp_size)
         device = x.hidden.device
         given = batch.mask if batch.mask is not None else typing.cast("torch.Tensor | None", ctx.loss_mask)
-        mask = torch.ones(x.b, x.s, device=device) if given is None else given.to(device)
         labels_bs = typing.cast(torch.Tensor, ctx.labels).to(device)
         acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
-        mask = torch.where(labels_bs == ctx.ignore_index, 0.0, mask.to(acc))
+        mask = _counted(given, labels_bs, ctx.ignore_index, acc)
         segments, count = sequence_ids(ctx, x.b, x.s, device)
         weights = to_tokens(
-            aggregation_weights(
+            weights_of(
                 mask,
                 segments,
                 count,
@@ -401,7 +459,8 @@ def policy_loss(
         )
         mask_t = to_tokens(mask)
         old = to_tokens(batch.old_logprobs).detach().to(device)
-        adv = to_tokens(batch.advantages).detach().to(device)
+        # Batch values at uncounted tokens are never read (NaN there changes nothing).
+        adv = torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0)
         ref = to_tokens(batch.ref_logprobs).detach().to(device) if batch.ref_logprobs is not None else None
         temperature = _temperature(None, ctx, x.b, x.s)
         fused = config.fused and config.ratio == "token"
@@ -458,7 +517,7 @@ def policy_loss(
             "entropy": _masked_mean(entropy.detach(), m),
             "clip_fraction": _masked_mean(terms["clipped"], m),
             "approx_kl": _masked_mean(
-                kl_penalty(logp.detach(), old.to(logp.dtype), KLEstimator.K3, clamp=config.log_ratio_clamp), m
+                kl_terms(logp.detach(), old.to(logp.dtype), KLEstimator.K3, clamp=config.log_ratio_clamp), m
             ),
         }
         if terms["kl"] is not None:
