@@ -17,7 +17,12 @@ it) and adapts the plan's post-process node, that instance only:
   for the loss function. Without that wrapper a mapping result is refused with
   a ``ContractError`` before anything reaches the loss function.
 
-Without processors the stock plan is returned untouched.
+Without processors the stock plan is returned with only the final-norm fix.
+
+The decoder's final norm, which Megatron's plan leaves out when the chunk's
+last decoder layer is dense, is added to the plan (``apply_final_norm=True``,
+the default; ``False`` keeps Megatron's plan bitwise): see
+``torch_impl/_plan_final_norm.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from megatron.core.transformer.module import float16_to_fp32
 
 from hookspec import ContractError
 
+from ._plan_final_norm import check_apply_final_norm, with_final_norm
 from .enable import _bridges, _stashed, require_output_processor
 
 __all__ = [
@@ -183,6 +189,7 @@ def build_schedule_plan(
     output_processor: Any = None,
     output_processor_context: Any = None,
     mtp_processor: Any = None,
+    apply_final_norm: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``model.build_schedule_plan(*args, **kwargs)`` with the output hook.
@@ -195,6 +202,7 @@ def build_schedule_plan(
     loss_func)`` as the loss function.
     """
     inner = require_output_processor(model)
+    apply_final_norm = check_apply_final_norm(apply_final_norm)
     original = cast("type[Any]", inner._hookspec_original_class)
     if not hasattr(original, "build_schedule_plan"):
         raise ContractError(
@@ -206,7 +214,8 @@ def build_schedule_plan(
     if output_processor is None and mtp_processor is None:
         if inner._hookspec_native:  # type: ignore[attr-defined]
             kwargs["output_processor_context"] = output_processor_context
-        return inner.build_schedule_plan(*args, **kwargs)  # type: ignore[operator]
+        plan = inner.build_schedule_plan(*args, **kwargs)  # type: ignore[operator]
+        return with_final_norm(plan, inner, apply=apply_final_norm)
     arguments = inspect.signature(original.build_schedule_plan).bind(inner, *args, **kwargs).arguments
     native_kwargs, hook = prepare_plan_hook(
         inner,
@@ -218,7 +227,7 @@ def build_schedule_plan(
     plan = inner.build_schedule_plan(*args, **native_kwargs, **kwargs)  # type: ignore[operator]
     if plan.post_process is not None:
         attach_plan_hook(plan.post_process, hook)
-    return plan
+    return with_final_norm(plan, inner, apply=apply_final_norm)
 
 
 def prepare_plan_hook(

@@ -142,10 +142,12 @@ def build_tiny_gpt(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     mtp_block_spec: Any = None,
+    transformer_layer_spec: Any = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """A tiny ``GPTModel`` on the CPU; the same ``seed`` gives the same weights on
-    every rank and every call (Megatron's CPU init splits one master weight)."""
+    every rank and every call (Megatron's CPU init splits one master weight).
+    ``transformer_layer_spec``: a layer or block spec instead of :func:`cpu_layer_spec`."""
     config = tiny_config(shape, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -154,7 +156,7 @@ def build_tiny_gpt(
     torch.manual_seed(seed)
     return GPTModel(
         config=config,
-        transformer_layer_spec=cpu_layer_spec(),
+        transformer_layer_spec=cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_sequence_length,
         pre_process=pre_process,
