@@ -24,17 +24,15 @@ from typing import Any
 
 import torch
 
-from hookspec import IGNORE_INDEX, Collectives
+from hookspec import IGNORE_INDEX, Collectives, ContractError
+from hookspec.arrays import format_shape
 
-from ._checks import check_floating
-from ._logprobs import (
-    Plan,
+from ._logprobs import plan_backward, plan_stats
+from ._plan import Backend, Plan, check_hidden, gather_rows, make_plan
+from ._tiles import (
     Stats,
     TileBuffers,
-    check_hidden,
-    gather_rows,
     logit_grad_coefficients,
-    make_plan,
     mm_into,
     rowdot,
     scaled_hidden,
@@ -96,6 +94,98 @@ def _row_stats(
     return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy), e
 
 
+def _token_loss_grads(
+    token_loss: TokenLoss, stats: Stats, rows: slice, need: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(loss, d loss / d logprobs, d loss / d entropy)`` of the rows, the loss checked
+    against the :data:`TokenLoss` contract; a loss that does not depend on its
+    arguments (a constant) has zero gradients (``None``)."""
+    assert stats.entropy is not None  # both paths form it for the fused loss
+    with torch.enable_grad():
+        lp = stats.logprobs.detach().requires_grad_()
+        ent = stats.entropy.detach().requires_grad_()
+        loss = token_loss(lp, ent, rows)
+        if not isinstance(loss, torch.Tensor):
+            raise ContractError(
+                "token_loss",
+                expected="a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)",
+                actual=f"it returned {type(loss).__name__}",
+            )
+        if loss.dim() != 0 or not loss.dtype.is_floating_point:
+            raise ContractError(
+                "token_loss",
+                expected="a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)",
+                actual=f"it returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
+                f"{format_shape(loss.shape)}",
+            )
+        g_lp = g_h = None
+        if need and loss.requires_grad:
+            g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+    return loss.detach(), g_lp, g_h
+
+
+_Grads = tuple[
+    torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor
+]  # dh (acc dtype, unfolded later), dw (acc dtype), loss, logprobs, entropy
+
+
+def _row_tiles(
+    hs: torch.Tensor,
+    w: torch.Tensor,
+    plan: Plan,
+    token_loss: TokenLoss,
+    rows_per_tile: int,
+    need: tuple[bool, bool],
+) -> _Grads:
+    """The torch path: tiles of whole-vocabulary rows, each tile's gradient formed from
+    its logits (three GEMMs a tile)."""
+    need_dh, need_dw = need
+    n, local = hs.shape[0], w.shape[0]
+    acc = plan.acc_dtype
+    wc = weight_chunk(w, 0, local, plan)
+    dh = torch.zeros(hs.shape, dtype=acc, device=hs.device) if need_dh else None
+    dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_dw else None
+    logprobs = torch.empty(n, dtype=acc, device=hs.device)
+    entropy = torch.empty(n, dtype=acc, device=hs.device)
+    total = torch.zeros((), dtype=acc, device=hs.device)
+    tiles = TileBuffers(plan, hs.device)
+    for i0 in range(0, n, rows_per_tile):
+        rows = slice(i0, min(i0 + rows_per_tile, n))
+        z = tiles.logits(hs, wc, rows)
+        stats, e = _row_stats(z, tiles.exp, plan.labels_local[rows], plan.ignored[rows], plan.collectives)
+        assert stats.entropy is not None  # _row_stats always forms it on this path
+        logprobs[rows] = stats.logprobs
+        entropy[rows] = stats.entropy
+        loss, g_lp, g_h = _token_loss_grads(token_loss, stats, rows, need_dh or need_dw)
+        total += loss.to(acc)
+        if not (need_dh or need_dw):
+            continue
+        coef = logit_grad_coefficients(stats, g_lp, g_h, plan.ignored[rows], acc)
+        gz = tile_grad_(z, e, coef, plan.labels_local[rows], 0, tile_inv_t(plan, rows)).to(plan.compute_dtype)
+        if dh is not None:
+            mm_into(dh[rows], gz, wc)
+        if dw is not None:
+            mm_into(dw, gz.T, hs[rows])
+    return dh, dw, total, logprobs, entropy
+
+
+def _whole_rows(
+    hs: torch.Tensor, w: torch.Tensor, plan: Plan, token_loss: TokenLoss, need: tuple[bool, bool]
+) -> _Grads:
+    """The Triton path: the statistics of every row from the forward kernel, the loss
+    of all rows in one call, then the gradient kernels (the logits formed twice, on
+    chip, instead of held)."""
+    need_dh, need_dw = need
+    stats = plan_stats(hs, w, plan)
+    assert stats.entropy is not None
+    loss, g_lp, g_h = _token_loss_grads(token_loss, stats, slice(0, hs.shape[0]), need_dh or need_dw)
+    dh = dw = None
+    if need_dh or need_dw:
+        coef = logit_grad_coefficients(stats, g_lp, g_h, plan.ignored, plan.acc_dtype)
+        dh, dw = plan_backward(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
+    return dh, dw, loss.to(plan.acc_dtype), stats.logprobs, stats.entropy
+
+
 class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -107,41 +197,11 @@ class _FusedTokenLoss(torch.autograd.Function):
         rows_per_tile: int,
         need: tuple[bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        need_dh, need_dw = need
         hs = scaled_hidden(h, plan)
-        n, local = hs.shape[0], w.shape[0]
-        acc = plan.acc_dtype
-        wc = weight_chunk(w, 0, local, plan)
-        dh = torch.zeros(hs.shape, dtype=acc, device=hs.device) if need_dh else None
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_dw else None
-        logprobs = torch.empty(n, dtype=acc, device=hs.device)
-        entropy = torch.empty(n, dtype=acc, device=hs.device)
-        total = torch.zeros((), dtype=acc, device=hs.device)
-        tiles = TileBuffers(plan, hs.device)
-        for i0 in range(0, n, rows_per_tile):
-            rows = slice(i0, min(i0 + rows_per_tile, n))
-            z = tiles.logits(hs, wc, rows)
-            stats, e = _row_stats(z, tiles.exp, plan.labels_local[rows], plan.ignored[rows], plan.collectives)
-            assert stats.entropy is not None  # _row_stats always forms it on this path
-            logprobs[rows] = stats.logprobs
-            entropy[rows] = stats.entropy
-            with torch.enable_grad():
-                lp = stats.logprobs.detach().requires_grad_()
-                ent = stats.entropy.detach().requires_grad_()
-                loss = token_loss(lp, ent, rows)
-                if need_dh or need_dw:
-                    g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-            total += loss.detach().to(acc)
-            if not (need_dh or need_dw):
-                continue
-            coef = logit_grad_coefficients(stats, g_lp, g_h, plan.ignored[rows], acc)
-            gz = tile_grad_(z, e, coef, plan.labels_local[rows], 0, tile_inv_t(plan, rows)).to(
-                plan.compute_dtype
-            )
-            if dh is not None:
-                mm_into(dh[rows], gz, wc)
-            if dw is not None:
-                mm_into(dw, gz.T, hs[rows])
+        if plan.kernel is not None:
+            dh, dw, total, logprobs, entropy = _whole_rows(hs, w, plan, token_loss, need)
+        else:
+            dh, dw, total, logprobs, entropy = _row_tiles(hs, w, plan, token_loss, rows_per_tile, need)
         ctx.grads = (
             unfold_dh_(dh, plan).to(h.dtype) if dh is not None else None,
             dw.to(w.dtype) if dw is not None else None,
@@ -182,21 +242,33 @@ def fused_token_loss(
     compute_dtype: torch.dtype | None = None,
     logit_scale: float = 1.0,
     check_values: bool = True,
+    backend: Backend = "auto",
 ) -> FusedLossResult:
     """``loss = sum over row slices of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring).
 
     Arguments as :func:`~torch_impl.processors.linear_logprobs`; ``logprobs`` and
-    ``entropy`` are the same quantities, computed tile by tile over
-    ``max(1, tile_elements // V_local)`` rows. The gradients are formed only when
+    ``entropy`` are the same quantities. On the torch path they are computed tile
+    by tile over ``max(1, tile_elements // V_local)`` rows (``token_loss`` is called
+    once a tile); on the Triton path (``backend``, as for ``linear_logprobs``)
+    every row's statistics come from the forward kernel, ``token_loss`` is called
+    once with ``rows = slice(0, n)``, and the gradient kernels recompute the logits
+    on chip. ``token_loss`` must return a 0-dim floating tensor (a
+    ``ContractError`` names it otherwise); one that does not depend on its
+    arguments gives zero gradients. The gradients are formed only when
     autograd needs them (grad mode on and ``hidden`` or ``weight`` requiring
     grad); they are held until backward: ``dW`` (fp32 for bf16/fp16 weights)
     and ``dh``.
     """
     check_hidden(hidden)
-    check_floating("weight", weight)
+    if not callable(token_loss):
+        raise ContractError(
+            "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
+        )
+    if isinstance(tile_elements, bool) or not isinstance(tile_elements, int) or tile_elements < 1:
+        raise ContractError("tile_elements", expected="an int >= 1", actual=repr(tile_elements))
     h = gather_rows(hidden, collectives)
-    local = int(weight.shape[0]) if weight.dim() == 2 else 1
+    local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
     plan = make_plan(
         h,
         weight,
@@ -208,10 +280,11 @@ def fused_token_loss(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         collectives=collectives,
-        chunk_size=max(1, local),
+        vocab_chunk_size=max(1, local),
         token_chunk_size=max(1, tile_elements // max(1, local)),
         compute_dtype=compute_dtype,
         check_values=check_values,
+        backend=backend,
     )
     grad = torch.is_grad_enabled()
     need = (grad and h.requires_grad, grad and weight.requires_grad)
