@@ -1,0 +1,350 @@
+"""The Triton path of ``linear_logprobs`` and ``fused_token_loss``, three ways.
+
+On a CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
+here before the kernels are made), at small awkward sizes: no dimension a multiple
+of a block. Each case is checked against a float64 ground truth (the full logits,
+upcast) and against the torch path on the same inputs. ``gpu``-marked tests run
+the compiled kernels at real sizes.
+
+Under the interpreter ``tl.dot`` on bf16 operands is wrong (triton 3.7), so the
+kernels upcast the operands in registers there; the bf16 products on tensor cores
+are checked by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip(
+        "triton is not installed here (the CPU torch wheel of the py311 environment has none); "
+        "the interpreter tests run in the py312 environment",
+        allow_module_level=True,
+    )
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are made, on first use
+
+from hookspec import ContractError
+from torch_impl.processors import fused_token_loss, linear_logprobs
+
+from .distributed import run_distributed
+
+IGNORE = -100
+N, H, V = 37, 40, 300  # no multiple of a block (32 x 64 x 32 under the interpreter)
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def inputs(
+    n: int = N,
+    h: int = H,
+    v: int = V,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shift: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.4
+    if shift:  # every logit near `shift`: add a constant direction to h and w
+        hid[:, 0] = 1.0
+        w[:, 0] = shift
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::7] = IGNORE
+    return {
+        "h": hid.to(dtype).to(DEV),
+        "w": w.to(dtype).to(DEV),
+        "y": y.to(DEV),
+        "t": (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(DEV),
+        "c_lp": torch.randn(n, generator=g, dtype=torch.float64).to(DEV),
+        "c_ent": torch.randn(n, generator=g, dtype=torch.float64).to(DEV),
+    }
+
+
+def truth(p: dict[str, torch.Tensor], temperature: object, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """float64: logprobs, entropy and the gradients of ``sum(c_lp * lp + c_ent * ent)``."""
+    h = p["h"].double().requires_grad_()
+    w = p["w"].double().requires_grad_()
+    t = p["t"].double()[:, None] if temperature == "per-token" else float(temperature)  # type: ignore[arg-type]
+    z = (h @ w.T) * scale / t
+    logp = z.log_softmax(-1)
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    (p["c_lp"] * lp + p["c_ent"] * ent).sum().backward()
+    return {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad}  # type: ignore[dict-item]
+
+
+def ours(
+    p: dict[str, torch.Tensor],
+    backend: str,
+    temperature: object,
+    *,
+    grad_out_strided: bool = False,
+    **kw: object,
+) -> dict[str, torch.Tensor]:
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    t = p["t"] if temperature == "per-token" else temperature
+    r = linear_logprobs(h, w, p["y"], temperature=t, with_entropy=True, backend=backend, **kw)  # type: ignore[arg-type]
+    assert r.entropy is not None
+    c_lp, c_ent = p["c_lp"].float(), p["c_ent"].float()
+    if grad_out_strided:  # cotangents that are views with stride 2
+        c_lp = torch.stack([c_lp, c_lp]).T.reshape(-1)[::2]
+        c_ent = torch.stack([c_ent, c_ent]).T.reshape(-1)[::2]
+        assert not c_lp.is_contiguous() or c_lp.stride() != (1,)
+    torch.autograd.backward([r.logprobs, r.entropy], [c_lp, c_ent])
+    return {"lp": r.logprobs.detach(), "ent": r.entropy.detach(), "dh": h.grad, "dw": w.grad}  # type: ignore[dict-item]
+
+
+def max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float((a[k].double() - b[k].double()).abs().max()) for k in b}
+
+
+def scale_of(x: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float(v.double().abs().max()) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "per-token"])
+def test_fp32_three_way(temperature: object) -> None:
+    """Values, dh and dW within fp32 rounding of float64, and of the torch path."""
+    p = inputs()
+    exact = truth(p, temperature)
+    tri = ours(p, "triton", temperature)
+    ref = ours(p, "torch", temperature)
+    big = scale_of(exact)
+    for k, err in max_err(tri, exact).items():
+        assert err <= 2e-6 * max(1.0, big[k]), (k, err)
+    for k, err in max_err(tri, ref).items():
+        assert err <= 2e-6 * max(1.0, big[k]), (k, err)
+    assert torch.equal(tri["lp"][p["y"] == IGNORE].cpu(), torch.zeros(int((p["y"] == IGNORE).sum())))
+
+
+def test_bf16_three_way_no_worse_than_naive() -> None:
+    """bf16 inputs: the error against float64 is no worse than the naive bf16 path's."""
+    p = inputs(dtype=torch.bfloat16, seed=1)
+    exact = truth(p, 1.0)
+    tri = ours(p, "triton", 1.0)
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    z = (h @ w.T).float()
+    logp = z.log_softmax(-1)
+    lp = torch.where(p["y"] == IGNORE, 0.0, logp.gather(1, p["y"].clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    (p["c_lp"].float() * lp + p["c_ent"].float() * ent).sum().backward()
+    naive = {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad}
+    e_tri, e_naive = max_err(tri, exact), max_err(naive, exact)  # type: ignore[arg-type]
+    for k in exact:
+        assert e_tri[k] <= e_naive[k] + 1e-6, (k, e_tri[k], e_naive[k])
+    assert tri["dh"].dtype == torch.bfloat16 and tri["dw"].dtype == torch.bfloat16
+
+
+def test_logit_scale_and_strided_cotangents() -> None:
+    p = inputs(seed=2)
+    exact = truth(p, 0.9, scale=0.5)
+    tri = ours(p, "triton", 0.9, logit_scale=0.5, grad_out_strided=True)
+    big = scale_of(exact)
+    for k, err in max_err(tri, exact).items():
+        assert err <= 2e-6 * max(1.0, big[k]), (k, err)
+
+
+def test_logits_near_minus_1e4() -> None:
+    """Every logit about -1e4: the online logsumexp must not lose the spread."""
+    p = inputs(seed=3, shift=-1e4)
+    exact = truth(p, 1.0)
+    assert float(exact["lp"].abs().max()) < 50  # the constant cancels in the truth
+    tri = ours(p, "triton", 1.0)
+    ref = ours(p, "torch", 1.0)
+    e_tri, e_ref = max_err(tri, exact), max_err(ref, exact)
+    for k in ("lp", "ent"):
+        assert e_tri[k] <= max(2 * e_ref[k], 5e-3), (k, e_tri[k], e_ref[k])
+
+
+def test_logprobs_only_and_ignored_everywhere() -> None:
+    p = inputs(n=19, v=77, seed=4)
+    h = p["h"].clone().requires_grad_()
+    r = linear_logprobs(h, p["w"], p["y"], backend="triton")
+    assert r.entropy is None
+    exact = truth(p, 1.0)
+    torch.testing.assert_close(r.logprobs.double(), exact["lp"], rtol=0, atol=2e-6)
+    y_none = torch.full_like(p["y"], IGNORE)
+    h2 = p["h"].clone().requires_grad_()
+    r2 = linear_logprobs(h2, p["w"], y_none, backend="triton")
+    r2.logprobs.sum().backward()
+    assert torch.equal(r2.logprobs, torch.zeros_like(r2.logprobs))
+    assert torch.equal(h2.grad, torch.zeros_like(h2))
+
+
+def test_bitwise_run_to_run() -> None:
+    """No atomics: the same inputs give the same bits twice."""
+    p = inputs(seed=5)
+    a = ours(p, "triton", "per-token")
+    b = ours(p, "triton", "per-token")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_nan_in_hidden_is_visible() -> None:
+    p = inputs(seed=6)
+    p["h"][3, 5] = float("nan")
+    r = linear_logprobs(p["h"], p["w"], p["y"], backend="triton", with_entropy=True)
+    assert r.entropy is not None
+    assert bool(torch.isnan(r.entropy[3]))
+    assert bool(torch.isnan(r.logprobs[3])) or int(p["y"][3]) == IGNORE
+    others = torch.arange(N, device=r.logprobs.device) != 3
+    assert bool(torch.isfinite(r.logprobs[others]).all())
+
+
+def _fused_loss(c_lp: torch.Tensor, c_ent: torch.Tensor):  # type: ignore[no-untyped-def]
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        return (c_lp[rows].to(lp.dtype) * lp + c_ent[rows].to(lp.dtype) * ent**2).sum()
+
+    return token_loss
+
+
+def test_fused_token_loss_triton_equals_torch() -> None:
+    p = inputs(seed=7)
+    out = {}
+    for backend in ("triton", "torch"):
+        h = p["h"].clone().requires_grad_()
+        w = p["w"].clone().requires_grad_()
+        f = fused_token_loss(
+            h, w, p["y"], _fused_loss(p["c_lp"], p["c_ent"]), temperature=p["t"], backend=backend,
+            tile_elements=11 * V,
+        )  # fmt: skip
+        f.loss.backward()
+        out[backend] = {"loss": f.loss.detach(), "lp": f.logprobs, "dh": h.grad, "dw": w.grad}
+    for k, v in out["torch"].items():
+        torch.testing.assert_close(out["triton"][k], v, rtol=0, atol=2e-6 * max(1.0, float(v.abs().max())))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_token_loss_contract(backend: str) -> None:
+    p = inputs(n=9, v=50, seed=8)
+    h = p["h"].clone().requires_grad_()
+    for bad, what in [
+        (lambda lp, ent, rows: lp * 2, "shape [9]"),
+        (lambda lp, ent, rows: 1.5, "float"),
+        (lambda lp, ent, rows: torch.ones((), dtype=torch.long), "int64"),
+    ]:
+        with pytest.raises(ContractError, match="token_loss") as err:
+            fused_token_loss(h, p["w"], p["y"], bad, backend=backend)
+        assert what in str(err.value)
+    # a constant loss is valid: zero gradients
+    f = fused_token_loss(h, p["w"], p["y"], lambda lp, ent, rows: torch.tensor(3.0), backend=backend)
+    f.loss.backward()
+    assert torch.equal(h.grad, torch.zeros_like(h))
+
+
+def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = inputs(n=4, v=20)
+    with pytest.raises(ContractError, match=r"backend.*one of"):
+        linear_logprobs(p["h"], p["w"], p["y"], backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="float64"):
+        linear_logprobs(p["h"].double(), p["w"].double(), p["y"], backend="triton")
+    if not ON_GPU:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ContractError, match="TRITON_INTERPRET"):
+            linear_logprobs(p["h"], p["w"], p["y"], backend="triton")
+        # "auto" on a CPU is the torch path: bitwise the same as asking for it
+        a = linear_logprobs(p["h"], p["w"], p["y"], backend="auto").logprobs
+        b = linear_logprobs(p["h"], p["w"], p["y"], backend="torch").logprobs
+        assert torch.equal(a, b)
+
+
+def test_chunk_size_is_a_deprecated_alias() -> None:
+    p = inputs(n=6, v=40)
+    with pytest.warns(DeprecationWarning, match="vocab_chunk_size"):
+        a = linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, backend="torch").logprobs
+    b = linear_logprobs(p["h"], p["w"], p["y"], vocab_chunk_size=7, backend="torch").logprobs
+    assert torch.equal(a, b)
+    with pytest.raises(ContractError, match="chunk_size"):
+        linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, vocab_chunk_size=7)
+
+
+# ---------------------------------------------------------------- tensor parallel over gloo
+
+
+def _tp2_triton(rank: int, p: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> None:
+    from megatron.core import parallel_state
+
+    from torch_impl import TorchCollectives
+
+    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    half = V // 2
+    shard = slice(rank * half, (rank + 1) * half)
+    h = p["h"].clone().requires_grad_()
+    w = p["w"][shard].clone().requires_grad_()
+    r = linear_logprobs(
+        h, w, p["y"], temperature=p["t"], with_entropy=True, collectives=coll, backend="triton",
+        vocab_start=rank * half, vocab_size=V,
+    )  # fmt: skip
+    assert r.entropy is not None
+    torch.autograd.backward([r.logprobs, r.entropy], [p["c_lp"].float(), p["c_ent"].float()])
+    tol = {"rtol": 0.0, "atol": 2e-6 * 10}
+    torch.testing.assert_close(r.logprobs.double(), exact["lp"], **tol)
+    torch.testing.assert_close(r.entropy.double(), exact["ent"], **tol)
+    torch.testing.assert_close(h.grad.double(), exact["dh"], **tol)  # both shards' contributions
+    torch.testing.assert_close(w.grad.double(), exact["dw"][shard], **tol)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gloo ranks run the interpreter on the CPU")
+def test_tp2_shards_combine_over_gloo() -> None:
+    p = {k: v.cpu() for k, v in inputs(seed=9).items()}
+    run_distributed(_tp2_triton, p, truth(p, "per-token"), tp=2)
+
+
+# ---------------------------------------------------------------- compiled kernels on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype"),
+    [
+        (4099, 1000, 32771, torch.bfloat16),  # awkward edges everywhere
+        (8192, 4096, 151936, torch.bfloat16),  # Qwen vocabulary
+        (2048, 1024, 65536, torch.float16),
+        (1021, 512, 20011, torch.float32),
+    ],
+)
+def test_gpu_three_way_real_sizes(n: int, h: int, v: int, dtype: torch.dtype) -> None:
+    """Compiled kernels (bf16/fp16 tensor cores, IEEE fp32): values on every row, and
+    the gradients on a row subset, against float64; auto picks Triton on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hid = torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).to(dtype)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[::13] = IGNORE
+    res = {}
+    for backend in ("auto", "torch"):
+        hh = hid.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        r = linear_logprobs(hh, ww, y, with_entropy=True, backend=backend)
+        assert r.entropy is not None
+        (r.logprobs.sum() + r.entropy.sum()).backward()
+        res[backend] = (r.logprobs.detach(), r.entropy.detach(), hh.grad, ww.grad)
+    rows = torch.arange(0, n, max(1, n // 256), device="cuda")
+    z = hid[rows].double() @ w.double().T
+    logp = z.log_softmax(-1)
+    yr = y[rows]
+    lp = torch.where(yr == IGNORE, 0.0, logp.gather(1, yr.clamp(min=0)[:, None]).squeeze(1))
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)
+    # d(lp + ent)/dz = onehot - p - p * (logp + ent)
+    onehot = torch.zeros_like(z).scatter_(1, yr.clamp(min=0)[:, None], 1.0) * (yr != IGNORE)[:, None]
+    dz = onehot - p - p * (logp + ent[:, None])
+    dh_rows = dz @ w.double()
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}[dtype]
+    for backend, (r_lp, r_ent, r_dh, _) in res.items():
+        assert float((r_lp[rows].double() - lp).abs().max()) <= tol, backend
+        assert float((r_ent[rows].double() - ent).abs().max()) <= tol, backend
+        rel = float((r_dh[rows].double() - dh_rows).norm() / dh_rows.norm())
+        assert rel <= tol, (backend, rel)
+    # the two backends agree on the weight gradient to the dtype's rounding
+    dw_a, dw_t = res["auto"][3].double(), res["torch"][3].double()
+    assert float((dw_a - dw_t).norm() / dw_t.norm()) <= tol
