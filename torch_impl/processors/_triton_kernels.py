@@ -50,18 +50,21 @@ def _logits_tile(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``h[rows] @ w[cols].T`` as a ``[BLOCK_M, BLOCK_N]`` fp32 block."""
+    """``h[rows] @ w[cols].T`` as a ``[BLOCK_M, BLOCK_N]`` fp32 block (int64 offsets:
+    ``V * h`` passes 2**31 for large vocabularies)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(
-            h_ptr + rows[:, None] * stride_hn + ks[None, :] * stride_hk,
+            h_rows + ks[None, :] * stride_hk,
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
         b = tl.load(
-            w_ptr + cols[None, :] * stride_wv + ks[:, None] * stride_wk,
+            w_cols + ks[:, None] * stride_wk,
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
@@ -228,7 +231,7 @@ def _logit_grads_kernel(
     gz += tl.where(cols[None, :] + label_offset == lab[:, None], g[:, None], 0.0)
     gz = gz * inv_t[:, None]
     tl.store(
-        gz_ptr + rows[:, None] * stride_gn + cols[None, :] * stride_gv,
+        gz_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :] * stride_gv,
         gz.to(gz_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
