@@ -11,13 +11,21 @@ formed in the forward pass (``fused=True``) and autograd through
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
+from torch_impl.processors import (
+    PolicyBatch,
+    PolicyLossConfig,
+    RatioLevel,
+    cross_entropy_loss,
+    policy_loss,
+    selected_logprobs,
+)
 
 IGNORE = -100
 S, B, H, V = 9, 3, 8, 50
@@ -162,7 +170,7 @@ def test_policy_loss_float64(name: str, fused: bool) -> None:
     truth = _truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
-    out = policy_loss(cfg, chunk_size=13, token_chunk_size=4, fused_tile_elements=3 * V)(
+    out = policy_loss(cfg, vocab_chunk_size=13, token_chunk_size=4, fused_tile_elements=3 * V)(
         _ctx(h, w, d["labels"], d["batch"])
     )
     out["loss"].backward()
@@ -223,7 +231,7 @@ def _truth_in_float32(
     m = batch.mask * (labels != IGNORE)
     ratio = torch.exp(torch.where(m > 0, lp - batch.old_logprobs, 0.0))
     adv = batch.advantages
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.eps_high))
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.effective_clip_high))
     r = torch.where(m > 0, batch.ref_logprobs - lp, 0.0)
     kl = {"k1": -r, "k2": r**2 / 2, "k3": torch.exp(r) - r - 1}[cfg.kl_estimator.value]
     per_token = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
@@ -403,3 +411,52 @@ def test_mismatched_context_shapes_raise() -> None:
 def test_bad_config_raises(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ContractError, match=field):
         PolicyLossConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- names (issue 11): one release of aliases
+
+
+def test_ratio_is_an_enum_and_the_old_strings_warn() -> None:
+    assert PolicyLossConfig().ratio is RatioLevel.TOKEN
+    assert PolicyLossConfig.gspo().ratio is RatioLevel.SEQUENCE
+    with pytest.warns(DeprecationWarning, match=r"ratio='sequence'.*pass RatioLevel\.SEQUENCE") as rec:
+        cfg = PolicyLossConfig(ratio="sequence")  # type: ignore[arg-type]
+    assert rec[0].filename == __file__  # the warning points at the caller
+    assert cfg.ratio is RatioLevel.SEQUENCE and cfg == PolicyLossConfig(ratio=RatioLevel.SEQUENCE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dataclasses.replace(cfg, fused=False)
+        PolicyLossConfig.grpo(ratio=RatioLevel.TOKEN)
+    with pytest.raises(ContractError, match=r"^ratio: expected RatioLevel\.TOKEN or RatioLevel\.SEQUENCE"):
+        PolicyLossConfig(ratio="seq")  # type: ignore[arg-type]
+
+
+def test_eps_high_is_a_deprecated_alias_of_effective_clip_high() -> None:
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    assert cfg.effective_clip_high == 0.28
+    assert PolicyLossConfig(clip_low=0.1).effective_clip_high == 0.1
+    with pytest.warns(DeprecationWarning, match="effective_clip_high"):
+        assert cfg.eps_high == 0.28
+
+
+@pytest.mark.parametrize("name", ["selected_logprobs", "cross_entropy_loss", "policy_loss"])
+def test_chunk_size_is_a_deprecated_alias_of_vocab_chunk_size(name: str) -> None:
+    make: Any = {
+        "selected_logprobs": lambda **kw: selected_logprobs(entropy=True, **kw),
+        "cross_entropy_loss": cross_entropy_loss,
+        "policy_loss": lambda **kw: policy_loss(PolicyLossConfig(fused=False), **kw),
+    }[name]
+    d = _data(seed=10)
+    ctx = _ctx(d["h"], d["w"], d["labels"], d["batch"] if name == "policy_loss" else None)
+    with pytest.warns(DeprecationWarning, match="chunk_size is deprecated.*vocab_chunk_size") as rec:
+        old = make(chunk_size=7, token_chunk_size=5)
+    assert rec[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = make(vocab_chunk_size=7, token_chunk_size=5)
+    got, want = old(ctx), new(ctx)
+    for key in want if isinstance(want, dict) else [None]:
+        a, b = (got, want) if key is None else (got[key], want[key])
+        assert torch.equal(a, b), key
+    with pytest.raises(ContractError, match=r"^chunk_size: expected unset when vocab_chunk_size is given"):
+        make(chunk_size=7, vocab_chunk_size=7)

@@ -12,8 +12,9 @@ losses from the hidden states and the vocab shard, never materialising the logit
 
 from ._fused import FUSED_TILE_ELEMENTS, FusedLossResult, TokenLoss, fused_token_loss
 from ._logprobs import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK, LogprobResult, linear_logprobs
-from ._policy_math import PolicyLossConfig, aggregation_weights, kl_penalty
-from ._processors import PolicyBatch, cross_entropy_loss, policy_loss, selected_logprobs
+from ._policy import PolicyBatch, policy_loss
+from ._policy_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
+from ._processors import cross_entropy_loss, selected_logprobs
 
 __all__ = [
     "DEFAULT_TOKEN_CHUNK",
@@ -23,6 +24,7 @@ __all__ = [
     "LogprobResult",
     "PolicyBatch",
     "PolicyLossConfig",
+    "RatioLevel",
     "TokenLoss",
     "aggregation_weights",
     "cross_entropy_loss",

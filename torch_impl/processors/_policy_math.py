@@ -8,6 +8,8 @@ tests compare against in float64.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import warnings
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from ._checks import check_bool, check_finite_number
 
 __all__ = [
     "PolicyLossConfig",
+    "RatioLevel",
     "aggregation_weights",
     "kl_penalty",
     "kl_terms",
@@ -34,13 +37,22 @@ def _enum(field: str, kind: Any, value: Any) -> Any:
         raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
 
 
+class RatioLevel(enum.StrEnum):
+    """The level of the importance ratio ``r`` of :class:`PolicyLossConfig`."""
+
+    TOKEN = "token"
+    """``r_t = exp(logp_t - old_t)`` per token: PPO, GRPO."""
+    SEQUENCE = "sequence"
+    """``r_t = exp(mean_M(logp - old))`` over the masked tokens of ``t``'s sequence: GSPO."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """The policy loss, per token ``t`` (``hookspec.conventions``)::
 
         log_ratio = clamp(logp - old, -log_ratio_clamp, log_ratio_clamp)
-        ratio = exp(log_ratio)                   # ratio="token": PPO, GRPO
-        ratio = exp(seq_mean(logp - old))        # ratio="sequence": GSPO, over the
+        ratio = exp(log_ratio)                   # RatioLevel.TOKEN: PPO, GRPO
+        ratio = exp(seq_mean(logp - old))        # RatioLevel.SEQUENCE: GSPO, over the
                                                  # masked tokens of t's sequence
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         pg = where(A < 0, min(pg, -A * dual_clip), pg)          # if dual_clip
@@ -51,14 +63,26 @@ class PolicyLossConfig:
     The clamp (default 20, as veRL) keeps ``exp`` finite so that a masked or
     far-off-policy token cannot turn a gradient into NaN; ``None`` turns it off.
     ``fused``: form the gradients in the forward pass when the loss is a sum of
-    per-token terms (``ratio="token"``); GSPO's sequence ratio always takes the
+    per-token terms (``RatioLevel.TOKEN``); GSPO's sequence ratio always takes the
     recomputing path.
+
+    Ranges, checked at construction (``ContractError``; NumPy numbers are taken
+    and stored as ``float``): ``0 <= clip_low <= 1``; ``clip_high >= 0`` or
+    ``None`` (then ``clip_low``: :attr:`effective_clip_high`); ``dual_clip > 1``
+    or ``None``; ``kl_coef >= 0``; ``entropy_coef`` any finite number (negative:
+    an entropy penalty); ``log_ratio_clamp > 0`` or ``None``; every number
+    finite; ``fused`` a bool.
+
+    Deprecated for one release (``DeprecationWarning``): ``ratio`` given as the
+    strings ``"token"``/``"sequence"`` (pass :class:`RatioLevel`), and the
+    property ``eps_high`` (read :attr:`effective_clip_high`). The clip bounds
+    are named ``clip_low``/``clip_high`` throughout.
     """
 
     clip_low: float = 0.2
     clip_high: float | None = None
     dual_clip: float | None = None
-    ratio: str = "token"
+    ratio: RatioLevel = RatioLevel.TOKEN
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.K3
     entropy_coef: float = 0.0
@@ -75,8 +99,18 @@ class PolicyLossConfig:
             put("clip_high", check_finite_number("clip_high", self.clip_high, low=0.0))
         if self.dual_clip is not None:
             put("dual_clip", check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True))
-        if self.ratio not in ("token", "sequence"):
-            raise ContractError("ratio", expected="'token' or 'sequence'", actual=repr(self.ratio))
+        if not isinstance(self.ratio, RatioLevel):
+            if self.ratio not in ("token", "sequence"):
+                raise ContractError(
+                    "ratio", expected="RatioLevel.TOKEN or RatioLevel.SEQUENCE", actual=repr(self.ratio)
+                )
+            warnings.warn(
+                f"PolicyLossConfig(ratio={self.ratio!r}): a string ratio is deprecated; "
+                f"pass RatioLevel.{self.ratio.upper()}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            put("ratio", RatioLevel(self.ratio))
         put("kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
         put("entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
         if self.log_ratio_clamp is not None:
@@ -89,8 +123,20 @@ class PolicyLossConfig:
         put("aggregation", _enum("aggregation", Aggregation, self.aggregation))
 
     @property
-    def eps_high(self) -> float:
+    def effective_clip_high(self) -> float:
+        """The upper clip: ``clip_high``, or ``clip_low`` when it is ``None``."""
         return self.clip_low if self.clip_high is None else self.clip_high
+
+    @property
+    def eps_high(self) -> float:
+        """Deprecated (one release): :attr:`effective_clip_high`."""
+        warnings.warn(
+            "PolicyLossConfig.eps_high is deprecated: read effective_clip_high "
+            "(the clip bounds are named clip_low/clip_high)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.effective_clip_high
 
     @classmethod
     def ppo(cls, *, clip_low: float = 0.2, clip_high: float | None = None, **kw: Any) -> PolicyLossConfig:
@@ -109,7 +155,7 @@ class PolicyLossConfig:
     def gspo(cls, *, clip_low: float = 3e-4, clip_high: float | None = 4e-4, **kw: Any) -> PolicyLossConfig:
         """GSPO: the clipped objective on the sequence-level ratio, seq-mean-token-mean."""
         kw.setdefault("aggregation", Aggregation.SEQ_MEAN_TOKEN_MEAN)
-        return cls(clip_low=clip_low, clip_high=clip_high, ratio="sequence", **kw)
+        return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
 
 
 def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
@@ -150,7 +196,7 @@ def ppo_token_loss(
     """
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.eps_high)
+    pg2 = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.effective_clip_high)
     pg = torch.maximum(pg1, pg2)
     clipped = pg2 > pg1
     dual = None
