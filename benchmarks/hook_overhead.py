@@ -72,15 +72,20 @@ def per_call_cost(model: Any, hook_kwargs: dict[str, Any], result: torch.Tensor,
     model hands the hook, made and called as in a forward, over the keywords of
     one real call and a processor that returns ``result`` at once."""
     import hookspec
-    from torch_impl.enable import _bridges  # the adapter's own bridge, timed as it runs
+    from torch_impl._adapter import forward_call  # the call a forward makes, timed as it runs
 
     @hookspec.processor
     def ready(ctx: hookspec.OutputContext) -> torch.Tensor:
         return result
 
     def adapter_work() -> None:
-        call, _ = _bridges(model, ready, None, None, None)
-        assert call is not None
+        call = forward_call(
+            model,
+            output_processor=ready,
+            output_processor_context=None,
+            mtp_processor=None,
+            padding_mask=None,
+        )
         call(**hook_kwargs)
 
     adapter_work()

@@ -11,38 +11,39 @@ from ._version import SPEC_VERSION
 from .arrays import Array
 from .collectives import Collectives, SingleProcessCollectives
 from .context import OutputContext, ParallelLayout, VocabShard
-from .conventions import IGNORE_INDEX, UPSTREAM_HOOK_KEYWORDS, Aggregation, KLEstimator
-from .errors import ContractError
-from .processor import (
-    OutputProcessor,
-    Processor,
-    ProcessorResult,
-    UpstreamOutputProcessor,
-    is_hookspec_processor,
-    processor,
+from .conventions import (
+    IGNORE_INDEX,
+    UPSTREAM_HOOK_KEYWORDS,
+    UPSTREAM_HOOK_SOURCES,
+    Aggregation,
+    KLEstimator,
+    UpstreamHookSources,
 )
-from .validation import check_labels, validate_context, validate_result
+from .errors import ContractError
+from .processor import Processor, check_upstream_processor, is_hookspec_processor, processor
+from .validation import check_labels, validate_context, validate_mtp_result, validate_result
 
 __all__ = [
     "IGNORE_INDEX",
     "SPEC_VERSION",
     "UPSTREAM_HOOK_KEYWORDS",
+    "UPSTREAM_HOOK_SOURCES",
     "Aggregation",
     "Array",
     "Collectives",
     "ContractError",
     "KLEstimator",
     "OutputContext",
-    "OutputProcessor",
     "ParallelLayout",
     "Processor",
-    "ProcessorResult",
     "SingleProcessCollectives",
-    "UpstreamOutputProcessor",
+    "UpstreamHookSources",
     "VocabShard",
     "check_labels",
+    "check_upstream_processor",
     "is_hookspec_processor",
     "processor",
     "validate_context",
+    "validate_mtp_result",
     "validate_result",
 ]

@@ -14,7 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "Array",
     "dtype_name",
+    "format_shape",
     "is_array",
+    "is_floating",
+    "is_integer",
     "shape_of",
 ]
 

@@ -4,15 +4,34 @@ Each framework implements :class:`Collectives` once (``torch_impl`` over
 Megatron's tensor-parallel group, ``jax_ref`` with ``lax.psum``/``lax.pmax``
 inside ``shard_map``); processors call it and never name a process group.
 
-The vocab-parallel recipe for a selected-token logprob, written with them::
+The vocab-parallel recipe for a selected-token logprob, written with them.
+Logits are ``[b, s, V/tp]`` (the hidden states ``[s, b, h]`` are transposed
+by the einsum) so that they line up with the ``[b, s]`` labels; remote and
+ignored labels are clamped to a valid row and masked out. It runs as written
+with numpy and one rank (a doctest in ``tests/test_hookspec.py``); a processor
+does the same with torch and ``ctx.collectives``::
 
-    h = coll.gather_hidden_states(ctx.hidden_states)     # [s, b, h]
-    z = h @ ctx.vocab_weight.T                           # [s, b, V/tp]
-    m = coll.all_reduce_max(z.max(-1).detach())          # [s, b]
-    lse = m + log(coll.all_reduce_sum(exp(z - m[..., None]).sum(-1)))
-    local = (labels >= vocab.start) & (labels < vocab.end)
-    z_y = coll.all_reduce_sum(where(local, z[..., labels - vocab.start], 0))
-    logprob = z_y - lse                                  # [s, b], same on every rank
+    >>> import numpy as np
+    >>> from hookspec import IGNORE_INDEX, SingleProcessCollectives, VocabShard
+    >>> coll, vocab = SingleProcessCollectives(), VocabShard(start=0, end=5, size=5)
+    >>> rng = np.random.default_rng(0)
+    >>> hidden = rng.standard_normal((3, 2, 4))                  # [s, b, h]
+    >>> weight = rng.standard_normal((5, 4))                     # [V/tp, h], this rank's rows
+    >>> labels = np.array([[0, 4, 2], [1, 3, IGNORE_INDEX]])     # [b, s], global ids
+    >>> h = coll.gather_hidden_states(hidden)                    # [s, b, h]
+    >>> z = np.einsum("sbh,vh->bsv", h, weight)                  # [b, s, V/tp]
+    >>> m = coll.all_reduce_max(z.max(-1))                       # [b, s], detached in autograd
+    >>> lse = m + np.log(coll.all_reduce_sum(np.exp(z - m[..., None]).sum(-1)))
+    >>> local = (labels >= vocab.start) & (labels < vocab.end)   # [b, s]
+    >>> idx = np.where(local, labels - vocab.start, 0)           # clamped to a valid local row
+    >>> z_y = coll.all_reduce_sum(np.where(local, np.take_along_axis(z, idx[..., None], -1)[..., 0], 0.0))
+    >>> logprob = np.where(labels == IGNORE_INDEX, 0.0, z_y - lse)   # [b, s], same on every rank
+    >>> logprob.shape
+    (2, 3)
+    >>> full = z - np.log(np.exp(z).sum(-1, keepdims=True))      # log_softmax of the whole logits
+    >>> want = np.take_along_axis(full, idx[..., None], -1)[..., 0]
+    >>> bool(np.allclose(logprob[local], want[local]) and logprob[1, 2] == 0.0)
+    True
 """
 
 from __future__ import annotations

@@ -6,15 +6,23 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .arrays import Array
+from .arrays import Array, shape_of
 from .collectives import Collectives, SingleProcessCollectives
 from .conventions import IGNORE_INDEX
+from .errors import ContractError
 
 __all__ = [
     "OutputContext",
     "ParallelLayout",
     "VocabShard",
 ]
+
+
+def _check_rank(field: str, rank: int, size: int) -> None:
+    if not (isinstance(size, int) and size >= 1):
+        raise ContractError(f"{field}_size", expected="an int >= 1", actual=repr(size))
+    if not (isinstance(rank, int) and 0 <= rank < size):
+        raise ContractError(f"{field}_rank", expected=f"an int in [0, {size})", actual=repr(rank))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +44,9 @@ class ParallelLayout:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        from .validation import check_rank
-
-        check_rank("parallel.tp", self.tp_rank, self.tp_size)
-        check_rank("parallel.cp", self.cp_rank, self.cp_size)
-        check_rank("parallel.pp", self.pp_rank, self.pp_size)
+        _check_rank("parallel.tp", self.tp_rank, self.tp_size)
+        _check_rank("parallel.cp", self.cp_rank, self.cp_size)
+        _check_rank("parallel.pp", self.pp_rank, self.pp_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +62,12 @@ class VocabShard:
     size: int
 
     def __post_init__(self) -> None:
-        from .validation import check_vocab_shard
-
-        check_vocab_shard(self)
+        if not (0 <= self.start < self.end <= self.size):
+            raise ContractError(
+                "vocab",
+                expected="0 <= start < end <= size",
+                actual=f"start={self.start}, end={self.end}, size={self.size}",
+            )
 
     @property
     def local_size(self) -> int:
@@ -77,26 +86,48 @@ class OutputContext:
 
     Attributes:
         hidden_states: ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence
-            parallel; after the final layernorm. Use
-            ``collectives.gather_hidden_states`` before multiplying by the
-            vocab shard.
-        output_layer: the model's output layer (its ``weight`` may be absent
-            with tied embeddings).
-        output_weight: upstream's value: the tied embedding weight, else
-            ``None``. Prefer ``vocab_weight``.
-        labels: ``[b, s]`` global token ids, or ``None``.
-        loss_mask: ``[b, s]``, or ``None``.
+            parallel; after the final layernorm (and, for ``mtp_depth = k``,
+            after MTP layer ``k``). Use ``collectives.gather_hidden_states``
+            before multiplying by the vocab shard.
+        output_layer: the model's output layer, a ``ColumnParallelLinear``
+            called as ``output_layer(h, weight=..., runtime_gather_output=...)
+            -> (logits [s, b, V/tp], bias)``; its ``weight`` is absent with
+            tied embeddings.
+        output_weight: upstream's value: the tied embedding weight ``[V/tp,
+            h]`` when the embeddings are tied, else ``None``. Prefer
+            ``vocab_weight``, which is always the weight in use.
+        labels: ``[b, s]`` global token ids, or ``None`` (RL and inference:
+            the processor derives what it needs from ``input_ids``).
+        loss_mask: ``[b, s]``, 1 where a token counts, or ``None``.
+        input_ids: ``[b, s]`` the token ids the model was given, or ``None``
+            on a pipeline stage that did not receive them.
+        position_ids: ``[b, s]``, or ``None``.
+        attention_mask: Megatron's mask as the model received it (``[b, 1, s,
+            s]`` bool, True masks out), or ``None`` for causal kernels.
+        decoder_input: the embedded input ``[s, b, h]`` when the caller passed
+            one instead of ``input_ids``, else ``None``.
+        inference_context: Megatron's inference context (KV cache and its
+            batching state), ``None`` in training.
+        packed_seq_params: Megatron's ``PackedSeqParams`` for packed (THD)
+            sequences (``cu_seqlens_q`` and friends), else ``None``.
+        runtime_gather_output: the caller's request to all-gather the logits
+            over tensor parallel (``None``: the output layer's own setting).
         context: the caller's ``output_processor_context``, untouched.
         compute_language_model_loss: Megatron's ``(labels [b, s], logits
-            [s, b, V/tp]) -> loss [b, s]``.
-        scale_logits: the model's logit scaling (MuP); the identity where the
-            release has none.
+            [s, b, V/tp]) -> loss [b, s]`` (vocab-parallel cross entropy).
+        scale_logits: the model's logit scaling (MuP), ``logits -> logits``;
+            the identity where the release has none.
         config: the model's ``TransformerConfig``.
-        vocab_weight: ``[V/tp, h]``, always set: ``output_weight`` when the
-            embeddings are tied, else the output layer's weight.
+        vocab_weight: ``[V/tp, h]``: ``output_weight`` when the embeddings
+            are tied, else the output layer's weight. An enabled model always
+            sets it; ``None`` only in a context built by hand without a
+            weight, and a processor that multiplies by it must then refuse.
         padding_mask: ``[b, s]``, True at padding, or ``None``.
         parallel: the :class:`ParallelLayout` of this rank.
-        vocab: the :class:`VocabShard` of this rank.
+        vocab: the :class:`VocabShard` of this rank. An enabled model always
+            sets it; ``None`` only in a context built by hand without a vocab
+            range, where the label range is not checked and the whole
+            ``vocab_weight`` is taken as the vocabulary (one rank).
         mtp_depth: ``0`` for the main head, ``k`` for the MTP head predicting
             token ``t + k + 1`` (labels and mask already rolled for it).
         ignore_index: the label that selects no token.
@@ -131,8 +162,6 @@ class OutputContext:
     @property
     def batch_size(self) -> int:
         """``b``: from the labels if present, else from the hidden states."""
-        from .arrays import shape_of
-
         if self.labels is not None:
             return shape_of(self.labels)[0]
         return shape_of(self.hidden_states)[1]
@@ -140,8 +169,6 @@ class OutputContext:
     @property
     def seq_len(self) -> int:
         """``s``: the local sequence length after any sequence-parallel gather."""
-        from .arrays import shape_of
-
         if self.labels is not None:
             return shape_of(self.labels)[1]
         factor = self.parallel.tp_size if self.parallel.sequence_parallel else 1

@@ -58,12 +58,15 @@ An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 __all__ = [
     "IGNORE_INDEX",
     "UPSTREAM_HOOK_KEYWORDS",
+    "UPSTREAM_HOOK_SOURCES",
     "Aggregation",
     "KLEstimator",
+    "UpstreamHookSources",
 ]
 
 IGNORE_INDEX: int = -100
@@ -88,6 +91,42 @@ UPSTREAM_HOOK_KEYWORDS: tuple[str, ...] = (
     "config",
 )
 """The 16 keywords Megatron Core's native ``output_processor`` hook passes (0.18+)."""
+
+
+class UpstreamHookSources(NamedTuple):
+    """Where each of the sixteen upstream keywords comes from, in
+    ``GPTModel._postprocess`` (0.19.2) where the native hook is called.
+
+    ``decoder``: the decoder's (or MTP block's main) output. ``call``: the
+    arguments the model's own ``forward``/``_postprocess`` received, passed on
+    as they are. ``model``: read off the model (output layer and its tied
+    weight, Megatron's loss, the logit scaling, the config). ``caller``: the
+    caller's ``output_processor_context``.
+    """
+
+    decoder: tuple[str, ...]
+    call: tuple[str, ...]
+    model: tuple[str, ...]
+    caller: tuple[str, ...]
+
+
+UPSTREAM_HOOK_SOURCES = UpstreamHookSources(
+    decoder=("hidden_states",),
+    call=(
+        "labels",
+        "loss_mask",
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "decoder_input",
+        "inference_context",
+        "packed_seq_params",
+        "runtime_gather_output",
+    ),
+    model=("output_layer", "output_weight", "compute_language_model_loss", "scale_logits", "config"),
+    caller=("context",),
+)
+""":class:`UpstreamHookSources` of :data:`UPSTREAM_HOOK_KEYWORDS`: every keyword in exactly one group."""
 
 
 class KLEstimator(enum.StrEnum):

@@ -1,4 +1,5 @@
-"""The two kinds of processor, and the marker that tells them apart.
+"""The two kinds of processor, the marker that tells them apart, and the check
+an upstream-style callable gets where it is registered.
 
 A *hookspec processor* takes one :class:`~hookspec.OutputContext` and returns
 per-token values ``[b, s]``, a scalar loss ``[]``, or a mapping of names to
@@ -12,43 +13,29 @@ either. Mark one with :func:`processor`::
 An *upstream processor* is what Megatron Core's native hook (0.18+) calls: a
 callable taking the hook's sixteen keywords (``UPSTREAM_HOOK_KEYWORDS``), for
 example ``fn(*, hidden_states, output_layer, output_weight, labels, context,
-config, **_)``. Its result is returned unchanged.
+config, **_)``. Its result is returned unchanged. Like a pluggy hook
+implementation, it may take fewer keywords than the spec (with ``**_`` for the
+rest), never one the spec does not pass: :func:`check_upstream_processor`
+says so when it is registered, not at the first forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+import inspect
+from collections.abc import Callable
+from typing import Any
 
-from .arrays import Array
 from .context import OutputContext
+from .conventions import UPSTREAM_HOOK_KEYWORDS
 from .errors import ContractError
 
 __all__ = [
-    "OutputProcessor",
     "Processor",
-    "ProcessorResult",
-    "UpstreamOutputProcessor",
+    "check_upstream_processor",
     "is_hookspec_processor",
     "processor",
 ]
-
-ProcessorResult: TypeAlias = "Array | Mapping[str, Array]"
-"""Per-token values ``[b, s]``, a scalar loss ``[]``, or a mapping of either."""
-
-
-@runtime_checkable
-class OutputProcessor(Protocol):
-    """A hookspec processor: ``(ctx: OutputContext) -> ProcessorResult``."""
-
-    def __call__(self, ctx: OutputContext, /) -> Any: ...
-
-
-class UpstreamOutputProcessor(Protocol):
-    """An upstream-style processor: the native hook's keywords in, anything out."""
-
-    def __call__(self, **kwargs: Any) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +59,7 @@ class Processor:
 
 
 def processor(fn: Callable[[OutputContext], Any], /, *, name: str | None = None) -> Processor:
-    """Mark ``fn(ctx) -> ProcessorResult`` as a hookspec processor.
+    """Mark ``fn(ctx) -> result`` as a hookspec processor.
 
     Usable as a decorator; ``name`` defaults to the function's ``__name__``.
     Applied to a :class:`Processor`, returns it (renamed if ``name`` is given).
@@ -88,3 +75,42 @@ def processor(fn: Callable[[OutputContext], Any], /, *, name: str | None = None)
 def is_hookspec_processor(obj: object) -> bool:
     """True for objects made by :func:`processor`; False for upstream callables."""
     return isinstance(obj, Processor)
+
+
+def check_upstream_processor(fn: Callable[..., Any], /, *, field: str = "output_processor") -> None:
+    """Check an upstream-style callable's parameters against ``UPSTREAM_HOOK_KEYWORDS``.
+
+    The hook calls ``fn(**kwargs)`` with the sixteen keywords. Every parameter
+    ``fn`` names must be one of them (or ``*args``/``**kwargs``); a parameter
+    without a default must be one of them or Python fails at the call. A
+    callable of one positional parameter that is not an upstream keyword, such
+    as ``def f(ctx)``, is a hookspec processor without its marker. A callable
+    whose signature cannot be read (a builtin) is accepted as it is.
+
+    Raises :class:`ContractError` naming the unknown parameters.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    known = set(UPSTREAM_HOOK_KEYWORDS)
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [p.name for p in named if p.name not in known or p.kind is p.POSITIONAL_ONLY]
+    if not unknown:
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    looks_typed = len(named) == 1 and named[0].kind is not named[0].KEYWORD_ONLY
+    if looks_typed:
+        raise ContractError(
+            field,
+            expected="a hookspec processor, or a callable taking the upstream hook's keywords",
+            actual=f"{name}({named[0].name}), a callable of one positional parameter",
+            hint="If it takes a hookspec.OutputContext, decorate it with @hookspec.processor",
+        )
+    raise ContractError(
+        field,
+        expected=f"a callable whose parameters are among the upstream hook's keywords "
+        f"{list(UPSTREAM_HOOK_KEYWORDS)} (add **_ for the ones it ignores)",
+        actual=f"{name} with unknown parameter(s) {unknown}",
+        hint="A hookspec processor takes one OutputContext: decorate it with @hookspec.processor",
+    )

@@ -9,36 +9,18 @@ read metadata only.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .arrays import dtype_name, format_shape, is_array, is_floating, is_integer, shape_of
+from .context import OutputContext
 from .errors import ContractError
-
-if TYPE_CHECKING:
-    from .context import OutputContext, VocabShard
 
 __all__ = [
     "check_labels",
     "validate_context",
+    "validate_mtp_result",
     "validate_result",
 ]
-
-
-def check_rank(field: str, rank: int, size: int) -> None:
-    if not (isinstance(size, int) and size >= 1):
-        raise ContractError(f"{field}_size", expected="an int >= 1", actual=repr(size))
-    if not (isinstance(rank, int) and 0 <= rank < size):
-        raise ContractError(f"{field}_rank", expected=f"an int in [0, {size})", actual=repr(rank))
-
-
-def check_vocab_shard(vocab: VocabShard) -> None:
-    start, end, size = vocab.start, vocab.end, vocab.size
-    if not (0 <= start < end <= size):
-        raise ContractError(
-            "vocab",
-            expected="0 <= start < end <= size",
-            actual=f"start={start}, end={end}, size={size}",
-        )
 
 
 def _check_array(field: str, x: object) -> None:
@@ -143,3 +125,46 @@ def validate_result(result: object, *, batch: int, seq: int, field: str = "proce
             _check_result_array(f"{field}[{key!r}]", value, batch, seq)
         return
     _check_result_array(field, result, batch, seq)
+
+
+def validate_mtp_result(
+    result: object,
+    *,
+    batch: int,
+    seq: int,
+    field: str = "mtp_processor result",
+    array_kind: str = "an array",
+) -> tuple[Any, Any]:
+    """An MTP processor's result: the per-token loss ``[b, s]`` before masking,
+    or a mapping ``{"loss": [b, s], "accepted": [b, s] bool}`` (``accepted``
+    optional: whether the head's top-1 token equals the label, for acceptance
+    logging). The loss has a floating dtype.
+
+    Returns ``(loss, accepted or None)``. ``array_kind`` names the array type
+    the implementation expects in messages (``"a torch.Tensor"``).
+    """
+    accepted: object = None
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            raise ContractError(
+                field, expected="a mapping with a 'loss' [b, s]", actual=f"keys {sorted(result)}"
+            )
+        loss, accepted = result["loss"], result.get("accepted")
+    else:
+        loss = result
+    for name, value in (("loss", loss), ("accepted", accepted)):
+        if value is None and name == "accepted":
+            continue
+        if not is_array(value):
+            raise ContractError(
+                f"{field}[{name!r}]", expected=f"{array_kind} [b, s]", actual=type(value).__name__
+            )
+        if shape_of(value) != (batch, seq):  # type: ignore[arg-type]
+            raise ContractError(
+                f"{field}[{name!r}]",
+                expected=f"per-token shape [b={batch}, s={seq}]",
+                actual=format_shape(shape_of(value)),  # type: ignore[arg-type]
+            )
+    if not is_floating(loss):  # type: ignore[arg-type]
+        raise ContractError(f"{field}['loss']", expected="a floating dtype", actual=dtype_name(loss))  # type: ignore[arg-type]
+    return loss, accepted

@@ -197,3 +197,45 @@ def test_enum_values_match_the_documented_names() -> None:
     doc = hookspec.conventions.__doc__ or ""
     for formula in ("logsumexp(z / T)", "k3 = exp(log_ratio) - log_ratio - 1", "max(-A * ratio"):
         assert formula in doc
+
+
+def test_upstream_hook_sources_partition_the_sixteen_keywords() -> None:
+    groups = hookspec.UPSTREAM_HOOK_SOURCES
+    flat = [k for group in groups for k in group]
+    assert sorted(flat) == sorted(hookspec.UPSTREAM_HOOK_KEYWORDS) and len(flat) == 16
+    assert groups.call[0] == "labels" and groups.call[-1] == "runtime_gather_output"
+    assert groups.caller == ("context",) and groups.decoder == ("hidden_states",)
+
+
+def test_every_upstream_field_is_documented() -> None:
+    doc = OutputContext.__doc__ or ""
+    for field in dataclasses.fields(OutputContext):
+        assert f"        {field.name}: " in doc, field.name
+
+
+def test_mtp_result_contract() -> None:
+    loss = np.zeros((2, 8), np.float32)
+    accepted = np.ones((2, 8), bool)
+    assert hookspec.validate_mtp_result(loss, batch=2, seq=8)[1] is None
+    got = hookspec.validate_mtp_result({"loss": loss, "accepted": accepted}, batch=2, seq=8)
+    assert got[0] is loss and got[1] is accepted
+    bad = [
+        ({"logprobs": loss}, "mtp_processor result", "a mapping with a 'loss'"),
+        (loss[:, :7], "mtp_processor result['loss']", "per-token shape [b=2, s=8]"),
+        ({"loss": loss, "accepted": accepted[:1]}, "mtp_processor result['accepted']", "[b=2, s=8]"),
+        ([0.0], "mtp_processor result['loss']", "an array [b, s]"),
+        (np.zeros((2, 8), np.int64), "mtp_processor result['loss']", "a floating dtype"),
+    ]
+    for result, field, expected in bad:
+        with pytest.raises(ContractError) as err:
+            hookspec.validate_mtp_result(result, batch=2, seq=8)
+        assert err.value.field == field and expected in str(err.value.expected), (field, err.value)
+
+
+def test_collectives_recipe_runs_as_written() -> None:
+    import doctest
+
+    import hookspec.collectives
+
+    result = doctest.testmod(hookspec.collectives, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 15 and result.failed == 0

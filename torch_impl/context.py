@@ -20,7 +20,7 @@ from hookspec import (
 
 from .collectives import TorchCollectives
 
-__all__ = ["build_output_context", "parallel_layout"]
+__all__ = ["build_output_context", "no_logit_scaling", "parallel_layout"]
 
 
 def _size_rank(group: Any) -> tuple[int, int]:
@@ -46,7 +46,8 @@ def parallel_layout(model: torch.nn.Module) -> ParallelLayout:
     )
 
 
-def _identity(logits: torch.Tensor) -> torch.Tensor:
+def no_logit_scaling(logits: torch.Tensor) -> torch.Tensor:
+    """``scale_logits`` where the model has none (releases before MuP): the identity."""
     return logits
 
 
@@ -115,7 +116,7 @@ def build_output_context(
     parts = _static_parts(model, vocab_weight)
     fields: dict[str, Any] = {k: hook_kwargs.get(k) for k in UPSTREAM_HOOK_KEYWORDS}
     if fields["scale_logits"] is None:
-        fields["scale_logits"] = _identity
+        fields["scale_logits"] = no_logit_scaling
     return OutputContext(
         **fields,
         vocab_weight=vocab_weight,

@@ -19,27 +19,28 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._postprocess import _HOOK_INPUTS, as_inner_stage, finish_postprocess
-from .enable import _OutputHookAdapter
+from ._adapter import OutputHookAdapter, original_class
+from ._call import ForwardCall
+from ._postprocess import as_inner_stage, finish_postprocess
 
 __all__ = ["HybridOutputHookAdapter"]
 
 
-class HybridOutputHookAdapter(_OutputHookAdapter):
+class HybridOutputHookAdapter(OutputHookAdapter):
     """Mixed in before ``HybridModel`` by ``enable_output_processor``."""
 
-    def _hookspec_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: Any, mtp_call: Any) -> Any:
-        original = self._hookspec_original_class
-        bound = inspect.signature(original.forward).bind(self, *args, **kwargs)
-        arguments = dict(bound.arguments)
+    def _hookspec_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: ForwardCall) -> Any:
+        """``HybridModel.forward`` (0.19.2) as an inner stage, then the hook.
+
+        Its inputs reach the hook as ``GPTModel._postprocess``'s do, with
+        ``inference_params``, the older name ``HybridModel.forward`` still
+        takes, standing in for ``inference_context``."""
+        original = original_class(self)
+        arguments = dict(inspect.signature(original.forward).bind(self, *args, **kwargs).arguments)
         with as_inner_stage(self):
             hidden_states = original.forward(self, *args, **kwargs)
         if not self.post_process:  # type: ignore[attr-defined]
             return hidden_states
-        inputs = {k: arguments.get(k) for k in _HOOK_INPUTS}
-        if inputs["inference_context"] is None:
-            inputs["inference_context"] = arguments.get("inference_params")
-        user_context = (call if call is not None else mtp_call.hook).user_context
-        return finish_postprocess(
-            self, call, hidden_states, mtp_call=mtp_call, user_context=user_context, **inputs
-        )
+        if arguments.get("inference_context") is None:
+            arguments["inference_context"] = arguments.get("inference_params")
+        return finish_postprocess(self, call, hidden_states, arguments)

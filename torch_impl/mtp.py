@@ -37,22 +37,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer import multi_token_prediction as _mtp
 
-from hookspec import ContractError, OutputContext, Processor, processor
-from hookspec.arrays import format_shape
+from hookspec import OutputContext, Processor, processor
+
+from ._call import ForwardCall
 
 __all__ = [
-    "MTPCall",
     "MTPSemantics",
     "attach_mtp_losses",
     "default_mtp_loss",
     "detached_head",
+    "has_mtp_layers",
     "mtp_semantics",
 ]
 
@@ -61,18 +61,22 @@ __all__ = [
 class MTPSemantics:
     """What the installed Megatron Core does around the MTP loss.
 
-    ``derives_labels``: labels ``None`` are derived from ``input_ids`` (0.19;
-    applied here on every release). ``mup_scaling``: MTP logits go through
+    ``mup_scaling``: MTP logits go through
     ``_scale_logits`` when ``config.use_mup``. ``clamped_counts``: token counts
     are clamped to >= 1 and ``calculate_per_token_loss`` rescales by the
     original over the rolled token count. ``logs_acceptance``: the tracker
     also takes acceptance counts (``save_metrics_to_tracker``).
     """
 
-    derives_labels: bool
     mup_scaling: bool
     clamped_counts: bool
     logs_acceptance: bool
+
+
+def has_mtp_layers(model: Any) -> bool:
+    """True for a model built with multi-token prediction (``config.mtp_num_layers``
+    and an MTP block), the condition of ``GPTModel._postprocess``'s MTP branch."""
+    return bool(getattr(model.config, "mtp_num_layers", None)) and getattr(model, "mtp", None) is not None
 
 
 @functools.cache
@@ -81,7 +85,6 @@ def mtp_semantics() -> MTPSemantics:
     process = getattr(_mtp, "process_mtp_loss", None)
     params = inspect.signature(process).parameters if process is not None else {}
     return MTPSemantics(
-        derives_labels="input_ids" in params,
         mup_scaling="scale_logits_fn" in params,
         clamped_counts=process is not None,
         logs_acceptance=hasattr(_mtp.MTPLossLoggingHelper, "save_metrics_to_tracker"),
@@ -95,7 +98,11 @@ def mtp_semantics() -> MTPSemantics:
 
 def _top1_accepted(ctx: OutputContext, logits: torch.Tensor) -> torch.Tensor:
     """``argmax_v z[s, b, v] == labels[b, s]`` as ``[b, s]`` bool, over the global
-    vocabulary: the first index wins ties, as in Megatron's acceptance count."""
+    vocabulary: the first index wins ties, as in Megatron's acceptance count.
+
+    Mirrors ``multi_token_prediction._compute_mtp_acceptance_counts`` (with
+    ``_mtp_logits_are_vocab_sharded`` and ``_vocab_parallel_argmax``,
+    megatron-core 0.19.2); pinned by ``tests/test_upstream_mirror.py``."""
     with torch.no_grad():
         gathered = ctx.runtime_gather_output
         sharded = (
@@ -152,79 +159,30 @@ def detached_head(mtp_processor: Any, /) -> Processor:
 
 
 # ---------------------------------------------------------------------------
-# The bridge and the loss loop
+# The loss loop
 # ---------------------------------------------------------------------------
-
-
-class MTPCall:
-    """Runs an MTP processor for one depth: builds and validates the context,
-    validates the result. ``hook`` is the main hook's bridge (``_HookCall``),
-    whose ``context`` method builds a typed context for any depth."""
-
-    def __init__(self, model: Any, mtp_processor: Any, hook: Any) -> None:
-        if not callable(mtp_processor):
-            raise ContractError(
-                "mtp_processor",
-                expected="a hookspec processor or a callable (ctx) -> loss [b, s]",
-                actual=type(mtp_processor).__name__,
-            )
-        if not getattr(model.config, "mtp_num_layers", None) or getattr(model, "mtp", None) is None:
-            raise ContractError(
-                "mtp_processor",
-                expected="a model with MTP layers (config.mtp_num_layers and an MTP block)",
-                actual=f"{type(model).__name__} with mtp_num_layers={model.config.mtp_num_layers}",
-                hint="Pass mtp_processor only to models built with multi-token prediction",
-            )
-        self.processor = mtp_processor
-        self.hook = hook
-        self.name = getattr(
-            mtp_processor, "name", getattr(mtp_processor, "__name__", type(mtp_processor).__name__)
-        )
-
-    def __call__(self, hook_kwargs: dict[str, Any], depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ctx = self.hook.context(hook_kwargs, mtp_depth=depth)
-        result = self.processor(ctx)
-        field = f"mtp_processor {self.name!r} result at depth {depth}"
-        accepted = None
-        if isinstance(result, Mapping):
-            if "loss" not in result:
-                raise ContractError(
-                    field, expected="a mapping with a 'loss' [b, s]", actual=f"keys {sorted(result)}"
-                )
-            loss, accepted = result["loss"], result.get("accepted")
-        else:
-            loss = result
-        want = (ctx.batch_size, ctx.seq_len)
-        for name, value in (("loss", loss), ("accepted", accepted)):
-            if value is None and name == "accepted":
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise ContractError(
-                    f"{field}[{name!r}]", expected="a torch.Tensor [b, s]", actual=type(value).__name__
-                )
-            if tuple(value.shape) != want:
-                raise ContractError(
-                    f"{field}[{name!r}]",
-                    expected=f"per-token shape [b={want[0]}, s={want[1]}]",
-                    actual=format_shape(value.shape),
-                )
-        if not loss.is_floating_point():
-            raise ContractError(f"{field}['loss']", expected="a floating dtype", actual=str(loss.dtype))
-        return loss, accepted
 
 
 def attach_mtp_losses(
     model: Any,
     hidden_states: torch.Tensor,
     *,
-    mtp_call: MTPCall,
+    call: ForwardCall,
     hook_kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """The main hidden states ``[s, b, h]`` with every depth's MTP loss attached.
 
     ``hidden_states`` is the MTP block's output ``[(1 + K) * s, b, h]``;
     ``hook_kwargs`` the main hook's sixteen keywords (labels, loss mask,
-    output weight, ...) before any rolling.
+    output weight, ...) before any rolling; ``call.mtp(kwargs, k)`` runs the
+    MTP processor at depth ``k``.
+
+    Mirrors the MTP block of ``GPTModel._postprocess`` (megatron-core 0.16.1)
+    and ``multi_token_prediction.process_mtp_loss`` (0.19.2): the rolls, the
+    mask multiply, the scaling by ``mtp_loss_scaling_factor / K`` and the token
+    counts (:func:`mtp_semantics` picks between them), the logging; labels
+    ``None`` are derived from ``input_ids`` as 0.19.2 does, on every release.
+    Pinned by ``tests/test_upstream_mirror.py``.
     """
     config = model.config
     semantics = mtp_semantics()
@@ -268,7 +226,7 @@ def attach_mtp_losses(
             loss_mask=loss_mask,
             output_weight=weight,
         )
-        loss, accepted = mtp_call(kwargs, layer + 1)
+        loss, accepted = call.mtp(kwargs, layer + 1)
         mtp_loss = loss_mask * loss
         if model.training:
             _log(mtp_loss, num_tokens, accepted, loss_mask, layer, depths, avg_group, semantics)
@@ -298,6 +256,8 @@ def _log(
     """The per-depth loss (and acceptance counts) into Megatron's MTP tracker.
 
     Without ``accepted`` from the processor, acceptance is logged as 0 of 0.
+    Mirrors the logging in ``process_mtp_loss`` (0.19.2) and in
+    ``GPTModel._postprocess`` (0.16.1).
     """
     helper = _mtp.MTPLossLoggingHelper
     if not semantics.logs_acceptance:

@@ -31,15 +31,17 @@ import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from megatron.core.transformer.module import float16_to_fp32
 
 from hookspec import ContractError
 
+from ._adapter import forward_call, original_class, uses_native_hook
+from ._call import ForwardCall
 from ._plan_final_norm import check_apply_final_norm, with_final_norm
-from .enable import _bridges, _stashed, require_output_processor
+from .enable import require_output_processor
 
 __all__ = [
     "PlanOutputs",
@@ -116,11 +118,11 @@ class PlanOutputs:
 
 @dataclasses.dataclass
 class _PlanHook:
-    """What the adapted post-process node needs: the model, the bridges to stash
-    (``None`` where the native hook carries them), the original ids."""
+    """What the adapted post-process node needs: the model, the forward's call to
+    stash (``None`` where the native hook carries it), the original ids."""
 
     model: Any
-    stash: tuple[Any, Any] | None
+    stash: ForwardCall | None
     input_ids: Any
     position_ids: Any
     outputs: PlanOutputs
@@ -140,7 +142,7 @@ class _HookPostProcessNode:
             if hook.stash is None:
                 result = super().forward_impl(hidden_states)  # type: ignore[misc]
             else:
-                with _stashed(hook.model, *hook.stash):
+                with hook.stash.stashed():
                     result = super().forward_impl(hidden_states)  # type: ignore[misc]
         finally:
             state.input_ids, state.position_ids = rolled
@@ -203,7 +205,7 @@ def build_schedule_plan(
     """
     inner = require_output_processor(model)
     apply_final_norm = check_apply_final_norm(apply_final_norm)
-    original = cast("type[Any]", inner._hookspec_original_class)
+    original = original_class(inner)
     if not hasattr(original, "build_schedule_plan"):
         raise ContractError(
             "model",
@@ -212,7 +214,7 @@ def build_schedule_plan(
             hint="Run it through forward and the ordinary pipeline schedules",
         )
     if output_processor is None and mtp_processor is None:
-        if inner._hookspec_native:  # type: ignore[attr-defined]
+        if uses_native_hook(inner):
             kwargs["output_processor_context"] = output_processor_context
         plan = inner.build_schedule_plan(*args, **kwargs)  # type: ignore[operator]
         return with_final_norm(plan, inner, apply=apply_final_norm)
@@ -242,12 +244,16 @@ def prepare_plan_hook(
     where it carries the processor) and the hook for :func:`attach_plan_hook`.
     ``arguments``: the plan's inputs by name (input_ids, position_ids, padding_mask).
     Validates the processors before anything runs."""
-    call, mtp_call = _bridges(
-        model, output_processor, output_processor_context, mtp_processor, arguments.get("padding_mask")
+    call = forward_call(
+        model,
+        output_processor=output_processor,
+        output_processor_context=output_processor_context,
+        mtp_processor=mtp_processor,
+        padding_mask=arguments.get("padding_mask"),
     )
     native_kwargs: dict[str, Any] = {}
-    stash: tuple[Any, Any] | None = (call, mtp_call)
-    if model._hookspec_native and mtp_call is None:
+    stash: ForwardCall | None = call
+    if uses_native_hook(model) and mtp_processor is None:
         native_kwargs = {"output_processor": call, "output_processor_context": output_processor_context}
         stash = None
     hook = _PlanHook(

@@ -1,0 +1,193 @@
+"""One forward's call: what an enabled model hands the hook, and the one place
+that builds contexts, runs processors and validates their results.
+
+A :class:`ForwardCall` is made once per forward (by the adapter or the
+schedule plan) and carries the model, its options, the processors, the
+caller's context and the padding mask. Data flows down through it once::
+
+    adapter.forward -> ForwardCall -> Megatron's forward / _postprocess
+        -> ForwardCall.mtp(kwargs, depth)   per MTP depth  -> mtp processor
+        -> ForwardCall.main(kwargs)         the main head  -> output processor
+
+Megatron reaches it either as the native hook's ``output_processor`` (0.18+:
+``ForwardCall.__call__(**kwargs)``) or, where the adapter runs its own
+``_postprocess``, through :meth:`ForwardCall.stashed` and :func:`stashed_call`.
+Nothing here calls back up into the modules that made the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from hookspec import (
+    IGNORE_INDEX,
+    ContractError,
+    OutputContext,
+    check_upstream_processor,
+    is_hookspec_processor,
+    validate_context,
+    validate_mtp_result,
+    validate_result,
+)
+
+from .context import build_output_context
+
+__all__ = ["ForwardCall", "HookOptions", "default_output", "stashed_call"]
+
+_STASH = "_hookspec_call"  # the instance attribute set by ForwardCall.stashed, read by stashed_call
+
+
+@dataclasses.dataclass(frozen=True)
+class HookOptions:
+    """Options of an enabled model.
+
+    ``ignore_index``: the label that selects no token. ``check_values``: read
+    the labels to check their range at every call (one synchronisation on a
+    GPU); shape checks always run.
+    """
+
+    ignore_index: int = IGNORE_INDEX
+    check_values: bool = True
+
+
+def default_output(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: Any,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    runtime_gather_output: bool | None,
+    compute_language_model_loss: Callable[..., torch.Tensor],
+    scale_logits: Callable[[torch.Tensor], torch.Tensor],
+    **_: Any,
+) -> torch.Tensor:
+    """The stock head, as an upstream-style processor (used when only an MTP
+    processor is given)::
+
+        logits = scale_logits(output_layer(h, weight=output_weight)[0])   # [s, b, V/tp]
+        return logits.transpose(0, 1) if labels is None else compute_language_model_loss(labels, logits)
+
+    Mirrors the tail of ``GPTModel._postprocess`` (megatron-core 0.16.1 and
+    0.19.2, training path), pinned by ``tests/test_upstream_mirror.py``.
+    """
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    logits = scale_logits(logits)
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()
+    return compute_language_model_loss(labels, logits)
+
+
+def _processor_name(fn: object) -> str:
+    name = getattr(fn, "name", getattr(fn, "__name__", None))
+    return name if isinstance(name, str) else type(fn).__name__
+
+
+class ForwardCall:
+    """One forward's hook: builds, validates and runs (see the module docstring).
+
+    ``processor``: the output processor, a hookspec processor or an
+    upstream-style callable, or ``None`` for the stock head.
+    ``mtp_processor``: the per-depth MTP loss processor, or ``None`` where the
+    model has no MTP layers. Both are checked here, before the model runs.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        options: HookOptions,
+        *,
+        processor: Any,
+        user_context: Any,
+        mtp_processor: Any,
+        padding_mask: torch.Tensor | None,
+    ) -> None:
+        if processor is not None:
+            if not callable(processor):
+                raise ContractError(
+                    "output_processor",
+                    expected="a callable or a hookspec processor",
+                    actual=type(processor).__name__,
+                )
+            if not is_hookspec_processor(processor):
+                check_upstream_processor(processor, field="output_processor")
+        if mtp_processor is not None and not callable(mtp_processor):
+            raise ContractError(
+                "mtp_processor",
+                expected="a hookspec processor or a callable (ctx) -> loss [b, s]",
+                actual=type(mtp_processor).__name__,
+            )
+        self.model = model
+        self.options = options
+        self.processor = processor
+        self.user_context = user_context
+        self.mtp_processor = mtp_processor
+        self.padding_mask = padding_mask
+
+    def context(self, hook_kwargs: Mapping[str, Any], depth: int) -> OutputContext:
+        """The validated typed context of the hook's sixteen keywords at MTP depth ``depth``."""
+        ctx = build_output_context(
+            self.model,
+            hook_kwargs,
+            padding_mask=self.padding_mask,
+            ignore_index=self.options.ignore_index,
+            mtp_depth=depth,
+        )
+        validate_context(ctx, check_values=self.options.check_values)
+        return ctx
+
+    def main(self, hook_kwargs: dict[str, Any]) -> Any:
+        """The main head's result from the hook's sixteen keywords: the output
+        processor's (a hookspec result validated), or the stock head's."""
+        hook_kwargs["context"] = self.user_context
+        if self.processor is None:
+            return default_output(**hook_kwargs)
+        ctx = self.context(hook_kwargs, 0)
+        if not is_hookspec_processor(self.processor):
+            return self.processor(**hook_kwargs)
+        result = self.processor(ctx)
+        validate_result(
+            result,
+            batch=ctx.batch_size,
+            seq=ctx.seq_len,
+            field=f"processor {_processor_name(self.processor)!r} result",
+        )
+        return result
+
+    def __call__(self, **hook_kwargs: Any) -> Any:
+        """What Megatron's native hook calls (its sixteen keywords): :meth:`main`."""
+        return self.main(hook_kwargs)
+
+    def mtp(self, hook_kwargs: Mapping[str, Any], depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MTP processor's ``(loss [b, s], accepted [b, s] or None)`` at depth ``depth`` >= 1."""
+        ctx = self.context(hook_kwargs, depth)
+        result = self.mtp_processor(ctx)
+        field = f"mtp_processor {_processor_name(self.mtp_processor)!r} result at depth {depth}"
+        loss, accepted = validate_mtp_result(
+            result, batch=ctx.batch_size, seq=ctx.seq_len, field=field, array_kind="a torch.Tensor"
+        )
+        return loss, accepted
+
+    @contextlib.contextmanager
+    def stashed(self) -> Iterator[None]:
+        """This call on the model for the adapter's ``_postprocess`` to find
+        (:func:`stashed_call`), for the length of the block."""
+        self.model.__dict__[_STASH] = self
+        try:
+            yield
+        finally:
+            self.model.__dict__.pop(_STASH, None)
+
+
+def stashed_call(model: torch.nn.Module) -> ForwardCall | None:
+    """The :class:`ForwardCall` stashed on ``model`` by :meth:`ForwardCall.stashed`, if any."""
+    return model.__dict__.get(_STASH)
+
+
+def clear_stash(model: torch.nn.Module) -> None:
+    """Drop a stashed call (when the adapter is removed)."""
+    model.__dict__.pop(_STASH, None)
