@@ -1,11 +1,21 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("megatron") is not None
+
+# Triton decides interpreted or compiled when it is first imported, and any test module
+# (or Megatron, or a benchmark) may import it during collection: without a GPU, its
+# interpreter is switched on here, before any of them.
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
