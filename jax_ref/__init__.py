@@ -1,14 +1,20 @@
-"""jax_ref: float64 JAX references for the hookspec contract, and the cross-check
-that holds a torch processor to them.
+"""jax_ref: float64 JAX references for the hookspec contract.
+
+The reference side imports no torch:
 
 - ``jax_ref.references``: the standard quantities (logprob, entropy, KL, PPO,
   GSPO, aggregations) as pure float64 functions.
 - ``jax_ref.processors``: references for the built-in processors, functions of
-  ``(hidden, weight, ReferenceInputs)``.
-- ``jax_ref.sharded``: the same under ``shard_map`` over a device mesh.
-- ``jax_ref.head``: a ``flax.nnx`` output head loaded from torch over DLPack.
-- ``jax_ref.dlpack``, ``jax_ref.harness``, ``jax_ref.hookcheck``: the torch side
-  (these import torch; nothing else in ``jax_ref`` does).
+  ``(hidden, weight, ReferenceInputs)``; ``jax_ref.inputs``: ``ReferenceInputs``.
+- ``jax_ref.sharded``: the same under ``shard_map`` over a device mesh, with
+  ``jax_ref.collectives`` (``psum``/``pmax``) as the contract's collectives.
+- ``float64()``: the scope in which references run.
+- ``jax_ref.head``: a ``flax.nnx`` output head (``from_torch`` and
+  ``from_megatron`` load one over DLPack, importing torch only when called).
+
+The torch side, which runs a torch processor and holds it to a reference,
+lives in ``jax_ref.check`` (DLPack boundary, runs through the hook, cases, the
+comparison and its report, the ``hookcheck`` CLI).
 
 Importing ``jax_ref`` imports nothing heavy (names load on first use) and leaves
 ``jax_enable_x64`` alone: computations run inside :func:`float64`.
@@ -34,11 +40,11 @@ _LAZY = {
     "float64": "jax_ref._x64",
     "JaxCollectives": "jax_ref.collectives",
     "ReferenceInputs": "jax_ref.inputs",
-    "to_jax": "jax_ref.dlpack",
-    "to_torch": "jax_ref.dlpack",
-    "CrossCheckReport": "jax_ref.harness",
-    "Tolerance": "jax_ref.harness",
-    "cross_check": "jax_ref.harness",
+    "to_jax": "jax_ref.check.dlpack",
+    "to_torch": "jax_ref.check.dlpack",
+    "CrossCheckReport": "jax_ref.check.report",
+    "Tolerance": "jax_ref.check.comparison",
+    "cross_check": "jax_ref.check.comparison",
 }
 
 

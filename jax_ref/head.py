@@ -96,7 +96,7 @@ class OutputHead(nnx.Module):
     ) -> OutputHead:
         """A head over torch tensors, exchanged over DLPack (shared buffers);
         ``dtype`` (e.g. ``jnp.float64``) casts after the exchange, a copy."""
-        from .dlpack import to_jax
+        from .check.dlpack import to_jax
 
         w = to_jax(weight, field="weight")
         b = None if bias is None else to_jax(bias, field="bias")

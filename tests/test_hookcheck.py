@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from jax_ref.hookcheck import BUILTIN_CHECKS, main
+from jax_ref.check.hookcheck import BUILTIN_CHECKS, main
 
 ROOT = Path(__file__).resolve().parents[1]
-REF = "jax_ref.examples:logprobs_entropy_reference"
+REF = "jax_ref.check.examples:logprobs_entropy_reference"
 
 
 def _run(*argv: str) -> tuple[int, str, str]:
@@ -66,10 +66,10 @@ def test_default_run_checks_every_builtin_processor():
 def test_deliberately_wrong_processors_are_caught():
     code, out, err = _run(
         "--dtype", "float32", "--no-synthetic",
-        "--processor", "jax_ref.examples:wrong_sign_entropy", "--reference", REF,
-        "--processor", "jax_ref.examples:wrong_reduction_loss",
-        "--reference", "jax_ref.examples:token_mean_loss_reference",
-        "--processor", "jax_ref.examples:vocab_parallel_logprobs", "--reference", REF,
+        "--processor", "jax_ref.check.examples:wrong_sign_entropy", "--reference", REF,
+        "--processor", "jax_ref.check.examples:wrong_reduction_loss",
+        "--reference", "jax_ref.check.examples:token_mean_loss_reference",
+        "--processor", "jax_ref.check.examples:vocab_parallel_logprobs", "--reference", REF,
     )  # fmt: skip
     assert code == 1, out + err
     rows = _summary(out)
@@ -86,7 +86,7 @@ def test_deliberately_wrong_processors_are_caught():
 
 def test_non_finite_values_fail_with_a_clear_line():
     code, out, _ = _run(
-        "--dtype", "float32", "--processor", "jax_ref.examples:unshifted_softmax", "--reference", REF
+        "--dtype", "float32", "--processor", "jax_ref.check.examples:unshifted_softmax", "--reference", REF
     )  # fmt: skip
     assert code == 1
     assert (
@@ -103,9 +103,9 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("XLA_FLAGS", None)
     argv = [
-        sys.executable, "-m", "jax_ref.hookcheck", "--tp", "2", "--no-synthetic",
-        "--processor", "jax_ref.examples:vocab_parallel_logprobs", "--reference", REF,
-        "--processor", "jax_ref.examples:missing_tp_reduction", "--reference", REF,
+        sys.executable, "-m", "jax_ref.check.hookcheck", "--tp", "2", "--no-synthetic",
+        "--processor", "jax_ref.check.examples:vocab_parallel_logprobs", "--reference", REF,
+        "--processor", "jax_ref.check.examples:missing_tp_reduction", "--reference", REF,
     ]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     out = proc.stdout
@@ -124,7 +124,7 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
 def test_console_script_and_module_entry_points():
     script = Path(sys.executable).with_name("hookcheck")
     assert script.exists(), "pip install -e . installs the hookcheck console script"
-    for argv in ([str(script), "--help"], [sys.executable, "-m", "jax_ref.hookcheck", "--help"]):
+    for argv in ([str(script), "--help"], [sys.executable, "-m", "jax_ref.check.hookcheck", "--help"]):
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "--processor MODULE:ATTR" in proc.stdout
 
@@ -132,7 +132,7 @@ def test_console_script_and_module_entry_points():
 @pytest.mark.parametrize("flag", ["--full"])
 def test_full_table(flag):
     code, out, _ = _run(flag, "--dtype", "float32", "--no-synthetic", "--processor",
-                        "jax_ref.examples:token_mean_loss", "--reference",
-                        "jax_ref.examples:token_mean_loss_reference")  # fmt: skip
+                        "jax_ref.check.examples:token_mean_loss", "--reference",
+                        "jax_ref.check.examples:token_mean_loss_reference")  # fmt: skip
     assert code == 0
     assert "max abs err" in out and len(re.findall(r"^gpt", out, flags=re.M)) == 6

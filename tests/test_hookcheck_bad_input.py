@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import hookspec
-from jax_ref.hookcheck import main
+from jax_ref.check.hookcheck import main
 
 ROOT = Path(__file__).resolve().parents[1]
-REF = "jax_ref.examples:logprobs_entropy_reference"
-GOOD = "jax_ref.examples:vocab_parallel_logprobs"
+REF = "jax_ref.check.examples:logprobs_entropy_reference"
+GOOD = "jax_ref.check.examples:vocab_parallel_logprobs"
 FAST = ("--dtype", "float32", "--no-synthetic", "--quiet")
 
 
@@ -49,13 +49,13 @@ def _run(*argv: str) -> tuple[int, str]:
             "got ModuleNotFoundError: No module named 'no_such_package'",
         ),
         (
-            ("--processor", "jax_ref.examples:nope", "--reference", REF),
-            "hookcheck: error: --processor: expected 'jax_ref.examples:nope' to exist, "
+            ("--processor", "jax_ref.check.examples:nope", "--reference", REF),
+            "hookcheck: error: --processor: expected 'jax_ref.check.examples:nope' to exist, "
             "got no attribute 'nope'",
         ),
         (
-            ("--processor", "jax_ref.examples", "--reference", REF),
-            "hookcheck: error: --processor: expected 'module:attr', got 'jax_ref.examples'",
+            ("--processor", "jax_ref.check.examples", "--reference", REF),
+            "hookcheck: error: --processor: expected 'module:attr', got 'jax_ref.check.examples'",
         ),
         (
             ("--processor", GOOD, "--reference", "jax_ref.no_such_module:ref"),
@@ -71,7 +71,7 @@ def _run(*argv: str) -> tuple[int, str]:
             "hookcheck: error: arguments: expected one --reference per --processor",
         ),
         (
-            ("--processor", GOOD, "--reference", "jax_ref.examples:token_mean_loss_reference"),
+            ("--processor", GOOD, "--reference", "jax_ref.check.examples:token_mean_loss_reference"),
             "hookcheck: error: reference 'token_mean_loss_reference' result: expected a mapping of arrays, "
             "as the processor returns, got one array of shape []",
         ),
@@ -116,7 +116,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(argv, message):
 
 def test_a_reference_missing_an_output_names_both_structures():
     def partial_ref(hidden, weight, inputs):
-        from jax_ref.examples import logprobs_entropy_reference
+        from jax_ref.check.examples import logprobs_entropy_reference
 
         return {"logprobs": logprobs_entropy_reference(hidden, weight, inputs)["logprobs"]}
 
@@ -138,7 +138,8 @@ def test_a_contract_error_inside_the_processor_keeps_its_message():
 
 
 def test_bad_input_from_the_command_line_has_no_traceback():
-    argv = [sys.executable, "-m", "jax_ref.hookcheck", "--processor", "no_such_package:x", "--reference", REF]
+    argv = [sys.executable, "-m", "jax_ref.check.hookcheck", "--processor", "no_such_package:x"]
+    argv += ["--reference", REF]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "hookcheck: error: --processor: expected an importable module 'no_such_package'" in proc.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hookspec import ContractError
-from jax_ref.dlpack import shares_memory, to_jax, to_torch
+from jax_ref.check.dlpack import shares_memory, to_jax, to_torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

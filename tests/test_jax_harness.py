@@ -12,10 +12,11 @@ import torch
 
 import hookspec
 from hookspec import ContractError
-from jax_ref import examples as E
-from jax_ref.cases import CASE_KINDS, synthetic_context
-from jax_ref.harness import TOLERANCES, CrossCheckReport, Tolerance, cross_check, to_reference_tree
-from jax_ref.torch_run import run_through_hook
+from jax_ref.check import examples as E
+from jax_ref.check.cases import CASE_KINDS, synthetic_context
+from jax_ref.check.comparison import TOLERANCES, Tolerance, cross_check, to_reference_tree
+from jax_ref.check.report import CrossCheckReport
+from jax_ref.check.torch_run import run_through_hook
 
 REF = E.logprobs_entropy_reference
 
@@ -129,7 +130,7 @@ def test_user_context_crosses_to_jax():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_through_the_hook_of_a_real_tiny_gpt(megatron_single, tied):
-    from jax_ref.gpt_cases import build_case_model, case_batch
+    from jax_ref.check.gpt_cases import build_case_model, case_batch
 
     model = build_case_model(tied=tied)
     batch = case_batch()
@@ -146,7 +147,7 @@ def test_through_the_hook_of_a_real_tiny_gpt(megatron_single, tied):
 
 
 def test_bf16_through_float16module(megatron_single):
-    from jax_ref.gpt_cases import build_case_model, case_batch
+    from jax_ref.check.gpt_cases import build_case_model, case_batch
 
     model = build_case_model(dtype="bfloat16")
     run = run_through_hook(E.vocab_parallel_logprobs, model, case_batch())

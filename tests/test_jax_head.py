@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 
 import jax_ref
-from jax_ref.dlpack import shares_memory
+from jax_ref.check.dlpack import shares_memory
 from jax_ref.head import OutputHead
 from jax_ref.references import linear_logprobs
 

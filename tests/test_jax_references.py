@@ -232,3 +232,26 @@ def test_references_do_not_import_torch():
     code = "import sys, jax_ref, jax_ref.references, jax_ref.collectives; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_reference_side_imports_no_torch():
+    """References, JAX processors, sharded reference, collectives, float64 scope,
+    inputs and the flax head (until it loads from torch) import no torch; a
+    reference actually runs so that lazily loaded names load too."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json, jax.numpy as jnp, jax_ref\n"
+        "from jax_ref import collectives, head, inputs, processors, references, sharded\n"
+        "with jax_ref.float64():\n"
+        "    h, w = jnp.ones((3, 2, 4)), jnp.ones((5, 4))\n"
+        "    x = jax_ref.ReferenceInputs(labels=jnp.zeros((2, 3), int), vocab_size=5)\n"
+        "    processors.token_logprobs_of(h, w, x)\n"
+        "    jax_ref.JaxCollectives('tp')\n"
+        "print(json.dumps(sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('torch', 'torch_impl', 'megatron') or m.startswith('jax_ref.check'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [], out.stderr

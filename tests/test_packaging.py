@@ -23,7 +23,9 @@ def test_extras_bring_the_frameworks() -> None:
     }
     assert {"torch", "megatron-core"} <= extras["torch"]
     assert {"jax", "flax"} <= extras["jax"]
-    assert _project()["scripts"]["hookcheck"] == "jax_ref.hookcheck:main"
+    assert "mcore-hookspec" in extras["jax"]  # with [torch]: hookcheck runs the processors under test
+    assert "mcore-hookspec[torch]" in _project()["optional-dependencies"]["jax"]
+    assert _project()["scripts"]["hookcheck"] == "jax_ref.check.hookcheck:main"
 
 
 def test_requirements_pin_the_two_megatron_releases() -> None:

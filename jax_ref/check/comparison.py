@@ -1,4 +1,4 @@
-"""Cross-check a torch processor against a float64 JAX reference.
+"""Cross-check a torch processor against a float64 JAX reference: the comparison.
 
 ::
 
@@ -6,8 +6,8 @@
     print(report)                                     # a table; report.passed -> bool
 
 Steps: run the processor (either kind of the contract) with its VJPs
-(:mod:`jax_ref.torch_run`); hand the hidden states, the weight, the labels,
-masks and the user context to JAX over DLPack (:mod:`jax_ref.dlpack`); run the
+(:mod:`jax_ref.check.torch_run`); hand the hidden states, the weight, the labels,
+masks and the user context to JAX over DLPack (:mod:`jax_ref.check.dlpack`); run the
 reference in float64 under ``jax.vjp``; pull back the same cotangents; compare
 each output's value, ``d/d hidden`` and ``d/d weight``.
 
@@ -35,20 +35,21 @@ import torch
 
 from hookspec import ContractError, OutputContext
 
-from ._x64 import computing_in, float64
+from .._x64 import computing_in, float64
+from ..inputs import ReferenceInputs
+from ..sharded import shard_reference, vocab_mesh
 from .dlpack import to_jax
-from .inputs import ReferenceInputs
+from .report import CrossCheckReport, Row
 from .torch_run import SINGLE_OUTPUT, TorchRun, processor_name, run_on_context
 
 __all__ = [
     "TOLERANCES",
-    "CrossCheckReport",
-    "Row",
     "Tolerance",
-    "combine",
+    "compare",
     "compare_run",
-    "cross_check_tensor_parallel",
     "cross_check",
+    "cross_check_tensor_parallel",
+    "logit_scale",
     "reference_inputs",
     "to_reference_tree",
 ]
@@ -85,109 +86,6 @@ TOLERANCES: dict[str, Tolerance] = {
 """The default policy, by the dtype of the hidden states: float32 allows ~1000
 ulps relative to the array's scale, bf16 and fp16 a few units of the format's
 rounding."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One compared array: ``quantity`` is ``value``, ``d/d hidden`` or ``d/d weight``."""
-
-    case: str
-    dtype: str
-    output: str
-    quantity: str
-    max_abs: float
-    max_rel: float
-    rtol: float
-    passed: bool
-    note: str = ""
-    floor: float = 0.0
-    processor: str = ""
-
-
-_HEADER = ("case", "dtype", "output", "quantity", "max abs err", "max rel err", "rtol", "result")
-_SUMMARY = ("processor", "case", "dtype", "outputs", "value", "d/d hidden", "d/d weight", "result")
-
-
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:.2e}"
-
-
-def _grid(cells: list[tuple[str, ...]]) -> str:
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _result(r: Row) -> str:
-    if not r.passed:
-        return f"FAIL {r.note}".rstrip()
-    return "ok" if not r.floor else f"ok (f32 floor {r.floor:.1e})"
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossCheckReport:
-    """The rows of one or more cross-checks; ``str(report)`` is a table."""
-
-    processor: str
-    reference: str
-    rows: tuple[Row, ...]
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.rows) and all(r.passed for r in self.rows)
-
-    def failures(self) -> tuple[Row, ...]:
-        return tuple(r for r in self.rows if not r.passed)
-
-    def merged(self, other: CrossCheckReport) -> CrossCheckReport:
-        return dataclasses.replace(self, rows=self.rows + other.rows)
-
-    def table(self) -> str:
-        """Every compared array: its max abs and max relative error (to the
-        reference array's largest magnitude), and the verdict."""
-        head = (("processor",) if len({r.processor for r in self.rows}) > 1 else ()) + _HEADER
-        cells = [head] + [
-            ((r.processor,) if len(head) > len(_HEADER) else ())
-            + (
-                r.case,
-                r.dtype,
-                r.output,
-                r.quantity,
-                _fmt(r.max_abs),
-                _fmt(r.max_rel),
-                f"{r.rtol:.0e}",
-                _result(r),
-            )
-            for r in self.rows
-        ]
-        return _grid(cells)
-
-    def summary(self) -> str:
-        """One line per processor, case and dtype: the worst relative error of
-        the values, of ``d/d hidden`` and of ``d/d weight`` over its outputs."""
-        groups: dict[tuple[str, str, str], list[Row]] = {}
-        for r in self.rows:
-            groups.setdefault((r.processor, r.case, r.dtype), []).append(r)
-        cells: list[tuple[str, ...]] = [_SUMMARY]
-        for (proc, case, dtype), rows in groups.items():
-            worst = []
-            for quantity in ("value", "d/d hidden", "d/d weight"):
-                errs = [r.max_rel for r in rows if r.quantity == quantity]
-                worst.append(_fmt(max(errs)) if errs else "-")
-            bad = [r for r in rows if not r.passed]
-            outputs = ",".join(sorted({r.output for r in rows}))
-            floored = any(r.floor for r in rows)
-            verdict = f"FAIL ({len(bad)} of {len(rows)})" if bad else "ok (f32 floor)" if floored else "ok"
-            cells.append((proc, case, dtype, outputs, *worst, verdict))
-        return _grid(cells)
-
-    def __str__(self) -> str:
-        status = "passed" if self.passed else f"FAILED ({len(self.failures())} of {len(self.rows)})"
-        return f"{self.processor} vs {self.reference}: {status}\n{self.table()}"
-
-
-# ---------------------------------------------------------------- the JAX side
 
 
 def to_reference_tree(obj: Any, /, *, field: str = "context") -> Any:
@@ -417,7 +315,7 @@ def cross_check(
 
     ``case`` is a torch ``OutputContext`` (the processor runs on it) or a
     :class:`TorchRun` already made, e.g. by
-    :func:`jax_ref.torch_run.run_through_hook`. Raises :class:`ContractError`
+    :func:`jax_ref.check.torch_run.run_through_hook`. Raises :class:`ContractError`
     when the reference's output structure differs from the processor's.
     """
     run = case if isinstance(case, TorchRun) else run_on_context(processor, case, seed=seed)
@@ -426,14 +324,6 @@ def cross_check(
     )
     ref_name = getattr(reference, "__name__", type(reference).__name__)
     return CrossCheckReport(processor_name(processor), ref_name, tuple(rows))
-
-
-def combine(reports: Sequence[CrossCheckReport], /, *, processor: str, reference: str) -> CrossCheckReport:
-    """One report holding the rows of ``reports``."""
-    rows: tuple[Row, ...] = ()
-    for r in reports:
-        rows += r.rows
-    return CrossCheckReport(processor, reference, rows)
 
 
 def cross_check_tensor_parallel(
@@ -456,8 +346,6 @@ def cross_check_tensor_parallel(
     compared whole, its ``d/d weight`` with rows ``[r*V/tp, (r+1)*V/tp)`` of
     the reference's. Returns the report and a line saying how the reference ran.
     """
-    from .sharded import shard_reference, vocab_mesh
-
     tp = len(runs)
     full = torch.cat([r.context.vocab_weight.detach() for r in runs], dim=0)  # type: ignore[union-attr]
     rows_per_rank = full.shape[0] // tp

@@ -2,8 +2,8 @@
 
 They show what ``hookcheck`` catches; each is a ``module:attr`` target::
 
-    hookcheck --processor jax_ref.examples:wrong_sign_entropy \\
-              --reference jax_ref.examples:logprobs_entropy_reference      # exits 1
+    hookcheck --processor jax_ref.check.examples:wrong_sign_entropy \\
+              --reference jax_ref.check.examples:logprobs_entropy_reference      # exits 1
 
 - :data:`vocab_parallel_logprobs`: logprobs and entropy by the contract's
   vocab-parallel recipe (right on any tp).
@@ -31,9 +31,9 @@ import torch
 
 from hookspec import Array, OutputContext, processor
 
-from .inputs import ReferenceInputs
-from .processors import selected_logprobs
-from .references import aggregate
+from ..inputs import ReferenceInputs
+from ..processors import selected_logprobs
+from ..references import aggregate
 
 __all__ = [
     "current_logprobs",

@@ -7,7 +7,7 @@ the hook in that dtype) and enabled for output processors.
 
 :func:`run_tensor_parallel` runs one processor through the hook on ``tp`` gloo
 processes (one per rank, Megatron's tensor-parallel groups, vocab split over
-ranks) and brings each rank's :class:`~jax_ref.torch_run.TorchRun` back to
+ranks) and brings each rank's :class:`~jax_ref.check.torch_run.TorchRun` back to
 the caller, its tensors pickled across the process boundary.
 """
 

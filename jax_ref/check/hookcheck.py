@@ -10,6 +10,10 @@ and exits 1 on a mismatch::
     hookcheck --processor mypkg.procs:my_logprobs --reference mypkg.refs:my_reference
     hookcheck --tp 2            # vocab-parallel over 2 gloo ranks, sharded reference
 
+The heavy imports (jax, torch, Megatron, the cases) wait inside the functions
+that use them: ``--tp`` sets ``XLA_FLAGS`` for virtual JAX devices before JAX
+starts, and ``--help`` answers without loading a framework.
+
 Exit status: 0 all passed, 1 a mismatch (or a non-finite value), 2 bad input
 (a ``module:attr`` that does not import, a reference whose output structure
 differs from the processor's, a dtype DLPack cannot carry, a processor that
@@ -26,6 +30,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
+
+from hookspec import ContractError
 
 __all__ = ["BUILTIN_CHECKS", "BuiltinCheck", "main"]
 
@@ -48,7 +54,7 @@ class BuiltinCheck:
 
 def _policy_reference(config_spec: str) -> Callable[[], Any]:
     def make() -> Any:
-        from . import processors
+        from .. import processors
         from ._spec import resolve
 
         return processors.policy_loss(resolve(config_spec))
@@ -58,7 +64,7 @@ def _policy_reference(config_spec: str) -> Callable[[], Any]:
 
 def _ref(name: str, **kwargs: Any) -> Callable[[], Any]:
     def make() -> Any:
-        from . import processors
+        from .. import processors
 
         return getattr(processors, name)(**kwargs)
 
@@ -74,7 +80,7 @@ def _example_ref(name: str) -> Callable[[], Any]:
     return make
 
 
-_B = "jax_ref.builtin_processors"
+_B = "jax_ref.check.builtin_processors"
 BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     BuiltinCheck("selected_logprobs(entropy)", f"{_B}:LOGPROBS", _ref("selected_logprobs", entropy=True)),
     BuiltinCheck(
@@ -106,18 +112,18 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     ),
     BuiltinCheck(
         "example: vocab-parallel recipe",
-        "jax_ref.examples:vocab_parallel_logprobs",
+        "jax_ref.check.examples:vocab_parallel_logprobs",
         _example_ref("logprobs_entropy_reference"),
     ),
     BuiltinCheck(
         "example: upstream-style processor",
-        "jax_ref.examples:full_vocab_logprobs",
+        "jax_ref.check.examples:full_vocab_logprobs",
         _example_ref("logprobs_entropy_reference"),
         tp1_only=True,
     ),
     BuiltinCheck(
         "example: token-mean loss",
-        "jax_ref.examples:token_mean_loss",
+        "jax_ref.check.examples:token_mean_loss",
         _example_ref("token_mean_loss_reference"),
     ),
 )
@@ -217,9 +223,7 @@ def _versions() -> str:
     )
 
 
-def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]:
-    from hookspec import ContractError
-
+def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
     from ._spec import resolve
 
     if args.processor or args.reference:
@@ -267,7 +271,7 @@ def _jobs(args: argparse.Namespace, out: TextIO) -> tuple[list[_Job], list[str]]
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress = _Progress(0, err, args.quiet)
-    jobs, unavailable = _jobs(args, out)
+    jobs, unavailable = _jobs(args)
     progress.say(f"hookcheck: {_versions()}")
     for line in unavailable:
         progress.say(f"hookcheck: unavailable, skipped: {line}")
@@ -280,7 +284,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.tp > 1:
         model_cases = [("float32", False)]
     progress.total = len(jobs) * (len(model_cases) + len(kinds))
-    from .harness import CrossCheckReport
+    from .report import CrossCheckReport
 
     rows: list[Any] = []
     notes: list[str] = []
@@ -319,13 +323,7 @@ def _print_report(report: Any, full: bool, out: TextIO) -> None:
     print(file=out)
 
 
-def _name(obj: Any) -> str:
-    return str(getattr(obj, "__name__", type(obj).__name__))
-
-
 def _processor_failed(job: _Job, exc: Exception) -> Exception:
-    from hookspec import ContractError
-
     if isinstance(exc, ContractError):
         return exc
     return ContractError(
@@ -340,8 +338,8 @@ def _run_gpt(
 ) -> list[Any]:
     from torch_impl.tiny import megatron_parallel
 
+    from .comparison import compare_run
     from .gpt_cases import build_case_model, case_batch
-    from .harness import compare_run
     from .torch_run import run_through_hook
 
     rows: list[Any] = []
@@ -367,7 +365,7 @@ def _run_synthetic(
     jobs: list[_Job], kinds: Sequence[str], args: argparse.Namespace, progress: _Progress
 ) -> list[Any]:
     from .cases import synthetic_context
-    from .harness import compare_run
+    from .comparison import compare_run
     from .torch_run import run_on_context
 
     rows: list[Any] = []
@@ -389,10 +387,8 @@ def _run_synthetic(
 def _run_tensor_parallel(
     jobs: list[_Job], args: argparse.Namespace, progress: _Progress, notes: list[str]
 ) -> list[Any]:
-    from hookspec import ContractError
-
+    from .comparison import cross_check_tensor_parallel
     from .gpt_cases import GPTCase, run_tensor_parallel
-    from .harness import cross_check_tensor_parallel
 
     for job in jobs:
         if ":" not in job.spec or (job.make_context is not None and not job.context_spec):
@@ -442,8 +438,6 @@ def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _quiet_logs()
-        from hookspec import ContractError
-
         try:
             return _run(args, out, err)
         except ContractError as exc:

@@ -24,7 +24,7 @@ import torch
 
 from hookspec import ContractError
 
-from ._x64 import float64
+from .._x64 import float64
 
 __all__ = [
     "SUPPORTED_DTYPES",

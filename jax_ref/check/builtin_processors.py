@@ -43,7 +43,7 @@ __all__ = [
     "temperature_context",
 ]
 
-_TILES = {"chunk_size": 24, "token_chunk_size": 7}
+_TILES = {"vocab_chunk_size": 24, "token_chunk_size": 7}
 
 LOGPROBS = selected_logprobs(entropy=True, **_TILES)
 LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, **_TILES)

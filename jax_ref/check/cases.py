@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hookspec import IGNORE_INDEX, OutputContext, VocabShard
+from torch_impl.context import no_logit_scaling
 
 __all__ = ["CASE_KINDS", "StandInOutputLayer", "synthetic_context"]
 
@@ -55,10 +56,6 @@ def _cross_entropy(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         logits.float().reshape(s * b, v), labels.t().reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
     )
     return flat.reshape(s, b).t()
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def synthetic_context(
@@ -111,7 +108,7 @@ def synthetic_context(
         position_ids=torch.arange(seq).expand(batch, seq),
         context=context,
         compute_language_model_loss=_cross_entropy,
-        scale_logits=_identity,
+        scale_logits=no_logit_scaling,
         vocab_weight=weight,
         vocab=VocabShard(0, vocab, vocab),
     )
