@@ -2,6 +2,8 @@
 # Set up both environments and run every test: lint, type checks, and pytest on
 #   py312: Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12
 #   py311: Python 3.11, megatron-core 0.16.1 (no hook; the adapter's own path), jax 0.10
+# then the release matrix (scripts/matrix.sh): the tests marked release_matrix on every
+# megatron-core release from 0.13.1 to 0.19.2, each in the environment of its Python.
 # Extra arguments go to both pytest runs (e.g. -x, -k tp2).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,6 +25,8 @@ for name in py311 py312; do
   step "pytest on $name ($("$venvs/$name/bin/python" -c 'import importlib.metadata as md, sys; v = md.version("megatron-core"); print(f"Python {sys.version.split()[0]}, megatron-core {v}")'))"
   "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=1
 done
+step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
+bash scripts/matrix.sh || status=1
 echo
-if [ $status -eq 0 ]; then echo "== all checks passed on py311 and py312"; else echo "== SOME CHECKS FAILED"; fi
+if [ $status -eq 0 ]; then echo "== all checks passed on py311, py312 and the release matrix"; else echo "== SOME CHECKS FAILED"; fi
 exit $status

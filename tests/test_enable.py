@@ -32,6 +32,7 @@ def _assert_bitwise(a: tuple[Any, dict[str, Any]], b: tuple[Any, dict[str, Any]]
         assert torch.equal(a[1][name], b[1][name]), name
 
 
+@pytest.mark.release_matrix
 @pytest.mark.parametrize("tied", [False, True])
 def test_without_processor_outputs_and_grads_are_bitwise_stock(tied: bool) -> None:
     batch = tiny_batch()
@@ -45,6 +46,7 @@ def test_without_processor_outputs_and_grads_are_bitwise_stock(tied: bool) -> No
     assert logits_stock.shape == (2, 8, 64) and torch.equal(logits_stock, logits_enabled)
 
 
+@pytest.mark.release_matrix
 @pytest.mark.parametrize(
     "processor", [cases.stock_loss_upstream, cases.stock_loss], ids=["upstream", "hookspec"]
 )
@@ -59,6 +61,7 @@ def test_processor_through_output_layer_gives_bitwise_stock_loss_and_grads(
     _assert_bitwise(stock, _loss_and_grads(model, batch, output_processor=processor))
 
 
+@pytest.mark.release_matrix
 def test_verl_style_processor_runs_unchanged() -> None:
     batch = tiny_batch()
     model = torch_impl.enable_output_processor(build_tiny_gpt())

@@ -73,6 +73,7 @@ def _tp2_rank(
     assert torch.equal(stock, upstream)
 
 
+@pytest.mark.release_matrix
 @pytest.mark.slow
 def test_tp2_logprobs_and_gradients_match_tp1() -> None:
     batch = tiny_batch(batch=2, seq=8)

@@ -45,6 +45,7 @@ def assert_bitwise(
         assert torch.equal(got[1][name], want[1][name]), name
 
 
+@pytest.mark.release_matrix
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("with_labels", [True, False], ids=["loss", "logits"])
 def test_without_processor_outputs_and_grads_are_bitwise_stock(pattern: str, with_labels: bool) -> None:
@@ -56,6 +57,7 @@ def test_without_processor_outputs_and_grads_are_bitwise_stock(pattern: str, wit
     assert_bitwise(run(model, batch, **kw), want)
 
 
+@pytest.mark.release_matrix
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])

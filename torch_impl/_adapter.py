@@ -29,6 +29,7 @@ import torch
 from hookspec import ContractError
 
 from ._call import ForwardCall, HookOptions, stashed_call
+from ._compat import check_mtp_processor
 from ._postprocess import as_inner_stage, finish_postprocess
 from .mtp import default_mtp_loss, has_mtp_layers
 
@@ -173,6 +174,7 @@ def forward_call(
             actual=f"{type(model).__name__} with mtp_num_layers={layers}",
             hint="Pass mtp_processor only to models built with multi-token prediction",
         )
+    check_mtp_processor(mtp_processor)  # where the MTP block computes the losses itself
     if mtp_processor is None and has_mtp_layers(model):
         mtp_processor = default_mtp_loss
     return ForwardCall(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -82,6 +83,22 @@ def default_output(
     return compute_language_model_loss(labels, logits)
 
 
+_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Upstream-style callables whose parameters passed the check (a signature read
+costs tens of microseconds; a training loop passes the same function every step)."""
+
+
+def _check_upstream_once(fn: Callable[..., Any]) -> None:
+    try:
+        if fn in _CHECKED:
+            return
+    except TypeError:  # not hashable: checked every time
+        pass
+    check_upstream_processor(fn, field="output_processor")
+    with contextlib.suppress(TypeError):  # not weakly referable: checked every time
+        _CHECKED[fn] = True
+
+
 def _processor_name(fn: object) -> str:
     name = getattr(fn, "name", getattr(fn, "__name__", None))
     return name if isinstance(name, str) else type(fn).__name__
@@ -114,7 +131,7 @@ class ForwardCall:
                     actual=type(processor).__name__,
                 )
             if not is_hookspec_processor(processor):
-                check_upstream_processor(processor, field="output_processor")
+                _check_upstream_once(processor)
         if mtp_processor is not None and not callable(mtp_processor):
             raise ContractError(
                 "mtp_processor",

@@ -21,6 +21,7 @@ import torch
 from hookspec import UPSTREAM_HOOK_KEYWORDS, UPSTREAM_HOOK_SOURCES, ContractError
 
 from ._call import ForwardCall
+from ._compat import mtp_loss_in_block
 from .context import no_logit_scaling
 from .mtp import attach_mtp_losses, has_mtp_layers
 
@@ -84,7 +85,7 @@ def finish_postprocess(
     0.19.2, training and evaluation path).
     """
     hook_kwargs = hook_keywords(model, hidden_states, call_inputs, call.user_context)
-    if has_mtp_layers(model):
+    if has_mtp_layers(model) and not mtp_loss_in_block():  # else the MTP block attached them
         if hook_kwargs["inference_context"] is not None:
             raise ContractError(
                 "inference_context",

@@ -18,6 +18,7 @@ from hookspec import (
     VocabShard,
 )
 
+from ._compat import model_process_groups
 from .collectives import TorchCollectives
 
 __all__ = ["build_output_context", "no_logit_scaling", "parallel_layout"]
@@ -31,7 +32,7 @@ def _size_rank(group: Any) -> tuple[int, int]:
 
 def parallel_layout(model: torch.nn.Module) -> ParallelLayout:
     """The tensor, context and pipeline layout of ``model``'s process groups."""
-    pgs = getattr(model, "pg_collection", None)
+    pgs = model_process_groups(model)
     tp_size, tp_rank = _size_rank(getattr(pgs, "tp", None))
     cp_size, cp_rank = _size_rank(getattr(pgs, "cp", None))
     pp_size, pp_rank = _size_rank(getattr(pgs, "pp", None))
@@ -72,7 +73,7 @@ def _static_parts(model: torch.nn.Module, vocab_weight: torch.Tensor | None) -> 
     model's ``pg_collection`` object, its ``config.sequence_parallel`` or the
     local vocabulary rows change (about 50 us a forward saved on a CPU).
     """
-    pgs = getattr(model, "pg_collection", None)
+    pgs = model_process_groups(model)
     sp_flag = bool(getattr(model.config, "sequence_parallel", False))
     local = int(vocab_weight.shape[0]) if vocab_weight is not None else None
     cached = _STATIC_PARTS.get(model)

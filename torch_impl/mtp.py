@@ -46,6 +46,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from hookspec import OutputContext, Processor, processor
 
 from ._call import ForwardCall
+from ._compat import mtp_cp_group, roll_tensor
 
 __all__ = [
     "MTPSemantics",
@@ -189,11 +190,11 @@ def attach_mtp_losses(
     depths = config.mtp_num_layers
     chunks = torch.chunk(hidden_states, 1 + depths, dim=0)
     hidden = chunks[0]
-    cp_group = model.pg_collection.cp
+    cp_group = mtp_cp_group(model)
     packed = hook_kwargs.get("packed_seq_params")
 
     def roll(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _mtp.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed)
+        return roll_tensor(x, cp_group=cp_group, packed_seq_params=packed)
 
     labels: torch.Tensor | None = hook_kwargs.get("labels")
     loss_mask: torch.Tensor | None = hook_kwargs.get("loss_mask")

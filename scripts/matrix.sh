@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The Megatron Core release matrix: a chosen subset of the tests (marked release_matrix)
+# on each release, in the existing environments, without an environment per release.
+#
+#   bash scripts/matrix.sh              # every release below
+#   bash scripts/matrix.sh 0.15.3       # some of them
+#
+# Each release's wheel is fetched once with `pip download --no-deps` into
+# .venvs/cache/mcore/, installed with `pip install --no-deps --target .venvs/mcore/<release>`
+# and put first on PYTHONPATH of the environment of its Python (py311 or py312); the run
+# checks that `megatron.core` then imports from that folder. The releases the environments
+# themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
+# here they only print their row of the README's release table. Every release prints
+# `python -m torch_impl.doctor --facts-row`, the row tests/test_release_matrix.py checks.
+# Exit status: 0 when every release passed, 1 otherwise. Expects both environments set up.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venvs=${HOOKSPEC_VENVS:-$root/.venvs}
+cache=$venvs/cache/mcore
+
+# release and environment; kept equal to torch_impl.doctor.MATRIX_RELEASES (a test checks it)
+MATRIX=(
+  "0.13.1 py311"
+  "0.14.0 py311"
+  "0.15.3 py311"
+  "0.16.1 py311"
+  "0.17.1 py312"
+  "0.18.2 py312"
+  "0.19.2 py312"
+)
+TESTS=(tests/test_enable.py tests/test_enable_tp.py tests/test_hybrid.py tests/test_release_matrix.py tests/test_doctor.py)
+
+wanted=("$@")
+selected() { [ ${#wanted[@]} -eq 0 ] && return 0; local w; for w in "${wanted[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
+
+pip_quiet() {  # pip, without the notes some pip configurations print for every package
+  "$@" 2> >(grep -v -e "is ignored: it is neither a file nor a directory" -e "Running pip as the 'root' user" >&2)
+}
+
+install_release() {  # $1 release, $2 python; prints the target folder
+  local release=$1 python=$2 target=$venvs/mcore/$1 wheel
+  if [ ! -f "$target/.installed" ]; then
+    mkdir -p "$cache"
+    wheel=$(ls "$cache"/megatron_core-"$release"-*.whl 2>/dev/null | head -n 1)
+    if [ -z "$wheel" ]; then
+      pip_quiet "$python" -m pip download -q --no-deps --only-binary=:all: -d "$cache" "megatron-core==$release" >&2 || return 1
+      wheel=$(ls "$cache"/megatron_core-"$release"-*.whl | head -n 1)
+    fi
+    rm -rf "$target"
+    pip_quiet "$python" -m pip install -q --no-deps --no-index --target "$target" "$wheel" >&2 || return 1
+    touch "$target/.installed"
+  fi
+  echo "$target"
+}
+
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+status=0
+summary=()
+for entry in "${MATRIX[@]}"; do
+  read -r release env <<<"$entry"
+  selected "$release" || continue
+  python=$venvs/$env/bin/python
+  start=$SECONDS
+  own=$("$python" -c 'import importlib.metadata as md; print(md.version("megatron-core"))')
+  echo
+  if [ "$own" = "$release" ]; then
+    echo "== matrix: megatron-core $release ($env's own release: the full suite runs in scripts/test.sh)"
+    "$python" -m torch_impl.doctor --facts-row || status=1
+    summary+=("$release  $env  full suite (scripts/test.sh)")
+    continue
+  fi
+  echo "== matrix: megatron-core $release on $env ($("$python" -c 'import sys; print(sys.version.split()[0])'))"
+  if ! target=$(install_release "$release" "$python"); then
+    echo "could not fetch or install megatron-core $release"
+    status=1; summary+=("$release  $env  FAILED: install"); continue
+  fi
+  if ! PYTHONPATH="$target" "$python" - "$target" "$release" <<'EOF'
+import importlib.metadata as md, os, sys
+import megatron.core
+target, release = os.path.realpath(sys.argv[1]), sys.argv[2]
+where = os.path.realpath(megatron.core.__file__)
+version = md.version("megatron-core")
+print(f"megatron.core from {where} (metadata {version})")
+sys.exit(0 if where.startswith(target + os.sep) and version == release else 1)
+EOF
+  then
+    echo "megatron.core did not import from $target"
+    status=1; summary+=("$release  $env  FAILED: not shadowed"); continue
+  fi
+  PYTHONPATH="$target" "$python" -m torch_impl.doctor --facts-row || status=1
+  if PYTHONPATH="$target" "$python" -m pytest -q -p no:cacheprovider -m release_matrix "${TESTS[@]}"; then
+    summary+=("$release  $env  passed  $((SECONDS - start)) s")
+  else
+    status=1; summary+=("$release  $env  FAILED  $((SECONDS - start)) s")
+  fi
+done
+echo
+echo "== release matrix"
+printf '   %s\n' "${summary[@]}"
+exit $status

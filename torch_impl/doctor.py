@@ -1,0 +1,511 @@
+"""``python -m torch_impl.doctor``: the installed Megatron Core, the adapter's path
+on it, and whether the output hook holds there.
+
+It prints the installed release (from the distribution metadata, checked
+against the ``megatron.core`` package actually imported), the adapter path it
+takes, the release's facts as read from its code (:func:`release_facts`, the
+row of the README's release table), whether the release is in the CI matrix
+(:data:`MATRIX_RELEASES`), and then runs the checks on a tiny CPU model
+(:func:`run_checks`, a few seconds): bitwise stock without a processor, tied and
+untied; a hookspec and an upstream-style processor through the output layer,
+bitwise the stock loss and gradients; on a model with MTP layers, the stock
+MTP losses under a main processor and under the per-depth MTP processor; a
+``HybridModel`` where the release has one. A release outside the matrix gets
+every check that applies to it, each reported as passed, failed or skipped
+(with the reason read from the installed code), rather than a refusal.
+
+Exit status: 0 when no check failed, 1 otherwise.
+
+``--facts-row`` prints only the README table row; ``--no-checks`` skips the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import sys
+import textwrap
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MATRIX_RELEASES",
+    "CheckResult",
+    "ReleaseFacts",
+    "SkipCheck",
+    "adapter_path",
+    "default_checks",
+    "installed_release",
+    "main",
+    "release_facts",
+    "run_checks",
+]
+
+MATRIX_RELEASES: dict[str, str] = {
+    "0.13.1": "3.11",
+    "0.14.0": "3.11",
+    "0.15.3": "3.11",
+    "0.16.1": "3.11",
+    "0.17.1": "3.12",
+    "0.18.2": "3.12",
+    "0.19.2": "3.12",
+}
+"""The releases ``scripts/matrix.sh`` checks in CI, and their Python (the full
+suite runs on 0.16.1 and 0.19.2)."""
+
+TABLE_HEADER = (
+    "| release | native hook | MTP loss computed in | MTP labels from `input_ids` | `HybridModel` "
+    "| `build_schedule_plan`: `ScheduleNode` stream | Megatron defects the adapter works around |"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Installed:
+    """The installed ``megatron-core``: ``release`` from its distribution
+    metadata, ``package`` the directory of the imported ``megatron.core``,
+    ``shadowed``: the metadata belongs to another copy than the imported one."""
+
+    release: str
+    package: str
+    shadowed: bool
+
+
+def installed_release() -> Installed:
+    """The release of the ``megatron.core`` that imports (``__version__`` appends a
+    git hash in some builds; the distribution metadata does not)."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or spec.origin is None:
+        raise ImportError("megatron.core is not installed")
+    package = os.path.dirname(os.path.realpath(spec.origin))
+    dist = importlib.metadata.distribution("megatron-core")
+    located = os.path.realpath(str(dist.locate_file("megatron/core")))
+    return Installed(release=dist.version, package=package, shadowed=located != package)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFacts:
+    """What the installed Megatron Core does where the adapter meets it, each
+    field read from its code (signatures, attributes, syntax trees).
+
+    ``native_hook``: ``GPTModel.forward`` takes ``output_processor``.
+    ``mtp_loss``: where the MTP losses are computed. ``mtp_labels_from_input_ids``:
+    MTP labels are derived from ``input_ids`` when ``labels`` is None.
+    ``hybrid_model``: ``megatron.core.models.hybrid`` exists. ``schedule_plan``:
+    ``GPTModel.build_schedule_plan`` and the form of its nodes' ``stream``.
+    ``workarounds``: the Megatron defects present there that the adapter works
+    around, or refuses with a ``ContractError``.
+    """
+
+    release: str
+    native_hook: bool
+    mtp_loss: str
+    mtp_labels_from_input_ids: bool
+    hybrid_model: bool
+    schedule_plan: str
+    workarounds: tuple[str, ...]
+
+    def row(self) -> str:
+        """The README table row."""
+
+        def yes(flag: bool) -> str:
+            return "yes" if flag else "no"
+
+        cells = [
+            self.release,
+            yes(self.native_hook),
+            self.mtp_loss,
+            yes(self.mtp_labels_from_input_ids),
+            yes(self.hybrid_model),
+            self.schedule_plan,
+            "; ".join(self.workarounds) or "none",
+        ]
+        return "| " + " | ".join(cells) + " |"
+
+
+def _assigns_attribute(function: Any, owner: str, attribute: str) -> bool:
+    """``function``'s body assigns ``<...>.{owner}.{attribute}``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr == attribute
+                    and isinstance(target.value, ast.Attribute)
+                    and target.value.attr == owner
+                ):
+                    return True
+    return False
+
+
+def _mtp_loss_site() -> tuple[str, bool]:
+    """Where the MTP losses are computed, and whether labels come from input_ids."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from . import _compat
+
+    if _compat.mtp_loss_in_block():
+        return "`MultiTokenPredictionBlock.forward` (labels required)", False
+    process = getattr(mtp, "process_mtp_loss", None)
+    if process is not None:
+        derives = "input_ids" in inspect.signature(process).parameters
+        return "`process_mtp_loss`", derives
+    if "MTPLossAutoScaler" in inspect.getsource(GPTModel._postprocess):
+        return "inline in `GPTModel._postprocess`", False
+    return "not found", False
+
+
+def _schedule_plan() -> str:
+    from megatron.core.models.gpt import GPTModel
+
+    if not hasattr(GPTModel, "build_schedule_plan"):
+        return "no"
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    # 0.17+ resolve a stream getter on first use (`self.stream = self.stream()`).
+    lazy = _assigns_call_of_itself(ScheduleNode, "stream")
+    return "yes: a getter, called on first use" if lazy else "yes: a CUDA stream, taken when built"
+
+
+def _assigns_call_of_itself(cls: type, attribute: str) -> bool:
+    """Some method of ``cls`` runs ``self.<attribute> = self.<attribute>()``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Attribute)
+            and node.targets[0].attr == attribute
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == attribute
+        ):
+            return True
+    return False
+
+
+def _hybrid_model() -> bool:
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
+def _workarounds(derives: bool, hybrid: bool, plan: str) -> tuple[str, ...]:
+    from . import _compat
+
+    found: list[str] = []
+    if not _compat.reduce_keeps_noncontiguous_result():
+        found.append(
+            "TP: `_reduce` leaves a non-contiguous gradient unreduced (adapter hands it a contiguous one)"
+        )
+    in_block = _compat.mtp_loss_in_block()
+    if not in_block and not derives:
+        found.append("MTP with `labels=None` crashes (adapter derives them from `input_ids`)")
+    if in_block:
+        found.append("MTP loss fixed inside the block (per-depth `mtp_processor` refused)")
+    if hybrid:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        if "output_processor" not in inspect.signature(HybridModel.forward).parameters:
+            found.append("`HybridModel` has no hook (adapter adds one)")
+    if plan != "no" and _plan_mtp_overwrites_ids():
+        found.append("MTP in the plan hands the hook rolled `input_ids` (adapter restores them)")
+    return tuple(found)
+
+
+def _plan_mtp_overwrites_ids() -> bool:
+    """The plan's MTP pre-dispatch writes rolled ids into ``chunk_state.input_ids``."""
+    for name in (
+        "megatron.core.models.common.fine_grained_callables",
+        "megatron.core.models.gpt.fine_grained_callables",
+    ):
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        for _, function in inspect.getmembers(module, inspect.isfunction):
+            if function.__module__ == name and _assigns_attribute(function, "chunk_state", "input_ids"):
+                return True
+    return False
+
+
+def release_facts() -> ReleaseFacts:
+    """The :class:`ReleaseFacts` of the installed Megatron Core."""
+    from megatron.core.models.gpt import GPTModel
+
+    from .enable import has_native_hook
+
+    native = has_native_hook(GPTModel)
+    mtp_loss, derives = _mtp_loss_site()
+    hybrid = _hybrid_model()
+    plan = _schedule_plan()
+    return ReleaseFacts(
+        release=installed_release().release,
+        native_hook=native,
+        mtp_loss=mtp_loss,
+        mtp_labels_from_input_ids=derives,
+        hybrid_model=hybrid,
+        schedule_plan=plan,
+        workarounds=_workarounds(derives, hybrid, plan),
+    )
+
+
+def adapter_path(facts: ReleaseFacts) -> str:
+    """Which way the adapter runs a processor on this release, in words."""
+    if facts.native_hook:
+        main = "native hook: the adapter hands Megatron's `output_processor=` a bridge to the typed context"
+    else:
+        main = (
+            "no native hook: the adapter's own `_postprocess` runs the processor in place of the output layer"
+        )
+    return (
+        main + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "
+        "own `_postprocess` on every release"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """One check: ``status`` is ``"pass"``, ``"fail"`` or ``"skip"``; ``detail``
+    the failure or the reason for the skip."""
+
+    name: str
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+class SkipCheck(Exception):
+    """Raised by a check that does not apply to the installed release (the message says why)."""
+
+
+def _stock_loss_upstream(
+    *,
+    hidden_states: Any,
+    output_layer: Any,
+    output_weight: Any,
+    labels: Any,
+    runtime_gather_output: Any,
+    compute_language_model_loss: Any,
+    scale_logits: Any,
+    **_: Any,
+) -> torch.Tensor:
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    return compute_language_model_loss(labels, scale_logits(logits))
+
+
+def _stock_loss(ctx: Any) -> torch.Tensor:
+    logits, _ = ctx.output_layer(
+        ctx.hidden_states, weight=ctx.output_weight, runtime_gather_output=ctx.runtime_gather_output
+    )
+    return ctx.compute_language_model_loss(ctx.labels, ctx.scale_logits(logits))
+
+
+def _run(model: Any, batch: dict[str, Any], **kw: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(batch["input_ids"], batch["position_ids"], None, **kw)
+    out.float().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same(
+    got: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    want: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    what: str,
+) -> None:
+    if not torch.equal(got[0], want[0]):
+        raise AssertionError(
+            f"{what}: output differs from stock (max |diff| {(got[0] - want[0]).abs().max():.3g})"
+        )
+    if got[1].keys() != want[1].keys():
+        raise AssertionError(
+            f"{what}: gradients of {sorted(set(got[1]) ^ set(want[1]))} present on one side only"
+        )
+    for name in want[1]:
+        if not torch.equal(got[1][name], want[1][name]):
+            raise AssertionError(f"{what}: gradient of {name} differs from stock")
+
+
+def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    import hookspec
+
+    from .enable import enable_output_processor
+    from .tiny import build_tiny_gpt, tiny_batch
+
+    batch = tiny_batch()
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    stock_hookspec = hookspec.processor(_stock_loss, name="stock_loss")
+
+    def without_processor() -> None:
+        for tied in (False, True):
+            want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch, **kw)
+            model = enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=tied))
+            _same(_run(model, batch, **kw), want, f"tied={tied}")
+            logits_want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch)
+            _same(_run(model, batch), logits_want, f"tied={tied}, logits")
+
+    def through(processor: Any) -> Callable[[], None]:
+        def check() -> None:
+            for tied in (False, True):
+                want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch, **kw)
+                model = enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=tied))
+                _same(_run(model, batch, **kw, output_processor=processor), want, f"tied={tied}")
+
+        return check
+
+    yield (
+        "GPT without a processor: loss, logits and gradients bitwise stock (untied, tied)",
+        without_processor,
+    )
+    yield (
+        "GPT, hookspec processor through the output layer: bitwise the stock loss and gradients",
+        through(stock_hookspec),
+    )
+    yield (
+        "GPT, upstream-style processor (16 keywords): bitwise the stock loss and gradients",
+        through(_stock_loss_upstream),
+    )
+
+
+def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    from . import _compat
+    from .enable import enable_output_processor
+    from .mtp import default_mtp_loss
+    from .tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+
+    def build() -> Any:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        # mtp_loss_scaling_factor is None by default where the block computes the loss.
+        options: dict[str, Any] = {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.1}
+        config = tiny_config(TinyGPTShape(), **options)
+        spec = get_gpt_mtp_block_spec(config, cpu_layer_spec(), use_transformer_engine=False)
+        return build_tiny_gpt(mtp_block_spec=spec, **options).eval()
+
+    batch = tiny_batch()
+    loss_mask = torch.ones(2, 8)
+    loss_mask[0, 5:] = 0.0  # uneven token counts per depth
+    kw = {"labels": batch["labels"], "loss_mask": loss_mask}
+
+    def main_processor() -> None:
+        want = _run(build(), batch, **kw)
+        model = enable_output_processor(build())
+        _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "main processor")
+
+    def mtp_processor() -> None:
+        if _compat.mtp_loss_in_block():
+            raise SkipCheck(
+                "MultiTokenPredictionBlock.forward computes the MTP losses on this release "
+                "(it takes compute_language_model_loss): no per-depth processor"
+            )
+        want = _run(build(), batch, **kw)
+        model = enable_output_processor(build())
+        _same(_run(model, batch, **kw, mtp_processor=default_mtp_loss), want, "default_mtp_loss")
+
+    yield "GPT with 2 MTP layers, main processor: stock MTP losses, bitwise stock", main_processor
+    yield "GPT with 2 MTP layers, default_mtp_loss as mtp_processor: bitwise stock", mtp_processor
+
+
+def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    def check() -> None:
+        if not _hybrid_model():
+            raise SkipCheck("no megatron.core.models.hybrid in this release")
+        from .enable import enable_output_processor
+        from .tiny import tiny_batch
+        from .tiny_hybrid import build_tiny_hybrid
+
+        batch = tiny_batch()
+        kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+        want = _run(build_tiny_hybrid("*-*-"), batch, **kw)
+        model = enable_output_processor(build_tiny_hybrid("*-*-"))
+        _same(_run(model, batch, **kw), want, "no processor")
+        _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "processor")
+
+    yield "HybridModel (*-*-), without and with a processor: bitwise stock", check
+
+
+def default_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    """The doctor's checks, by name: GPT, GPT with MTP layers, HybridModel."""
+    for group in (_gpt_checks, _mtp_checks, _hybrid_checks):
+        yield from group()
+
+
+def run_checks(checks: Iterable[tuple[str, Callable[[], None]]] | None = None) -> list[CheckResult]:
+    """Run ``checks`` (default: :func:`default_checks`), each in Megatron's groups
+    over gloo (world size 1). A check that raises is a failure carrying the
+    exception and where it was raised, never a crash; ``SkipCheck`` a skip."""
+    from .tiny import free_port, megatron_parallel
+
+    results: list[CheckResult] = []
+    for name, check in default_checks() if checks is None else checks:
+        start = time.perf_counter()
+        try:
+            with megatron_parallel(port=free_port()):
+                check()
+        except SkipCheck as skip:
+            results.append(CheckResult(name, "skip", str(skip), time.perf_counter() - start))
+        except Exception as error:
+            last = traceback.extract_tb(error.__traceback__)[-1]
+            where = f" ({os.path.basename(last.filename)}:{last.lineno})"
+            detail = f"{type(error).__name__}: {error}{where}"
+            results.append(CheckResult(name, "fail", detail, time.perf_counter() - start))
+        else:
+            results.append(CheckResult(name, "pass", "", time.perf_counter() - start))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_impl.doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--facts-row", action="store_true", help="print only the README release-table row")
+    parser.add_argument("--no-checks", action="store_true", help="print the facts, run no checks")
+    args = parser.parse_args(argv)
+
+    installed = installed_release()
+    facts = release_facts()
+    if args.facts_row:
+        print(facts.row())
+        return 0
+    print(f"megatron-core {installed.release} at {installed.package}")
+    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")
+    if installed.shadowed:
+        print("warning: the megatron-core metadata found first is not that of the imported package")
+    print(f"adapter path: {adapter_path(facts)}")
+    python = MATRIX_RELEASES.get(installed.release)
+    if python is not None:
+        print(f"covered: yes, {installed.release} is in the CI release matrix (on Python {python})")
+    else:
+        print(
+            f"covered: no, {installed.release} is not in the CI release matrix "
+            f"({', '.join(MATRIX_RELEASES)}); the checks below say what holds here"
+        )
+    print("facts (read from the installed code):")
+    print(f"  {TABLE_HEADER}")
+    print(f"  {facts.row()}")
+    if args.no_checks:
+        return 0
+    print("checks (tiny CPU model):")
+    results = run_checks()
+    for r in results:
+        line = f"  {r.status.upper():4}  {r.name}  [{r.seconds:.1f} s]"
+        print(line + (f"\n        {r.detail}" if r.detail else ""))
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
+    print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+    if counts["fail"] and python is None:
+        print("this release is outside the matrix: the failed checks above are what does not hold here")
+    return 1 if counts["fail"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
