@@ -340,3 +340,102 @@ def test_direct_call_with_a_broadcastable_loss_mask_raises() -> None:
     batch = dataclasses.replace(d["batch"], mask=None)
     with pytest.raises(ContractError, match=r"^loss_mask: expected shape \[b=3, s=9\], got \[1, 9\]"):
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=torch.ones(1, S)))
+
+
+# ---------------------------------------------------------------- 8. one rule per kind of input
+
+
+CLEAN_CONFIGS = {
+    "fused": PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0),
+    "autograd": PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0, fused=False),
+    "gspo": PolicyLossConfig.gspo(kl_coef=0.1, clip_low=0.05),
+}
+
+
+def _run(cfg: PolicyLossConfig, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any) -> Any:
+    h = h.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    out = policy_loss(cfg)(_ctx(h, w, labels, batch))
+    out["loss"].backward()
+    return out, h.grad, w.grad
+
+
+@pytest.mark.parametrize("name", list(CLEAN_CONFIGS))
+@pytest.mark.parametrize("field", ["old_logprobs", "advantages", "ref_logprobs"])
+@pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+def test_batch_values_at_uncounted_tokens_are_never_read(name: str, field: str, bad: float) -> None:
+    """One rule for the batch's per-token values: at a token that does not count
+    (mask 0, or an ignored label) a NaN or inf changes nothing, bitwise. (A NaN
+    advantage there used to make the loss NaN while a NaN old or reference
+    logprob was neutralised.)"""
+    d = _data(seed=6)
+    cfg = CLEAN_CONFIGS[name]
+    want, want_dh, want_dw = _run(cfg, d["h"], d["w"], d["labels"], d["batch"])
+    values = getattr(d["batch"], field).clone()
+    values[1, 4] = bad  # mask 0 there
+    values[0, 2] = bad  # an ignored label there
+    batch = dataclasses.replace(d["batch"], **{field: values})
+    got, dh, dw = _run(cfg, d["h"], d["w"], d["labels"], batch)
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert torch.equal(dh, want_dh) and torch.equal(dw, want_dw)
+
+
+@pytest.mark.parametrize("name", list(CLEAN_CONFIGS))
+def test_batch_value_nan_at_a_counted_token_makes_the_loss_nan(name: str) -> None:
+    d = _data(seed=6)
+    for field in ("old_logprobs", "advantages", "ref_logprobs"):
+        values = getattr(d["batch"], field).clone()
+        values[2, 6] = NAN  # counted
+        out, _, _ = _run(
+            CLEAN_CONFIGS[name],
+            d["h"],
+            d["w"],
+            d["labels"],
+            dataclasses.replace(d["batch"], **{field: values}),
+        )
+        assert bool(torch.isnan(out["loss"])), field
+
+
+@pytest.mark.parametrize("name", list(CLEAN_CONFIGS))
+def test_model_nan_at_an_uncounted_token_makes_the_loss_nan_not_the_metrics(name: str) -> None:
+    """The model's outputs are read at every token: a NaN hidden state at a token
+    that does not count makes the loss NaN (its weight gradient is NaN: the tile
+    products reach every weight row), while the metrics, token means over the
+    counted tokens, are unchanged bitwise. (The loss used to stay finite.)"""
+    d = _data(seed=7)
+    cfg = CLEAN_CONFIGS[name]
+    want, _, _ = _run(cfg, d["h"], d["w"], d["labels"], d["batch"])
+    h = d["h"].clone()
+    h[4, 1, 0] = NAN  # token (b=1, s=4): mask 0
+    got, _, dw = _run(cfg, h, d["w"], d["labels"], d["batch"])
+    assert bool(torch.isnan(got["loss"]))
+    assert not bool(torch.isfinite(dw).all())
+    for key in set(want) - {"loss"}:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_inf_in_the_weight_is_as_documented() -> None:
+    """``docs/processors.md``, bad values: an inf weight entry gives logits of
+    +-inf in its vocabulary column. Where the logit is -inf (probability 0) the
+    logprobs are exact: finite, or -inf at a label whose logit is -inf; where it
+    is +inf they are NaN. The entropy is NaN at every token with an infinite
+    logit, even where its true value is finite."""
+    from torch_impl.processors import linear_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 4, dtype=torch.float64, generator=g)
+    h[:, 0] = torch.tensor([-1.0, -0.5, 2.0, -1.0, 3.0])
+    w = torch.randn(7, 4, dtype=torch.float64, generator=g)
+    w[3, 0] = INF  # column 3: -inf at tokens 0, 1, 3; +inf at tokens 2, 4
+    labels = torch.tensor([0, 1, 2, 3, 4])
+    res = linear_logprobs(h, w, labels, with_entropy=True)
+    keep = torch.tensor([0, 1, 2, 4, 5, 6])  # the vocabulary without column 3
+    truth = (h @ w[keep].T).log_softmax(-1)
+    torch.testing.assert_close(res.logprobs[:2], truth[[0, 1], [0, 1]], rtol=1e-12, atol=1e-12)
+    assert float(res.logprobs[3]) == -INF
+    assert bool(torch.isnan(res.logprobs[[2, 4]]).all())
+    assert bool(torch.isnan(res.entropy).all())
+    true_entropy = -(truth.exp() * truth).sum(-1)
+    assert bool(torch.isfinite(true_entropy[[0, 1, 3]]).all())

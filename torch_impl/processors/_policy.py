@@ -259,6 +259,11 @@ def token_terms(
     return TokenTerms(loss=total, pg=pg, kl=kl, clipped=clipped, dual=dual, log_ratio=log_ratio)
 
 
+def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum(w * x)``, ``x`` not read where ``w == 0`` (a NaN weight gives NaN)."""
+    return (torch.where(w != 0, x, 0.0) * w).sum()
+
+
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
     ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN."""
@@ -385,13 +390,13 @@ def _metrics(p: _Pass, rows: TokenRows, config: PolicyLossConfig) -> dict[str, t
         # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
         # or the weight holds NaN/inf, even at an uncounted token.
         "loss": p.loss + 0.0 * p.entropy.detach().sum(),
-        "pg_loss": (p.terms.pg.detach() * w).sum(),
+        "pg_loss": _weighted_sum(p.terms.pg.detach(), w),
         "entropy": _masked_mean(p.entropy.detach(), m),
         "clip_fraction": _masked_mean(p.terms.clipped, m),
         "approx_kl": _masked_mean(approx_kl, m),
     }
     if p.terms.kl is not None:
-        out["kl"] = (p.terms.kl.detach() * w).sum()
+        out["kl"] = _weighted_sum(p.terms.kl.detach(), w)
     if p.terms.dual is not None:
         out["dual_clip_fraction"] = _masked_mean(p.terms.dual, m)
     return out
