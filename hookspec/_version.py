@@ -1,5 +1,7 @@
 """The contract's version."""
 
-SPEC_VERSION: tuple[int, int] = (1, 0)
+SPEC_VERSION: tuple[int, int] = (1, 1)
 """``(major, minor)``: a minor bump adds optional fields or keywords only
 (processors written for an older minor keep working); a major bump breaks."""
+
+# 1.1: ``OutputContext.check_values`` (optional, default True).

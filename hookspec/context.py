@@ -132,6 +132,13 @@ class OutputContext:
             token ``t + k + 1`` (labels and mask already rolled for it).
         ignore_index: the label that selects no token.
         collectives: the :class:`Collectives` over the vocab-parallel group.
+        check_values: whether a processor should check the values it reads
+            (the label range, a per-token temperature's sign): ``True`` in a
+            context built by hand, so that a processor called directly checks
+            what it reads. The hook sets ``False``: it has checked the labels
+            itself (``enable_output_processor(check_values=True)``, the
+            default) or was told not to, and a processor then does no value
+            check of its own: no extra work. (Added in spec 1.1.)
     """
 
     hidden_states: Array
@@ -158,6 +165,7 @@ class OutputContext:
     mtp_depth: int = 0
     ignore_index: int = IGNORE_INDEX
     collectives: Collectives = dataclasses.field(default_factory=SingleProcessCollectives)
+    check_values: bool = True
 
     @property
     def batch_size(self) -> int:

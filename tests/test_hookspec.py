@@ -28,7 +28,7 @@ def test_public_surface_is_explicit() -> None:
     assert sorted(hookspec.__all__) == sorted(set(hookspec.__all__))
     for name in hookspec.__all__:
         assert hasattr(hookspec, name), name
-    assert hookspec.SPEC_VERSION == (1, 0)
+    assert hookspec.SPEC_VERSION == (1, 1)
     assert len(hookspec.UPSTREAM_HOOK_KEYWORDS) == 16
 
 

@@ -37,6 +37,7 @@ from hookspec import (
 )
 
 from .context import build_output_context
+from .value_checks import check_labels_deferred
 
 __all__ = ["ForwardCall", "HookOptions", "default_output", "stashed_call"]
 
@@ -47,13 +48,26 @@ _STASH = "_hookspec_call"  # the instance attribute set by ForwardCall.stashed, 
 class HookOptions:
     """Options of an enabled model.
 
-    ``ignore_index``: the label that selects no token. ``check_values``: read
-    the labels to check their range at every call (one synchronisation on a
-    GPU); shape checks always run.
+    ``ignore_index``: the label that selects no token. ``check_values``: check
+    the labels' range at every call, once, in the hook (on a GPU without a host
+    read: :mod:`torch_impl.value_checks` raises at the next call or at
+    ``raise_pending_errors``); ``False`` does no value check at all, in the hook
+    or in the built-in processors. Shape checks always run.
     """
 
     ignore_index: int = IGNORE_INDEX
     check_values: bool = True
+
+    def __post_init__(self) -> None:
+        # checked where they enter (enable_output_processor), not at the first forward
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ContractError(
+                "ignore_index",
+                expected="an int (the label that selects no token; Megatron's is -100)",
+                actual=repr(self.ignore_index),
+            )
+        if not isinstance(self.check_values, bool):
+            raise ContractError("check_values", expected="a bool", actual=repr(self.check_values))
 
 
 def default_output(
@@ -153,8 +167,11 @@ class ForwardCall:
             padding_mask=self.padding_mask,
             ignore_index=self.options.ignore_index,
             mtp_depth=depth,
+            check_values=False,  # checked here, once: the processor need not read them again
         )
-        validate_context(ctx, check_values=self.options.check_values)
+        validate_context(ctx, check_values=False)
+        if self.options.check_values and ctx.labels is not None and ctx.vocab is not None:
+            check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
         return ctx
 
     def main(self, hook_kwargs: dict[str, Any]) -> Any:

@@ -104,6 +104,7 @@ def build_output_context(
     padding_mask: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     mtp_depth: int = 0,
+    check_values: bool = True,
 ) -> OutputContext:
     """The typed context for ``hook_kwargs`` (the upstream hook's 16 keywords).
 
@@ -129,4 +130,5 @@ def build_output_context(
         # The protocol is generic in the array type; these act on the torch
         # tensors every context built here holds.
         collectives=cast(Collectives, parts.collectives),
+        check_values=check_values,
     )

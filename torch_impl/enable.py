@@ -109,6 +109,11 @@ def enable_output_processor(model: M, *, ignore_index: int = IGNORE_INDEX, check
     ``mtp_processor`` (keyword-only, models with MTP layers) replaces the
     per-depth MTP loss while Megatron keeps rolling, logging and scaling; see
     ``torch_impl.mtp``. A ``HybridModel`` (0.19+) gets the same keywords.
+
+    ``ignore_index`` (an int) is the label that selects no token.
+    ``check_values``: check the labels' range once per call in the hook, without
+    a host read on a GPU (see :class:`HookOptions`); ``False`` does no value check
+    anywhere. Both are checked here, before the model is touched.
     """
     inner = unwrap_model(model)
     options = HookOptions(ignore_index=ignore_index, check_values=check_values)

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from hookspec import ContractError, check_labels
+from hookspec import ContractError
 from hookspec.arrays import format_shape
+
+from ..value_checks import check_labels_deferred, check_positive_deferred
 
 __all__ = [
     "check_bool",
@@ -119,10 +121,14 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
     return x
 
 
-def check_temperature(temperature: Any, n: int, *, field: str = "temperature") -> float | torch.Tensor:
+def check_temperature(
+    temperature: Any, n: int, *, field: str = "temperature", check_values: bool = True
+) -> float | torch.Tensor:
     """A finite ``T > 0``: a Python number, or a tensor of ``n`` values (one per token).
 
-    Returns a float or a tensor ``[n]`` (float32, or float64 when given float64). Reads the tensor's values.
+    Returns a float or a tensor ``[n]`` (float32, or float64 when given float64). A
+    tensor's values are checked only with ``check_values``, without a host read on
+    CUDA (:func:`torch_impl.value_checks.check_positive_deferred`).
     """
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() == 0:
@@ -137,14 +143,8 @@ def check_temperature(temperature: Any, n: int, *, field: str = "temperature") -
                 )
             t = temperature.detach().reshape(n)
             t = t.double() if t.dtype == torch.float64 else t.float()
-            bad = ~(torch.isfinite(t) & (t > 0))
-            if bool(bad.any()):
-                lo = float(t[bad].min()) if bool(torch.isfinite(t[bad]).any()) else float("nan")
-                raise ContractError(
-                    field,
-                    expected="finite values > 0",
-                    actual=f"{int(bad.sum())} values <= 0 or not finite (min {lo})",
-                )
+            if check_values:
+                check_positive_deferred(t, field=field)
             return t
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ContractError(field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__)
@@ -167,7 +167,7 @@ def check_token_labels(
             "labels", expected=f"shape [n={n}] (one per hidden-state row)", actual=format_shape(labels.shape)
         )
     if check_values:
-        check_labels(labels, vocab_size, ignore_index=ignore_index)
+        check_labels_deferred(labels, vocab_size, ignore_index=ignore_index)
     return labels
 
 

@@ -54,7 +54,7 @@ class HookInputs:
     labels: torch.Tensor  # [n] global ids
     b: int
     s: int
-    kwargs: dict[str, Any]  # vocab_start, vocab_size, collectives, ignore_index, logit_scale
+    kwargs: dict[str, Any]  # vocab_start, vocab_size, collectives, ignore_index, logit_scale, check_values
 
 
 def logit_scale(ctx: OutputContext) -> float:
@@ -139,6 +139,7 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
             vocab_size=ctx.vocab.size,
             collectives=ctx.collectives,
             logit_scale=logit_scale(ctx),
+            check_values=ctx.check_values,
         ),
     )
 
@@ -162,5 +163,8 @@ def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int)
                 expected=f"a number or shape [b={b}, s={s}]",
                 actual=format_shape(from_context.shape),
             )
-        return check_temperature(to_tokens(from_context), b * s, field="context.temperature")
-    return check_temperature(from_context, b * s, field="context.temperature")
+        # values: checked by linear_logprobs as ctx.check_values says, once
+        return check_temperature(
+            to_tokens(from_context), b * s, field="context.temperature", check_values=False
+        )
+    return check_temperature(from_context, b * s, field="context.temperature", check_values=False)

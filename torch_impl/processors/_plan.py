@@ -214,7 +214,7 @@ def make_plan(
     which = resolve_backend(backend, h)
     labels = check_token_labels(labels, n, vocab_size, ignore_index, check_values=check_values)
     labels = labels.to(device=h.device, dtype=torch.long)
-    t = check_temperature(temperature, n)
+    t = check_temperature(temperature, n, check_values=check_values)
     inv_t: torch.Tensor | float = (scale / t).to(h.device) if isinstance(t, torch.Tensor) else scale / t
     if which == "triton":
         cdtype = resolve_compute_dtype(h.device, h.dtype, compute_dtype or h.dtype)

@@ -1,0 +1,130 @@
+"""Value checks that do not stall the GPU: the label range and a positive temperature.
+
+``hookspec.check_labels`` reads the labels' range on the host: on a GPU that is one
+device synchronisation per call, which stalls the pipeline and cannot be captured
+in a CUDA graph. The checks here make no host read on CUDA:
+
+- the count, min and max of the bad values are reduced on the device and copied,
+  non-blocking, into pinned host memory, behind a CUDA event;
+- the result is read when the event has completed: at the next check (the next
+  forward), or at :func:`raise_pending_errors` (``wait=True`` waits). A bad batch
+  raises :class:`hookspec.ContractError` naming the field, the expected range and
+  the values found, one step late at the latest;
+- under CUDA-graph capture, where no host copy may be recorded, the check is
+  ``torch._assert_async`` (a device-side assert: fatal to the process, as every
+  device-side assert is, and the only check a captured graph can carry).
+
+On a CPU there is nothing to stall: the checks read the values at once.
+
+Pending checks are kept per process, oldest first, and each is read once. Call
+``raise_pending_errors(wait=True)`` where a training loop synchronises anyway (say,
+before logging a step) to surface the last step's result.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+from hookspec import ContractError, check_labels
+
+__all__ = ["check_labels_deferred", "check_positive_deferred", "pending_checks", "raise_pending_errors"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    event: Any  # torch.cuda.Event
+    host: torch.Tensor  # pinned [3]: count, min, max of the bad values
+    field: str
+    expected: str
+
+
+_PENDING: collections.deque[_Pending] = collections.deque()
+
+
+def pending_checks() -> int:
+    """How many deferred checks have not been read yet."""
+    return len(_PENDING)
+
+
+def _error(field: str, expected: str, count: int, lo: float, hi: float, *, late: bool) -> ContractError:
+    when = " (found by the deferred check of an earlier call)" if late else ""
+    what = "ids" if expected.startswith("token ids") else "values"
+    return ContractError(field, expected=expected, actual=f"{count} {what} outside it, in [{lo}, {hi}]{when}")
+
+
+def raise_pending_errors(*, wait: bool = False) -> None:
+    """Read the deferred checks whose copy has landed (all of them with ``wait``, which
+    synchronises on their events), oldest first; raise for the first that found bad
+    values. Each check is read once."""
+    while _PENDING:
+        p = _PENDING[0]
+        if not wait and not p.event.query():
+            return
+        p.event.synchronize()
+        _PENDING.popleft()
+        count, lo, hi = p.host.tolist()
+        if count:
+            raise _error(p.field, p.expected, int(count), lo, hi, late=True)
+
+
+def _check(bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str) -> None:
+    """Raise (CPU) or record (CUDA) the count, min and max of ``values[bad]``."""
+    if values.device.type != "cuda":
+        if bool(bad.any()):
+            picked = values[bad]
+            raise _error(
+                field, expected, int(bad.sum()), picked.min().item(), picked.max().item(), late=False
+            )
+        return
+    if torch.cuda.is_current_stream_capturing():
+        torch._assert_async(~bad.any(), f"{field}: values outside {expected}")
+        return
+    dtype = torch.float64 if values.dtype.is_floating_point else torch.int64
+    big = torch.finfo(dtype).max if dtype == torch.float64 else torch.iinfo(dtype).max
+    v = values.to(dtype)
+    stats = torch.stack(
+        [bad.sum().to(dtype), torch.where(bad, v, big).min(), torch.where(bad, v, -big).max()]
+    )
+    host = torch.empty(3, dtype=dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _PENDING.append(_Pending(event, host, field, expected))
+
+
+def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
+    """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
+
+    Raises at once for a wrong type or dtype, and for the bad values of an earlier
+    deferred check whose result has landed.
+    """
+    raise_pending_errors()
+    if not isinstance(labels, torch.Tensor) or labels.device.type != "cuda":
+        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
+        return
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)  # raises, naming the dtype
+    if labels.numel() == 0:
+        return
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    _check(
+        bad,
+        labels,
+        field=field,
+        expected=f"token ids in [0, {vocab_size}) or ignore_index={ignore_index}",
+    )
+
+
+def check_positive_deferred(values: torch.Tensor, *, field: str) -> None:
+    """Every value of the floating tensor ``values`` finite and ``> 0`` (a per-token
+    temperature), without a host read on CUDA. A NaN is bad, never skipped: it is
+    counted, and the min and max found are then NaN."""
+    raise_pending_errors()
+    if values.numel() == 0:
+        return
+    bad = ~(torch.isfinite(values) & (values > 0))
+    _check(bad, values.detach(), field=field, expected="finite values > 0")
