@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,24 @@ def test_full_table(flag):
                         "jax_ref.check.examples:token_mean_loss_reference")  # fmt: skip
     assert code == 0
     assert "max abs err" in out and len(re.findall(r"^gpt", out, flags=re.M)) == 6
+
+
+def test_inherited_master_port_does_not_collide():
+    """Under torchrun or Slurm, MASTER_ADDR/MASTER_PORT (and RANK, WORLD_SIZE) are set
+    for the caller's group, whose store already listens on that port: hookcheck's own
+    gloo group meets on a port of its own."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+        argv = [
+            sys.executable, "-m", "jax_ref.check.hookcheck", "--quiet",
+            "--dtype", "float32", "--no-synthetic",
+            "--processor", "jax_ref.check.examples:token_mean_loss",
+            "--reference", "jax_ref.check.examples:token_mean_loss_reference",
+        ]  # fmt: skip
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "FAIL" not in proc.stdout

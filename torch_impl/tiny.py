@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -201,15 +200,19 @@ def megatron_parallel(
     backend: str = "gloo",
 ) -> Iterator[None]:
     """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
-    model parallel groups; tear both down on exit. One process per rank."""
+    model parallel groups; tear both down on exit. One process per rank.
+
+    The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
+    ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
+    torchrun or Slurm, a tool such as ``hookcheck`` makes its own group without
+    colliding with the caller's.
+    """
     world_size = world_size or tp * pp
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if port is not None:
-            os.environ["MASTER_PORT"] = str(port)
-        else:
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        port = free_port() if port is None else port
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
