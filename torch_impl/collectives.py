@@ -17,11 +17,13 @@ __all__ = ["TorchCollectives"]
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
-    Megatron Core before 0.17 all-reduces ``grad.contiguous()`` in
+    Megatron Core 0.13 to 0.18 all-reduces ``grad.contiguous()`` in
     ``copy_to_tensor_model_parallel_region``'s backward and returns the
     *unreduced* gradient when it was not contiguous (an einsum's gradient often
     is not), silently leaving each rank with its own partial hidden-state
     gradient. Placing this after the mapping hands it a contiguous gradient.
+    (``tensor_parallel/mappings.py::_reduce``; fixed in 0.19. See
+    ``docs/upstream.md``.)
     """
 
     @staticmethod
@@ -57,7 +59,7 @@ class TorchCollectives:
     def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
         if self.size == 1:
             return x
-        # A contiguous copy: Megatron < 0.17 reduces a contiguous copy of a strided
+        # A contiguous copy: Megatron 0.13 to 0.18 reduces a contiguous copy of a strided
         # input in place and returns the unreduced original.
         return reduce_from_tensor_model_parallel_region(
             x.clone(memory_format=torch.contiguous_format), group=self.group
