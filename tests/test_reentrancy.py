@@ -62,7 +62,9 @@ def test_processor_running_another_enabled_model() -> None:
     @hookspec.processor
     def distill(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:
         with torch.no_grad():  # the teacher's forward runs inside the student's hook
-            t_lp = teacher(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())["logprobs"]
+            t_lp = teacher(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())[
+                "logprobs"
+            ]
         s_lp = selected_logprobs()(ctx)["logprobs"]
         seen["teacher"] = t_lp
         return {"logprobs": s_lp, "kl": s_lp - t_lp}

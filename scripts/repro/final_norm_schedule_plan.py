@@ -41,7 +41,9 @@ class CausalAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, **kwargs):
         sq, b, heads, hn = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale
+        )
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 

@@ -38,7 +38,7 @@ def grad_of_x(rank: int, transposed: bool) -> torch.Tensor:
     return x.grad
 
 
-def worker(rank: int, port: int, queue: "mp.Queue[str]") -> None:
+def worker(rank: int, port: int, queue: mp.Queue[str]) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
