@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-import warnings
 from typing import Any
 
 import torch
@@ -20,7 +19,14 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
-from ._checks import check_finite_number, check_floating, check_int, check_temperature, context_field
+from ._checks import (
+    check_finite_number,
+    check_floating,
+    check_int,
+    check_temperature,
+    context_field,
+    resolve_vocab_chunk,
+)
 
 __all__ = [
     "HookInputs",
@@ -84,18 +90,9 @@ def tile_options(
     deprecated name of ``vocab_chunk_size`` (one release: ``DeprecationWarning``;
     both given raises)."""
     if chunk_size is not None:
-        if vocab_chunk_size is not None:
-            raise ContractError(
-                "chunk_size",
-                expected="unset when vocab_chunk_size is given (it is its old name)",
-                actual=repr(chunk_size),
-            )
-        warnings.warn(
-            "chunk_size is deprecated: it is the vocabulary chunk; pass vocab_chunk_size",
-            DeprecationWarning,
-            stacklevel=stacklevel,
+        vocab_chunk_size = check_int(
+            "chunk_size", resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=stacklevel), low=1
         )
-        vocab_chunk_size = check_int("chunk_size", chunk_size, low=1)
     return Tile(
         vocab_chunk_size=None
         if vocab_chunk_size is None

@@ -10,13 +10,13 @@ and the torch tiles (:mod:`._tiles`; the CPU path and the in-repo reference).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
 
-from hookspec import IGNORE_INDEX, Collectives, ContractError
+from hookspec import IGNORE_INDEX, Collectives
 
+from ._checks import resolve_vocab_chunk
 from ._plan import (
     DEFAULT_TOKEN_CHUNK,
     DEFAULT_VOCAB_CHUNK,
@@ -35,7 +35,6 @@ __all__ = [
     "linear_logprobs",
     "plan_stats",
     "plan_backward",
-    "resolve_vocab_chunk",
 ]
 
 
@@ -77,24 +76,6 @@ def plan_backward(
 
         return triton_backward(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
     return backward_tiles(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
-
-
-def resolve_vocab_chunk(vocab_chunk_size: int | None, chunk_size: int | None) -> int | None:
-    """``vocab_chunk_size``, or the deprecated ``chunk_size`` (one release) with a warning."""
-    if chunk_size is None:
-        return vocab_chunk_size
-    if vocab_chunk_size is not None:
-        raise ContractError(
-            "chunk_size",
-            expected="unset when vocab_chunk_size is given (it is its old name)",
-            actual=repr(chunk_size),
-        )
-    warnings.warn(
-        "chunk_size is deprecated: it is the vocabulary chunk; pass vocab_chunk_size",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return chunk_size
 
 
 # ---------------------------------------------------------------- autograd
@@ -205,7 +186,7 @@ def linear_logprobs(
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         collectives=collectives,
-        vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size),
+        vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=2),
         token_chunk_size=token_chunk_size,
         compute_dtype=compute_dtype,
         check_values=check_values,
