@@ -1,0 +1,84 @@
+"""This checkout's ``linear_logprobs`` on the CPU against another checkout's, in one run.
+
+Answers "is the CPU path slower than before?" (issue 9's CPU target). Each round times,
+in a fresh process per checkout and in alternating order, one forward + backward of
+selected-token logprobs and entropy (fp32, cotangents of ones) after one warm-up; the
+figure is the median over rounds of this checkout's time over the other's::
+
+    git worktree add /tmp/base <commit>
+    python -m benchmarks.cpu_against_checkout /tmp/base --rounds 5
+
+Prints one JSON line: the sizes, both checkouts' times per round, the ratios, and their
+median. Nothing is asserted: a ratio is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ._harness import ROOT
+
+_ONE_RUN = r"""
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from torch_impl.processors import linear_logprobs
+n, h, v = (int(a) for a in sys.argv[2:5])
+torch.manual_seed(0)
+x = torch.randn(n, h, requires_grad=True)
+w = (torch.randn(v, h) * 0.05).requires_grad_()
+y = torch.randint(0, v, (n,))
+def run():
+    r = linear_logprobs(x, w, y, with_entropy=True)
+    (r.logprobs.sum() + r.entropy.sum()).backward()
+run()
+t = time.perf_counter(); run(); print(time.perf_counter() - t)
+"""
+
+
+def _time(checkout: Path, n: int, h: int, v: int) -> float:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_RUN, str(checkout), str(n), str(h), str(v)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=1800,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_against_checkout", description=__doc__)
+    p.add_argument("base", type=Path, help="the other checkout (a git worktree of the commit to compare)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--size", type=int, nargs=3, default=(4096, 1024, 32768), metavar=("N", "H", "V"))
+    args = p.parse_args(argv)
+    times: dict[str, list[float]] = {"base": [], "this": []}
+    for i in range(args.rounds):
+        order = [("base", args.base), ("this", ROOT)]
+        for name, path in order if i % 2 == 0 else order[::-1]:
+            times[name].append(_time(path.resolve(), *args.size))
+    ratios = [t / b for t, b in zip(times["this"], times["base"])]
+    print(
+        json.dumps(
+            {
+                "size_n_h_v": list(args.size),
+                "base_s": times["base"],
+                "this_s": times["this"],
+                "ratios": ratios,
+                "median_ratio": statistics.median(ratios),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
