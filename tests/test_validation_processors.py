@@ -28,6 +28,7 @@ from torch_impl.processors import (
     aggregation_weights,
     cross_entropy_loss,
     kl_penalty,
+    linear_logprobs,
     policy_loss,
     selected_logprobs,
 )
@@ -207,6 +208,27 @@ def test_config_takes_numpy_numbers_as_floats() -> None:
     cfg = PolicyLossConfig(clip_low=np.float64(0.1), kl_coef=np.float32(0.5), entropy_coef=np.int64(0))
     assert (cfg.clip_low, cfg.kl_coef, cfg.entropy_coef) == (0.1, 0.5, 0.0)
     assert all(type(x) is float for x in (cfg.clip_low, cfg.kl_coef, cfg.entropy_coef))
+
+
+def test_temperature_takes_numpy_numbers_like_the_config() -> None:
+    import numpy as np
+
+    d = _data()
+    h, w, y = d["h"].reshape(-1, H), d["w"], d["labels"].T.reshape(-1)
+    want = linear_logprobs(h, w, y, temperature=0.5).logprobs
+    for t in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(linear_logprobs(h, w, y, temperature=t).logprobs, want)
+        selected_logprobs(temperature=t)  # accepted where the factory checks it
+    with pytest.raises(ContractError, match=r"^temperature: expected a finite number > 0"):
+        linear_logprobs(h, w, y, temperature=np.float32("nan"))
+
+
+@pytest.mark.parametrize("collectives", [object(), "tp", 2])
+def test_collectives_that_are_not_collectives_are_named(collectives: Any) -> None:
+    d = _data()
+    with pytest.raises(ContractError, match=r"^collectives: expected None or a hookspec.Collectives") as err:
+        linear_logprobs(d["h"].reshape(-1, H), d["w"], d["labels"].T.reshape(-1), collectives=collectives)
+    assert err.value.actual == type(collectives).__name__
 
 
 @pytest.mark.parametrize(

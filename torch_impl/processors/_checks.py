@@ -148,8 +148,9 @@ def check_temperature(
             if check_values:
                 check_positive_deferred(t, field=field)
             return t
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):  # Python or NumPy
         raise ContractError(field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__)
+    temperature = float(temperature)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ContractError(field, expected="a finite number > 0", actual=repr(temperature))
     return float(temperature)

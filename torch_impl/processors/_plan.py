@@ -159,8 +159,17 @@ def check_hidden(hidden: Any) -> torch.Tensor:
 def gather_rows(hidden: torch.Tensor, collectives: Collectives | None) -> torch.Tensor:
     """The full rows every vocab shard needs: ``collectives.gather_hidden_states``,
     whose backward sums the shards' hidden-state gradients (all-reduce, or
-    reduce-scatter under sequence parallel)."""
-    return collectives.gather_hidden_states(hidden) if collectives is not None else hidden
+    reduce-scatter under sequence parallel). ``collectives`` is checked here, where
+    it enters: ``None`` or a ``hookspec.Collectives``."""
+    if collectives is None:
+        return hidden
+    if not isinstance(collectives, Collectives):
+        raise ContractError(
+            "collectives",
+            expected="None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, gather_hidden_states)",
+            actual=type(collectives).__name__,
+        )
+    return collectives.gather_hidden_states(hidden)
 
 
 def make_plan(
