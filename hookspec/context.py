@@ -132,13 +132,16 @@ class OutputContext:
             token ``t + k + 1`` (labels and mask already rolled for it).
         ignore_index: the label that selects no token.
         collectives: the :class:`Collectives` over the vocab-parallel group.
-        check_values: whether a processor should check the values it reads
-            (the label range, a per-token temperature's sign): ``True`` in a
-            context built by hand, so that a processor called directly checks
-            what it reads. The hook sets ``False``: it has checked the labels
-            itself (``enable_output_processor(check_values=True)``, the
-            default) or was told not to, and a processor then does no value
-            check of its own: no extra work. (Added in spec 1.1.)
+        check_values: whether a processor checks the values it reads (a
+            per-token temperature's sign, the label range unless
+            ``labels_checked``). ``False`` only where the model was enabled
+            with ``check_values=False``: then no value is checked anywhere,
+            no extra work. (Added in spec 1.1.)
+        labels_checked: ``True`` where whoever built the context has checked
+            the labels' range (the hook does, once per call, when
+            ``check_values``); a processor then does not read them again.
+            ``False`` in a context built by hand, so that a processor called
+            directly checks them. (Added in spec 1.1.)
     """
 
     hidden_states: Array
@@ -166,6 +169,7 @@ class OutputContext:
     ignore_index: int = IGNORE_INDEX
     collectives: Collectives = dataclasses.field(default_factory=SingleProcessCollectives)
     check_values: bool = True
+    labels_checked: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -93,8 +93,9 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
         )
     if not (isinstance(ctx.mtp_depth, int) and ctx.mtp_depth >= 0):
         raise ContractError("mtp_depth", expected="an int >= 0", actual=repr(ctx.mtp_depth))
-    if not isinstance(ctx.check_values, bool):
-        raise ContractError("check_values", expected="a bool", actual=repr(ctx.check_values))
+    for flag in ("check_values", "labels_checked"):
+        if not isinstance(getattr(ctx, flag), bool):
+            raise ContractError(flag, expected="a bool", actual=repr(getattr(ctx, flag)))
     if check_values and ctx.labels is not None and ctx.vocab is not None:
         check_labels(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
 

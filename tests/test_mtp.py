@@ -360,3 +360,9 @@ def test_training_mode_on_gpu() -> None:
     for key in want_log:
         assert torch.equal(log[key], want_log[key]), key
     MTPLossLoggingHelper.tracker.clear()
+
+
+@pytest.mark.parametrize("bad", [3, None, "default_mtp_loss"])
+def test_detached_head_refuses_what_is_not_a_processor_when_made(bad: Any) -> None:
+    with pytest.raises(ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"):
+        detached_head(bad)

@@ -151,7 +151,7 @@ def test_hook_checks_once_and_the_processor_never_again(
 
     @hookspec.processor
     def spy(ctx: OutputContext) -> Any:
-        seen.append(ctx.check_values)
+        seen.append((ctx.check_values, ctx.labels_checked))
         return selected_logprobs()(ctx)
 
     t = torch.full(batch["labels"].shape, 0.7)
@@ -162,9 +162,10 @@ def test_hook_checks_once_and_the_processor_never_again(
         output_processor_context={"temperature": t},
     )
     assert out["logprobs"].shape == batch["labels"].shape
-    assert seen == [False]  # the processor is told not to check again
-    assert counted["labels"].calls == (1 if check_values else 0)
-    assert counted["positive"].calls == 0
+    # the hook checked the labels (or was told not to); the processor is told so
+    assert seen == [(check_values, check_values)]
+    assert counted["labels"].calls == (1 if check_values else 0)  # once, in the hook
+    assert counted["positive"].calls == (1 if check_values else 0)  # the temperature, once
 
 
 @pytest.mark.usefixtures("megatron_single")
@@ -207,9 +208,25 @@ def test_direct_call_checks_labels_and_temperature(counted: dict[str, _Counter])
     assert (counted["labels"].calls, counted["positive"].calls) == calls
 
 
-def test_context_check_values_must_be_a_bool() -> None:
-    with pytest.raises(ContractError, match="check_values"):
-        hookspec.validate_context(_hand_built(torch.tensor([[0, 1]]), check_values="no"))
+@pytest.mark.parametrize("flag", ["check_values", "labels_checked"])
+def test_context_flags_must_be_bools(flag: str) -> None:
+    with pytest.raises(ContractError, match=flag):
+        hookspec.validate_context(_hand_built(torch.tensor([[0, 1]]), **{flag: "no"}))
+
+
+@pytest.mark.usefixtures("megatron_single")
+def test_nan_temperature_through_the_hook_is_refused() -> None:
+    batch = tiny_batch()
+    model = torch_impl.enable_output_processor(build_tiny_gpt())
+    t = torch.full(batch["labels"].shape, 0.7)
+    t[1, 3] = float("nan")
+    with pytest.raises(ContractError, match=r"context.temperature.*1 values outside it"):
+        model(
+            *model_inputs(batch),
+            labels=batch["labels"],
+            output_processor=selected_logprobs(),
+            output_processor_context={"temperature": t},
+        )
 
 
 _OURS = tuple(str(Path(m.__file__).resolve().parent) for m in (hookspec, torch_impl))

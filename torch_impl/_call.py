@@ -167,7 +167,8 @@ class ForwardCall:
             padding_mask=self.padding_mask,
             ignore_index=self.options.ignore_index,
             mtp_depth=depth,
-            check_values=False,  # checked here, once: the processor need not read them again
+            check_values=self.options.check_values,
+            labels_checked=self.options.check_values,  # checked below, once: processors do not again
         )
         validate_context(ctx, check_values=False)
         if self.options.check_values and ctx.labels is not None and ctx.vocab is not None:

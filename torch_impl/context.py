@@ -105,6 +105,7 @@ def build_output_context(
     ignore_index: int = IGNORE_INDEX,
     mtp_depth: int = 0,
     check_values: bool = True,
+    labels_checked: bool = False,
 ) -> OutputContext:
     """The typed context for ``hook_kwargs`` (the upstream hook's 16 keywords).
 
@@ -131,4 +132,5 @@ def build_output_context(
         # tensors every context built here holds.
         collectives=cast(Collectives, parts.collectives),
         check_values=check_values,
+        labels_checked=labels_checked,
     )

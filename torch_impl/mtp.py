@@ -43,7 +43,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer import multi_token_prediction as _mtp
 
-from hookspec import OutputContext, Processor, processor
+from hookspec import ContractError, OutputContext, Processor, processor
 
 from ._call import ForwardCall
 from ._compat import mtp_cp_group, roll_tensor
@@ -148,6 +148,12 @@ def detached_head(mtp_processor: Any, /) -> Processor:
     so the MTP loss trains the MTP layers but not the shared output weight (or
     tied embedding). Works with any MTP processor and on any release (0.19's
     ``config.mtp_detach_heads`` does the same for every processor)."""
+    if not callable(mtp_processor):  # as the forward checks an mtp_processor
+        raise ContractError(
+            "mtp_processor",
+            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
+            actual=type(mtp_processor).__name__,
+        )
 
     def fn(ctx: OutputContext) -> Any:
         if ctx.vocab_weight is None:

@@ -136,14 +136,16 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
             vocab_size=ctx.vocab.size,
             collectives=ctx.collectives,
             logit_scale=logit_scale(ctx),
-            check_values=ctx.check_values,
+            # the labels (and a temperature already checked by resolve_temperature)
+            check_values=ctx.check_values and not ctx.labels_checked,
         ),
     )
 
 
 def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int) -> float | torch.Tensor:
     """The processor's ``temperature``, else the user context's ``temperature``
-    (a number or ``[b, s]``; a mapping's key or an object's attribute), else 1."""
+    (a number or ``[b, s]``; a mapping's key or an object's attribute), else 1.
+    A ``[b, s]`` tensor's values are checked here when ``ctx.check_values``."""
     from_context = context_field(ctx.context, "temperature")
     if given is not None and from_context is not None:
         raise ContractError(
@@ -160,8 +162,7 @@ def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int)
                 expected=f"a number or shape [b={b}, s={s}]",
                 actual=format_shape(from_context.shape),
             )
-        # values: checked by linear_logprobs as ctx.check_values says, once
         return check_temperature(
-            to_tokens(from_context), b * s, field="context.temperature", check_values=False
+            to_tokens(from_context), b * s, field="context.temperature", check_values=ctx.check_values
         )
-    return check_temperature(from_context, b * s, field="context.temperature", check_values=False)
+    return check_temperature(from_context, b * s, field="context.temperature")
