@@ -94,6 +94,21 @@ def _run(*argv: str) -> tuple[int, str]:
             "got RuntimeError: boom in the processor",
         ),
         (("--tp", "0"), "hookcheck: error: --tp: expected an int >= 1, got 0"),
+        (
+            ("--tp", "3"),
+            "hookcheck: error: --tp: expected a divisor of the case model's 4 attention heads "
+            "[1, 2, 4], got 3",
+        ),
+        (
+            ("--context", "tests.test_hookcheck_bad_input:float8_context"),
+            "hookcheck: error: arguments: expected one --reference per --processor (in order), at most one "
+            "--context each, got 0 --processor, 0 --reference, 1 --context",
+        ),
+        (
+            ("--processor", GOOD, "--reference", REF, "--context", "hookspec:SPEC_VERSION"),
+            "hookcheck: error: --context: expected hookspec:SPEC_VERSION to be a callable make_context(ctx) "
+            "-> user context, got tuple",
+        ),
     ],
     ids=[
         "module-missing",
@@ -106,6 +121,9 @@ def _run(*argv: str) -> tuple[int, str]:
         "dlpack-dtype",
         "processor-raises",
         "tp",
+        "tp-not-a-divisor",
+        "context-without-processor",
+        "context-not-callable",
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(argv, message):

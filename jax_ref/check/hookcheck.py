@@ -226,7 +226,7 @@ def _versions() -> str:
 def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
     from ._spec import resolve
 
-    if args.processor or args.reference:
+    if args.processor or args.reference or args.context:  # --context alone is an error, not ignored
         procs, refs, contexts = args.processor or [], args.reference or [], args.context or []
         if len(procs) != len(refs) or len(contexts) > len(procs):
             raise ContractError(
@@ -251,6 +251,12 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
                     "--reference",
                     expected=f"{ref_spec} to be a callable reference",
                     actual=type(ref).__name__,
+                )
+            if make is not None and not callable(make):
+                raise ContractError(
+                    "--context",
+                    expected=f"{context_spec} to be a callable make_context(ctx) -> user context",
+                    actual=type(make).__name__,
                 )
             jobs.append(_Job(proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec))
         return jobs, []
@@ -418,6 +424,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     args = _parser().parse_args(argv)
     if args.tp < 1:
         return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
+    from torch_impl.tiny import TinyGPTShape  # torch and Megatron: not for --help
+
+    heads = TinyGPTShape().num_attention_heads
+    if heads % args.tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        expected = f"a divisor of the case model's {heads} attention heads {divisors}"
+        return _error(f"--tp: expected {expected}, got {args.tp}", err)
     saved_flags = os.environ.get("XLA_FLAGS")
     if args.tp > 1 and _DEVICE_COUNT_FLAG not in (saved_flags or ""):
         # virtual CPU devices for the sharded reference; read when JAX starts its backend
