@@ -461,3 +461,32 @@ def test_inf_in_the_weight_is_as_documented() -> None:
     assert bool(torch.isnan(res.entropy).all())
     true_entropy = -(truth.exp() * truth).sum(-1)
     assert bool(torch.isfinite(true_entropy[[0, 1, 3]]).all())
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "actual"),
+    [
+        ((torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.long), -1), "count", "-1"),
+        ((torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.long), 2.5), "count", "2.5"),
+        ((torch.ones(2, 3), torch.zeros(2, 3), 1), "segments", "torch.float32"),
+        ((torch.ones(2, 3), torch.zeros(2, 2, dtype=torch.long), 1), "segments", "[2, 2]"),
+        (
+            (torch.ones(2, 3), torch.tensor([[0, 1, 5], [-1, 0, 0]]), 2),
+            "segments",
+            "2 values outside it, in [-1, 5]",
+        ),
+        (([[1.0]], torch.zeros(1, 1, dtype=torch.long), 1), "mask", "list"),
+    ],
+    ids=["count-negative", "count-float", "segments-float", "segments-shape", "segments-range", "mask-list"],
+)
+def test_aggregation_weights_checks_its_inputs(args: tuple[Any, ...], field: str, actual: str) -> None:
+    with pytest.raises(ContractError, match=rf"^{field}: expected ") as err:
+        aggregation_weights(*args, "seq-mean-token-mean")
+    assert actual in str(err.value.actual)
+
+
+def test_kl_penalty_checks_its_tensors() -> None:
+    with pytest.raises(ContractError, match=r"^ref: expected the shape of logp \[3\], got \[4\]"):
+        kl_penalty(torch.zeros(3), torch.zeros(4), "k3", clamp=None)
+    with pytest.raises(ContractError, match=r"^logp: expected a floating dtype, got int64"):
+        kl_penalty(torch.zeros(3, dtype=torch.long), torch.zeros(3), "k3", clamp=None)

@@ -31,7 +31,13 @@ import torch
 
 from hookspec import ContractError, check_labels
 
-__all__ = ["check_labels_deferred", "check_positive_deferred", "pending_checks", "raise_pending_errors"]
+__all__ = [
+    "check_indices_deferred",
+    "check_labels_deferred",
+    "check_positive_deferred",
+    "pending_checks",
+    "raise_pending_errors",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,3 +134,13 @@ def check_positive_deferred(values: torch.Tensor, *, field: str) -> None:
         return
     bad = ~(torch.isfinite(values) & (values > 0))
     _check(bad, values.detach(), field=field, expected="finite values > 0")
+
+
+def check_indices_deferred(indices: torch.Tensor, size: int, *, field: str) -> None:
+    """Every value of the integer tensor ``indices`` in ``[0, size)`` (say, each token's
+    sequence index), without a host read on CUDA."""
+    raise_pending_errors()
+    if indices.numel() == 0:
+        return
+    bad = (indices < 0) | (indices >= size)
+    _check(bad, indices, field=field, expected=f"indices in [0, {size})")

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from hookspec import Aggregation, ContractError, KLEstimator
+from hookspec.arrays import format_shape
 
-from ._checks import check_bool, check_finite_number
+from ..value_checks import check_indices_deferred
+from ._checks import check_bool, check_finite_number, check_floating, check_int
 
 __all__ = [
     "PolicyLossConfig",
@@ -171,6 +173,12 @@ def kl_penalty(
     estimator = _enum("estimator", KLEstimator, estimator)
     if clamp is not None:
         clamp = check_finite_number("clamp", clamp, low=0.0, low_open=True)
+    check_floating("logp", logp)
+    check_floating("ref", ref)
+    if ref.shape != logp.shape:
+        raise ContractError(
+            "ref", expected=f"the shape of logp {format_shape(logp.shape)}", actual=format_shape(ref.shape)
+        )
     return kl_terms(logp, ref, estimator, clamp=clamp)
 
 
@@ -260,6 +268,23 @@ def aggregation_weights(
     for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
         if value is not None:
             check_finite_number(name, value, low=0.0, low_open=True)
+    if not isinstance(mask, torch.Tensor) or mask.is_complex():
+        raise ContractError("mask", expected="a real tensor", actual=type(mask).__name__)
+    if (
+        not isinstance(segments, torch.Tensor)
+        or segments.dtype.is_floating_point
+        or segments.dtype == torch.bool
+    ):
+        what = str(segments.dtype) if isinstance(segments, torch.Tensor) else type(segments).__name__
+        raise ContractError("segments", expected="an integer tensor (each token's sequence)", actual=what)
+    if segments.shape != mask.shape:
+        raise ContractError(
+            "segments",
+            expected=f"the shape of mask {format_shape(mask.shape)}",
+            actual=format_shape(segments.shape),
+        )
+    count = check_int("count", count, low=0)
+    check_indices_deferred(segments, count, field="segments")
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
     return weights_of(m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences)
