@@ -153,9 +153,9 @@ def _mtp_loss_site() -> tuple[str, bool]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import multi_token_prediction as mtp
 
-    from . import _compat
+    from ._compat import mtp_loss_in_block
 
-    if _compat.mtp_loss_in_block():
+    if mtp_loss_in_block():
         return "`MultiTokenPredictionBlock.forward` (labels required)", False
     process = getattr(mtp, "process_mtp_loss", None)
     if process is not None:
@@ -200,14 +200,14 @@ def _hybrid_model() -> bool:
 
 
 def _workarounds(derives: bool, hybrid: bool, plan: str) -> tuple[str, ...]:
-    from . import _compat
+    from ._compat import mtp_loss_in_block, reduce_keeps_noncontiguous_result
 
     found: list[str] = []
-    if not _compat.reduce_keeps_noncontiguous_result():
+    if not reduce_keeps_noncontiguous_result():
         found.append(
             "TP: `_reduce` leaves a non-contiguous gradient unreduced (adapter hands it a contiguous one)"
         )
-    in_block = _compat.mtp_loss_in_block()
+    in_block = mtp_loss_in_block()
     if not in_block and not derives:
         found.append("MTP with `labels=None` crashes (adapter derives them from `input_ids`)")
     if in_block:
@@ -381,7 +381,7 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
-    from . import _compat
+    from ._compat import mtp_loss_in_block
     from .enable import enable_output_processor
     from .mtp import default_mtp_loss
     from .tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
@@ -406,7 +406,7 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
         _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "main processor")
 
     def mtp_processor() -> None:
-        if _compat.mtp_loss_in_block():
+        if mtp_loss_in_block():
             raise SkipCheck(
                 "MultiTokenPredictionBlock.forward computes the MTP losses on this release "
                 "(it takes compute_language_model_loss): no per-depth processor"

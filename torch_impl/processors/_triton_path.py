@@ -17,7 +17,6 @@ No atomics: the results are the same bit for bit run to run.
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
 
@@ -25,17 +24,6 @@ from ._plan import TRITON_WORKSPACE_BYTES, KernelConfig, Plan
 from ._tiles import Stats, combine, mm_into, unfold_dh_
 
 __all__ = ["triton_backward", "triton_forward_stats"]
-
-_kernels: ModuleType | None = None
-
-
-def _k() -> ModuleType:
-    global _kernels
-    if _kernels is None:
-        from . import _triton_kernels
-
-        _kernels = _triton_kernels
-    return _kernels
 
 
 def _config(plan: Plan) -> KernelConfig:
@@ -60,8 +48,10 @@ def triton_forward_stats(hs: torch.Tensor, w: torch.Tensor, plan: Plan) -> Stats
     if n == 0:
         empty = torch.zeros(0, dtype=torch.float32, device=hs.device)
         return combine(empty, empty, empty if plan.with_entropy else None, empty, plan)
+    from ._triton_kernels import shard_stats  # on first use: TRITON_INTERPRET is read then
+
     wc = w.detach().to(plan.compute_dtype)
-    m, s, t, zy = _k().shard_stats(
+    m, s, t, zy = shard_stats(
         hs,
         wc,
         plan.labels_local,
@@ -94,6 +84,8 @@ def triton_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dh, dw)`` as :func:`._tiles.backward_tiles`: ``dh`` in the accumulation
     dtype, ``dw`` in ``w``'s dtype."""
+    from ._triton_kernels import logit_grads  # on first use, as above
+
     cfg = _config(plan)
     n, vocab = hs.shape[0], w.shape[0]
     acc = plan.acc_dtype
@@ -117,7 +109,7 @@ def triton_backward(
             i1 = min(i0 + rows, n)
             gz = work[: (i1 - i0) * (j1 - j0)].view(i1 - i0, j1 - j0)
             inv_t = plan.inv_t[i0:i1] if isinstance(plan.inv_t, torch.Tensor) else plan.inv_t
-            _k().logit_grads(
+            logit_grads(
                 hs[i0:i1],
                 wc,
                 plan.labels_local[i0:i1],
