@@ -33,7 +33,8 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
         )
         == 0
     )
-    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "gpu_logprobs.csv").open())}
+    with (tmp_path / "gpu_logprobs.csv").open() as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
     assert set(rows) == set(methods.split(","))
     assert rows["liger"]["error"] == "needs CUDA"
     for m in ("naive", "ours-torch", "ours-ce-torch"):

@@ -115,7 +115,7 @@ def test_three_way_shapes(
     dtype: torch.dtype, n: int, hidden: int, vocab: int, chunks: tuple[int, int]
 ) -> None:
     h, w, y = _inputs(n, hidden, vocab, dtype, scale=3.0)
-    errors = three_way(h, w, y, chunk_size=chunks[0], token_chunk_size=chunks[1])
+    errors = three_way(h, w, y, vocab_chunk_size=chunks[0], token_chunk_size=chunks[1])
     assert_no_worse(errors, dtype)
 
 
@@ -124,9 +124,9 @@ def test_three_way_temperature_per_token_and_ignored(dtype: torch.dtype) -> None
     h, w, y = _inputs(45, 17, 301, dtype, seed=1, scale=4.0)
     y[::5] = IGNORE
     t = (torch.rand(45, generator=torch.Generator().manual_seed(3)) + 0.3).to(dtype)
-    errors = three_way(h, w, y, temperature=t, chunk_size=64, token_chunk_size=16)
+    errors = three_way(h, w, y, temperature=t, vocab_chunk_size=64, token_chunk_size=16)
     assert_no_worse(errors, dtype)
-    errors = three_way(h, w, y, temperature=0.7, chunk_size=64, token_chunk_size=16)
+    errors = three_way(h, w, y, temperature=0.7, vocab_chunk_size=64, token_chunk_size=16)
     assert_no_worse(errors, dtype)
 
 
@@ -136,7 +136,7 @@ def test_three_way_on_gpu(dtype: torch.dtype) -> None:
     """On a GPU the matmuls run in the input dtype (fp32 out where cuBLAS allows)."""
     h, w, y = _inputs(300, 64, 5000, dtype, seed=12, scale=3.0)
     y[::7] = IGNORE
-    errors = three_way(h.cuda(), w.cuda(), y.cuda(), chunk_size=1024, token_chunk_size=128)
+    errors = three_way(h.cuda(), w.cuda(), y.cuda(), vocab_chunk_size=1024, token_chunk_size=128)
     assert_no_worse(errors, dtype)
 
 
@@ -144,7 +144,7 @@ def test_ignored_tokens_are_zero_with_zero_gradient() -> None:
     h, w, y = _inputs(12, 8, 50, torch.float32, seed=2)
     y[[0, 5, 11]] = IGNORE
     hh = h.clone().requires_grad_()
-    r = linear_logprobs(hh, w, y, chunk_size=16, token_chunk_size=5)
+    r = linear_logprobs(hh, w, y, vocab_chunk_size=16, token_chunk_size=5)
     assert torch.equal(r.logprobs[[0, 5, 11]], torch.zeros(3))
     assert r.entropy is None
     r.logprobs.sum().backward()
@@ -166,7 +166,7 @@ def test_float64_gradcheck() -> None:
     t = torch.rand(6, dtype=torch.float64) + 0.5
 
     def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = linear_logprobs(a, b, y, temperature=t, with_entropy=True, chunk_size=5, token_chunk_size=4)
+        r = linear_logprobs(a, b, y, temperature=t, with_entropy=True, vocab_chunk_size=5, token_chunk_size=4)
         assert r.entropy is not None
         return r.logprobs, r.entropy
 
@@ -197,7 +197,7 @@ def test_all_logits_strongly_negative(dtype: torch.dtype) -> None:
     h = torch.cat([h, torch.ones(20, 1, dtype=torch.float64)], 1)
     w = torch.cat([w, torch.full((300, 1), -1e4, dtype=torch.float64)], 1)
     h, w = h.to(dtype), w.to(dtype)
-    r = linear_logprobs(h, w, y, with_entropy=True, chunk_size=64, token_chunk_size=7)
+    r = linear_logprobs(h, w, y, with_entropy=True, vocab_chunk_size=64, token_chunk_size=7)
     assert bool(torch.isfinite(r.logprobs).all()) and bool((r.logprobs <= 0).all())
     truth_lp, truth_ent = reference(h, w, y, 1.0, torch.float64)
     naive_lp, _ = reference(h, w, y, 1.0, dtype)
@@ -212,13 +212,13 @@ def test_logits_up_to_1e4_and_peaked(dtype: torch.dtype) -> None:
     h, w, y = _inputs(30, 8, 400, torch.float64, seed=7)
     w = w * (1e4 / float((h @ w.T).abs().max()))  # |logit| up to 1e4
     h[:10] = w[y[:10]] / w[y[:10]].norm(dim=1, keepdim=True) * 5.0  # planted peaks at the label
-    errors = three_way(h.to(dtype), w.to(dtype), y, chunk_size=96, token_chunk_size=8)
+    errors = three_way(h.to(dtype), w.to(dtype), y, vocab_chunk_size=96, token_chunk_size=8)
     assert_no_worse(errors, dtype)
 
 
 def test_entropy_is_non_negative_and_logprobs_non_positive() -> None:
     h, w, y = _inputs(64, 16, 500, torch.float32, seed=8, scale=30.0)
-    r = linear_logprobs(h, w, y, with_entropy=True, chunk_size=77, token_chunk_size=9)
+    r = linear_logprobs(h, w, y, with_entropy=True, vocab_chunk_size=77, token_chunk_size=9)
     assert r.entropy is not None
     assert bool((r.entropy >= 0).all()) and bool((r.logprobs <= 0).all())
 
@@ -236,7 +236,7 @@ def test_nonfinite_hidden_states_give_nan_never_finite(bad: float) -> None:
     h, w, y = _inputs(10, 8, 60, torch.float32, seed=10)
     h[4, 2] = bad
     hh = h.clone().requires_grad_()
-    r = linear_logprobs(hh, w, y, with_entropy=True, chunk_size=16, token_chunk_size=3)
+    r = linear_logprobs(hh, w, y, with_entropy=True, vocab_chunk_size=16, token_chunk_size=3)
     assert r.entropy is not None
     assert bool(torch.isnan(r.logprobs[4])) and bool(torch.isnan(r.entropy[4]))
     others = torch.arange(10) != 4
@@ -250,7 +250,7 @@ def test_nonfinite_hidden_states_give_nan_never_finite(bad: float) -> None:
 def test_nonfinite_weight_gives_nan() -> None:
     h, w, y = _inputs(5, 4, 30, torch.float32, seed=11)
     w[17, 1] = float("nan")
-    r = linear_logprobs(h, w, y, chunk_size=8)
+    r = linear_logprobs(h, w, y, vocab_chunk_size=8)
     assert bool(torch.isnan(r.logprobs).all())
 
 
@@ -310,4 +310,4 @@ def test_bad_shapes_and_dtypes_raise() -> None:
     with pytest.raises(ContractError, match="temperature"):
         linear_logprobs(h, w, y, temperature=torch.ones(5))
     with pytest.raises(ContractError, match="chunk_size"):
-        linear_logprobs(h, w, y, chunk_size=0)
+        linear_logprobs(h, w, y, vocab_chunk_size=0)

@@ -33,6 +33,10 @@ from torch_impl.processors import fused_token_loss, linear_logprobs
 
 from .distributed import run_distributed
 
+# numpy under the interpreter evaluates both sides of tl.where: the unused side's
+# inf * 0 (masked edge lanes, the first block of the online logsumexp) warns there
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
 IGNORE = -100
 N, H, V = 37, 40, 300  # no multiple of a block (32 x 64 x 32 under the interpreter)
 ON_GPU = torch.cuda.is_available()
