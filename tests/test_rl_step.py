@@ -5,8 +5,9 @@
    stock model's materialised logits (the vocabulary shards gathered, plain
    ``log_softmax``), the formulas restated from ``hookspec.conventions``.
 2. The toy task of ``torch_impl.examples.grpo_toy`` (continue a counting
-   sequence): over a fixed number of steps with a fixed seed, the mean reward
-   rises from chance (1/16) above a stated threshold.
+   sequence, rewarded by position-wise exact match with the true continuation):
+   over a fixed number of steps with a fixed seed, the mean reward rises from
+   chance (1/16) above a stated threshold.
 
 GPU-marked: the same step through Megatron's ``get_forward_backward_func`` (pp=1,
 one GPU), the processor's mapping result reaching the loss function.
@@ -156,12 +157,19 @@ def test_tp2_policy_loss_and_every_gradient_equal_materialised_logits() -> None:
 
 
 TOY_SHAPE = TinyGPTShape(vocab_size=16, max_sequence_length=16)
-TOY = GRPOToyConfig(steps=25, lr=1e-2, seed=0)
-REWARD_THRESHOLD = 0.5  # mean of the last 5 steps; chance is 1/16
+# The module's defaults but 160 steps instead of 200: the test takes about 26 s on 2 cores here
+TOY = GRPOToyConfig(
+    prompts_per_step=16, group_size=16, steps=160, updates_per_step=2, lr=2e-3, kl_coef=0.1, seed=0
+)
+# Mean of the last 5 steps; chance is 1/16. Measured at tp=2 with this seed (megatron-core
+# 0.16.1 and 0.19.2, CPU): 0.058 over the first 3 steps, 0.954 over the last 5. The margin
+# covers samples that drift with the floating point of another torch or CPU: over seeds 0
+# to 4 at tp=1 the mean of steps 156-160 is 0.87 to 0.94.
+REWARD_THRESHOLD = 0.75
 
 
 def _toy_rank(rank: int, result: Any) -> None:
-    torch.set_num_threads(1)  # 12 s instead of over 100 s for the run on two loaded cores
+    torch.set_num_threads(1)  # oversubscribed threads on two loaded cores make the run many times slower
     model = torch_impl.enable_output_processor(build_tiny_gpt(TOY_SHAPE))
     reference = torch_impl.enable_output_processor(build_tiny_gpt(TOY_SHAPE))
     for p in reference.parameters():
@@ -253,14 +261,35 @@ def test_policy_step_through_megatron_schedule_on_gpu() -> None:
 # ---- the toy task's pieces and its bad input ---------------------------------------------
 
 
-def test_counting_reward_follows_the_rule_with_wrap_around() -> None:
+def test_counting_reward_is_exact_match_with_wrap_around() -> None:
     task = CountingTask(vocab_size=16, prompt_len=4, completion_len=4)
-    prompts = torch.tensor([[3, 4, 5, 6], [13, 14, 15, 0], [3, 4, 5, 6]])
-    completions = torch.tensor([[7, 8, 0, 10], [1, 2, 3, 4], [8, 9, 10, 11]])
-    # row 0: 7, 8 follow, 0 and 10 do not; row 1: all follow (15 -> 0 wrapped in the prompt);
-    # row 2: the first is wrong, the rest follow their previous token
-    assert task.reward(prompts, completions).tolist() == [0.5, 1.0, 0.75]
-    assert torch.equal(task.answers(prompts[:2]), torch.tensor([[7, 8, 9, 10], [1, 2, 3, 4]]))
+    prompts = torch.tensor([[3, 4, 5, 6], [13, 14, 15, 0], [3, 4, 5, 6], [11, 12, 13, 14]])
+    completions = torch.tensor([[7, 8, 0, 10], [1, 2, 3, 4], [8, 9, 10, 11], [15, 0, 2, 2]])
+    # row 0: the answer is 7, 8, 9, 10: only the third is wrong; row 1: the answer (15 -> 0
+    # wrapped in the prompt); row 2: counts correctly but one ahead, so no position matches;
+    # row 3: the answer is 15, 0, 1, 2 (wrapped in the completion): the third is wrong
+    assert task.reward(prompts, completions).tolist() == [0.75, 1.0, 0.0, 0.75]
+    assert torch.equal(
+        task.answers(prompts), torch.tensor([[7, 8, 9, 10], [1, 2, 3, 4], [7, 8, 9, 10], [15, 0, 1, 2]])
+    )
+    assert task.reward(prompts, task.answers(prompts)).tolist() == [1.0] * 4
+
+
+def test_counting_reward_is_not_gamed_by_a_fixed_continuation() -> None:
+    # 6, 7, 8, 9 follows the counting rule and earned 0.75 for any prompt under a reward
+    # that checked each token against the previous one; here it is the answer of one
+    # start (a = 2) of the 16 and matches nowhere for the others: 1/16 on average, chance
+    task = CountingTask(vocab_size=16, prompt_len=4, completion_len=4)
+    prompts = (torch.arange(16)[:, None] + torch.arange(4)) % 16  # every start once
+    fixed = torch.tensor([6, 7, 8, 9]).expand(16, 4)
+    rewards = task.reward(prompts, fixed)
+    assert rewards.tolist() == [1.0 if a == 2 else 0.0 for a in range(16)]
+    assert rewards.mean().item() == 1 / 16
+    assert task.reward(prompts, task.answers(prompts)).tolist() == [1.0] * 16
+    # any fixed continuation scores 1/16 on average over the starts
+    for seed in range(5):
+        c = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(seed)).expand(16, 4)
+        assert task.reward(prompts, c).mean().item() == 1 / 16
 
 
 def test_group_advantages_normalise_within_each_group() -> None:
