@@ -155,6 +155,27 @@ def test_global_counts_of_other_number_types_are_taken() -> None:
         assert torch.equal(got, want), type(value)
 
 
+@pytest.mark.parametrize(
+    ("aggregation", "field"),
+    [
+        ("token-mean", "global_sequences"),
+        ("seq-mean-token-sum", "global_tokens"),
+        ("seq-mean-token-mean", "global_tokens"),
+    ],
+)
+def test_a_count_the_aggregation_never_reads_is_refused(aggregation: str, field: str) -> None:
+    """Given, it would be ignored: GRPO's seq-mean-token-mean with global_tokens used to
+    give the local mean silently."""
+    d = _data()
+    batch = dataclasses.replace(d["batch"], **{field: 12.0})
+    with pytest.raises(ContractError, match=rf"^context\.{field}: expected None with aggregation") as err:
+        policy_loss(PolicyLossConfig(aggregation=aggregation))(_ctx(d["h"], d["w"], d["labels"], batch))
+    assert err.value.actual == "12.0"
+    segments = torch.arange(2)[:, None].expand(2, 3)
+    with pytest.raises(ContractError, match=rf"^{field}: expected None with aggregation"):
+        aggregation_weights(torch.ones(2, 3), segments, 2, aggregation, **{field: 12.0})
+
+
 def test_aggregation_weights_nan_mask_is_nan_and_counts_are_checked() -> None:
     mask = torch.tensor([[1.0, NAN, 0.0], [1.0, 1.0, 0.0]])
     segments = torch.arange(2)[:, None].expand(2, 3)

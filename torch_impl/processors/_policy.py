@@ -37,6 +37,7 @@ from ._logprobs import linear_logprobs
 from ._policy_math import (
     PolicyLossConfig,
     RatioLevel,
+    check_unused_count,
     kl_terms,
     ppo_token_loss,
     sequence_log_ratio,
@@ -69,7 +70,9 @@ class PolicyBatch:
       the whole loss when it is split over ranks (context or data parallel),
       finite numbers ``> 0`` (Python or NumPy, not tensors: ``.item()``):
       they replace the local ``sum(mask)`` / number of sequences in the
-      aggregation, so that the ranks' losses sum to the global loss.
+      aggregation, so that the ranks' losses sum to the global loss. Give the
+      one the aggregation reads (token-mean: ``global_tokens``; the sequence
+      means: ``global_sequences``): the other is refused, not ignored.
 
     The values of ``old_logprobs``, ``advantages`` and ``ref_logprobs`` at
     tokens that do not count are never read.
@@ -295,6 +298,12 @@ def _rows(
     acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
     mask = _counted(given, typing.cast(torch.Tensor, ctx.labels).to(device), ctx.ignore_index, acc)
     segments, count = sequence_ids(ctx, x.b, x.s, device)
+    check_unused_count(
+        config.aggregation,
+        global_tokens=batch.global_tokens,
+        global_sequences=batch.global_sequences,
+        prefix="context.",
+    )
     weights = weights_of(
         mask,
         segments,

@@ -24,6 +24,7 @@ __all__ = [
     "PolicyLossConfig",
     "RatioLevel",
     "aggregation_weights",
+    "check_unused_count",
     "kl_penalty",
     "kl_terms",
     "ppo_token_loss",
@@ -241,6 +242,25 @@ def sequence_log_ratio(
     return _clamp(per_seq[segments], clamp)
 
 
+def check_unused_count(
+    how: Aggregation, *, global_tokens: Any, global_sequences: Any, prefix: str = ""
+) -> None:
+    """Refuse the count ``how`` does not read: ``global_sequences`` with token-mean,
+    ``global_tokens`` with the two sequence means (given, it would be ignored)."""
+    unused, used = (
+        ("global_sequences", "global_tokens")
+        if how == Aggregation.TOKEN_MEAN
+        else ("global_tokens", "global_sequences")
+    )
+    value = global_sequences if unused == "global_sequences" else global_tokens
+    if value is not None:
+        raise ContractError(
+            f"{prefix}{unused}",
+            expected=f"None with aggregation {how.value!r}, which divides by {used} and never reads it",
+            actual=repr(value),
+        )
+
+
 def aggregation_weights(
     mask: torch.Tensor,
     segments: torch.Tensor,
@@ -268,6 +288,7 @@ def aggregation_weights(
     for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
         if value is not None:
             check_finite_number(name, value, low=0.0, low_open=True)
+    check_unused_count(how, global_tokens=global_tokens, global_sequences=global_sequences)
     if not isinstance(mask, torch.Tensor) or mask.is_complex():
         raise ContractError("mask", expected="a real tensor", actual=type(mask).__name__)
     if (
