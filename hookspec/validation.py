@@ -148,9 +148,13 @@ def validate_mtp_result(
     """
     accepted: object = None
     if isinstance(result, Mapping):
-        if "loss" not in result:
+        keys = sorted(str(k) for k in result)
+        if "loss" not in result or not set(keys) <= {"loss", "accepted"}:
+            # an unknown key (a misspelt 'accepted') is refused, not dropped
             raise ContractError(
-                field, expected="a mapping with a 'loss' [b, s]", actual=f"keys {sorted(result)}"
+                field,
+                expected="a mapping with a 'loss' [b, s] and optionally 'accepted'",
+                actual=f"keys {keys}",
             )
         loss, accepted = result["loss"], result.get("accepted")
     else:

@@ -366,3 +366,36 @@ def test_training_mode_on_gpu() -> None:
 def test_detached_head_refuses_what_is_not_a_processor_when_made(bad: Any) -> None:
     with pytest.raises(ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"):
         detached_head(bad)
+
+
+def test_mtp_result_with_an_unknown_key_is_refused_not_dropped() -> None:
+    model = enable_output_processor(build_mtp_gpt().eval())
+    batch = tiny_batch()
+
+    @hookspec.processor
+    def misspelt(ctx: OutputContext) -> Any:
+        out = default_mtp_loss(ctx)
+        loss = out["loss"] if isinstance(out, dict) else out
+        return {"loss": loss, "acceptance": torch.zeros_like(loss, dtype=torch.bool)}
+
+    with pytest.raises(ContractError, match=r"result at depth 1: expected a mapping with a 'loss'") as err:
+        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], mtp_processor=misspelt)
+    assert err.value.actual == "keys ['acceptance', 'loss']"
+
+
+def test_mtp_processor_taking_upstream_keywords_is_refused_before_the_model_runs() -> None:
+    model = enable_output_processor(build_mtp_gpt().eval())
+    batch = tiny_batch()
+
+    def upstream_style(*, hidden_states: Any, labels: Any, **_: Any) -> Any:
+        raise AssertionError("never called")
+
+    with pytest.raises(ContractError, match=r"^mtp_processor: expected a callable \(ctx\)") as err:
+        model(
+            batch["input_ids"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            mtp_processor=upstream_style,
+        )
+    assert "@hookspec.processor" in str(err.value)

@@ -428,3 +428,9 @@ def test_whole_plan_on_gpu_without_the_fix_is_megatrons_plan(name: str, processo
     if missing_final_norm(reference) is not None:
         reference.decoder.final_layernorm = None
     _gpu_compare(got, _gpu_forward(reference, processor))
+
+
+@pytest.mark.parametrize("plan", [3, None, object()])
+def test_plan_loss_func_refuses_what_is_not_a_plan(plan: Any) -> None:
+    with pytest.raises(ContractError, match=r"^plan: expected a schedule plan"):
+        plan_loss_func(plan, lambda out: out)

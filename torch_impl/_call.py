@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -113,6 +114,24 @@ def _check_upstream_once(fn: Callable[..., Any]) -> None:
         _CHECKED[fn] = True
 
 
+def _check_takes_the_context(fn: Callable[..., Any]) -> None:
+    """An MTP processor is called with the typed context alone: one whose parameters
+    cannot take it (the upstream hook's keywords, say) is refused before the model runs."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise ContractError(
+            "mtp_processor",
+            expected="a callable (ctx) -> loss [b, s]: MTP processors receive the typed context",
+            actual=f"a callable with parameters {signature}",
+            hint="Write it as def f(ctx) and decorate it with @hookspec.processor",
+        ) from None
+
+
 def _processor_name(fn: object) -> str:
     name = getattr(fn, "name", getattr(fn, "__name__", None))
     return name if isinstance(name, str) else type(fn).__name__
@@ -152,6 +171,8 @@ class ForwardCall:
                 expected="a hookspec processor or a callable (ctx) -> loss [b, s]",
                 actual=type(mtp_processor).__name__,
             )
+        if mtp_processor is not None and not is_hookspec_processor(mtp_processor):
+            _check_takes_the_context(mtp_processor)
         self.model = model
         self.options = options
         self.processor = processor

@@ -280,6 +280,14 @@ def plan_loss_func(plan: Any, loss_func: Callable[..., Any]) -> Callable[..., An
     partial(loss_func, ...))``. On stages without post-process, and for plans
     without a processor, ``loss_func`` is returned as it is.
     """
+    if not hasattr(getattr(plan, "state", None), "__dict__"):
+        raise ContractError(
+            "plan",
+            expected="a schedule plan (from torch_impl.build_schedule_plan or the model's own)",
+            actual=type(plan).__name__,
+        )
+    if not callable(loss_func):
+        raise ContractError("loss_func", expected="a callable", actual=type(loss_func).__name__)
     outputs = plan_outputs(plan)
     if outputs is None:
         return loss_func
