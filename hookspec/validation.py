@@ -141,7 +141,7 @@ def validate_mtp_result(
     """An MTP processor's result: the per-token loss ``[b, s]`` before masking,
     or a mapping ``{"loss": [b, s], "accepted": [b, s] bool}`` (``accepted``
     optional: whether the head's top-1 token equals the label, for acceptance
-    logging). The loss has a floating dtype.
+    logging). The loss has a floating dtype; any other key is refused.
 
     Returns ``(loss, accepted or None)``. ``array_kind`` names the array type
     the implementation expects in messages (``"a torch.Tensor"``).
