@@ -133,9 +133,11 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, _Counter]:
     }
     import torch_impl._call as call_module
     import torch_impl.processors._checks as checks_module
+    import torch_impl.processors._inputs as inputs_module
 
     monkeypatch.setattr(call_module, "check_labels_deferred", counters["labels"])
     monkeypatch.setattr(checks_module, "check_labels_deferred", counters["labels"])
+    monkeypatch.setattr(inputs_module, "check_labels_deferred", counters["labels"])
     monkeypatch.setattr(checks_module, "check_positive_deferred", counters["positive"])
     return counters
 
@@ -202,6 +204,10 @@ def test_direct_call_checks_labels_and_temperature(counted: dict[str, _Counter])
     t = torch.tensor([[1.0, 0.5, 2.0], [1.0, 0.0, 1.0]])
     with pytest.raises(ContractError, match="temperature"):
         selected_logprobs()(_hand_built(good, context={"temperature": t}))
+    # a good context: the labels and the temperature each checked once
+    calls = counted["labels"].calls, counted["positive"].calls
+    selected_logprobs()(_hand_built(good, context={"temperature": t.abs() + 0.5}))
+    assert (counted["labels"].calls, counted["positive"].calls) == (calls[0] + 1, calls[1] + 1)
     # the same context with check_values=False: no value check at all
     calls = counted["labels"].calls, counted["positive"].calls
     selected_logprobs()(_hand_built(good, context={"temperature": t}, check_values=False))

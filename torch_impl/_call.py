@@ -98,20 +98,25 @@ def default_output(
     return compute_language_model_loss(labels, logits)
 
 
-_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-"""Upstream-style callables whose parameters passed the check (a signature read
-costs tens of microseconds; a training loop passes the same function every step)."""
+_CHECKED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+"""Callables and the signature checks they passed (a signature read costs tens of
+microseconds; a training loop passes the same function every step)."""
 
 
-def _check_upstream_once(fn: Callable[..., Any]) -> None:
+def _check_once(check: Callable[[Callable[..., Any]], None], fn: Callable[..., Any]) -> None:
+    """``check(fn)``, once per callable (every time for one that cannot be weakly keyed)."""
     try:
-        if fn in _CHECKED:
+        if check.__name__ in _CHECKED.get(fn, ()):
             return
-    except TypeError:  # not hashable: checked every time
+    except TypeError:  # not hashable
         pass
+    check(fn)
+    with contextlib.suppress(TypeError):  # not weakly referable
+        _CHECKED.setdefault(fn, set()).add(check.__name__)
+
+
+def _check_upstream_keywords(fn: Callable[..., Any]) -> None:
     check_upstream_processor(fn, field="output_processor")
-    with contextlib.suppress(TypeError):  # not weakly referable: checked every time
-        _CHECKED[fn] = True
 
 
 def _check_takes_the_context(fn: Callable[..., Any]) -> None:
@@ -164,7 +169,7 @@ class ForwardCall:
                     actual=type(processor).__name__,
                 )
             if not is_hookspec_processor(processor):
-                _check_upstream_once(processor)
+                _check_once(_check_upstream_keywords, processor)
         if mtp_processor is not None and not callable(mtp_processor):
             raise ContractError(
                 "mtp_processor",
@@ -172,7 +177,7 @@ class ForwardCall:
                 actual=type(mtp_processor).__name__,
             )
         if mtp_processor is not None and not is_hookspec_processor(mtp_processor):
-            _check_takes_the_context(mtp_processor)
+            _check_once(_check_takes_the_context, mtp_processor)
         self.model = model
         self.options = options
         self.processor = processor

@@ -19,6 +19,7 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
+from ..value_checks import check_labels_deferred
 from ._checks import (
     check_finite_number,
     check_floating,
@@ -118,11 +119,13 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
     if ctx.vocab_weight is None or ctx.vocab is None:
         raise ContractError("vocab_weight", expected="the output weight shard [V/tp, h]", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
-    # A direct call (not through the hook) gets the hook's shape checks too: shapes
-    # only, no values read; the label values are checked by linear_logprobs.
+    # A direct call (not through the hook) gets the hook's shape checks too, and the
+    # label range where the hook has not checked it (a hand-built context).
     validate_context(ctx, check_values=False)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
         raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
+    if ctx.check_values and not ctx.labels_checked:
+        check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
     b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
@@ -136,8 +139,9 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
             vocab_size=ctx.vocab.size,
             collectives=ctx.collectives,
             logit_scale=logit_scale(ctx),
-            # the labels (and a temperature already checked by resolve_temperature)
-            check_values=ctx.check_values and not ctx.labels_checked,
+            # each value is checked once: the labels above or in the hook, a
+            # temperature by resolve_temperature
+            check_values=False,
         ),
     )
 
