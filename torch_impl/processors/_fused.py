@@ -27,6 +27,7 @@ import torch
 from hookspec import IGNORE_INDEX, Collectives, ContractError
 from hookspec.arrays import format_shape
 
+from ._checks import check_int
 from ._logprobs import plan_backward, plan_stats
 from ._plan import Backend, Plan, check_hidden, gather_rows, make_plan
 from ._tiles import (
@@ -265,8 +266,7 @@ def fused_token_loss(
         raise ContractError(
             "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
         )
-    if isinstance(tile_elements, bool) or not isinstance(tile_elements, int) or tile_elements < 1:
-        raise ContractError("tile_elements", expected="an int >= 1", actual=repr(tile_elements))
+    check_int("tile_elements", tile_elements, low=1)
     h = gather_rows(hidden, collectives)
     local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
     plan = make_plan(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 from typing import Any, Literal
 
@@ -16,7 +15,15 @@ import torch
 from hookspec import Collectives, ContractError
 from hookspec.arrays import format_shape
 
-from ._checks import check_floating, check_temperature, check_token_labels, resolve_compute_dtype
+from ._checks import (
+    check_bool,
+    check_finite_number,
+    check_floating,
+    check_int,
+    check_temperature,
+    check_token_labels,
+    resolve_compute_dtype,
+)
 
 __all__ = [
     "BACKENDS",
@@ -129,26 +136,6 @@ def resolve_backend(backend: Any, h: torch.Tensor) -> Literal["torch", "triton"]
     return backend  # type: ignore[no-any-return]
 
 
-def _check_int(field: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ContractError(field, expected=f"an int >= {low}", actual=repr(value))
-    return value
-
-
-def _check_bool(field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ContractError(field, expected="True or False", actual=repr(value))
-    return value
-
-
-def _check_logit_scale(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ContractError("logit_scale", expected="a finite number > 0", actual=repr(value))
-    if not (math.isfinite(value) and value > 0):
-        raise ContractError("logit_scale", expected="a finite number > 0", actual=repr(value))
-    return float(value)
-
-
 def check_hidden(hidden: Any) -> torch.Tensor:
     check_floating("hidden", hidden)
     if hidden.dim() != 2:
@@ -192,10 +179,10 @@ def make_plan(
 ) -> Plan:
     """Validate the options and inputs of one call (``h`` already gathered) and build its :class:`Plan`."""
     check_floating("weight", weight)
-    _check_bool("with_entropy", with_entropy)
-    _check_bool("check_values", check_values)
-    _check_int("ignore_index", ignore_index, -(1 << 62))
-    scale = _check_logit_scale(logit_scale)
+    check_bool("with_entropy", with_entropy)
+    check_bool("check_values", check_values)
+    check_int("ignore_index", ignore_index, low=-(1 << 62))
+    scale = check_finite_number("logit_scale", logit_scale, low=0.0, low_open=True)
     n, hidden = h.shape
     if weight.dim() != 2 or weight.shape[1] != hidden:
         raise ContractError(
@@ -204,7 +191,7 @@ def make_plan(
     if weight.device != h.device:
         raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
     local = int(weight.shape[0])
-    _check_int("vocab_start", vocab_start, 0)
+    check_int("vocab_start", vocab_start, low=0)
     if vocab_size is None:
         vocab_size = vocab_start + local
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < vocab_start + local:
@@ -215,10 +202,10 @@ def make_plan(
         )
     token_default, vocab_default = TILES_BY_DEVICE.get(h.device.type, TILES_BY_DEVICE["cuda"])
     vocab_chunk = (
-        vocab_default if vocab_chunk_size is None else _check_int("vocab_chunk_size", vocab_chunk_size, 1)
+        vocab_default if vocab_chunk_size is None else check_int("vocab_chunk_size", vocab_chunk_size, low=1)
     )
     token_chunk = (
-        token_default if token_chunk_size is None else _check_int("token_chunk_size", token_chunk_size, 1)
+        token_default if token_chunk_size is None else check_int("token_chunk_size", token_chunk_size, low=1)
     )
     which = resolve_backend(backend, h)
     labels = check_token_labels(labels, n, vocab_size, ignore_index, check_values=check_values)
