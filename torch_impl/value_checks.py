@@ -46,6 +46,7 @@ class _Pending:
     host: torch.Tensor  # pinned [3]: count, min, max of the bad values
     field: str
     expected: str
+    noun: str  # what the bad values are called in the message: "ids", "values"
 
 
 _PENDING: collections.deque[_Pending] = collections.deque()
@@ -56,10 +57,11 @@ def pending_checks() -> int:
     return len(_PENDING)
 
 
-def _error(field: str, expected: str, count: int, lo: float, hi: float, *, late: bool) -> ContractError:
+def _error(
+    field: str, expected: str, noun: str, count: int, lo: float, hi: float, *, late: bool
+) -> ContractError:
     when = " (found by the deferred check of an earlier call)" if late else ""
-    what = "ids" if expected.startswith("token ids") else "values"
-    return ContractError(field, expected=expected, actual=f"{count} {what} outside it, in [{lo}, {hi}]{when}")
+    return ContractError(field, expected=expected, actual=f"{count} {noun} outside it, in [{lo}, {hi}]{when}")
 
 
 def raise_pending_errors(*, wait: bool = False) -> None:
@@ -74,10 +76,12 @@ def raise_pending_errors(*, wait: bool = False) -> None:
         _PENDING.popleft()
         count, lo, hi = p.host.tolist()
         if count:
-            raise _error(p.field, p.expected, int(count), lo, hi, late=True)
+            raise _error(p.field, p.expected, p.noun, int(count), lo, hi, late=True)
 
 
-def _check(bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str) -> None:
+def _check(
+    bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str, noun: str = "values"
+) -> None:
     """Raise (CPU) or record (CUDA) the count, min and max of ``values[bad]``."""
     if values.device.type != "cuda":
         if bool(bad.any()):
