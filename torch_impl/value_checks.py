@@ -86,9 +86,8 @@ def _check(
     if values.device.type != "cuda":
         if bool(bad.any()):
             picked = values[bad]
-            raise _error(
-                field, expected, int(bad.sum()), picked.min().item(), picked.max().item(), late=False
-            )
+            lo, hi = picked.min().item(), picked.max().item()
+            raise _error(field, expected, noun, int(bad.sum()), lo, hi, late=False)
         return
     if torch.cuda.is_current_stream_capturing():
         torch._assert_async(~bad.any(), f"{field}: values outside {expected}")
@@ -103,7 +102,7 @@ def _check(
     host.copy_(stats, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    _PENDING.append(_Pending(event, host, field, expected))
+    _PENDING.append(_Pending(event, host, field, expected, noun))
 
 
 def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
@@ -126,6 +125,7 @@ def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, fi
         labels,
         field=field,
         expected=f"token ids in [0, {vocab_size}) or ignore_index={ignore_index}",
+        noun="ids",
     )
 
 
