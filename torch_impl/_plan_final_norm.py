@@ -42,7 +42,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from hookspec import ContractError
 
-__all__ = ["add_missing_final_norm", "check_apply_final_norm", "missing_final_norm", "with_final_norm"]
+__all__ = ["add_missing_final_norm", "check_apply_final_norm", "missing_final_norm"]
 
 
 def check_apply_final_norm(value: Any) -> bool:
@@ -106,15 +106,14 @@ def _norm_output(forward_func: Callable[..., Any], norm: Any) -> Callable[..., A
     return forward
 
 
-def add_missing_final_norm(plan: Any, model: Any) -> bool:
-    """Add the final norm Megatron's ``plan`` leaves out (see the module docstring).
-
-    Adapts one node instance of ``plan`` (its ``forward_func``); returns whether
-    it did. Call it after every other adaptation of that node.
+def add_missing_final_norm(plan: Any, model: Any) -> None:
+    """Add the final norm Megatron's ``plan`` leaves out (see the module docstring),
+    if it leaves it out: adapts one node instance of ``plan`` (its
+    ``forward_func``). Call it after every other adaptation of that node.
     """
     norm = missing_final_norm(model)
     if norm is None:
-        return False
+        return
     layers = len(model.decoder.layers)
     if not _mtp_layers(model):
         node = plan.post_process
@@ -129,11 +128,3 @@ def add_missing_final_norm(plan: Any, model: Any) -> bool:
             actual="MTP layers after an empty decoder, where Megatron's plan applies no final norm",
             hint="Build the plan with apply_final_norm=False (Megatron's plan as it is)",
         )
-    return True
-
-
-def with_final_norm(plan: Any, model: Any, *, apply: bool) -> Any:
-    """``plan``, with :func:`add_missing_final_norm` applied when ``apply``."""
-    if apply:
-        add_missing_final_norm(plan, model)
-    return plan

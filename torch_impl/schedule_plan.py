@@ -40,7 +40,7 @@ from hookspec import ContractError
 
 from ._adapter import forward_call, original_class, uses_native_hook
 from ._call import ForwardCall
-from ._plan_final_norm import check_apply_final_norm, with_final_norm
+from ._plan_final_norm import add_missing_final_norm, check_apply_final_norm
 from .enable import require_output_processor
 
 __all__ = [
@@ -217,19 +217,21 @@ def build_schedule_plan(
         if uses_native_hook(inner):
             kwargs["output_processor_context"] = output_processor_context
         plan = inner.build_schedule_plan(*args, **kwargs)  # type: ignore[operator]
-        return with_final_norm(plan, inner, apply=apply_final_norm)
-    arguments = inspect.signature(original.build_schedule_plan).bind(inner, *args, **kwargs).arguments
-    native_kwargs, hook = prepare_plan_hook(
-        inner,
-        arguments,
-        output_processor=output_processor,
-        output_processor_context=output_processor_context,
-        mtp_processor=mtp_processor,
-    )
-    plan = inner.build_schedule_plan(*args, **native_kwargs, **kwargs)  # type: ignore[operator]
-    if plan.post_process is not None:
-        attach_plan_hook(plan.post_process, hook)
-    return with_final_norm(plan, inner, apply=apply_final_norm)
+    else:
+        arguments = inspect.signature(original.build_schedule_plan).bind(inner, *args, **kwargs).arguments
+        native_kwargs, hook = prepare_plan_hook(
+            inner,
+            arguments,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+            mtp_processor=mtp_processor,
+        )
+        plan = inner.build_schedule_plan(*args, **native_kwargs, **kwargs)  # type: ignore[operator]
+        if plan.post_process is not None:
+            attach_plan_hook(plan.post_process, hook)
+    if apply_final_norm:
+        add_missing_final_norm(plan, inner)  # after the hook: it wraps the node's forward_func last
+    return plan
 
 
 def prepare_plan_hook(
