@@ -21,7 +21,6 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
@@ -249,15 +248,3 @@ def run_tensor_parallel(
             if p.is_alive():
                 p.terminate()
     return [[_run_from_wire(got[r][i]) for r in range(tp)] for i in range(len(cases))]
-
-
-def gathered_weight(runs: list[TorchRun], /) -> torch.Tensor:
-    """The full ``[V, h]`` output weight from every rank's shard, in rank order."""
-    return torch.cat([r.context.vocab_weight.detach() for r in runs], dim=0)  # type: ignore[union-attr]
-
-
-def max_rank_difference(runs: list[TorchRun], name: str = "hidden_states") -> float:
-    """``max |x_r - x_0|`` over ranks for a context field (hidden states are
-    replicated without sequence parallel)."""
-    base = getattr(runs[0].context, name).detach().double()
-    return max(float(np.abs((getattr(r.context, name).detach().double() - base).numpy()).max()) for r in runs)
