@@ -21,7 +21,7 @@ if importlib.util.find_spec("torch") is not None:
 @pytest.fixture
 def megatron_single() -> Iterator[None]:
     """torch.distributed (gloo, world size 1) and Megatron's groups, torn down after."""
-    from torch_impl.tiny import megatron_parallel
+    from torch_impl.testing.tiny import megatron_parallel
 
     with megatron_parallel():
         yield

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 def _worker(
     rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, backend: str, args: tuple, errors: Any
 ) -> None:
-    from torch_impl.tiny import megatron_parallel
+    from torch_impl.testing.tiny import megatron_parallel
 
     try:
         with megatron_parallel(tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port, backend=backend):
@@ -31,7 +31,7 @@ def _worker(
 def run_distributed(
     fn: Callable[..., Any], *args: Any, tp: int = 1, pp: int = 1, backend: str = "gloo"
 ) -> None:
-    from torch_impl.tiny import free_port
+    from torch_impl.testing.tiny import free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

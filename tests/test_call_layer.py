@@ -15,7 +15,7 @@ import hookspec
 import torch_impl
 from hookspec import ContractError
 from tests.hook_cases import model_inputs
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The contract and the call layer (torch_impl.processors has its own door and tests).

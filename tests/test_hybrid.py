@@ -1,6 +1,6 @@
 """The output hook on HybridModel (Megatron Core 0.19+), which has none upstream.
 
-On a CPU with ``torch_impl.tiny_hybrid``: attention (``*``) and MLP (``-``)
+On a CPU with ``torch_impl.testing.tiny_hybrid``: attention (``*``) and MLP (``-``)
 layers of local modules, no final norm, an MTP depth after ``/``.
 """
 
@@ -21,8 +21,8 @@ from tests.hook_cases import grads, stock_loss, stock_loss_upstream
 from torch_impl import enable_output_processor, is_output_processor_enabled
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.schedule_plan import build_schedule_plan
-from torch_impl.tiny import tiny_batch
-from torch_impl.tiny_hybrid import build_tiny_hybrid
+from torch_impl.testing.tiny import tiny_batch
+from torch_impl.testing.tiny_hybrid import build_tiny_hybrid
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
 

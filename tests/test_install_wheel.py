@@ -35,7 +35,7 @@ import importlib.util, json
 import torch
 import torch_impl
 from torch_impl.processors import selected_logprobs
-from torch_impl.tiny import build_tiny_gpt, megatron_parallel, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, megatron_parallel, tiny_batch
 
 with megatron_parallel():
     b = tiny_batch()

@@ -50,7 +50,7 @@ def test_nnx_grad_of_the_head_is_the_reference_vjp():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_from_megatron_matches_the_output_layer(megatron_single, tied):
-    from torch_impl.tiny import build_tiny_gpt
+    from torch_impl.testing.tiny import build_tiny_gpt
 
     model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
     h = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(2))
@@ -67,7 +67,7 @@ def test_from_megatron_matches_the_output_layer(megatron_single, tied):
 def test_from_megatron_applies_the_mup_output_multiplier(megatron_single):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from torch_impl.tiny import build_tiny_gpt
+    from torch_impl.testing.tiny import build_tiny_gpt
 
     if "use_mup" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
         pytest.skip("this Megatron Core has no MuP")

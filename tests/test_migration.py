@@ -19,7 +19,7 @@ import torch_impl
 from tests.test_schedule_plan import decoder_output, post_node
 from torch_impl import detached_head
 from torch_impl.processors import cross_entropy_loss, selected_logprobs
-from torch_impl.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
 

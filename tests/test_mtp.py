@@ -24,7 +24,7 @@ from tests.hook_cases import grads, stock_loss, stock_loss_upstream
 from torch_impl import enable_output_processor
 from torch_impl.mtp import default_mtp_loss, detached_head, mtp_semantics
 from torch_impl.processors import cross_entropy_loss
-from torch_impl.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
 

@@ -30,8 +30,8 @@ from torch_impl import enable_output_processor
 from torch_impl._plan_final_norm import add_missing_final_norm, missing_final_norm
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.schedule_plan import build_schedule_plan, plan_loss_func
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
-from torch_impl.tiny_moe import build_tiny_moe_gpt
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny_moe import build_tiny_moe_gpt
 
 pytestmark = pytest.mark.usefixtures("megatron_single", "stand_ins")
 

@@ -18,7 +18,7 @@ from torch_impl.processors import (
     policy_loss,
     selected_logprobs,
 )
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
 

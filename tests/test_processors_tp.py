@@ -141,7 +141,7 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
 def _tp2_model(rank: int, batch: dict[str, Any], cotangent: torch.Tensor, tied: bool) -> None:
     import torch_impl
     from torch_impl.processors import cross_entropy_loss, selected_logprobs
-    from torch_impl.tiny import build_tiny_gpt
+    from torch_impl.testing.tiny import build_tiny_gpt
 
     model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
     args = (batch["input_ids"], batch["position_ids"], None)
@@ -187,7 +187,7 @@ def test_tp2_against_float64_and_megatron() -> None:
       every parameter gradient equal Megatron's own output layer and
       vocab-parallel cross entropy (tied: the embedding takes both gradients).
     """
-    from torch_impl.tiny import tiny_batch
+    from torch_impl.testing.tiny import tiny_batch
 
     p = _problem()
     batch = tiny_batch(2, 8, 64, seed=3)

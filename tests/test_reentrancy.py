@@ -16,7 +16,7 @@ import torch
 import hookspec
 import torch_impl
 from torch_impl.processors import selected_logprobs
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
 

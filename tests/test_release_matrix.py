@@ -29,7 +29,7 @@ from torch_impl import _compat, enable_output_processor
 from torch_impl._postprocess import as_inner_stage
 from torch_impl.doctor import MATRIX_RELEASES, TABLE_HEADER, installed_release, release_facts
 from torch_impl.mtp import default_mtp_loss
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 pytestmark = pytest.mark.release_matrix
 

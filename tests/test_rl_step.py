@@ -4,7 +4,7 @@
    gradient for every parameter, equal the same loss written here from the
    stock model's materialised logits (the vocabulary shards gathered, plain
    ``log_softmax``), the formulas restated from ``hookspec.conventions``.
-2. The toy task of ``torch_impl.examples.grpo_toy`` (continue a counting
+2. The toy task of ``torch_impl.testing.examples.grpo_toy`` (continue a counting
    sequence, rewarded by position-wise exact match with the true continuation):
    over a fixed number of steps with a fixed seed, the mean reward rises from
    chance (1/16) above a stated threshold.
@@ -25,9 +25,9 @@ from megatron.core import parallel_state
 import torch_impl
 from hookspec import ContractError
 from tests.distributed import run_distributed
-from torch_impl.examples.grpo_toy import CountingTask, GRPOToyConfig, group_advantages, train
+from torch_impl.testing.examples.grpo_toy import CountingTask, GRPOToyConfig, group_advantages, train
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
-from torch_impl.tiny import TinyGPTShape, build_tiny_gpt
+from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt
 
 B, S = 4, 8
 CLIP = 0.2  # PolicyLossConfig.grpo's default clip range, both sides
@@ -225,7 +225,7 @@ def _forward_step(
 def test_policy_step_through_megatron_schedule_on_gpu() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from torch_impl.tiny import megatron_parallel
+    from torch_impl.testing.tiny import megatron_parallel
 
     with megatron_parallel():
         batch = _batch("cuda")

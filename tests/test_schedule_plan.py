@@ -36,8 +36,8 @@ from torch_impl.schedule_plan import (
     plan_outputs,
     prepare_plan_hook,
 )
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
-from torch_impl.tiny_moe import build_tiny_moe_gpt
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny_moe import build_tiny_moe_gpt
 
 try:
     from megatron.core.models.common.utils import PostProcessNode

@@ -24,7 +24,7 @@ from hookspec import ContractError, OutputContext, VocabShard
 from tests.hook_cases import model_inputs
 from torch_impl import value_checks
 from torch_impl.processors import selected_logprobs
-from torch_impl.tiny import build_tiny_gpt, tiny_batch
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 from torch_impl.value_checks import (
     check_labels_deferred,
     check_positive_deferred,
@@ -243,7 +243,7 @@ def test_cuda_forward_with_a_processor_makes_no_host_sync_in_our_code() -> None:
     """A forward through the hook on CUDA, under ``set_sync_debug_mode("warn")``: no
     synchronisation is asked for from a line of hookspec or torch_impl (Megatron's own
     forward may synchronise; that is not ours to remove)."""
-    from torch_impl.tiny import megatron_parallel
+    from torch_impl.testing.tiny import megatron_parallel
 
     with megatron_parallel():
         model = torch_impl.enable_output_processor(build_tiny_gpt().cuda())

@@ -343,7 +343,7 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     import hookspec
 
     from .enable import enable_output_processor
-    from .tiny import build_tiny_gpt, tiny_batch
+    from .testing.tiny import build_tiny_gpt, tiny_batch
 
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
@@ -384,7 +384,7 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     from ._compat import mtp_loss_in_block
     from .enable import enable_output_processor
     from .mtp import default_mtp_loss
-    from .tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+    from .testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
 
     def build() -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -424,8 +424,8 @@ def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
         if not _hybrid_model():
             raise SkipCheck("no megatron.core.models.hybrid in this release")
         from .enable import enable_output_processor
-        from .tiny import tiny_batch
-        from .tiny_hybrid import build_tiny_hybrid
+        from .testing.tiny import tiny_batch
+        from .testing.tiny_hybrid import build_tiny_hybrid
 
         batch = tiny_batch()
         kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
@@ -447,7 +447,7 @@ def run_checks(checks: Iterable[tuple[str, Callable[[], None]]] | None = None) -
     """Run ``checks`` (default: :func:`default_checks`), each in Megatron's groups
     over gloo (world size 1). A check that raises is a failure carrying the
     exception and where it was raised, never a crash; ``SkipCheck`` a skip."""
-    from .tiny import free_port, megatron_parallel
+    from .testing.tiny import free_port, megatron_parallel
 
     # The tiny models are GPTModels on purpose (the adapter's subject); 0.19's notice
     # that GPTModel is deprecated would print once per model built.

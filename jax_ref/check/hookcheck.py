@@ -342,7 +342,7 @@ def _processor_failed(job: _Job, exc: Exception) -> Exception:
 def _run_gpt(
     jobs: list[_Job], model_cases: list[tuple[str, bool]], args: argparse.Namespace, progress: _Progress
 ) -> list[Any]:
-    from torch_impl.tiny import megatron_parallel
+    from torch_impl.testing.tiny import megatron_parallel
 
     from .comparison import compare_run
     from .gpt_cases import build_case_model, case_batch
@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     args = _parser().parse_args(argv)
     if args.tp < 1:
         return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
-    from torch_impl.tiny import TinyGPTShape  # torch and Megatron: not for --help
+    from torch_impl.testing.tiny import TinyGPTShape  # torch and Megatron: not for --help
 
     heads = TinyGPTShape().num_attention_heads
     if heads % args.tp:

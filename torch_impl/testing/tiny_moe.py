@@ -2,7 +2,7 @@
 
 Built through Megatron's own spec system (``get_gpt_decoder_block_spec`` with
 local modules, and ``get_gpt_mtp_block_spec`` for MTP layers), with the core
-attention of :func:`torch_impl.tiny.cpu_layer_spec`, the ``allgather`` token
+attention of :func:`torch_impl.testing.tiny.cpu_layer_spec`, the ``allgather`` token
 dispatcher (the ``alltoall`` one creates a CUDA stream when built), no load
 balancing loss and no linear biases (a biased expert adds its bias in place to
 the output of a custom autograd function, which autograd refuses).

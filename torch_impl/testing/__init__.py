@@ -1,0 +1,12 @@
+"""Test support, apart from the library: tiny Megatron models that build and run on a
+CPU, a one-call process-group set-up, and the examples.
+
+- :mod:`torch_impl.testing.tiny`: ``build_tiny_gpt``, ``tiny_batch``, ``tiny_config``,
+  ``cpu_layer_spec``, ``megatron_parallel``, ``free_port``.
+- :mod:`torch_impl.testing.tiny_hybrid`: a ``HybridModel`` without Transformer Engine.
+- :mod:`torch_impl.testing.tiny_moe`: a GPT whose layers (or last layer) are MoE layers.
+- :mod:`torch_impl.testing.examples`: runnable examples (a GRPO toy).
+
+Nothing in the library imports this package; the tests, the doctor, ``hookcheck``, the
+benchmarks and the notebooks do.
+"""
