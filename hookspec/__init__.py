@@ -21,10 +21,21 @@ from .conventions import (
 )
 from .errors import ContractError
 from .processor import Processor, check_upstream_processor, is_hookspec_processor, processor
-from .validation import check_labels, validate_context, validate_mtp_result, validate_result
+from .validation import (
+    INT64_MAX,
+    INT64_MIN,
+    check_int64,
+    check_labels,
+    validate_collectives,
+    validate_context,
+    validate_mtp_result,
+    validate_result,
+)
 
 __all__ = [
     "IGNORE_INDEX",
+    "INT64_MAX",
+    "INT64_MIN",
     "SPEC_VERSION",
     "UPSTREAM_HOOK_KEYWORDS",
     "UPSTREAM_HOOK_SOURCES",
@@ -39,10 +50,12 @@ __all__ = [
     "SingleProcessCollectives",
     "UpstreamHookSources",
     "VocabShard",
+    "check_int64",
     "check_labels",
     "check_upstream_processor",
     "is_hookspec_processor",
     "processor",
+    "validate_collectives",
     "validate_context",
     "validate_mtp_result",
     "validate_result",

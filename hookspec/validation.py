@@ -8,19 +8,63 @@ read metadata only.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from .arrays import dtype_name, format_shape, is_array, is_floating, is_integer, shape_of
-from .context import OutputContext
+from .collectives import SingleProcessCollectives
+from .context import OutputContext, ParallelLayout, VocabShard
 from .errors import ContractError
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "REQUIRED_COLLECTIVES",
+    "check_int64",
     "check_labels",
+    "validate_collectives",
     "validate_context",
     "validate_mtp_result",
     "validate_result",
 ]
+
+INT64_MIN: int = -(2**63)
+INT64_MAX: int = 2**63 - 1
+"""The range of an integer option: every one ends up in an int64 tensor or kernel argument."""
+
+REQUIRED_COLLECTIVES: tuple[str, ...] = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states")
+"""The methods every :class:`~hookspec.Collectives` has. Methods the protocol
+gained later are optional: a collectives object written before them still
+validates, and a processor that needs one checks for it where it calls it."""
+
+
+def check_int64(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
+    ``[low, high]`` and always within int64 (``[INT64_MIN, INT64_MAX]``), where
+    every integer option of the contract ends up. Raises ``ContractError(field, ...)``::
+
+        check_int64("ignore_index", -100)          # -100
+        check_int64("chunk_size", 2**70, low=1)    # ContractError: ... in [1, 2**63 - 1]
+    """
+    lo = INT64_MIN if low is None else max(low, INT64_MIN)
+    hi = INT64_MAX if high is None else min(high, INT64_MAX)
+
+    def bound(x: int) -> str:
+        return {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1"}.get(x, str(x))
+
+    expected = f"an int in [{bound(lo)}, {bound(hi)}]" + (" (int64)" if low is None or high is None else "")
+    if isinstance(value, bool) or not _is_integral(value):
+        shown = repr(value) if isinstance(value, (str, int, float)) or value is None else type(value).__name__
+        raise ContractError(field, expected=expected, actual=shown)
+    n = int(value)
+    if not lo <= n <= hi:
+        raise ContractError(field, expected=expected, actual=repr(n))
+    return n
+
+
+def _is_integral(value: Any) -> bool:
+    return isinstance(value, numbers.Integral)
 
 
 def _check_array(field: str, x: object) -> None:
@@ -47,13 +91,90 @@ def check_labels(labels: Any, vocab_size: int, *, ignore_index: int, field: str 
         )
 
 
+def validate_collectives(ctx: OutputContext) -> None:
+    """The layout, the vocabulary shard and the collectives of ``ctx`` agree.
+
+    - ``parallel`` is a :class:`ParallelLayout`, ``vocab`` a :class:`VocabShard`
+      or ``None`` (then one rank: ``parallel.tp_size == 1``);
+    - ``vocab``: ``(end - start) * tp_size == size`` and ``start == tp_rank *
+      (end - start)`` (Megatron's ``VocabUtility`` split);
+    - ``collectives`` has the :data:`REQUIRED_COLLECTIVES` methods; with
+      ``tp_size > 1`` it is not :class:`SingleProcessCollectives` (whose
+      reductions are identities: each rank would normalise over its own shard);
+      where it says its group ``size`` (an int attribute, as
+      ``torch_impl.TorchCollectives`` does) that is ``tp_size``, and where it
+      says ``sequence_parallel`` (a bool) that is ``parallel.sequence_parallel``.
+    """
+    layout = ctx.parallel
+    if not isinstance(layout, ParallelLayout):
+        raise ContractError("parallel", expected="a hookspec.ParallelLayout", actual=type(layout).__name__)
+    vocab = ctx.vocab
+    tp = layout.tp_size
+    if vocab is not None and not isinstance(vocab, VocabShard):
+        raise ContractError("vocab", expected="a hookspec.VocabShard or None", actual=type(vocab).__name__)
+    if vocab is None and tp > 1:
+        raise ContractError(
+            "vocab",
+            expected=f"this rank's VocabShard (parallel.tp_size={tp}: the vocabulary is sharded)",
+            actual="None (the whole vocab_weight taken as the vocabulary)",
+        )
+    if vocab is not None:
+        if vocab.local_size * tp != vocab.size:
+            raise ContractError(
+                "vocab",
+                expected=f"(end - start) * tp_size == size with tp_size={tp}",
+                actual=f"start={vocab.start}, end={vocab.end}, size={vocab.size}",
+            )
+        if vocab.start != layout.tp_rank * vocab.local_size:
+            raise ContractError(
+                "vocab",
+                expected=f"start == tp_rank * (end - start) = {layout.tp_rank * vocab.local_size} "
+                f"(tp_rank={layout.tp_rank} of {tp})",
+                actual=f"start={vocab.start}, end={vocab.end}, size={vocab.size}",
+            )
+    coll = ctx.collectives
+    missing = [name for name in REQUIRED_COLLECTIVES if not callable(getattr(coll, name, None))]
+    if missing:
+        raise ContractError(
+            "collectives",
+            expected=f"a hookspec.Collectives with {', '.join(REQUIRED_COLLECTIVES)}",
+            actual=f"{type(coll).__name__} without {', '.join(missing)}",
+        )
+    if tp > 1 and isinstance(coll, SingleProcessCollectives):
+        raise ContractError(
+            "collectives",
+            expected=f"collectives over the {tp} ranks of the tensor-parallel group (parallel.tp_size={tp})",
+            actual="SingleProcessCollectives() (one rank: no reduction over the vocabulary shards)",
+            hint="pass the group's collectives (torch_impl.TorchCollectives, jax_ref's JaxCollectives)",
+        )
+    size = getattr(coll, "size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size != tp:
+        raise ContractError(
+            "collectives",
+            expected=f"a group of parallel.tp_size={tp} ranks",
+            actual=f"{coll!r} over {size} ranks",
+        )
+    sp = getattr(coll, "sequence_parallel", None)
+    if isinstance(sp, bool) and tp > 1 and sp != layout.sequence_parallel:
+        raise ContractError(
+            "collectives",
+            expected=f"sequence_parallel={layout.sequence_parallel}, as parallel.sequence_parallel",
+            actual=f"{coll!r}",
+        )
+
+
 def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
-    """Check the shapes of ``ctx`` against each other, and the label range.
+    """Check the shapes of ``ctx`` against each other, the layout, vocabulary
+    shard and collectives against each other (:func:`validate_collectives`),
+    and the label range.
 
     ``hidden_states`` ``[s_h, b, h]`` with ``s_h * (tp if sequence_parallel else
     1) == s``; ``labels``, ``loss_mask`` and ``padding_mask`` ``[b, s]``;
     ``vocab_weight`` ``[vocab.end - vocab.start, h]``.
     """
+    if not isinstance(ctx, OutputContext):
+        raise ContractError("ctx", expected="a hookspec.OutputContext", actual=type(ctx).__name__)
+    validate_collectives(ctx)
     _check_array("hidden_states", ctx.hidden_states)
     hs = shape_of(ctx.hidden_states)
     if len(hs) != 3:
@@ -85,14 +206,8 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
             raise ContractError(
                 "vocab_weight", expected=f"shape [V/tp={rows}, h={h}]", actual=format_shape(ws)
             )
-    if ctx.vocab is not None and ctx.vocab.local_size * ctx.parallel.tp_size != ctx.vocab.size:
-        raise ContractError(
-            "vocab",
-            expected=f"(end - start) * tp_size == size with tp_size={ctx.parallel.tp_size}",
-            actual=f"start={ctx.vocab.start}, end={ctx.vocab.end}, size={ctx.vocab.size}",
-        )
-    if not (isinstance(ctx.mtp_depth, int) and ctx.mtp_depth >= 0):
-        raise ContractError("mtp_depth", expected="an int >= 0", actual=repr(ctx.mtp_depth))
+    check_int64("mtp_depth", ctx.mtp_depth, low=0)
+    check_int64("ignore_index", ctx.ignore_index)
     for flag in ("check_values", "labels_checked"):
         if not isinstance(getattr(ctx, flag), bool):
             raise ContractError(flag, expected="a bool", actual=repr(getattr(ctx, flag)))
@@ -113,6 +228,12 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
             field,
             expected=f"shape [b={batch}, s={seq}] (per token) or [] (a loss)",
             actual=format_shape(shape),
+        )
+    if not (is_floating(value) or is_integer(value) or dtype_name(value) == "bool"):  # type: ignore[arg-type]
+        raise ContractError(
+            field,
+            expected="a floating, integer or bool dtype",
+            actual=dtype_name(value),  # type: ignore[arg-type]
         )
 
 
@@ -174,4 +295,11 @@ def validate_mtp_result(
             )
     if not is_floating(loss):  # type: ignore[arg-type]
         raise ContractError(f"{field}['loss']", expected="a floating dtype", actual=dtype_name(loss))  # type: ignore[arg-type]
+    if accepted is not None and dtype_name(accepted) != "bool":  # type: ignore[arg-type]
+        # a float or int 'accepted' would count every nonzero entry as an accepted token
+        raise ContractError(
+            f"{field}['accepted']",
+            expected="a bool dtype [b, s] (whether the head's top-1 token equals the label)",
+            actual=dtype_name(accepted),  # type: ignore[arg-type]
+        )
     return loss, accepted

@@ -28,7 +28,7 @@ def test_public_surface_is_explicit() -> None:
     assert sorted(hookspec.__all__) == sorted(set(hookspec.__all__))
     for name in hookspec.__all__:
         assert hasattr(hookspec, name), name
-    assert hookspec.SPEC_VERSION == (1, 1)
+    assert hookspec.SPEC_VERSION == (1, 2)
     assert len(hookspec.UPSTREAM_HOOK_KEYWORDS) == 16
 
 
@@ -86,6 +86,19 @@ def test_mismatched_shapes_name_field_expected_actual(
     assert str(err).startswith(f"{field}: expected ")
 
 
+class _TwoRanks:
+    """A user's collectives over two ranks (stand-in: the reductions are not run here)."""
+
+    def all_reduce_sum(self, x: object, /) -> object:
+        return x
+
+    def all_reduce_max(self, x: object, /) -> object:
+        return x
+
+    def gather_hidden_states(self, x: object, /) -> object:
+        return np.concatenate([x, x])  # type: ignore[list-item]
+
+
 def test_sequence_parallel_hidden_states_are_a_tp_slice() -> None:
     sp = ParallelLayout(tp_size=2, tp_rank=1, sequence_parallel=True)
     ctx = _ctx(
@@ -93,6 +106,7 @@ def test_sequence_parallel_hidden_states_are_a_tp_slice() -> None:
         parallel=sp,
         vocab=VocabShard(8, 16, 16),
         vocab_weight=np.zeros((8, 4), np.float32),
+        collectives=_TwoRanks(),
     )
     hookspec.validate_context(ctx)
     assert ctx.seq_len == 8
