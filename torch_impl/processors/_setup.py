@@ -200,6 +200,7 @@ def make_plan(
             expected=f"an int >= vocab_start + V_local = {vocab_start + local}",
             actual=repr(vocab_size),
         )
+    check_int("vocab_size", vocab_size)  # within int64, as the labels it bounds
     token_default, vocab_default = TILES_BY_DEVICE.get(h.device.type, TILES_BY_DEVICE["cuda"])
     vocab_chunk = (
         vocab_default if vocab_chunk_size is None else check_int("vocab_chunk_size", vocab_chunk_size, low=1)
