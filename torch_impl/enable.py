@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hookspec import IGNORE_INDEX, ContractError
+from hookspec import IGNORE_INDEX, ContractError, check_int64
 
 from ._adapter import (
     OutputHookAdapter,
@@ -68,19 +68,41 @@ def _is_language_model(module: object) -> bool:
     )
 
 
+_WRAPPER_ATTRIBUTES = ("module", "language_model")
+"""Where a wrapper holds the next module: ``.module`` (Megatron's and torch's DDP,
+``Float16Module``), ``.language_model`` (Megatron's multimodal models, such as
+``LLaVAModel``, and user wrappers that follow them)."""
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside Megatron's ``Float16Module``, DDP or torch DDP."""
+    """The language model (GPTModel or HybridModel) inside ``model``.
+
+    Follows ``.module`` (Megatron's ``DistributedDataParallel`` and
+    ``Float16Module``, torch's DDP) and ``.language_model`` (Megatron's
+    multimodal pattern) in any order, e.g. DDP -> Float16Module -> wrapper ->
+    ``.language_model``. A wrapper must pass ``output_processor=``,
+    ``output_processor_context=`` and ``mtp_processor=`` on to its language
+    model's ``forward``.
+    """
     inner: Any = model
-    seen = 0
+    path = [type(model).__name__]
     while not _is_language_model(inner):
-        nxt = getattr(inner, "module", None)
-        if nxt is None or seen > 8:
+        nxt = None
+        for name in _WRAPPER_ATTRIBUTES:
+            candidate = getattr(inner, name, None)
+            if isinstance(candidate, torch.nn.Module):
+                nxt = candidate
+                path.append(f".{name}: {type(candidate).__name__}")
+                break
+        if nxt is None or len(path) > 9:
             raise ContractError(
                 "model",
-                expected="a Megatron GPTModel or HybridModel, or one wrapped by Float16Module or DDP",
-                actual=type(model).__name__,
+                expected="a Megatron GPTModel or HybridModel (a module with .decoder and "
+                ".compute_language_model_loss), itself or under .module (Float16Module, DDP) "
+                "or .language_model (multimodal wrappers)",
+                actual=" -> ".join(path) + " (no language model found)",
             )
-        inner, seen = nxt, seen + 1
+        inner = nxt
     return inner
 
 
@@ -116,6 +138,8 @@ def enable_output_processor(model: M, *, ignore_index: int = IGNORE_INDEX, check
     anywhere. Both are checked here, before the model is touched.
     """
     inner = unwrap_model(model)
+    if isinstance(ignore_index, int) and not isinstance(ignore_index, bool):
+        check_int64("ignore_index", ignore_index)  # compared with int64 labels in the forward
     options = HookOptions(ignore_index=ignore_index, check_values=check_values)
     if not isinstance(inner, OutputHookAdapter):
         cls = type(inner)
