@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     import itertools, json, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from torch_impl.processors import _plan, _triton_kernels as tk
+    from torch_impl.processors import _setup as _plan, _triton_kernels as tk
 
     SHARED_LIMIT = 166912  # bytes a block may use on an A100 (sm_80); an H100 allows 232448
     PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}

@@ -29,7 +29,7 @@ from hookspec.arrays import format_shape
 
 from ._checks import check_int
 from ._logprobs import plan_backward, plan_stats
-from ._plan import Backend, Plan, check_hidden, gather_rows, make_plan
+from ._setup import Backend, Plan, check_hidden, gather_rows, make_plan
 from ._tiles import (
     Stats,
     TileBuffers,

@@ -17,7 +17,7 @@ import torch
 from hookspec import IGNORE_INDEX, Collectives
 
 from ._checks import resolve_vocab_chunk
-from ._plan import (
+from ._setup import (
     DEFAULT_TOKEN_CHUNK,
     DEFAULT_VOCAB_CHUNK,
     Backend,

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from ._plan import Plan
+from ._setup import Plan
 
 __all__ = [
     "Stats",

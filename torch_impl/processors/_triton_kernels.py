@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._plan import KernelConfig
+from ._setup import KernelConfig
 
 __all__ = ["logit_grads", "shard_stats"]
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ._plan import TRITON_WORKSPACE_BYTES, KernelConfig, Plan
+from ._setup import TRITON_WORKSPACE_BYTES, KernelConfig, Plan
 from ._tiles import Stats, combine, mm_into, unfold_dh_
 
 __all__ = ["triton_backward", "triton_forward_stats"]
