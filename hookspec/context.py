@@ -82,7 +82,8 @@ class OutputContext:
     upstream names (``hookspec.UPSTREAM_HOOK_KEYWORDS``); shapes use ``s`` for
     the local sequence (``s/cp`` of each sequence under context parallel, the
     packed token count for THD input), ``b`` batch, ``h`` hidden, ``V`` the
-    global vocabulary.
+    global vocabulary, ``V_local = vocab.end - vocab.start`` this rank's rows
+    of it (``V / tp`` under tensor parallel).
 
     Attributes:
         hidden_states: ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence
@@ -91,10 +92,10 @@ class OutputContext:
             before multiplying by the vocab shard.
         output_layer: the model's output layer, a ``ColumnParallelLinear``
             called as ``output_layer(h, weight=..., runtime_gather_output=...)
-            -> (logits [s, b, V/tp], bias)``; its ``weight`` is absent with
+            -> (logits [s, b, V_local], bias)``; its ``weight`` is absent with
             tied embeddings.
-        output_weight: upstream's value: the tied embedding weight ``[V/tp,
-            h]`` when the embeddings are tied, else ``None``. Prefer
+        output_weight: upstream's value: the tied embedding weight
+            ``[V_local, h]`` when the embeddings are tied, else ``None``. Prefer
             ``vocab_weight``, which is always the weight in use.
         labels: ``[b, s]`` global token ids, or ``None`` (RL and inference:
             the processor derives what it needs from ``input_ids``).
@@ -114,12 +115,19 @@ class OutputContext:
             over tensor parallel (``None``: the output layer's own setting).
         context: the caller's ``output_processor_context``, untouched.
         compute_language_model_loss: Megatron's ``(labels [b, s], logits
-            [s, b, V/tp]) -> loss [b, s]`` (vocab-parallel cross entropy).
-        scale_logits: the model's logit scaling (MuP), ``logits -> logits``;
-            the identity where the release has none.
+            [s, b, V_local]) -> loss [b, s]`` (vocab-parallel cross entropy).
+        scale_logits: the model's logit scaling, ``logits -> logits``,
+            elementwise: ``logits * config.mup_output_mult`` where the model
+            uses MuP (``config.use_mup``), else the identity (also where the
+            release has none). A processor that forms logits from
+            ``vocab_weight`` applies it to them, before any temperature, as
+            the stock head does before its loss; otherwise its logits differ
+            from the model's under MuP. (The built-in processors apply the
+            same factor as ``logit_scale``.)
         config: the model's ``TransformerConfig``.
-        vocab_weight: ``[V/tp, h]``: ``output_weight`` when the embeddings
-            are tied, else the output layer's weight. An enabled model always
+        vocab_weight: ``[V_local, h]``, this rank's rows of the vocabulary
+            (row ``r`` is token ``vocab.start + r``): ``output_weight`` when
+            the embeddings are tied, else the output layer's weight. An enabled model always
             sets it; ``None`` only in a context built by hand without a
             weight, and a processor that multiplies by it must then refuse.
         padding_mask: ``[b, s]``, True at padding, or ``None``.

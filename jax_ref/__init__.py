@@ -16,8 +16,12 @@ The torch side, which runs a torch processor and holds it to a reference,
 lives in ``jax_ref.check`` (DLPack boundary, runs through the hook, cases, the
 comparison and its report, the ``hookcheck`` CLI).
 
-Importing ``jax_ref`` imports nothing heavy (names load on first use) and leaves
-``jax_enable_x64`` alone: computations run inside :func:`float64`.
+Importing ``jax_ref`` imports nothing heavy and leaves ``jax_enable_x64`` alone:
+computations run inside :func:`float64`. The names of ``__all__`` and the
+submodules load on first use, so after ``import jax_ref`` both
+``jax_ref.ReferenceInputs`` and ``jax_ref.processors.token_logprobs_of`` work
+(``import jax_ref.processors`` does the same, explicitly); ``jax_ref.check``
+imports torch when it is first touched.
 """
 
 from __future__ import annotations
@@ -48,7 +52,12 @@ _LAZY = {
 }
 
 
+_SUBMODULES = frozenset({"check", "collectives", "head", "inputs", "processors", "references", "sharded"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jax_ref.{name}")  # binds jax_ref.<name> as well
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'jax_ref' has no attribute {name!r}")

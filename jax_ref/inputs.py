@@ -30,21 +30,45 @@ __all__ = ["ReferenceInputs"]
 class ReferenceInputs:
     """The data of an ``OutputContext``, as JAX arrays.
 
+    ``jax_ref.check`` builds it from the torch context a processor received
+    (``reference_inputs(ctx)``), inside :func:`jax_ref.float64`; by hand,
+    ``ReferenceInputs(labels=..., loss_mask=...)`` with the defaults below is
+    one unsharded vocabulary.
+
     Attributes:
-        labels: ``[b, s]`` global token ids, or None.
-        loss_mask: ``[b, s]`` float64, or None.
+        labels: ``[b, s]`` global token ids (``ignore_index`` where none is
+            selected), integer, or None. ``OutputContext.labels``.
+        loss_mask: ``[b, s]`` float64, 1 where a token counts, or None.
         padding_mask: ``[b, s]`` bool, True at padding, or None.
         input_ids: ``[b, s]``, or None.
-        context: the user context with every torch tensor replaced by a JAX
-            array (floating ones in float64); a dataclass stays that dataclass
-            where it can be rebuilt, a mapping becomes a dict.
-        vocab_start: the first global id of the weight shard (a traced scalar
+        context: the user context (``output_processor_context``, the
+            context's ``context`` field) with every torch tensor or NumPy
+            array replaced by a JAX array, floating ones in float64: a
+            mapping becomes a dict (``inputs.context["temperature"]``), a
+            dataclass stays that dataclass where it can be rebuilt with the
+            new values (``inputs.context.temperature``; else a
+            ``types.SimpleNamespace`` of its fields), tuples and lists keep
+            their type, anything else is passed as it is. This is how a
+            per-token temperature ``[b, s]`` or old and reference logprobs
+            reach the reference.
+        vocab_start: the first global id of ``weight``: row ``r`` of the
+            ``[V_local, h]`` weight is token ``vocab_start + r``
+            (``OutputContext.vocab.start``; 0 on one shard; a traced scalar
             inside ``shard_map``).
-        vocab_size: ``V``, the global vocabulary.
-        ignore_index: the label that selects no token.
-        logit_scale: Megatron's MuP ``mup_output_mult`` when ``use_mup``, else 1.
-        collectives: the contract's collectives (identity on one shard).
-        mtp_depth: 0 for the main head.
+        vocab_size: ``V``, the global vocabulary (``OutputContext.vocab.size``;
+            0 where the context had no vocab range).
+        ignore_index: the label that selects no token (logprob 0, zero
+            gradient, counted in no aggregation).
+        logit_scale: the factor on the logits Megatron's ``scale_logits``
+            applies: ``config.mup_output_mult`` when ``config.use_mup``, else
+            1. :func:`jax_ref.processors.token_logprobs_of` applies it.
+        collectives: the contract's ``Collectives`` over the vocabulary
+            shards: ``SingleProcessCollectives`` (identity) on one shard,
+            :class:`jax_ref.JaxCollectives` (``psum``/``pmax``/``all_gather``
+            over the mesh axis) under :func:`jax_ref.sharded.shard_reference`.
+            Every sum and max over the vocabulary goes through them, and the
+            hidden states through ``gather_hidden_states``.
+        mtp_depth: 0 for the main head, ``k`` for MTP depth ``k``.
     """
 
     labels: jax.Array | None = None

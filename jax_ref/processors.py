@@ -58,7 +58,19 @@ def token_logprobs_of(
     temperature: Any = 1.0,
     with_entropy: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``[b, s]`` logprobs (0 at ignored labels) and entropy of ``hidden [s, b, h]``."""
+    """``[b, s]`` logprobs (0 at ignored labels) and entropy (``None`` unless
+    ``with_entropy``) of ``hidden [s, b, h]`` against this shard's ``weight
+    [V_local, h]``: :func:`jax_ref.references.linear_logprobs` after
+    ``inputs.collectives.gather_hidden_states``, with ``inputs``' labels,
+    ``ignore_index``, ``vocab_start``, ``collectives`` and ``logit_scale``
+    (MuP's output multiplier: applied, as Megatron's ``scale_logits`` does)::
+
+        z = gather_hidden_states(hidden).transpose(1, 0, 2) @ weight.T * logit_scale / temperature
+        logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z))   # over all shards
+
+    ``temperature``: a number or ``[b, s]``; the user context's temperature is
+    not read here (:func:`context_temperature` does that).
+    """
     if inputs.labels is None:
         raise ContractError("labels", expected="token ids [b, s] (the reference needs them)", actual="None")
     h = inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]

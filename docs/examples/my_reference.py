@@ -1,0 +1,25 @@
+"""The float64 JAX reference of `my_processor.tempered_logprobs`."""
+
+import jax_ref.references  # jax_ref loads its submodules lazily: import the ones you use
+from jax_ref import ReferenceInputs
+
+
+def tempered_logprobs_reference(hidden, weight, inputs: ReferenceInputs):
+    # hidden [s, b, h] and weight [V_local, h] (this rank's vocabulary rows), float64;
+    # under `hookcheck --tp N` the same function runs on every shard, and inputs.collectives
+    # (psum / pmax over the shards) and inputs.vocab_start say which rows this one holds.
+    coll = inputs.collectives
+    h = coll.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
+    res = jax_ref.references.linear_logprobs(
+        h,
+        weight,
+        inputs.labels,  # [b, s] global ids
+        temperature=inputs.context["temperature"],  # the user context, torch tensors as JAX arrays
+        ignore_index=inputs.ignore_index,  # logprob 0 there, zero gradient
+        vocab_start=inputs.vocab_start,  # first global id of `weight`
+        logit_scale=inputs.logit_scale,  # MuP's output multiplier, 1 without MuP
+        collectives=coll,  # every sum and max over the vocabulary goes through these
+    )
+    mask = inputs.loss_mask * (inputs.labels != inputs.ignore_index)
+    loss = jax_ref.references.aggregate(-res.logprobs, mask, mode="token-mean")
+    return {"logprobs": res.logprobs, "loss": loss}
