@@ -1,18 +1,29 @@
-"""torch_impl: the PyTorch / Megatron Core implementation of the hookspec contract."""
+"""torch_impl: the PyTorch / Megatron Core implementation of the hookspec contract.
 
-from .collectives import TorchCollectives
-from .context import build_output_context, parallel_layout
-from .enable import (
-    HookOptions,
-    disable_output_processor,
-    enable_output_processor,
-    has_native_hook,
-    is_output_processor_enabled,
-    require_output_processor,
-    unwrap_model,
-)
-from .mtp import default_mtp_loss, detached_head
-from .schedule_plan import build_schedule_plan, plan_loss_func
+The names below load on first use (PEP 562): ``import torch_impl.processors``
+imports torch alone, never Megatron Core; the adapter imports the processors,
+never the reverse.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .collectives import TorchCollectives
+    from .context import build_output_context, parallel_layout
+    from .enable import (
+        HookOptions,
+        disable_output_processor,
+        enable_output_processor,
+        has_native_hook,
+        is_output_processor_enabled,
+        require_output_processor,
+        unwrap_model,
+    )
+    from .mtp import default_mtp_loss, detached_head
+    from .schedule_plan import build_schedule_plan, plan_loss_func
 
 __all__ = [
     "HookOptions",
@@ -30,3 +41,34 @@ __all__ = [
     "require_output_processor",
     "unwrap_model",
 ]
+
+_WHERE: dict[str, str] = {
+    "HookOptions": ".enable",
+    "TorchCollectives": ".collectives",
+    "build_output_context": ".context",
+    "build_schedule_plan": ".schedule_plan",
+    "default_mtp_loss": ".mtp",
+    "detached_head": ".mtp",
+    "disable_output_processor": ".enable",
+    "enable_output_processor": ".enable",
+    "has_native_hook": ".enable",
+    "is_output_processor_enabled": ".enable",
+    "parallel_layout": ".context",
+    "plan_loss_func": ".schedule_plan",
+    "require_output_processor": ".enable",
+    "unwrap_model": ".enable",
+}
+"""The module each public name lives in (a test keeps it equal to ``__all__``)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

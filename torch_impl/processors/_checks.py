@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hookspec import ContractError
+from hookspec import INT64_MAX, INT64_MIN, ContractError
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_labels_deferred, check_positive_deferred
@@ -67,7 +67,10 @@ def check_finite_number(
     expected = f"a finite number {where}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ContractError(field, expected=expected, actual=_describe(value))
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond the float range (10**400)
+        raise ContractError(field, expected=expected, actual=f"{value!r} (beyond the float range)") from None
     if not math.isfinite(x):
         raise ContractError(field, expected=expected, actual=repr(value))
     if low is not None and (x <= low if low_open else x < low):
@@ -79,7 +82,9 @@ def check_finite_number(
 
 def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
-    ``[low, high]``. Raises ``ContractError(field, ...)``::
+    ``[low, high]``, and always within int64 (``hookspec.INT64_MIN`` to
+    ``INT64_MAX``), where every integer option ends up (a tensor, a kernel
+    argument). Raises ``ContractError(field, ...)``::
 
         check_int("chunk_size", n, low=1)
     """
@@ -89,6 +94,10 @@ def check_int(field: str, value: Any, *, low: int | None = None, high: int | Non
     n = int(value)
     if (low is not None and n < low) or (high is not None and n > high):
         raise ContractError(field, expected=expected, actual=repr(value))
+    if not INT64_MIN <= n <= INT64_MAX:
+        lo = "-2**63" if low is None else _number(low)
+        hi = "2**63 - 1" if high is None else _number(high)
+        raise ContractError(field, expected=f"an int in [{lo}, {hi}] (int64)", actual=repr(n))
     return n
 
 
@@ -154,10 +163,7 @@ def check_temperature(
             return t
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):  # Python or NumPy
         raise ContractError(field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__)
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ContractError(field, expected="a finite number > 0", actual=repr(temperature))
-    return float(temperature)
+    return check_finite_number(field, temperature, low=0.0, low_open=True)
 
 
 def check_token_labels(
