@@ -119,6 +119,8 @@ def validate_collectives(ctx: OutputContext) -> None:
             actual="None (the whole vocab_weight taken as the vocabulary)",
         )
     if vocab is not None:
+        for name in ("start", "end", "size"):
+            check_int64(f"vocab.{name}", getattr(vocab, name), low=0)
         if vocab.local_size * tp != vocab.size:
             raise ContractError(
                 "vocab",

@@ -230,7 +230,7 @@ def test_main_result_of_a_non_numeric_dtype_is_refused(dtype: Any) -> None:
         assert info.value.field == field and "dtype" in str(info.value.expected)
 
 
-@pytest.mark.parametrize("shape", [(B,), (S,), (S, B), (B, S, 1), (1, B, S), (B, S - 1)])
+@pytest.mark.parametrize("shape", [(B,), (S,), (S, B), (1, B, S), (B, S - 1), (S, B, 3)])
 def test_main_result_of_another_shape_is_refused(shape: tuple[int, ...]) -> None:
     with pytest.raises(ContractError) as info:
         hookspec.validate_result(np.zeros(shape, np.float32), batch=B, seq=S)

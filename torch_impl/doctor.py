@@ -446,7 +446,12 @@ def default_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 def run_checks(checks: Iterable[tuple[str, Callable[[], None]]] | None = None) -> list[CheckResult]:
     """Run ``checks`` (default: :func:`default_checks`), each in Megatron's groups
     over gloo (world size 1). A check that raises is a failure carrying the
-    exception and where it was raised, never a crash; ``SkipCheck`` a skip."""
+    exception and where it was raised, never a crash; ``SkipCheck`` a skip.
+
+    The caller's state is left as found: a process group and Megatron groups it
+    initialised (world size 1) are used and kept, and the RNG states, default
+    dtype, grad mode and environment variables are restored afterwards."""
+    from .testing.caller_state import callers_state_kept
     from .testing.tiny import free_port, megatron_parallel
 
     # The tiny models are GPTModels on purpose (the adapter's subject); 0.19's notice
@@ -455,7 +460,10 @@ def run_checks(checks: Iterable[tuple[str, Callable[[], None]]] | None = None) -
     notice = _DropMessage("GPTModel IS DEPRECATED")
     gpt_log.addFilter(notice)
     try:
-        return _run_checks(default_checks() if checks is None else checks, megatron_parallel, free_port)
+        # the caller's process group, Megatron groups, RNG, default dtype and environment
+        # are as they were afterwards (megatron_parallel reuses and keeps a caller's groups)
+        with callers_state_kept():
+            return _run_checks(default_checks() if checks is None else checks, megatron_parallel, free_port)
     finally:
         gpt_log.removeFilter(notice)
 

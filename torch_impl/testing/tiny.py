@@ -206,18 +206,47 @@ def megatron_parallel(
     ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
     torchrun or Slurm, a tool such as ``hookcheck`` makes its own group without
     colliding with the caller's.
+
+    The caller's state is left as found: a process group the caller initialised
+    (of ``world_size`` ranks) is used and kept; Megatron's groups the caller
+    initialised (of the same ``tp`` and ``pp``) are used and kept; only what this
+    call made is torn down. A caller's group or Megatron groups of other sizes
+    raise ``RuntimeError`` (one process cannot hold two).
     """
     world_size = world_size or tp * pp
-    if not torch.distributed.is_initialized():
+    made_group = not torch.distributed.is_initialized()
+    if made_group:
         port = free_port() if port is None else port
         torch.distributed.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-    try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    elif torch.distributed.get_world_size() != world_size:
+        raise RuntimeError(
+            f"megatron_parallel: the caller's process group has {torch.distributed.get_world_size()} "
+            f"ranks, {world_size} asked; run this in a process of its own"
         )
+    made_state = not parallel_state.model_parallel_is_initialized()
+    if not made_state:
+        if made_group:  # Megatron groups without a process group: stale, not the caller's
+            parallel_state.destroy_model_parallel()
+            made_state = True
+        elif (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tp, pp):
+            raise RuntimeError(
+                "megatron_parallel: the caller's Megatron groups are "
+                f"tp={parallel_state.get_tensor_model_parallel_world_size()}, "
+                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}; tp={tp}, pp={pp} asked"
+            )
+    try:
+        if made_state:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
         yield
     finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        if made_state:
+            parallel_state.destroy_model_parallel()
+        if made_group:
+            torch.distributed.destroy_process_group()

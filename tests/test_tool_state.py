@@ -1,0 +1,147 @@
+"""A tool run in process leaves the caller's state as it found it: the process
+group, Megatron's ``parallel_state``, the RNG states, the default dtype, grad
+mode, environment variables, warning filters and loggers.
+
+``doctor.run_checks`` and an in-process ``hookcheck.main`` used to destroy the
+caller's process group (``torch.distributed.is_initialized()`` was False after).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from torch_impl import doctor
+from torch_impl.testing.caller_state import CallerState
+from torch_impl.testing.tiny import free_port, megatron_parallel
+
+
+@pytest.fixture
+def callers_group() -> Iterator[Any]:
+    """The caller's own gloo group (world size 1), as a notebook or a test has it."""
+    assert not torch.distributed.is_initialized()
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _snapshot() -> dict[str, Any]:
+    return {
+        "torch_rng": torch.random.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state()[1].copy(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "environ": dict(os.environ),
+        "warning_filters": list(warnings.filters),
+        "megatron_log_level": logging.getLogger("megatron").level,
+        "megatron_core_log_level": logging.getLogger("megatron.core").level,
+        "distributed_log_level": logging.getLogger("torch.distributed").level,
+    }
+
+
+def _assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert torch.equal(before["torch_rng"], after["torch_rng"]), "torch RNG state changed"
+    assert before["python_rng"] == after["python_rng"], "random's state changed"
+    assert np.array_equal(before["numpy_rng"], after["numpy_rng"]), "numpy's RNG state changed"
+    for key in ("dtype", "grad", "environ", "warning_filters"):
+        assert before[key] == after[key], key
+    for key in ("megatron_log_level", "megatron_core_log_level", "distributed_log_level"):
+        assert before[key] == after[key], key
+
+
+def test_megatron_parallel_keeps_the_callers_process_group(callers_group: Any) -> None:
+    with megatron_parallel():
+        assert parallel_state.model_parallel_is_initialized()
+        assert torch.distributed.group.WORLD is callers_group
+    assert torch.distributed.is_initialized(), "the caller's group was destroyed"
+    assert torch.distributed.group.WORLD is callers_group
+    assert not parallel_state.model_parallel_is_initialized(), "ours, torn down"
+
+
+def test_megatron_parallel_keeps_the_callers_megatron_groups(callers_group: Any) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    with megatron_parallel():
+        assert parallel_state.get_tensor_model_parallel_group() is tp_group
+    assert parallel_state.model_parallel_is_initialized()
+    assert parallel_state.get_tensor_model_parallel_group() is tp_group
+    assert torch.distributed.is_initialized()
+
+
+def test_megatron_parallel_of_another_size_inside_a_callers_group_is_refused(callers_group: Any) -> None:
+    with pytest.raises(RuntimeError, match="caller's process group has 1 ranks, 2 asked"):
+        with megatron_parallel(tp=2):
+            pass
+    assert torch.distributed.is_initialized()
+
+
+def test_megatron_parallel_alone_tears_down_what_it_made() -> None:
+    with megatron_parallel():
+        assert torch.distributed.is_initialized()
+    assert not torch.distributed.is_initialized()
+    assert not parallel_state.model_parallel_is_initialized()
+
+
+def _meddling_check() -> None:
+    """A check that changes every piece of state the tools promise to keep."""
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    os.environ["MASTER_PORT"] = "1"
+    os.environ["HOOKSPEC_TOOL_STATE_TEST"] = "set by a check"
+
+
+@pytest.mark.parametrize("with_group", [True, False], ids=["caller-group", "no-group"])
+def test_doctor_run_checks_leaves_the_callers_state(request: pytest.FixtureRequest, with_group: bool) -> None:
+    if with_group:
+        request.getfixturevalue("callers_group")
+    before = _snapshot()
+    checks = [next(iter(doctor.default_checks())), ("meddles", _meddling_check)]
+    results = doctor.run_checks(checks)
+    assert [r.status for r in results] == ["pass", "pass"], results
+    _assert_same(before, _snapshot())
+    assert torch.distributed.is_initialized() == with_group
+
+
+def test_hookcheck_main_leaves_the_callers_state(callers_group: Any) -> None:
+    from jax_ref.check.hookcheck import main
+
+    before = _snapshot()
+    out, err = io.StringIO(), io.StringIO()
+    argv = [
+        "--quiet", "--dtype", "float32", "--case", "masked",
+        "--processor", "jax_ref.check.examples:token_mean_loss",
+        "--reference", "jax_ref.check.examples:token_mean_loss_reference",
+    ]  # fmt: skip
+    assert main(argv, out=out, err=err) == 0, out.getvalue() + err.getvalue()
+    assert torch.distributed.is_initialized(), "hookcheck destroyed the caller's group"
+    assert torch.distributed.group.WORLD is callers_group
+    _assert_same(before, _snapshot())
+
+
+def test_caller_state_restores_what_it_saved() -> None:
+    before = _snapshot()
+    state = CallerState.now()
+    _meddling_check()
+    state.restore()
+    _assert_same(before, _snapshot())
