@@ -4,8 +4,9 @@
 other files) on 0.13.1 to 0.19.2; the full suite runs them on 0.16.1 and 0.19.2.
 A test that needs what a release lacks skips with a reason read from the
 installed code (an attribute, a signature), never from a version string.
-The README's release table is checked here against ``torch_impl.doctor``'s
-inspection of the installed release, so a stale row fails on that release.
+The release table of ``docs/releases.md`` is checked here against
+``torch_impl.doctor``'s inspection of the installed release, so a stale row fails
+on that release.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def readme_release_rows() -> dict[str, str]:
-    """The rows of the README's release table, by release."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Megatron Core releases", 1)[1].split("\n## ", 1)[0]
-    lines = section.splitlines()
+    """The rows of the release table (``docs/releases.md``), by release."""
+    lines = (ROOT / "docs" / "releases.md").read_text().splitlines()
     start = lines.index(TABLE_HEADER)
     rows: dict[str, str] = {}
     for line in lines[start + 2 :]:
@@ -74,7 +73,7 @@ def test_readme_row_is_what_the_installed_code_says() -> None:
     if release not in MATRIX_RELEASES:
         pytest.skip(f"megatron-core {release} is not in the release matrix")
     rows = readme_release_rows()
-    assert release in rows, f"README's release table has no row for {release}"
+    assert release in rows, f"docs/releases.md's release table has no row for {release}"
     assert rows[release] == release_facts().row()
 
 
