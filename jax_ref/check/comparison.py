@@ -296,8 +296,29 @@ def compare_run(
             if tol.allows(max_abs, scale, floors[key, quantity]):
                 ok, floor = True, floors[key, quantity]
             else:
-                note = f"(floor {floors[key, quantity]:.1e})"
-        rows.append(Row(case, dtype, key, quantity, max_abs, max_rel, tol.rtol, ok, note, floor, processor))
+                bound = tol.atol + tol.rtol * scale + tol.slack * floors[key, quantity]
+                note = (
+                    f"(floor {floors[key, quantity]:.1e}: the float32 formula's own error; "
+                    f"allowed {tol.atol:.0e} + {tol.rtol:.0e} * {scale:.2e} + {tol.slack:g} * floor "
+                    f"= {bound:.2e})"
+                )
+        rows.append(
+            Row(
+                case,
+                dtype,
+                key,
+                quantity,
+                max_abs,
+                max_rel,
+                tol.rtol,
+                ok,
+                note,
+                floor,
+                processor,
+                atol=tol.atol,
+                slack=tol.slack,
+            )
+        )
     return rows
 
 

@@ -9,26 +9,32 @@ and exits 1 on a mismatch::
     hookcheck
     hookcheck --processor mypkg.procs:my_logprobs --reference mypkg.refs:my_reference
     hookcheck --tp 2            # vocab-parallel over 2 gloo ranks, sharded reference
+    hookcheck --case random --case masked   # the synthetic kinds not run by default
+    python -m jax_ref.check.hookcheck ...   # the same, without the console script
 
 The heavy imports (jax, torch, Megatron, the cases) wait inside the functions
 that use them: ``--tp`` sets ``XLA_FLAGS`` for virtual JAX devices before JAX
 starts, and ``--help`` answers without loading a framework.
 
-Exit status: 0 all passed, 1 a mismatch (or a non-finite value), 2 bad input
-(a ``module:attr`` that does not import, a reference whose output structure
-differs from the processor's, a dtype DLPack cannot carry, a processor that
-raises).
+Exit status: 0 all passed, 1 a mismatch (or a non-finite value), 2 bad input,
+named by the input at fault: ``--processor`` (it raises), ``--reference`` (it
+raises, or its output structure differs from the processor's), ``--context``
+(its maker raises, or it holds a dtype DLPack cannot carry), ``--seed``,
+``--tp``, ``--case``, or a ``module:attr`` that does not import.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import logging
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from hookspec import ContractError
@@ -38,6 +44,11 @@ __all__ = ["BUILTIN_CHECKS", "BuiltinCheck", "main"]
 DTYPES = ("float32", "bfloat16", "float16")
 _MAX_FAILURE_LINES = 20
 SYNTHETIC_KINDS = ("strongly-negative", "peaked", "awkward")
+"""The synthetic kinds run by default (``--case`` asks for others)."""
+ALL_SYNTHETIC_KINDS = ("random", "strongly-negative", "peaked", "masked", "awkward")
+"""Every kind of :func:`jax_ref.check.cases.synthetic_context` (``CASE_KINDS``; a test keeps them equal)."""
+SEED_MAX = 2**32 - 1
+"""``--seed`` is in ``[0, SEED_MAX]``: it seeds torch generators after mixing (cotangents per output)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +172,34 @@ class _Job:
     context_spec: str | None
 
 
+_EPILOG = """\
+running it:
+  without the console script (a checkout on PYTHONPATH, or before `pip install`):
+    python -m jax_ref.check.hookcheck [options]
+
+synthetic cases (float32, besides the tiny GPT):
+  strongly-negative, peaked and awkward run by default; random and masked run when
+  asked: --case random --case masked (or --case all for every kind). --case replaces
+  the default set; --no-synthetic runs none.
+
+how a row passes (printed again under the table):
+  max abs err <= atol + rtol * max|reference| + 8 * floor, per compared array, with
+  rtol and atol by the dtype of the hidden states (float32: rtol 1e-4, atol 1e-7;
+  float16: 5e-3, 1e-6; bfloat16: 2e-2, 1e-5). "max rel err" is max abs err /
+  max|reference|: a row whose rel err exceeds rtol can pass on atol where the
+  reference is tiny. floor: the error of the reference's own formula evaluated in
+  float32 against float64, computed only for an array that fails the first two
+  terms; "ok (f32 floor)" passed on it, "(floor X)" in a FAIL line is that error.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hookcheck",
         description="Cross-check output processors (values and VJPs) against the float64 JAX reference, "
         "on a tiny Megatron GPT run on the CPU and on synthetic cases.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--processor",
@@ -190,12 +224,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks for the GPT case (gloo processes)"
     )
+    p.add_argument(
+        "--case",
+        action="append",
+        choices=(*ALL_SYNTHETIC_KINDS, "all"),
+        help="a synthetic case to run; repeat for several (default: "
+        + ", ".join(SYNTHETIC_KINDS)
+        + "; random and masked only when asked; 'all': every kind)",
+    )
     p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic and adversarial cases")
     p.add_argument("--full", action="store_true", help="print every compared array, not the summary")
-    p.add_argument("--seed", type=int, default=0, help="seed of the cotangents")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the cotangents and synthetic cases, in [0, 2**32 - 1]"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
     return p
+
+
+def _synthetic_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.no_synthetic:
+        return ()
+    if not args.case:
+        return SYNTHETIC_KINDS
+    if "all" in args.case:
+        return ALL_SYNTHETIC_KINDS
+    return tuple(dict.fromkeys(args.case))
 
 
 def _error(message: str, stream: TextIO) -> int:
@@ -258,7 +312,9 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
                     expected=f"{context_spec} to be a callable make_context(ctx) -> user context",
                     actual=type(make).__name__,
                 )
-            jobs.append(_Job(proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec))
+            jobs.append(
+                _job(proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec, ref_spec)
+            )
         return jobs, []
     jobs, unavailable = [], []
     for check in BUILTIN_CHECKS:
@@ -271,8 +327,29 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
         except ContractError as exc:
             unavailable.append(f"{check.name} ({check.processor}): {exc.actual}")
             continue
-        jobs.append(_Job(check.name, proc, check.reference(), make, check.processor, check.make_context))
+        jobs.append(
+            _job(check.name, proc, check.reference(), make, check.processor, check.make_context, None)
+        )
     return jobs, unavailable
+
+
+def _job(
+    name: str,
+    proc: Any,
+    ref: Any,
+    make: Any,
+    spec: str,
+    context_spec: str | None,
+    ref_spec: str | None,
+) -> _Job:
+    """A job whose reference and context maker name themselves when they raise."""
+    ref_name = getattr(ref, "__name__", type(ref).__name__)
+    ref_who = f"reference {ref_name!r}" + (f" (--reference {ref_spec})" if ref_spec else "")
+    make_blamed = None
+    if make is not None:
+        make_name = getattr(make, "__name__", type(make).__name__)
+        make_blamed = _blamed(f"context maker {make_name!r} (--context {context_spec})", make)
+    return _Job(name, proc, _blamed(ref_who, ref), make_blamed, spec, context_spec)
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -285,7 +362,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return _error("no processor to check", err)
     dtypes = tuple(args.dtype or DTYPES)
     builtin = not args.processor
-    kinds = () if args.no_synthetic else SYNTHETIC_KINDS
+    kinds = _synthetic_kinds(args)
     model_cases = [(d, False) for d in dtypes] + ([("float32", True)] if "float32" in dtypes else [])
     if args.tp > 1:
         model_cases = [("float32", False)]
@@ -310,7 +387,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 row.note
                 if row.note.startswith(("non-finite", "shape", "finite"))
                 else f"max abs err {row.max_abs:.3g}, {row.max_rel:.3g} of the reference's scale "
-                f"(rtol {row.rtol:g}) {row.note}".rstrip()
+                f"(rtol {row.rtol:g}, atol {row.atol:g}) {row.note}".rstrip()
             )
             print(
                 f"FAIL {row.processor}: {row.output} {row.quantity} [{row.case}, {row.dtype}]: {reason}",
@@ -326,16 +403,74 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _print_report(report: Any, full: bool, out: TextIO) -> None:
     print(report.table() if full else report.summary(), file=out)
+    print(report.legend(), file=out)
     print(file=out)
 
 
-def _processor_failed(job: _Job, exc: Exception) -> Exception:
-    if isinstance(exc, ContractError):
-        return exc
+class _Culprit(Exception):
+    """An exception raised inside one of hookcheck's inputs (a reference, a user
+    context maker), carrying the input's name so that the error line names it."""
+
+    def __init__(self, who: str, error: Exception) -> None:
+        super().__init__(who)
+        self.who, self.error = who, error
+
+
+def _blamed(who: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose exceptions are :class:`_Culprit` naming ``who``."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _Culprit:
+            raise
+        except Exception as exc:
+            raise _Culprit(who, exc) from exc
+
+    call.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    return call
+
+
+def _first_line(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+
+
+@contextlib.contextmanager
+def _attributed(job: _Job, case: str, stage: str) -> Iterator[None]:
+    """Raise what fails inside as a :class:`ContractError` naming its culprit: the
+    reference or the context maker where they raised (:class:`_Culprit`); else,
+    in the ``"processor"`` stage (running it through the hook), the processor,
+    whose own ``ContractError`` keeps its message; in the ``"reference"`` stage
+    (the comparison under ``jax.vjp``), the reference, whose output JAX could not
+    take (a ``ContractError`` there already names the reference or the context)."""
+    try:
+        yield
+    except _Culprit as exc:
+        raise ContractError(
+            exc.who, expected=f"to run on the case [{case}]", actual=_first_line(exc.error)
+        ) from None
+    except ContractError:
+        raise
+    except Exception as exc:
+        if stage == "reference":
+            ref = getattr(job.reference, "__name__", "?")
+            raise ContractError(
+                f"reference {ref!r}",
+                expected=f"an output jax.vjp can take on the case [{case}]",
+                actual=_first_line(exc),
+            ) from None
+        raise ContractError(
+            f"processor {job.name!r}", expected="to run on the case", actual=_first_line(exc)
+        ) from None
+
+
+def _case_failed(case: str, exc: Exception) -> ContractError:
+    """hookcheck's own case could not be built (not an input's fault: say so)."""
     return ContractError(
-        f"processor {job.name!r}",
-        expected="to run on the case",
-        actual=f"{type(exc).__name__}: {exc}".splitlines()[0],
+        f"case {case!r}",
+        expected="to build (hookcheck's tiny GPT or synthetic case; no input of yours is involved)",
+        actual=_first_line(exc),
     )
 
 
@@ -351,17 +486,19 @@ def _run_gpt(
     rows: list[Any] = []
     with megatron_parallel():
         for dtype, tied in model_cases:
-            model = build_case_model(dtype=dtype, tied=tied)
-            batch = case_batch()
             case = "gpt-tied" if tied else "gpt"
+            try:
+                model = build_case_model(dtype=dtype, tied=tied)
+                batch = case_batch()
+            except Exception as exc:
+                raise _case_failed(f"{case} {dtype}", exc) from None
             for job in jobs:
-                try:
+                with _attributed(job, f"{case}, {dtype}", "processor"):
                     run = run_through_hook(
                         job.processor, model, batch, make_user_context=job.make_context, seed=args.seed
                     )
-                except Exception as exc:
-                    raise _processor_failed(job, exc) from None
-                got = compare_run(run, job.reference, case=case, processor=job.name)
+                with _attributed(job, f"{case}, {dtype}", "reference"):
+                    got = compare_run(run, job.reference, case=case, processor=job.name)
                 rows += got
                 progress.step(f"{job.name} | {case} {dtype}", _status(got))
     return rows
@@ -377,14 +514,16 @@ def _run_synthetic(
     rows: list[Any] = []
     for kind in kinds:
         for job in jobs:
-            ctx = synthetic_context(kind, seed=args.seed)
             try:
+                ctx = synthetic_context(kind, seed=args.seed)
+            except Exception as exc:
+                raise _case_failed(f"{kind} float32", exc) from None
+            with _attributed(job, f"{kind}, float32", "processor"):
                 if job.make_context is not None:
                     ctx = ctx.replace(context=job.make_context(ctx))
                 run = run_on_context(job.processor, ctx, seed=args.seed)
-            except Exception as exc:
-                raise _processor_failed(job, exc) from None
-            got = compare_run(run, job.reference, case=kind, processor=job.name)
+            with _attributed(job, f"{kind}, float32", "reference"):
+                got = compare_run(run, job.reference, case=kind, processor=job.name)
             rows += got
             progress.step(f"{job.name} | {kind} float32", _status(got))
     return rows
@@ -401,11 +540,22 @@ def _run_tensor_parallel(
             raise ContractError("--tp", expected="processors named by module:attr", actual=job.spec)
     progress.say(f"hookcheck: starting {args.tp} gloo ranks for {len(jobs)} processor(s) ...")
     cases = [GPTCase(processor=j.spec, make_context=j.context_spec, seed=args.seed) for j in jobs]
-    all_runs = run_tensor_parallel(cases, tp=args.tp)
+    try:
+        all_runs = run_tensor_parallel(cases, tp=args.tp)
+    except ContractError:
+        raise
+    except RuntimeError as exc:  # a rank failed: in a processor or its context maker, run there
+        names = ", ".join(repr(j.name) for j in jobs)
+        raise ContractError(
+            f"processor {names} on {args.tp} gloo ranks",
+            expected="to run through the hook (with its --context maker, if any)",
+            actual=_first_line(exc),
+        ) from None
     rows: list[Any] = []
     how = ""
     for job, runs in zip(jobs, all_runs):
-        report, how = cross_check_tensor_parallel(runs, job.reference, processor=job.name, case="gpt")
+        with _attributed(job, f"gpt tp{args.tp}", "reference"):
+            report, how = cross_check_tensor_parallel(runs, job.reference, processor=job.name, case="gpt")
         rows += report.rows
         progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
     notes.append(f"hookcheck: tp={args.tp}: {how}")
@@ -424,7 +574,15 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     args = _parser().parse_args(argv)
     if args.tp < 1:
         return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
-    from torch_impl.testing.tiny import TinyGPTShape  # torch and Megatron: not for --help
+    if not 0 <= args.seed <= SEED_MAX:
+        return _error(f"--seed: expected an int in [0, 2**32 - 1], got {args.seed}", err)
+    if args.case and args.no_synthetic:
+        return _error(
+            f"--case: expected no --no-synthetic beside it, got --case {' --case '.join(args.case)}", err
+        )
+    with _known_noise_silenced():
+        from torch_impl.testing.caller_state import callers_state_kept
+        from torch_impl.testing.tiny import TinyGPTShape  # torch and Megatron: not for --help
 
     heads = TinyGPTShape().num_attention_heads
     if heads % args.tp:
@@ -436,7 +594,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         # virtual CPU devices for the sharded reference; read when JAX starts its backend
         os.environ["XLA_FLAGS"] = f"{saved_flags or ''} {_DEVICE_COUNT_FLAG}={args.tp}".strip()
     try:
-        return _main(args, out, err)
+        # run in process (a notebook, a test), it leaves the caller's process group,
+        # Megatron groups, RNG, default dtype and environment as it found them
+        with callers_state_kept():
+            return _main(args, out, err)
     finally:
         if saved_flags is None:
             os.environ.pop("XLA_FLAGS", None)
@@ -448,9 +609,9 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _quiet_logs()
+    with _known_noise_silenced():
+        if not args.quiet:
+            print(f"hookcheck: {_NOISE_NOTE}", file=err, flush=True)
         try:
             return _run(args, out, err)
         except ContractError as exc:
@@ -463,11 +624,51 @@ def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             )
 
 
-def _quiet_logs() -> None:
-    import logging
+_KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # megatron.core at import, where neither is installed; the CPU cases use neither
+    (r"Transformer Engine and Apex are not installed", UserWarning),
+    (r"Apex is not installed", UserWarning),
+)
+"""The warnings hookcheck silences, by message: nothing else."""
 
-    for name in ("megatron", "megatron.core", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+_KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
+    # torch, when it looks for CUDA on a CPU-only machine
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+    # megatron-core 0.19 logs this once per GPTModel built: the case model is one on purpose
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+"""The log records hookcheck drops, by logger and message start: nothing else."""
+
+_NOISE_NOTE = (
+    "Megatron Core's notices that Transformer Engine and Apex are absent (the CPU cases use "
+    "neither), its GPTModel deprecation notice and torch's 'No CUDA runtime' line are silenced"
+)
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _known_noise_silenced() -> Iterator[None]:
+    """Silence :data:`_KNOWN_WARNINGS` and :data:`_KNOWN_LOG_RECORDS` inside; the
+    warning filters and loggers are as they were afterwards."""
+    filters = [(logging.getLogger(name), _DropRecords(prefix)) for name, prefix in _KNOWN_LOG_RECORDS]
+    with warnings.catch_warnings():
+        for message, category in _KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for logger, f in filters:
+            logger.addFilter(f)
+        try:
+            yield
+        finally:
+            for logger, f in filters:
+                logger.removeFilter(f)
 
 
 if __name__ == "__main__":

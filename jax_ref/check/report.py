@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["CrossCheckReport", "Row", "combine"]
+__all__ = ["CrossCheckReport", "Row", "combine", "pass_rule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +30,11 @@ class Row:
     note: str = ""
     floor: float = 0.0
     processor: str = ""
+    atol: float = 0.0
+    slack: float = 0.0
 
 
-_HEADER = ("case", "dtype", "output", "quantity", "max abs err", "max rel err", "rtol", "result")
+_HEADER = ("case", "dtype", "output", "quantity", "max abs err", "max rel err", "rtol", "atol", "result")
 _SUMMARY = ("processor", "case", "dtype", "outputs", "value", "d/d hidden", "d/d weight", "result")
 
 
@@ -82,6 +84,7 @@ class CrossCheckReport:
                 _fmt(r.max_abs),
                 _fmt(r.max_rel),
                 f"{r.rtol:.0e}",
+                f"{r.atol:.0e}",
                 _result(r),
             )
             for r in self.rows
@@ -107,9 +110,31 @@ class CrossCheckReport:
             cells.append((proc, case, dtype, outputs, *worst, verdict))
         return _grid(cells)
 
+    def legend(self) -> str:
+        """How a row passes, with the tolerances of the dtypes in the rows."""
+        return pass_rule(self.rows)
+
     def __str__(self) -> str:
         status = "passed" if self.passed else f"FAILED ({len(self.failures())} of {len(self.rows)})"
-        return f"{self.processor} vs {self.reference}: {status}\n{self.table()}"
+        return f"{self.processor} vs {self.reference}: {status}\n{self.table()}\n{self.legend()}"
+
+
+def pass_rule(rows: Sequence[Row]) -> str:
+    """The pass rule of a table, in words, and the tolerances of its dtypes::
+
+    pass: max abs err <= atol + rtol * max|reference| + slack * floor (per compared array)
+    """
+    tols = {r.dtype: (r.rtol, r.atol, r.slack) for r in rows}
+    slack = max((s for _, _, s in tols.values()), default=0.0)
+    by_dtype = "; ".join(f"{d} rtol {rt:.0e} atol {at:.0e}" for d, (rt, at, _) in tols.items())
+    return (
+        f"pass: max abs err <= atol + rtol * max|reference| + {slack:g} * floor, per compared array "
+        f"({by_dtype}).\n"
+        "max rel err = max abs err / max|reference|: above rtol, a row passes on atol where the "
+        "reference is tiny.\n"
+        "floor: the error of the reference's own formula run in float32 against float64, computed "
+        'only for an array that fails the first two terms ("ok (f32 floor)": passed on it).'
+    )
 
 
 def combine(reports: Sequence[CrossCheckReport], /, *, processor: str, reference: str) -> CrossCheckReport:
