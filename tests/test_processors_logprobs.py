@@ -275,15 +275,33 @@ def test_labels_outside_the_global_vocabulary_raise() -> None:
             linear_logprobs(h, w, y2)
 
 
+class _OtherRanksAbsent:
+    """Collectives of a group whose other ranks contribute nothing (the identity): enough
+    to check what a shard accepts, not what it computes."""
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce_sum_context_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:
     """A shard of rows [30, 60) of a vocabulary of 90: label 5 lives elsewhere."""
     h, w, y = _inputs(4, 4, 30, torch.float32)
-    r = linear_logprobs(h, w, torch.tensor([5, 35, 89, IGNORE]), vocab_start=30, vocab_size=90)
+    shard = dict(vocab_start=30, vocab_size=90, collectives=_OtherRanksAbsent())
+    r = linear_logprobs(h, w, torch.tensor([5, 35, 89, IGNORE]), **shard)  # type: ignore[arg-type]
     assert r.logprobs.shape == (4,)
     with pytest.raises(ContractError, match="labels"):
-        linear_logprobs(h, w, torch.tensor([5, 35, 90, 0]), vocab_start=30, vocab_size=90)
+        linear_logprobs(h, w, torch.tensor([5, 35, 90, 0]), **shard)  # type: ignore[arg-type]
     with pytest.raises(ContractError, match="vocab_size"):
-        linear_logprobs(h, w, y, vocab_start=30, vocab_size=40)
+        linear_logprobs(h, w, y, vocab_start=30, vocab_size=40, collectives=_OtherRanksAbsent())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """Selected-token logprobs and entropy from hidden states and a vocab shard, without
 materialising the ``[n, V]`` logits: the public function and its autograd.
 
-Two backends compute the same statistics and gradients: the Triton kernels on
-CUDA (:mod:`._triton_path`; the logits never leave the chip in the forward pass)
-and the torch tiles (:mod:`._tiles`; the CPU path and the in-repo reference).
-``backend="auto"`` picks Triton for bf16/fp16/fp32 tensors on CUDA.
+Two backends compute the same statistics and gradients, each GEMM a ``torch.mm``
+(cuBLAS on a GPU): the Triton backend does the memory-bound work on each logits
+chunk in Triton kernels (:mod:`._triton_path`), the torch backend in torch ops
+(:mod:`._tiles`; the CPU path and the in-repo reference). ``backend="auto"`` takes
+the device class's entry of :mod:`._backends` (Triton on CUDA where nothing was
+measured, torch on a CPU and for float64).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from ._setup import (
     DEFAULT_TOKEN_CHUNK,
     DEFAULT_VOCAB_CHUNK,
     Backend,
-    Plan,
+    TileSetup,
     check_hidden,
     gather_rows,
-    make_plan,
+    make_setup,
+    refuse_double_backward,
 )
 from ._tiles import Stats, backward_tiles, forward_stats, logit_grad_coefficients, scaled_hidden
 
@@ -33,8 +36,8 @@ __all__ = [
     "DEFAULT_VOCAB_CHUNK",
     "LogprobResult",
     "linear_logprobs",
-    "plan_stats",
-    "plan_backward",
+    "run_backward",
+    "run_forward",
 ]
 
 
@@ -51,31 +54,31 @@ class LogprobResult:
     entropy: torch.Tensor | None
 
 
-def plan_stats(hs: torch.Tensor, w: torch.Tensor, plan: Plan) -> Stats:
-    """The global statistics of every token, on the plan's backend."""
-    if plan.kernel is not None:
+def run_forward(hs: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> Stats:
+    """The global statistics of every token, on the setup's backend."""
+    if setup.kernel is not None:
         from ._triton_path import triton_forward_stats
 
-        return triton_forward_stats(hs, w, plan)
-    return forward_stats(hs, w, plan)
+        return triton_forward_stats(hs, w, setup)
+    return forward_stats(hs, w, setup)
 
 
-def plan_backward(
+def run_backward(
     hs: torch.Tensor,
     w: torch.Tensor,
-    plan: Plan,
+    setup: TileSetup,
     stats: Stats,
     coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
     *,
     need_dh: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dh, dw)`` from the logit-gradient coefficients, on the plan's backend."""
-    if plan.kernel is not None:
+    """``(dh, dw)`` from the logit-gradient coefficients, on the setup's backend."""
+    if setup.kernel is not None:
         from ._triton_path import triton_backward
 
-        return triton_backward(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
-    return backward_tiles(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
+        return triton_backward(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
+    return backward_tiles(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
 
 
 # ---------------------------------------------------------------- autograd
@@ -83,11 +86,13 @@ def plan_backward(
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-        hs = scaled_hidden(h, plan)
-        stats = plan_stats(hs, w, plan)
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hs = scaled_hidden(h, setup)
+        stats = run_forward(hs, w, setup)
         ctx.set_materialize_grads(False)
-        ctx.plan = plan
+        ctx.setup = setup
         ctx.stats = dataclasses.replace(stats, logprobs=stats.logprobs.detach())
         ctx.save_for_backward(h, w)
         entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
@@ -97,15 +102,16 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_h: torch.Tensor | None) -> tuple[Any, ...]:
+        refuse_double_backward("linear_logprobs")
         h, w = ctx.saved_tensors
-        plan: Plan = ctx.plan
+        setup: TileSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_h is None) or not (need_dh or need_dw):
             return None, None, None
         stats: Stats = ctx.stats
-        coef = logit_grad_coefficients(stats, g_lp, g_h, plan.ignored, plan.acc_dtype)
-        hs = scaled_hidden(h, plan)
-        dh, dw = plan_backward(hs, w, plan, stats, coef, need_dh=need_dh, need_dw=need_dw)
+        coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype)
+        hs = scaled_hidden(h, setup)
+        dh, dw = run_backward(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(h.dtype) if dh is not None else None), dw, None
 
 
@@ -151,19 +157,25 @@ def linear_logprobs(
         with_entropy: also return the entropy of ``softmax(z)``.
         vocab_size: the global vocabulary (default ``vocab_start + V_local``);
             labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise.
+            A shard that is not the whole vocabulary needs ``collectives``.
         collectives: the ``hookspec.Collectives`` of the vocab-parallel group;
-            ``None`` for one process.
-        backend: ``"triton"`` (fused kernels: the logits stay on chip in the
-            forward pass), ``"torch"`` (tiles of torch ops), or ``"auto"``:
-            Triton for bf16/fp16/fp32 tensors on CUDA where Triton is installed,
-            torch otherwise (CPU, fp64). ``"triton"`` on a CPU needs
-            ``TRITON_INTERPRET=1``. fp32 products use TF32 only where
-            ``torch.backends.cuda.matmul.allow_tf32`` asks for it.
-        vocab_chunk_size, token_chunk_size: the torch path's tile, vocab
-            entries by tokens; default per device (``TILES_BY_DEVICE``: 4096 x
-            1024 on a CPU, 8192 x 4096 on CUDA). Unused by the Triton path.
-        compute_dtype: the matmul dtype; default float32 on a CPU for the torch
-            path (fp64 stays fp64), the input dtype elsewhere.
+            ``None`` for one process (then ``weight`` must be the whole vocabulary).
+        backend: ``"triton"`` (cuBLAS GEMMs, Triton kernels for the passes over
+            each logits chunk), ``"torch"`` (cuBLAS GEMMs, torch ops for the
+            passes), or ``"auto"``: the device class's measured choice, else
+            Triton on CUDA where Triton is installed, torch otherwise (CPU,
+            fp64). ``"triton"`` on a CPU needs ``TRITON_INTERPRET=1``. fp32
+            products use TF32 only where ``torch.backends.cuda.matmul.allow_tf32``
+            asks for it.
+        vocab_chunk_size, token_chunk_size: the logits chunk, vocab entries by
+            tokens. Default per device: on the torch path ``TILES_BY_DEVICE``
+            (4096 x 1024 on a CPU, 8192 x 4096 on CUDA); on the Triton path
+            ``LOGITS_CHUNK_BYTES`` of fp32 logits (1 GiB on CUDA: every row,
+            as many vocabulary entries as fit).
+        compute_dtype: the matmul operands' dtype; default float32 on a CPU for
+            the torch path, float64 where ``hidden`` or ``weight`` is float64
+            (torch path), the input dtype elsewhere. Products accumulate in fp32
+            (fp64) whatever it is.
         logit_scale: a constant factor on the logits (MuP's output multiplier).
         check_values: read the labels and a tensor temperature to check them.
         chunk_size: deprecated name of ``vocab_chunk_size`` (one release).
@@ -171,11 +183,12 @@ def linear_logprobs(
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
         ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a
-        finite number.
+        finite number. Differentiable once: a backward with
+        ``create_graph=True`` raises (its gradient would have no graph).
     """
     check_hidden(hidden)
     h = gather_rows(hidden, collectives)
-    plan = make_plan(
+    setup = make_setup(
         h,
         weight,
         labels,
@@ -192,5 +205,5 @@ def linear_logprobs(
         check_values=check_values,
         backend=backend,
     )
-    logprobs, entropy = _LinearLogprobs.apply(h, weight, plan)
+    logprobs, entropy = _LinearLogprobs.apply(h, weight, setup)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None)

@@ -6,12 +6,18 @@ What each input may hold, one rule per kind of input (tested in
 
 - The mask ``M`` (``PolicyBatch.mask``, else the model's ``loss_mask``) is read
   at every token: an entry that is NaN, infinite or negative, wherever it is,
-  makes the loss and every metric NaN. Only a mask summing to exactly 0 is
-  empty (loss 0, zero gradient).
+  raises ``ContractError`` (``context.mask`` or ``loss_mask``), checked as the
+  labels are: at once on a CPU, without a host read on a GPU
+  (``torch_impl.value_checks``: the error comes at a later check, and until
+  then the loss and every metric are NaN, never "empty"). Only a mask summing
+  to exactly 0 is empty (loss 0, zero gradient).
 - The batch's per-token values (``old_logprobs``, ``advantages``,
   ``ref_logprobs``) are read at counted tokens only (``M > 0`` and a label
   that is not the ignore index): a NaN or inf elsewhere changes nothing; at a
-  counted token it makes the loss NaN.
+  counted token it raises ``ContractError`` (``context.<field>``), checked as
+  the mask is (on a GPU the loss is NaN until the deferred check reports).
+- With ``check_values=False`` (the model enabled so) nothing is checked by
+  value: a bad mask entry or counted value makes the loss NaN instead.
 - The model's outputs (hidden states, output weight) are read at every token:
   a NaN or inf anywhere, counted or not, makes the loss NaN (its gradient
   would be NaN anyway: the tile products reach every row of the weight).
@@ -23,15 +29,24 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from hookspec import Aggregation, ContractError, KLEstimator, OutputContext, Processor, processor
+from hookspec import (
+    Aggregation,
+    ContractError,
+    KLEstimator,
+    OutputContext,
+    Processor,
+    SingleProcessCollectives,
+    processor,
+)
 from hookspec.arrays import format_shape
 
+from ..value_checks import check_finite_deferred, check_multiple_deferred
 from ._checks import check_finite_number, check_floating, check_int
-from ._fused import FUSED_TILE_ELEMENTS, fused_token_loss
+from ._fused import fused_token_loss
 from ._inputs import HookInputs, Tile, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
 from ._logprobs import linear_logprobs
 from ._policy_math import (
@@ -40,13 +55,16 @@ from ._policy_math import (
     check_unused_count,
     kl_terms,
     ppo_token_loss,
-    sequence_log_ratio,
+    segment_sum,
+    sequence_ratio_of,
+    sequence_sums,
     weights_of,
 )
 
 __all__ = [
     "PolicyBatch",
     "TokenTerms",
+    "context_parallel_sum",
     "policy_loss",
     "sequence_ids",
 ]
@@ -62,8 +80,8 @@ class PolicyBatch:
     - ``advantages``: per token (broadcast a per-sequence advantage yourself).
     - ``mask``: which tokens count, as weights (bool, or numbers ``>= 0``);
       ``None``: the model's ``loss_mask``, else every token. Tokens labelled
-      ``ignore_index`` never count. A NaN, infinite or negative entry makes
-      the loss NaN (never "empty").
+      ``ignore_index`` never count. A NaN, infinite or negative entry raises
+      ``ContractError`` (never "empty"; see the module docstring).
     - ``ref_logprobs``: the reference policy's logprobs, needed when ``kl_coef != 0``.
     - ``temperature``: the sampling temperature, a number or ``[b, s]``.
     - ``global_tokens`` / ``global_sequences``: the token / sequence counts of
@@ -72,10 +90,15 @@ class PolicyBatch:
       they replace the local ``sum(mask)`` / number of sequences in the
       aggregation, so that the ranks' losses sum to the global loss. Give the
       one the aggregation reads (token-mean: ``global_tokens``; the sequence
-      means: ``global_sequences``): the other is refused, not ignored.
+      means: ``global_sequences``): the other is refused, not ignored. Under
+      context parallel they are optional: the processor sums each sequence's
+      count over the context-parallel group itself
+      (``Collectives.all_reduce_sum_context_parallel``); give them for the
+      ranks beyond it (data parallel).
 
     The values of ``old_logprobs``, ``advantages`` and ``ref_logprobs`` at
-    tokens that do not count are never read.
+    tokens that do not count are never read (those at counted tokens must be
+    finite).
     """
 
     old_logprobs: torch.Tensor
@@ -135,42 +158,92 @@ def _policy_batch(ctx: OutputContext) -> PolicyBatch:
 def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """``(segments [b, s], count)``: each token's sequence. A row per sequence,
     or, for packed (THD) input, the sequences of ``packed_seq_params``
-    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``, divided by the context
-    parallel size: each rank holds ``1/cp`` of every sequence); tokens past the
-    last boundary form one more segment."""
+    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last
+    boundary form one more segment.
+
+    Under context parallel (``cp``) each rank holds ``1/cp`` of every
+    sequence, as Megatron splits it: the sequence cut into ``2 cp`` equal
+    chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r`` in order,
+    sequence after sequence. Rank ``r``'s boundaries are then ``cu / cp``, and
+    every ``cu`` must be a multiple of ``2 cp`` (checked by value as the labels
+    are, when ``ctx.check_values``)."""
     psp = ctx.packed_seq_params
     if psp is None:
         return torch.arange(b, device=device)[:, None].expand(b, s), b
-    cu = getattr(psp, "cu_seqlens_q_padded", None)
+    name = "cu_seqlens_q_padded"
+    cu = getattr(psp, name, None)
     if cu is None:
-        cu = getattr(psp, "cu_seqlens_q", None)
-    if cu is None or b != 1:
+        name = "cu_seqlens_q"
+        cu = getattr(psp, name, None)
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1:
         raise ContractError(
             "packed_seq_params",
-            expected="cu_seqlens_q with batch 1 (THD)",
+            expected="cu_seqlens_q (a 1-D tensor) with batch 1 (THD)",
             actual=f"batch {b}, cu_seqlens {cu}",
         )
-    bounds = (cu.to(device=device, dtype=torch.long) // ctx.parallel.cp_size)[1:]
+    cp = ctx.parallel.cp_size
+    if cp > 1 and ctx.check_values:
+        check_multiple_deferred(
+            cu,
+            2 * cp,
+            field=f"packed_seq_params.{name}",
+            why=f" (2 * cp_size: each sequence is split into 2 * {cp} equal chunks; pad it, "
+            "as cu_seqlens_q_padded does)",
+        )
+    bounds = (cu.to(device=device, dtype=torch.long) // cp)[1:]
     seg = torch.bucketize(torch.arange(s, device=device), bounds, right=True)
     return seg[None, :], int(bounds.numel()) + 1
 
 
-def _check_cp(config: PolicyLossConfig, batch: PolicyBatch, cp: int) -> None:
+CpSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext) -> CpSum | None:
+    """The sum over the context-parallel group the loss makes its per-sequence
+    sums whole with (``ctx.collectives.all_reduce_sum_context_parallel``), or
+    ``None`` at ``cp_size`` 1.
+
+    A collectives object that predates the method (spec 1.1), or the one-rank
+    :class:`~hookspec.SingleProcessCollectives`, is taken where the loss does
+    not need it: a token ratio with token-mean and ``global_tokens``, or
+    seq-mean-token-sum and ``global_sequences`` (each rank's share is then its
+    own tokens' terms; its metrics are its own tokens' means). GSPO's sequence
+    ratio and seq-mean-token-mean need every rank's part of each sequence: they
+    raise ``ContractError`` naming the method, as does a collectives object
+    whose ``cp_size`` is not ``parallel.cp_size``.
+    """
+    cp = ctx.parallel.cp_size
     if cp == 1:
-        return
-    if config.ratio == RatioLevel.SEQUENCE or config.aggregation == Aggregation.SEQ_MEAN_TOKEN_MEAN:
+        return None
+    coll = ctx.collectives
+    declared = getattr(coll, "cp_size", None)
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared not in (1, cp):
         raise ContractError(
-            "parallel.cp_size",
-            expected="1 for GSPO and seq-mean-token-mean (they need whole sequences)",
-            actual=cp,
+            "collectives",
+            expected=f"a context-parallel group of parallel.cp_size={cp} ranks",
+            actual=f"{declared} ranks ({coll!r})",
         )
+    method = getattr(coll, "all_reduce_sum_context_parallel", None)
+    if callable(method) and not isinstance(coll, SingleProcessCollectives) and declared != 1:
+        return typing.cast(CpSum, method)
     need = "global_tokens" if config.aggregation == Aggregation.TOKEN_MEAN else "global_sequences"
-    if getattr(batch, need) is None:
-        raise ContractError(
-            f"context.{need}",
-            expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",
-            actual="None",
-        )
+    if config.ratio == RatioLevel.SEQUENCE:
+        what = "GSPO's sequence ratio (each sequence's mean log-ratio spans the ranks)"
+    elif config.aggregation == Aggregation.SEQ_MEAN_TOKEN_MEAN:
+        what = "seq-mean-token-mean (each sequence's token count spans the ranks)"
+    elif getattr(batch, need) is None:
+        what = f"{config.aggregation.value} without context.{need}"
+    else:
+        return None
+    raise ContractError(
+        "collectives",
+        expected=f"all_reduce_sum_context_parallel over the context-parallel group "
+        f"(parallel.cp_size={cp}; hookspec.Collectives, spec 1.2) for {what}",
+        actual=f"{coll!r}, which has none" if not callable(method) else f"{coll!r} (one rank)",
+        hint=f"torch_impl builds it from Megatron's context-parallel group; or give context.{need}"
+        if what.endswith(need)
+        else "torch_impl builds it from Megatron's context-parallel group",
+    )
 
 
 def _counted(
@@ -267,10 +340,11 @@ def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.where(w != 0, x, 0.0) * w).sum()
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def _masked_mean(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
     """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
-    ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN."""
-    total = m.sum()
+    ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN.
+    ``total``: the denominator instead of ``sum(m)`` (the sum over the ranks)."""
+    total = m.sum() if total is None else total
     x = torch.where(m > 0, x.to(m.dtype), 0.0)
     return (x * m).sum() / torch.where(total == 0, 1.0, total)
 
@@ -289,38 +363,60 @@ class _Pass:
     terms: TokenTerms
 
 
-def _rows(
-    ctx: OutputContext, x: HookInputs, config: PolicyLossConfig, batch: PolicyBatch
-) -> tuple[TokenRows, torch.Tensor, torch.Tensor, int]:
-    """``(rows, M [b, s], segments [b, s], count)`` of a checked batch."""
+@dataclasses.dataclass(frozen=True)
+class _Sequences:
+    """The checked mask ``M`` ``[b, s]`` (NaN where an entry is bad), each token's
+    sequence ``segments`` ``[b, s]`` of ``count``, and the context-parallel sum
+    (``None``: the sums here are whole)."""
+
+    mask: torch.Tensor
+    segments: torch.Tensor
+    count: int
+    cp_sum: CpSum | None
+
+
+def _checked_mask(ctx: OutputContext, x: HookInputs, batch: PolicyBatch) -> torch.Tensor:
+    """``M`` ``[b, s]``; with ``ctx.check_values``, the mask's values at every
+    token and the batch's at the counted ones checked (deferred on a GPU)."""
     device = x.hidden.device
-    given = batch.mask if batch.mask is not None else typing.cast("torch.Tensor | None", ctx.loss_mask)
+    from_batch = batch.mask is not None
+    given = batch.mask if from_batch else typing.cast("torch.Tensor | None", ctx.loss_mask)
+    if ctx.check_values and given is not None:
+        check_finite_deferred(given, field="context.mask" if from_batch else "loss_mask", nonnegative=True)
     acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
     mask = _counted(given, typing.cast(torch.Tensor, ctx.labels).to(device), ctx.ignore_index, acc)
-    segments, count = sequence_ids(ctx, x.b, x.s, device)
-    check_unused_count(
-        config.aggregation,
-        global_tokens=batch.global_tokens,
-        global_sequences=batch.global_sequences,
-        prefix="context.",
-    )
+    if ctx.check_values:
+        counted = mask > 0
+        for name in ("old_logprobs", "advantages", "ref_logprobs"):
+            value = getattr(batch, name)
+            if value is not None:
+                check_finite_deferred(value, field=f"context.{name}", where=counted)
+    return mask
+
+
+def _rows(
+    seqs: _Sequences, batch: PolicyBatch, config: PolicyLossConfig, totals: torch.Tensor | None
+) -> TokenRows:
+    """The batch as rows, with the aggregation's weights (``totals``: each
+    sequence's ``n_k`` summed over the context-parallel group, or ``None``)."""
+    device = seqs.mask.device
     weights = weights_of(
-        mask,
-        segments,
-        count,
+        seqs.mask,
+        seqs.segments,
+        seqs.count,
         config.aggregation,
         global_tokens=batch.global_tokens,
         global_sequences=batch.global_sequences,
+        totals=totals,
     )
-    mask_t = to_tokens(mask)
-    rows = TokenRows(
+    mask_t = to_tokens(seqs.mask)
+    return TokenRows(
         mask=mask_t,
         weights=to_tokens(weights),
         old=to_tokens(batch.old_logprobs).detach().to(device),
         adv=torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0),
         ref=None if batch.ref_logprobs is None else to_tokens(batch.ref_logprobs).detach().to(device),
     )
-    return rows, mask, segments, count
 
 
 def _fused_pass(
@@ -328,7 +424,7 @@ def _fused_pass(
     rows: TokenRows,
     config: PolicyLossConfig,
     temperature: float | torch.Tensor,
-    tile_elements: int,
+    tile_elements: int | None,
 ) -> _Pass:
     """Gradients formed in the forward pass, tile by tile (``fused_token_loss``)."""
 
@@ -349,16 +445,10 @@ def _fused_pass(
     return _Pass(loss=res.loss, logp=res.logprobs, entropy=res.entropy, terms=terms)
 
 
-def _autograd_pass(
-    x: HookInputs,
-    rows: TokenRows,
-    config: PolicyLossConfig,
-    temperature: float | torch.Tensor,
-    tile: Tile,
-    seq: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None,
-) -> _Pass:
-    """Autograd through ``linear_logprobs`` (logits recomputed in backward);
-    ``seq``: ``(old [b, s], M [b, s], segments, count)`` for GSPO's sequence ratio."""
+def _logprobs(
+    x: HookInputs, temperature: float | torch.Tensor, tile: Tile
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` ``[n]`` by ``linear_logprobs`` (logits recomputed in backward)."""
     lr = linear_logprobs(
         x.hidden,
         x.weight,
@@ -369,30 +459,59 @@ def _autograd_pass(
         token_chunk_size=tile.token_chunk_size,
         **x.kwargs,
     )
-    logp, entropy = lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
-    log_ratio = None
-    if seq is not None:
-        old, mask, segments, count = seq
-        log_ratio = to_tokens(
-            sequence_log_ratio(
-                from_tokens(logp, x.b, x.s),
-                old.to(device=logp.device, dtype=logp.dtype),
-                mask,
-                segments,
-                count,
-                clamp=config.log_ratio_clamp,
-            )
-        )
+    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
+
+
+def _autograd_pass(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    rows: TokenRows,
+    config: PolicyLossConfig,
+    log_ratio: torch.Tensor | None = None,
+) -> _Pass:
+    """Autograd through ``logp`` and ``entropy`` (``log_ratio``: GSPO's)."""
     terms = token_terms(logp, entropy, rows, config, log_ratio=log_ratio)
     loss = (terms.loss * rows.weights.to(logp.dtype)).sum()
     return _Pass(loss=loss, logp=logp, entropy=entropy, terms=terms)
 
 
-def _metrics(p: _Pass, rows: TokenRows, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+def _sequence_pass(
+    x: HookInputs,
+    seqs: _Sequences,
+    batch: PolicyBatch,
+    config: PolicyLossConfig,
+    temperature: float | torch.Tensor,
+    tile: Tile,
+) -> tuple[_Pass, TokenRows, torch.Tensor | None]:
+    """GSPO: ``(pass, rows, totals)``. Each sequence's ``sum M (logp - old)`` and
+    ``n_k`` are summed over the context-parallel group in one collective, so
+    that the ratio and the weights are the whole sequence's::
+
+        num, n = cp_sum(stack([sum_k M (logp - old), sum_k M]))    # [2, count]
+        log_ratio = clamp(num / n)[segments]
+    """
+    logp, entropy = _logprobs(x, temperature, tile)
+    old = batch.old_logprobs.to(device=logp.device, dtype=logp.dtype)
+    num, den = sequence_sums(from_tokens(logp, x.b, x.s), old, seqs.mask, seqs.segments, seqs.count)
+    totals = None
+    if seqs.cp_sum is not None:
+        num, den = seqs.cp_sum(torch.stack([num, den])).unbind(0)
+        totals = den.detach()
+    log_ratio = to_tokens(sequence_ratio_of(num, den, seqs.segments, clamp=config.log_ratio_clamp))
+    rows = _rows(seqs, batch, config, totals)
+    return _autograd_pass(logp, entropy, rows, config, log_ratio), rows, totals
+
+
+def _metrics(
+    p: _Pass, rows: TokenRows, config: PolicyLossConfig, totals: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """The loss (NaN when a model output anywhere is: see the module docstring)
-    and the detached metrics."""
+    and the detached metrics; ``totals``: the sequences' ``n_k`` over the
+    context-parallel group, whose sum the means divide by (each rank's metric
+    is then its share: the ranks' metrics sum to the whole micro-batch's)."""
     w = rows.weights.to(p.logp.dtype)
     m = rows.mask.to(p.logp.dtype)
+    total = None if totals is None else totals.sum().to(m.dtype)
     logp, old = p.logp.detach(), rows.old.to(p.logp.dtype)
     approx_kl = kl_terms(logp, old, KLEstimator.K3, clamp=config.log_ratio_clamp)
     out = {
@@ -400,14 +519,14 @@ def _metrics(p: _Pass, rows: TokenRows, config: PolicyLossConfig) -> dict[str, t
         # or the weight holds NaN/inf, even at an uncounted token.
         "loss": p.loss + 0.0 * p.entropy.detach().sum(),
         "pg_loss": _weighted_sum(p.terms.pg.detach(), w),
-        "entropy": _masked_mean(p.entropy.detach(), m),
-        "clip_fraction": _masked_mean(p.terms.clipped, m),
-        "approx_kl": _masked_mean(approx_kl, m),
+        "entropy": _masked_mean(p.entropy.detach(), m, total),
+        "clip_fraction": _masked_mean(p.terms.clipped, m, total),
+        "approx_kl": _masked_mean(approx_kl, m, total),
     }
     if p.terms.kl is not None:
         out["kl"] = _weighted_sum(p.terms.kl.detach(), w)
     if p.terms.dual is not None:
-        out["dual_clip_fraction"] = _masked_mean(p.terms.dual, m)
+        out["dual_clip_fraction"] = _masked_mean(p.terms.dual, m, total)
     return out
 
 
@@ -417,7 +536,7 @@ def policy_loss(
     *,
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
-    fused_tile_elements: int = FUSED_TILE_ELEMENTS,
+    fused_tile_elements: int | None = None,
     chunk_size: int | None = None,
 ) -> Processor:
     """A processor returning the policy loss and its metrics, each a scalar::
@@ -436,7 +555,8 @@ def policy_loss(
 
     With ``config.fused`` and a token ratio, the gradients are formed in the
     forward pass (no logits recomputed, ``fused_tile_elements`` logits a
-    tile); otherwise logprobs and entropy come from :func:`linear_logprobs`
+    tile, default per device: ``FUSED_TILE_ELEMENTS`` on a CPU, 1 GiB of fp32
+    logits on CUDA); otherwise logprobs and entropy come from :func:`linear_logprobs`
     (tile ``vocab_chunk_size`` x ``token_chunk_size``, default per device;
     ``chunk_size``: the deprecated name of ``vocab_chunk_size``) and autograd
     goes through them. Bad values: see this module's docstring.
@@ -447,21 +567,36 @@ def policy_loss(
     tile = tile_options(
         vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
     )
-    tile_elements = check_int("fused_tile_elements", fused_tile_elements, low=1)
+    tile_elements = (
+        None if fused_tile_elements is None else check_int("fused_tile_elements", fused_tile_elements, low=1)
+    )
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "policy_loss")
         batch = _policy_batch(ctx)
         batch.validate(x.b, x.s, need_ref=config.kl_coef != 0.0)
-        _check_cp(config, batch, ctx.parallel.cp_size)
-        rows, mask, segments, count = _rows(ctx, x, config, batch)
+        check_unused_count(
+            config.aggregation,
+            global_tokens=batch.global_tokens,
+            global_sequences=batch.global_sequences,
+            prefix="context.",
+        )
+        cp_sum = context_parallel_sum(config, batch, ctx)
+        mask = _checked_mask(ctx, x, batch)
+        segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
+        seqs = _Sequences(mask=mask, segments=segments, count=count, cp_sum=cp_sum)
         temperature = resolve_temperature(None, ctx, x.b, x.s)
+        if config.ratio == RatioLevel.SEQUENCE:
+            p, rows, totals = _sequence_pass(x, seqs, batch, config, temperature, tile)
+            return _metrics(p, rows, config, totals)
+        # one collective: each sequence's token count over the context-parallel group
+        totals = None if cp_sum is None else cp_sum(segment_sum(mask, segments, count))
+        rows = _rows(seqs, batch, config, totals)
         if fused:
             p = _fused_pass(x, rows, config, temperature, tile_elements)
         else:
-            seq = (batch.old_logprobs, mask, segments, count) if config.ratio == RatioLevel.SEQUENCE else None
-            p = _autograd_pass(x, rows, config, temperature, tile, seq)
-        return _metrics(p, rows, config)
+            p = _autograd_pass(*_logprobs(x, temperature, tile), rows, config)
+        return _metrics(p, rows, config, totals)
 
     return processor(fn, name="policy_loss")

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from ._setup import Plan
+from ._setup import TileSetup
 
 __all__ = [
     "Stats",
@@ -27,7 +27,8 @@ __all__ = [
     "forward_stats",
     "local_stats",
     "logit_grad_coefficients",
-    "mm_acc",
+    "addmm_into",
+    "gemm_into",
     "mm_into",
     "rowdot",
     "scaled_hidden",
@@ -39,14 +40,14 @@ __all__ = [
 ]
 
 
-def scaled_hidden(h: torch.Tensor, plan: Plan) -> torch.Tensor:
+def scaled_hidden(h: torch.Tensor, setup: TileSetup) -> torch.Tensor:
     """``h`` in the compute dtype, rows times ``inv_t`` when folded: ``z / T = (h / T) @ W.T``."""
-    hs = h.detach().to(plan.compute_dtype)
-    if plan.fold:
-        if isinstance(plan.inv_t, torch.Tensor):
-            hs = hs * plan.inv_t.to(hs.dtype)[:, None]
-        elif plan.inv_t != 1.0:
-            hs = hs * plan.inv_t
+    hs = h.detach().to(setup.compute_dtype)
+    if setup.fold:
+        if isinstance(setup.inv_t, torch.Tensor):
+            hs = hs * setup.inv_t.to(hs.dtype)[:, None]
+        elif setup.inv_t != 1.0:
+            hs = hs * setup.inv_t
     return hs
 
 
@@ -54,8 +55,8 @@ class TileBuffers:
     """Reused tile buffers (one allocation per name), so that the loops do not
     allocate and page-fault a fresh tile each step."""
 
-    def __init__(self, plan: Plan, device: torch.device) -> None:
-        self.plan = plan
+    def __init__(self, setup: TileSetup, device: torch.device) -> None:
+        self.setup = setup
         self.device = device
         self._bufs: dict[str, torch.Tensor] = {}
 
@@ -68,25 +69,22 @@ class TileBuffers:
 
     def logits(self, hs: torch.Tensor, wc: torch.Tensor, rows: slice) -> torch.Tensor:
         """The tempered logits ``[rows, cols]`` of one tile, in the accumulation dtype."""
-        plan = self.plan
+        setup = self.setup
         x = hs[rows]
-        if plan.compute_dtype == plan.acc_dtype:
-            z = torch.mm(x, wc.T, out=self.view("mm", x.shape[0], wc.shape[0], plan.compute_dtype))
-        else:
-            z = mm_acc(x, wc.T, plan.acc_dtype)
-        if not plan.fold:
-            if isinstance(plan.inv_t, torch.Tensor):
-                z.mul_(plan.inv_t[rows, None])
-            elif plan.inv_t != 1.0:
-                z.mul_(plan.inv_t)
+        z = mm_into(self.view("mm", x.shape[0], wc.shape[0], setup.acc_dtype), x, wc.T)
+        if not setup.fold:
+            if isinstance(setup.inv_t, torch.Tensor):
+                z.mul_(setup.inv_t[rows, None])
+            elif setup.inv_t != 1.0:
+                z.mul_(setup.inv_t)
         return z
 
     def exp(self, z: torch.Tensor) -> torch.Tensor:
         return torch.exp(z, out=self.view("exp", z.shape[0], z.shape[1], z.dtype))
 
 
-def weight_chunk(w: torch.Tensor, j0: int, j1: int, plan: Plan) -> torch.Tensor:
-    return w.detach()[j0:j1].to(plan.compute_dtype)
+def weight_chunk(w: torch.Tensor, j0: int, j1: int, setup: TileSetup) -> torch.Tensor:
+    return w.detach()[j0:j1].to(setup.compute_dtype)
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -102,7 +100,7 @@ def target_in_tile(labels_local: torch.Tensor, j0: int, cols: int) -> tuple[torc
 
 
 def local_stats(
-    hs: torch.Tensor, w: torch.Tensor, plan: Plan
+    hs: torch.Tensor, w: torch.Tensor, setup: TileSetup
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """This shard's online-logsumexp statistics, each ``[n]``::
 
@@ -113,19 +111,19 @@ def local_stats(
     zy = z[i, labels_local[i]]  (0 where the label is elsewhere)
     """
     n, local = hs.shape[0], w.shape[0]
-    acc = plan.acc_dtype
+    acc = setup.acc_dtype
     m = torch.full((n,), float("-inf"), dtype=acc, device=hs.device)
     s = torch.zeros(n, dtype=acc, device=hs.device)
-    t = torch.zeros(n, dtype=acc, device=hs.device) if plan.with_entropy else None
+    t = torch.zeros(n, dtype=acc, device=hs.device) if setup.with_entropy else None
     zy = torch.zeros(n, dtype=acc, device=hs.device)
-    tiles = TileBuffers(plan, hs.device)
-    for j0 in range(0, local, plan.vocab_chunk):
-        j1 = min(j0 + plan.vocab_chunk, local)
-        wc = weight_chunk(w, j0, j1, plan)
-        for i0 in range(0, n, plan.token_chunk):
-            rows = slice(i0, min(i0 + plan.token_chunk, n))
+    tiles = TileBuffers(setup, hs.device)
+    for j0 in range(0, local, setup.vocab_chunk):
+        j1 = min(j0 + setup.vocab_chunk, local)
+        wc = weight_chunk(w, j0, j1, setup)
+        for i0 in range(0, n, setup.token_chunk):
+            rows = slice(i0, min(i0 + setup.token_chunk, n))
             z = tiles.logits(hs, wc, rows)
-            hit, col = target_in_tile(plan.labels_local[rows], j0, j1 - j0)
+            hit, col = target_in_tile(setup.labels_local[rows], j0, j1 - j0)
             zy[rows] += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
             cm = z.amax(1)
             first = j0 == 0
@@ -157,12 +155,20 @@ class Stats:
     entropy: torch.Tensor | None  # log S - sum_j exp(z_j - M) (z_j - M) / S   (>= 0)
 
 
-def combine(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, zy: torch.Tensor, plan: Plan) -> Stats:
-    """Combine the shards' statistics: one all-reduce max, one all-reduce sum."""
-    coll = plan.collectives
+def combine(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    t: torch.Tensor | None,
+    zy: torch.Tensor,
+    setup: TileSetup,
+    rows: slice = slice(None),
+) -> Stats:
+    """Combine the shards' statistics of the tokens ``rows``: one all-reduce max, one
+    all-reduce sum."""
+    coll = setup.collectives
     big_m = coll.all_reduce_max(m) if coll is not None else m
     a = torch.exp(m - big_m)
-    has_target = plan.labels_local >= 0
+    has_target = setup.labels_local[rows] >= 0
     parts = [s * a, torch.where(has_target, zy - big_m, 0.0)]
     if t is not None:
         parts.append(a * (t + (m - big_m) * s))
@@ -171,34 +177,53 @@ def combine(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, zy: torch.
         summed = coll.all_reduce_sum(summed)
     big_s, zy_shifted = summed[0], summed[1]
     log_s = torch.log(big_s)
-    logprobs = torch.where(plan.ignored, 0.0, zy_shifted - log_s)
+    logprobs = torch.where(setup.ignored[rows], 0.0, zy_shifted - log_s)
     entropy = log_s - summed[2] / big_s if t is not None else None
     return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
 
 
-def forward_stats(hs: torch.Tensor, w: torch.Tensor, plan: Plan) -> Stats:
-    return combine(*local_stats(hs, w, plan), plan)
+def forward_stats(hs: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> Stats:
+    return combine(*local_stats(hs, w, setup), setup)
 
 
-def mm_acc(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` in ``dtype``: bf16/fp16 products come out in fp32 unrounded where
-    the backend can (``out_dtype`` on CUDA), else rounded once and cast."""
-    if a.dtype == dtype and b.dtype == dtype:
-        return torch.mm(a, b)
-    if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=dtype)
-        except (TypeError, RuntimeError):
-            pass
-    return torch.mm(a, b).to(dtype)
+_GEMM_OUT_DTYPE = (
+    "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+)
 
 
-def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` with ``out`` in the accumulation dtype."""
+def _out_dtype_gemm(a: torch.Tensor) -> bool:
+    """cuBLAS multiplies bf16/fp16 operands into an fp32 output here
+    (``torch.mm(..., out_dtype=torch.float32)``, CUDA only, recent torch)."""
+    return _GEMM_OUT_DTYPE and a.is_cuda
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` with ``out`` in the accumulation dtype (fp32/fp64): operands of
+    ``out``'s dtype multiply straight into it; bf16/fp16 operands go through
+    ``torch.mm(a, b, out_dtype=torch.float32, out=out)`` on CUDA (fp32 accumulation,
+    one fp32 result, no copy of either operand), else are upcast first (the products
+    of bf16 numbers are exact in fp32, so the result is the same)."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
-        out.addmm_(a, b)
-    else:
-        out.add_(mm_acc(a, b, out.dtype))
+        return torch.mm(a, b, out=out)
+    if _out_dtype_gemm(a):
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out += a @ b`` in place, dtypes as :func:`mm_into` (``torch.addmm(out, a, b,
+    out_dtype=torch.float32, out=out)`` for bf16/fp16 operands on CUDA)."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        return out.addmm_(a, b)
+    if _out_dtype_gemm(a):
+        return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    return out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
+    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
+    accumulator is written by its first GEMM, never zero-filled."""
+    return mm_into(out, a, b) if first else addmm_into(out, a, b)
 
 
 def logit_grad_coefficients(
@@ -252,62 +277,70 @@ def tile_grad_(
     return gz
 
 
-def tile_inv_t(plan: Plan, rows: slice) -> torch.Tensor | float | None:
+def tile_inv_t(setup: TileSetup, rows: slice) -> torch.Tensor | float | None:
     """The temperature factor a tile gradient still needs (None when folded)."""
-    if plan.fold:
+    if setup.fold:
         return None
-    return plan.inv_t[rows] if isinstance(plan.inv_t, torch.Tensor) else plan.inv_t
+    return setup.inv_t[rows] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
 
 
-def unfold_dh_(dh: torch.Tensor, plan: Plan) -> torch.Tensor:
+def unfold_dh_(dh: torch.Tensor, setup: TileSetup) -> torch.Tensor:
     """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
-    if plan.fold:
-        if isinstance(plan.inv_t, torch.Tensor):
-            dh.mul_(plan.inv_t[:, None])
-        elif plan.inv_t != 1.0:
-            dh.mul_(plan.inv_t)
+    if setup.fold:
+        if isinstance(setup.inv_t, torch.Tensor):
+            dh.mul_(setup.inv_t[:, None])
+        elif setup.inv_t != 1.0:
+            dh.mul_(setup.inv_t)
     return dh
 
 
 def backward_tiles(
     hs: torch.Tensor,
     w: torch.Tensor,
-    plan: Plan,
+    setup: TileSetup,
     stats: Stats,
     coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
     *,
     need_dh: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dh, dw)`` by recomputing each tile's logits (vocab chunks outer, so
-    each weight-gradient chunk is written once). ``dh`` (the gradient of the
-    unscaled hidden rows) is in the accumulation dtype, ``dw`` in ``w``'s dtype."""
+    """``(dh, dw)`` by recomputing each tile's logits (vocab chunks outer, so each
+    weight-gradient chunk is finished before the next). ``dh`` (the gradient of the
+    unscaled hidden rows) is in the accumulation dtype, ``dw`` in ``w``'s dtype; each
+    accumulator is written by its first GEMM, then added to (no zero fill)::
+
+        dh[rows] (+)= gz @ w[chunk]          # + from the second vocab chunk on
+        dw[chunk] (+)= gz.T @ hs[rows]       # + from the second row tile on
+    """
     n, local = hs.shape[0], w.shape[0]
     a, b, g = coef
-    dh = torch.zeros(hs.shape, dtype=plan.acc_dtype, device=hs.device) if need_dh else None
+    acc = setup.acc_dtype
+    dh = None
+    if need_dh:  # an empty shard contributes nothing: zeros, not an unwritten buffer
+        dh = torch.empty(hs.shape, dtype=acc, device=hs.device) if local else torch.zeros_like(hs, dtype=acc)
     dw = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_dw else None
-    tiles = TileBuffers(plan, hs.device)
-    for j0 in range(0, local, plan.vocab_chunk):
-        j1 = min(j0 + plan.vocab_chunk, local)
-        wc = weight_chunk(w, j0, j1, plan)
+    tiles = TileBuffers(setup, hs.device)
+    for j0 in range(0, local, setup.vocab_chunk):
+        j1 = min(j0 + setup.vocab_chunk, local)
+        wc = weight_chunk(w, j0, j1, setup)
         dwc = None
         if dw is not None:
-            direct = dw.dtype == plan.acc_dtype
-            dwc = (
-                dw[j0:j1].zero_() if direct else torch.zeros(wc.shape, dtype=plan.acc_dtype, device=w.device)
-            )
-        for i0 in range(0, n, plan.token_chunk):
-            rows = slice(i0, min(i0 + plan.token_chunk, n))
+            dwc = dw[j0:j1] if dw.dtype == acc else tiles.view("dw", j1 - j0, w.shape[1], acc)
+        for i0 in range(0, n, setup.token_chunk):
+            rows = slice(i0, min(i0 + setup.token_chunk, n))
             z = tiles.logits(hs, wc, rows)
             z.sub_(stats.max[rows, None])
             e = z.exp_() if b is None else tiles.exp(z)
             rows_coef = (a[rows], None if b is None else b[rows], g[rows])
-            gz = tile_grad_(z, e, rows_coef, plan.labels_local[rows], j0, tile_inv_t(plan, rows))
-            gzc = gz.to(plan.compute_dtype)
+            gz = tile_grad_(z, e, rows_coef, setup.labels_local[rows], j0, tile_inv_t(setup, rows))
+            gzc = gz.to(setup.compute_dtype)
             if dh is not None:
-                mm_into(dh[rows], gzc, wc)
+                gemm_into(dh[rows], gzc, wc, first=j0 == 0)
             if dwc is not None:
-                mm_into(dwc, gzc.T, hs[rows])
-        if dw is not None and dwc is not None and dwc.data_ptr() != dw[j0:j1].data_ptr():
-            dw[j0:j1].copy_(dwc)
-    return (unfold_dh_(dh, plan) if dh is not None else None), dw
+                gemm_into(dwc, gzc.T, hs[rows], first=i0 == 0)
+        if dw is not None and dwc is not None:
+            if n == 0:
+                dw[j0:j1].zero_()  # no rows: no GEMM wrote the chunk
+            elif dwc.data_ptr() != dw[j0:j1].data_ptr():
+                dw[j0:j1].copy_(dwc)
+    return (unfold_dh_(dh, setup) if dh is not None else None), dw

@@ -1,26 +1,24 @@
-"""Triton kernels of :func:`~torch_impl.processors.linear_logprobs` on CUDA.
+"""Triton epilogue kernels of the Triton backend: the memory-bound work on one fp32
+logits chunk ``z [rows, cols]`` that cuBLAS has just formed (``torch.mm``). No GEMM
+runs in here.
 
-Two kernels, both over tiles of ``BLOCK_M`` tokens by ``BLOCK_N`` vocabulary entries
-whose logits are formed in registers (``tl.dot`` with fp32 accumulation over
-``BLOCK_K`` slices of the hidden size) and never stored:
+- :func:`chunk_stats_`: one read of the chunk. For each of its rows, the running
+  online-logsumexp statistics of this vocab shard (max ``m``, rescaled sum of
+  exponentials ``s``, entropy term ``t``, selected logit ``zy``), updated in place.
+- :func:`logit_grad_`: one read and one write of the chunk. The logits become the
+  gradient of the tempered logits, in place, in the compute dtype; ``dh`` and ``dW``
+  are then cuBLAS GEMMs on it.
 
-- :func:`shard_stats`: per token, the online-logsumexp statistics of this vocab
-  shard (running max ``m``, rescaled sum of exponentials ``s``, the entropy term
-  ``t`` and the selected logit ``zy``). A program walks one split of the shard's
-  vocabulary; the splits are merged in torch (a few ``[splits, n]`` vectors), then
-  the shards through the contract's ``Collectives`` exactly as on the torch path.
-- :func:`logit_grads`: the gradient of the tempered logits of one vocabulary chunk,
-  ``dz = (-exp(z - M) * (a + b * (z - M)) + g * [j == y]) / T``, written in the
-  compute dtype into a ``[rows, chunk]`` workspace; ``dh`` and ``dW`` are then two
-  cuBLAS GEMMs on it (fp32 accumulation, no atomics: deterministic run to run).
+A program owns ``BLOCK_M`` whole rows and walks their columns ``BLOCK_N`` at a time,
+so no atomics are needed: the results are the same bit for bit run to run.
 
 Import this module only where Triton is wanted: ``triton.jit`` decides at import
 whether the kernels run compiled or under ``TRITON_INTERPRET=1`` (numpy, no GPU).
-Under the interpreter ``tl.dot`` on bf16/fp16 operands is wrong (triton 3.7), so
-the callers pass ``dot_fp32=True`` there and the operands are upcast in registers.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -28,118 +26,51 @@ import triton.language as tl
 
 from ._setup import KernelConfig
 
-__all__ = ["logit_grads", "shard_stats"]
+__all__ = ["chunk_stats_", "grad_launch", "logit_grad_", "stats_launch"]
 
 
 @triton.jit
-def _logits_tile(
-    h_ptr,
-    w_ptr,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    hidden,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """``h[rows] @ w[cols].T`` as a ``[BLOCK_M, BLOCK_N]`` fp32 block (int64 offsets:
-    ``V * h`` passes 2**31 for large vocabularies)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        a = tl.load(
-            h_rows + ks[None, :] * stride_hk,
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_cols + ks[:, None] * stride_wk,
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _shard_stats_kernel(
-    h_ptr,
-    w_ptr,
+def _chunk_stats_kernel(
+    z_ptr,
     lab_ptr,
     inv_t_ptr,
     m_ptr,
     s_ptr,
     t_ptr,
     zy_ptr,
-    n,
-    vocab,
-    hidden,
-    cols_per_split,
+    rows,
+    cols,
+    row0,
+    col0,
+    stride_z,
     inv_t_scalar,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n
-    lab = tl.load(lab_ptr + rows, mask=row_ok, other=-1)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    token = row0 + r  # index into the [n] vectors
+    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     if PER_TOKEN_T:
-        inv_t = tl.load(inv_t_ptr + rows, mask=row_ok, other=1.0)
+        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
     else:
         inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_M,), tl.float32)
-    t = tl.zeros((BLOCK_M,), tl.float32)
-    zy = tl.zeros((BLOCK_M,), tl.float32)
-    v_begin = split * cols_per_split
-    v_end = tl.minimum(v_begin + cols_per_split, vocab)
-    for v0 in range(v_begin, v_end, BLOCK_N):
-        cols = v0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < v_end
-        z = _logits_tile(
-            h_ptr,
-            w_ptr,
-            rows,
-            cols,
-            row_ok,
-            col_ok,
-            hidden,
-            stride_hn,
-            stride_hk,
-            stride_wv,
-            stride_wk,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            DOT_FP32,
-            PRECISION,
-        )
-        z = z * inv_t[:, None]
-        zy += tl.sum(tl.where((cols[None, :] == lab[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
+    s = tl.load(s_ptr + token, mask=row_ok, other=0.0)
+    zy = tl.load(zy_ptr + token, mask=row_ok, other=0.0)
+    if WITH_ENTROPY:
+        t = tl.load(t_ptr + token, mask=row_ok, other=0.0)
+    else:
+        t = tl.zeros((BLOCK_M,), tl.float32)
+    z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
+    for c0 in range(0, cols, BLOCK_N):
+        c = c0 + tl.arange(0, BLOCK_N)
+        col_ok = c < cols
+        ok = row_ok[:, None] & col_ok[None, :]
+        z = tl.load(z_rows + c[None, :], mask=ok, other=0.0) * inv_t[:, None]
+        zy += tl.sum(tl.where((c[None, :] == lab[:, None]) & ok, z, 0.0), axis=1)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         started = m > float("-inf")
@@ -151,218 +82,207 @@ def _shard_stats_kernel(
             t = alpha * (t + shift) + tl.sum(tl.where(col_ok[None, :], e * zc, 0.0), axis=1)
         s = s * alpha + tl.sum(e, axis=1)
         m = m_new
-    out = split * n + rows
-    tl.store(m_ptr + out, m, mask=row_ok)
-    tl.store(s_ptr + out, s, mask=row_ok)
-    tl.store(zy_ptr + out, zy, mask=row_ok)
+    tl.store(m_ptr + token, m, mask=row_ok)
+    tl.store(s_ptr + token, s, mask=row_ok)
+    tl.store(zy_ptr + token, zy, mask=row_ok)
     if WITH_ENTROPY:
-        tl.store(t_ptr + out, t, mask=row_ok)
+        tl.store(t_ptr + token, t, mask=row_ok)
 
 
 @triton.jit
-def _logit_grads_kernel(
-    h_ptr,
-    w_ptr,
+def _logit_grad_kernel(
+    z_ptr,
+    out_ptr,
     lab_ptr,
     inv_t_ptr,
     max_ptr,
     a_ptr,
     b_ptr,
     g_ptr,
-    gz_ptr,
-    n,
-    vocab,
-    hidden,
-    label_offset,
+    rows,
+    cols,
+    row0,
+    col0,
+    stride_z,
+    stride_out,
     inv_t_scalar,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    stride_gn,
-    stride_gv,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     WITH_B: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n
-    col_ok = cols < vocab
-    z = _logits_tile(
-        h_ptr,
-        w_ptr,
-        rows,
-        cols,
-        row_ok,
-        col_ok,
-        hidden,
-        stride_hn,
-        stride_hk,
-        stride_wv,
-        stride_wk,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        DOT_FP32,
-        PRECISION,
-    )
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    token = row0 + r
+    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     if PER_TOKEN_T:
-        inv_t = tl.load(inv_t_ptr + rows, mask=row_ok, other=1.0)
+        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
     else:
         inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
-    big_m = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
-    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
-    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
-    lab = tl.load(lab_ptr + rows, mask=row_ok, other=-1)
-    zc = z * inv_t[:, None] - big_m[:, None]
-    e = tl.exp(zc)
+    big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + token, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
     if WITH_B:
-        b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
-        gz = -e * (a[:, None] + b[:, None] * zc)
-    else:
-        gz = -e * a[:, None]
-    gz += tl.where(cols[None, :] + label_offset == lab[:, None], g[:, None], 0.0)
-    gz = gz * inv_t[:, None]
-    tl.store(
-        gz_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :] * stride_gv,
-        gz.to(gz_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        b = tl.load(b_ptr + token, mask=row_ok, other=0.0)
+    z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
+    out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
+    for c0 in range(0, cols, BLOCK_N):
+        c = c0 + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & (c < cols)[None, :]
+        zc = tl.load(z_rows + c[None, :], mask=ok, other=0.0) * inv_t[:, None] - big_m[:, None]
+        # In place: a 2-byte output overwrites the first half of the row's fp32 bytes,
+        # and every byte this step writes was read by this step or an earlier one (an
+        # fp32 output overwrites exactly what it read). The barrier holds every warp's
+        # stores until all of this step's loads are done.
+        tl.debug_barrier()
+        e = tl.exp(zc)
+        if WITH_B:
+            gz = -e * (a[:, None] + b[:, None] * zc)
+        else:
+            gz = -e * a[:, None]
+        gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
+        gz = gz * inv_t[:, None]
+        tl.store(out_rows + c[None, :], gz.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _precision(cfg: KernelConfig) -> str:
-    return "tf32" if cfg.tf32 else "ieee"
-
-
-def shard_stats(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    labels_local: torch.Tensor,
-    inv_t: torch.Tensor | float,
+def stats_launch(
+    z: Any,
+    labels_local: Any,
+    inv_t: Any,
+    m: Any,
+    s: Any,
+    t: Any,
+    zy: Any,
     *,
-    splits: int,
-    with_entropy: bool,
+    row0: int,
+    col0: int,
     cfg: KernelConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """This shard's statistics, each ``[n]`` fp32, as ``local_stats`` of the torch path::
-
-        z = (h @ w.T) * inv_t                  # [n, V_local], never stored
-        m = z.max(1);  s = exp(z - m).sum(1);  t = (exp(z - m) * (z - m)).sum(1)
-        zy = z[i, labels_local[i]]  (0 where labels_local[i] < 0)
-
-    computed by ``splits`` programs per block of tokens, each over a contiguous run
-    of the vocabulary, then merged here.
-    """
-    n, hidden = h.shape
-    vocab = w.shape[0]
-    per_split = triton.cdiv(triton.cdiv(vocab, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(vocab, per_split)  # no split is empty
-    dev = h.device
-    m = torch.empty((splits, n), dtype=torch.float32, device=dev)
-    s = torch.empty_like(m)
-    zy = torch.empty_like(m)
-    t = torch.empty_like(m) if with_entropy else m
-    per_token = isinstance(inv_t, torch.Tensor)
-    inv_t_arg = inv_t if isinstance(inv_t, torch.Tensor) else m
-    grid = (triton.cdiv(n, cfg.block_m), splits)
-    _shard_stats_kernel[grid](
-        h,
-        w,
+) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+    """``(grid, args, kwargs)`` of one :func:`chunk_stats_` launch (tensors or Triton
+    ``MockTensor``s: the compile test specialises the kernel from these)."""
+    rows, cols = int(z.shape[0]), int(z.shape[1])
+    per_token = not isinstance(inv_t, float)
+    args = (
+        z,
         labels_local,
-        inv_t_arg,
+        inv_t if per_token else m,
         m,
         s,
-        t,
+        t if t is not None else m,
         zy,
-        n,
-        vocab,
-        hidden,
-        per_split,
+        rows,
+        cols,
+        row0,
+        col0,
+        z.stride(0),
         1.0 if per_token else float(inv_t),
-        h.stride(0),
-        h.stride(1),
-        w.stride(0),
-        w.stride(1),
+    )
+    kwargs = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
         PER_TOKEN_T=per_token,
-        WITH_ENTROPY=with_entropy,
-        DOT_FP32=cfg.dot_fp32,
-        PRECISION=_precision(cfg),
+        WITH_ENTROPY=t is not None,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
-    if splits == 1:
-        return m[0], s[0], (t[0] if with_entropy else None), zy[0]
-    big_m = m.amax(0)
-    alpha = torch.exp(m - big_m)
-    s_all = (s * alpha).sum(0)
-    t_all = (alpha * (t + (m - big_m) * s)).sum(0) if with_entropy else None
-    return big_m, s_all, t_all, zy.sum(0)
+    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
 
 
-def logit_grads(
-    h: torch.Tensor,
-    w: torch.Tensor,
+def chunk_stats_(
+    z: torch.Tensor,
     labels_local: torch.Tensor,
     inv_t: torch.Tensor | float,
-    big_m: torch.Tensor,
-    coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-    out: torch.Tensor,
+    m: torch.Tensor,
+    s: torch.Tensor,
+    t: torch.Tensor | None,
+    zy: torch.Tensor,
     *,
-    label_offset: int,
+    row0: int,
+    col0: int,
     cfg: KernelConfig,
-) -> torch.Tensor:
-    """Into ``out`` ``[n, V_chunk]`` (the compute dtype): the gradient of the
-    tempered-then-untempered logits of the chunk ``w`` (rows ``label_offset`` on of
-    the shard), with ``coef = (a, b, g)`` of ``logit_grad_coefficients``::
+) -> None:
+    """Update, in place, the running statistics (``[n]`` fp32 each) of the tokens
+    ``row0 + arange(rows)`` with the chunk ``z`` ``[rows, cols]`` (fp32, untempered)
+    of vocabulary entries ``col0 + arange(cols)`` of the shard::
 
-        zc = (h @ w.T) * inv_t - M[:, None]
-        out = (-exp(zc) * (a + b * zc) + g * [j + label_offset == y]) * inv_t
+        zt = z * inv_t[rows, None]
+        m_new = maximum(m, zt.max(1))
+        s = s * exp(m - m_new) + exp(zt - m_new).sum(1)
+        t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
+        zy += zt[i, labels_local[i] - col0]  (where that column is in the chunk)
+        m = m_new
     """
-    n, hidden = h.shape
-    vocab = w.shape[0]
+    grid, args, kwargs = stats_launch(z, labels_local, inv_t, m, s, t, zy, row0=row0, col0=col0, cfg=cfg)
+    _chunk_stats_kernel[grid](*args, **kwargs)
+
+
+def grad_launch(
+    z: Any,
+    out: Any,
+    labels_local: Any,
+    inv_t: Any,
+    big_m: Any,
+    coef: tuple[Any, Any, Any],
+    *,
+    row0: int,
+    col0: int,
+    cfg: KernelConfig,
+) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+    """``(grid, args, kwargs)`` of one :func:`logit_grad_` launch (as :func:`stats_launch`)."""
+    rows, cols = int(z.shape[0]), int(z.shape[1])
     a, b, g = coef
-    per_token = isinstance(inv_t, torch.Tensor)
-    inv_t_arg = inv_t if isinstance(inv_t, torch.Tensor) else big_m
-    grid = (triton.cdiv(n, cfg.block_m), triton.cdiv(vocab, cfg.block_n))
-    _logit_grads_kernel[grid](
-        h,
-        w,
+    per_token = not isinstance(inv_t, float)
+    args = (
+        z,
+        out,
         labels_local,
-        inv_t_arg,
+        inv_t if per_token else big_m,
         big_m,
         a,
         b if b is not None else a,
         g,
-        out,
-        n,
-        vocab,
-        hidden,
-        label_offset,
-        1.0 if per_token else float(inv_t),
-        h.stride(0),
-        h.stride(1),
-        w.stride(0),
-        w.stride(1),
+        rows,
+        cols,
+        row0,
+        col0,
+        z.stride(0),
         out.stride(0),
-        out.stride(1),
+        1.0 if per_token else float(inv_t),
+    )
+    kwargs = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
         PER_TOKEN_T=per_token,
         WITH_B=b is not None,
-        DOT_FP32=cfg.dot_fp32,
-        PRECISION=_precision(cfg),
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
+
+
+def logit_grad_(
+    z: torch.Tensor,
+    dtype: torch.dtype,
+    labels_local: torch.Tensor,
+    inv_t: torch.Tensor | float,
+    big_m: torch.Tensor,
+    coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    *,
+    row0: int,
+    col0: int,
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """The gradient of the chunk's logits, in place in ``z``'s memory, returned as a
+    ``[rows, cols]`` tensor of ``dtype`` (``z`` itself for fp32; for bf16/fp16 a view of
+    the first half of each row's bytes, row stride ``2 * cols``, which cuBLAS reads as
+    is). With ``coef = (a, b, g)`` of ``logit_grad_coefficients`` (``[n]`` each)::
+
+        zc = z * inv_t[rows, None] - M[rows, None]
+        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
+    """
+    if dtype == torch.float32:
+        out = z
+    else:
+        rows, cols = z.shape
+        out = z.view(dtype).view(rows, 2 * cols)[:, :cols]
+    grid, args, kwargs = grad_launch(z, out, labels_local, inv_t, big_m, coef, row0=row0, col0=col0, cfg=cfg)
+    _logit_grad_kernel[grid](*args, **kwargs)
     return out

@@ -1,132 +1,166 @@
-"""The Triton path of ``linear_logprobs`` and ``fused_token_loss``: the same
-statistics and gradients as the torch tiles (:mod:`._tiles`), with the logits
-formed in registers by the kernels of :mod:`._triton_kernels` (imported on first
-use, so that ``TRITON_INTERPRET`` is read when the kernels are made).
+"""The Triton backend of ``linear_logprobs`` and ``fused_token_loss``: every GEMM is a
+``torch.mm`` (cuBLAS on a GPU), and Triton does only the memory-bound work on each
+fp32 logits chunk (:mod:`._triton_kernels`, imported on first use, so that
+``TRITON_INTERPRET`` is read when the kernels are made).
 
-Forward: one kernel launch for the whole shard (token blocks by vocabulary
-splits); the splits are merged here, the shards by :func:`._tiles.combine`.
-Backward: per vocabulary chunk (and token chunk, past the workspace), a kernel
-writes the chunk's logit gradient into a workspace in the compute dtype, then::
+The logits chunk ``z [rows, cols]`` is fp32. bf16/fp16 operands are multiplied with
+``torch.mm(h, w.T, out_dtype=torch.float32, out=z)`` where torch offers it (CUDA,
+recent torch: fp32 accumulation, one fp32 result), else upcast first (the same
+numbers: bf16 products are exact in fp32). Chunks hold about 1 GiB of logits on a
+GPU (``LOGITS_CHUNK_BYTES``), every row at once while that leaves at least 1024
+vocabulary entries a chunk.
 
-    dh[rows] += gz @ w[chunk]            # fp32 accumulator [n, h]
-    dw[chunk] (+)= gz.T @ h[rows]        # cuBLAS, fp32 accumulation inside
+Forward, per chunk (two memory passes in all: the GEMM's write, the kernel's read)::
+
+    z = h[rows] @ w[cols].T                          # cuBLAS, fp32 out
+    chunk_stats_(z, ...)                             # running m, s, t, zy of each row
+
+Backward, per chunk (three GEMMs, no recomputed statistics)::
+
+    z = h[rows] @ w[cols].T                          # cuBLAS, fp32 out
+    gz = logit_grad_(z, ...)                         # in place, compute dtype
+    dh[rows] (+)= gz @ w[cols]                       # fp32 accumulator, first chunk writes
+    dw[cols] (+)= gz.T @ h[rows]                     # one GEMM over all rows where they fit
 
 No atomics: the results are the same bit for bit run to run.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._setup import TRITON_WORKSPACE_BYTES, KernelConfig, Plan
-from ._tiles import Stats, combine, mm_into, unfold_dh_
+from ._setup import KernelConfig, TileSetup
+from ._tiles import Stats, combine, gemm_into, mm_into, unfold_dh_
 
-__all__ = ["triton_backward", "triton_forward_stats"]
-
-
-def _config(plan: Plan) -> KernelConfig:
-    assert plan.kernel is not None, "a Triton plan carries its kernel config"
-    return plan.kernel
+__all__ = ["chunk_grad", "chunk_logits", "local_chunk_stats", "triton_backward", "triton_forward_stats"]
 
 
-def _splits(cfg: KernelConfig, n: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary splits per token block: about two waves of programs on the device."""
-    blocks_n = max(1, math.ceil(vocab / cfg.block_n))
-    if cfg.splits:
-        return min(cfg.splits, blocks_n)
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    blocks_m = max(1, math.ceil(n / cfg.block_m))
-    return max(1, min(blocks_n, math.ceil(programs / blocks_m)))
+def _config(setup: TileSetup) -> KernelConfig:
+    assert setup.kernel is not None, "a Triton setup carries its kernel config"
+    return setup.kernel
 
 
-def triton_forward_stats(hs: torch.Tensor, w: torch.Tensor, plan: Plan) -> Stats:
-    """:func:`._tiles.forward_stats` with the shard statistics from the Triton kernel."""
-    cfg = _config(plan)
-    n, vocab = hs.shape[0], w.shape[0]
-    if n == 0:
-        empty = torch.zeros(0, dtype=torch.float32, device=hs.device)
-        return combine(empty, empty, empty if plan.with_entropy else None, empty, plan)
-    from ._triton_kernels import shard_stats  # on first use: TRITON_INTERPRET is read then
+def _per_token(setup: TileSetup) -> torch.Tensor | float:
+    return setup.inv_t if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
 
-    wc = w.detach().to(plan.compute_dtype)
-    m, s, t, zy = shard_stats(
-        hs,
-        wc,
-        plan.labels_local,
-        plan.inv_t,
-        splits=_splits(cfg, n, vocab, hs.device),
-        with_entropy=plan.with_entropy,
-        cfg=cfg,
+
+def chunk_logits(buf: torch.Tensor, hs: torch.Tensor, wc: torch.Tensor) -> torch.Tensor:
+    """``hs @ wc.T`` into the front of ``buf`` (fp32), as ``[rows, cols]``."""
+    z = buf[: hs.shape[0] * wc.shape[0]].view(hs.shape[0], wc.shape[0])
+    return mm_into(z, hs, wc.T)
+
+
+def local_chunk_stats(
+    z: torch.Tensor,
+    setup: TileSetup,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
+    *,
+    row0: int,
+    col0: int,
+) -> None:
+    """Fold the chunk ``z`` (tokens ``row0 + arange(rows)``, shard columns ``col0 +
+    arange(cols)``) into the running ``(m, s, t, zy)``."""
+    from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
+
+    m, s, t, zy = state
+    chunk_stats_(
+        z, setup.labels_local, _per_token(setup), m, s, t, zy, row0=row0, col0=col0, cfg=_config(setup)
     )
-    return combine(m, s, t, zy, plan)
 
 
-def _chunks(n: int, vocab: int, itemsize: int, cfg: KernelConfig) -> tuple[int, int]:
-    """``(rows, cols)`` of the workspace: every row if a chunk of at least one block of
-    columns fits, the columns a multiple of the block."""
-    budget = max(1, TRITON_WORKSPACE_BYTES // itemsize)
-    rows = max(1, min(n, budget // cfg.block_n))
-    cols = max(cfg.block_n, (budget // rows) // cfg.block_n * cfg.block_n)
-    return rows, min(cols, max(vocab, 1))
+def chunk_grad(
+    z: torch.Tensor,
+    setup: TileSetup,
+    big_m: torch.Tensor,
+    coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    *,
+    row0: int,
+    col0: int,
+) -> torch.Tensor:
+    """The logit gradient of the chunk, in place in ``z``, in the compute dtype
+    (``coef`` and ``big_m``: fp32, ``[n]``)."""
+    from ._triton_kernels import logit_grad_  # on first use, as above
+
+    return logit_grad_(
+        z,
+        setup.compute_dtype,
+        setup.labels_local,
+        _per_token(setup),
+        big_m,
+        coef,
+        row0=row0,
+        col0=col0,
+        cfg=_config(setup),
+    )
+
+
+def _empty_state(n: int, setup: TileSetup, device: torch.device) -> tuple[torch.Tensor, ...]:
+    m = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    s = torch.zeros(n, dtype=torch.float32, device=device)
+    zy = torch.zeros(n, dtype=torch.float32, device=device)
+    t = torch.zeros(n, dtype=torch.float32, device=device) if setup.with_entropy else None
+    return m, s, t, zy  # type: ignore[return-value]
+
+
+def triton_forward_stats(hs: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> Stats:
+    """:func:`._tiles.forward_stats` with cuBLAS chunks and the Triton statistics kernel."""
+    n, vocab = hs.shape[0], w.shape[0]
+    m, s, t, zy = _empty_state(n, setup, hs.device)
+    if n and vocab:
+        rows, cols = setup.token_chunk, setup.vocab_chunk
+        buf = torch.empty(rows * cols, dtype=torch.float32, device=hs.device)
+        wc_all = w.detach().to(setup.compute_dtype)
+        for j0 in range(0, vocab, cols):
+            wc = wc_all[j0 : j0 + cols]
+            for i0 in range(0, n, rows):
+                z = chunk_logits(buf, hs[i0 : i0 + rows], wc)
+                local_chunk_stats(z, setup, (m, s, t, zy), row0=i0, col0=j0)
+    return combine(m, s, t, zy, setup)
 
 
 def triton_backward(
     hs: torch.Tensor,
     w: torch.Tensor,
-    plan: Plan,
+    setup: TileSetup,
     stats: Stats,
     coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
     *,
     need_dh: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dh, dw)`` as :func:`._tiles.backward_tiles`: ``dh`` in the accumulation
-    dtype, ``dw`` in ``w``'s dtype."""
-    from ._triton_kernels import logit_grads  # on first use, as above
-
-    cfg = _config(plan)
+    """``(dh, dw)`` as :func:`._tiles.backward_tiles`: ``dh`` in fp32, ``dw`` in ``w``'s
+    dtype. Where one chunk holds every row and ``w`` is in the compute dtype, each
+    ``dw`` chunk is one GEMM written straight into ``dw`` (cuBLAS accumulates in fp32
+    and rounds once); otherwise an fp32 accumulator takes the row chunks' products."""
     n, vocab = hs.shape[0], w.shape[0]
-    acc = plan.acc_dtype
-    dh = torch.zeros(hs.shape, dtype=acc, device=hs.device) if need_dh else None
-    dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if need_dw else None
+    acc = setup.acc_dtype
     if n == 0 or vocab == 0:
-        return dh, dw
+        dh0 = torch.zeros(hs.shape, dtype=acc, device=hs.device) if need_dh else None
+        return dh0, (torch.zeros_like(w) if need_dw else None)
+    rows, cols = setup.token_chunk, setup.vocab_chunk
+    direct = rows >= n and w.dtype == setup.compute_dtype
+    dh = torch.empty(hs.shape, dtype=acc, device=hs.device) if need_dh else None
+    dw = None
+    if need_dw:
+        dw = torch.empty(w.shape, dtype=w.dtype if direct else acc, device=w.device)
     a, b, g = (c.to(torch.float32).contiguous() if c is not None else None for c in coef)
     assert a is not None and g is not None
     big_m = stats.max.to(torch.float32).contiguous()
-    wc_all = w.detach().to(plan.compute_dtype)
-    rows, cols = _chunks(n, vocab, wc_all.element_size(), cfg)
-    work = torch.empty(rows * cols, dtype=plan.compute_dtype, device=hs.device)
-    whole_rows = rows >= n
+    buf = torch.empty(rows * cols, dtype=torch.float32, device=hs.device)
+    wc_all = w.detach().to(setup.compute_dtype)
     for j0 in range(0, vocab, cols):
-        j1 = min(j0 + cols, vocab)
-        wc = wc_all[j0:j1]
-        direct = dw is not None and whole_rows and dw.dtype == plan.compute_dtype
-        dwc = None if dw is None or direct else torch.zeros(wc.shape, dtype=acc, device=w.device)
+        wc = wc_all[j0 : j0 + cols]
         for i0 in range(0, n, rows):
-            i1 = min(i0 + rows, n)
-            gz = work[: (i1 - i0) * (j1 - j0)].view(i1 - i0, j1 - j0)
-            inv_t = plan.inv_t[i0:i1] if isinstance(plan.inv_t, torch.Tensor) else plan.inv_t
-            logit_grads(
-                hs[i0:i1],
-                wc,
-                plan.labels_local[i0:i1],
-                inv_t,
-                big_m[i0:i1],
-                (a[i0:i1], None if b is None else b[i0:i1], g[i0:i1]),
-                gz,
-                label_offset=j0,
-                cfg=cfg,
-            )
+            h_rows = hs[i0 : i0 + rows]
+            z = chunk_logits(buf, h_rows, wc)
+            gz = chunk_grad(z, setup, big_m, (a, b, g), row0=i0, col0=j0)
             if dh is not None:
-                mm_into(dh[i0:i1], gz, wc)
-            if direct:
-                assert dw is not None
-                torch.mm(gz.T, hs[i0:i1], out=dw[j0:j1])
-            elif dwc is not None:
-                mm_into(dwc, gz.T, hs[i0:i1])
-        if dw is not None and dwc is not None:
-            dw[j0:j1].copy_(dwc)
-    return (unfold_dh_(dh, plan) if dh is not None else None), dw
+                gemm_into(dh[i0 : i0 + rows], gz, wc, first=j0 == 0)
+            if dw is not None:
+                if direct:
+                    torch.mm(gz.T, h_rows, out=dw[j0 : j0 + cols])
+                else:
+                    gemm_into(dw[j0 : j0 + cols], gz.T, h_rows, first=i0 == 0)
+    if dw is not None and dw.dtype != w.dtype:
+        dw = dw.to(w.dtype)
+    return (unfold_dh_(dh, setup) if dh is not None else None), dw

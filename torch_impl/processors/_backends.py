@@ -1,0 +1,101 @@
+"""Which backend ``backend="auto"`` runs, per class of device: a table filled from
+GPU measurements, and the rule for a class that has none.
+
+Both backends form every GEMM with ``torch.mm`` (cuBLAS on a GPU). They differ in
+the memory-bound work on each logits chunk: the ``"triton"`` backend does it in one
+Triton kernel per pass (a read for the statistics; a read and an in-place write for
+the logit gradient), the ``"torch"`` backend in a few torch ops (the CPU path and the
+in-repo reference). A device class with no measurement gets ``"triton"``, the design
+whose cost follows from the measured GEMM floor plus a few passes over the logits;
+a CPU gets ``"torch"``. Where Triton is not importable, ``"torch"`` everywhere.
+
+``MEASURED_CHOICES`` holds a row per device class only where the GPU benchmark
+(``benchmarks/gpu_logprobs.py``, results in ``docs/gpu-results.md``) measured both
+backends on that class in one run. It is empty: nothing has been measured with the
+current design yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "MEASURED_CHOICES",
+    "BackendChoice",
+    "auto_choice",
+    "device_class",
+    "triton_available",
+]
+
+BackendName = Literal["torch", "triton"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    """The backend ``"auto"`` picks, and whether a measurement on this class chose it."""
+
+    backend: BackendName
+    measured: bool
+    source: str  # where the measurement is recorded, or why there is none
+
+
+MEASURED_CHOICES: dict[str, BackendChoice] = {}
+"""``device_class -> choice`` measured on that class (both backends, one run)."""
+
+_UNMEASURED_GPU = BackendChoice(
+    "triton",
+    measured=False,
+    source="not measured on this device class: cuBLAS GEMMs with Triton epilogues by default",
+)
+_CPU = BackendChoice("torch", measured=False, source="the CPU path (torch ops; Triton would be interpreted)")
+_NO_TRITON = BackendChoice("torch", measured=False, source="triton is not installed")
+
+_KNOWN = (
+    "GH200",
+    "H200",
+    "H100",
+    "H800",
+    "H20",
+    "B200",
+    "B100",
+    "GB200",
+    "A100",
+    "A800",
+    "L40S",
+    "L4",
+    "A10",
+)
+
+
+def device_class(name: str, capability: tuple[int, int]) -> str:
+    """The table's key for a CUDA device: the product family in its name (``"H100"``,
+    ``"H200"``, ...), else ``"sm_<major><minor>"``::
+
+        device_class("NVIDIA H100 80GB HBM3", (9, 0)) == "H100"
+        device_class("Some GPU", (8, 9)) == "sm_89"
+    """
+    for family in _KNOWN:
+        if re.search(rf"(?<![A-Za-z0-9]){family}(?![0-9])", name):
+            return family
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def triton_available() -> bool:
+    """Triton is importable (it ships with the CUDA builds of torch)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def auto_choice(device: torch.device) -> BackendChoice:
+    """What ``backend="auto"`` runs on ``device`` (for bf16/fp16/fp32; float64 always
+    takes the torch path), and whether that was measured."""
+    if device.type != "cuda":
+        return _CPU
+    if not triton_available():
+        return _NO_TRITON
+    key = device_class(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+    return MEASURED_CHOICES.get(key, _UNMEASURED_GPU)
