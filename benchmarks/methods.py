@@ -21,14 +21,13 @@ of those. Baselines:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from torch_impl.processors import fused_token_loss, linear_logprobs
 
 __all__ = ["LOGPROB_METHODS", "POLICY_METHODS", "VERL_ENV", "available"]
 
@@ -53,11 +52,15 @@ def naive_upcast(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
 
 
 def ours(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    from torch_impl.processors import linear_logprobs  # on use: the baselines run without it
+
     r = linear_logprobs(h, w, y, with_entropy=True)
     return r.logprobs, r.entropy
 
 
+@functools.cache
 def _load_verl() -> Any:
+    """The module, loaded once per process (a call does not time the import)."""
     path = os.environ.get(VERL_ENV)
     if not path or not os.path.exists(path):
         raise RuntimeError(f"veRL's torch_functional.py not found: set {VERL_ENV} (scripts/bench.sh does)")
@@ -106,6 +109,8 @@ def cce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
 
 def ours_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
     """Ours without the entropy, the quantity Liger and CCE compute."""
+    from torch_impl.processors import linear_logprobs
+
     return linear_logprobs(h, w, y).logprobs, None
 
 
@@ -138,6 +143,7 @@ def policy_naive(
     h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     lp, ent = naive(h, w, y)
+    assert ent is not None
     return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
 
 
@@ -145,6 +151,7 @@ def policy_naive_upcast(
     h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     lp, ent = naive_upcast(h, w, y)
+    assert ent is not None
     return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
 
 
@@ -163,6 +170,8 @@ def policy_fused(
 
     def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         return (ppo_terms(lp, ent, batch["old"][rows], batch["adv"][rows]) * weights[rows]).sum()
+
+    from torch_impl.processors import fused_token_loss
 
     return fused_token_loss(h, w, y, token_loss).loss
 

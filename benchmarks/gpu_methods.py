@@ -1,0 +1,281 @@
+"""The methods the GPU benchmark compares, each ``fn(h, w, y) -> (values, entropy | None)``.
+
+Every method belongs to one *family*, the quantity whose gradient it forms:
+
+- ``lp+ent``: selected-token logprobs and entropy of ``softmax(h @ w.T)``; the
+  benchmark's cotangents are ones on both, so the objective is
+  ``sum(logprobs) + sum(entropy)``.
+- ``lp``: selected-token logprobs only (Liger's and CCE's cross entropy is
+  ``-logprobs``); objective ``sum(logprobs)``.
+- ``loss``: the fused GRPO/PPO scalar loss (:func:`grpo_token_loss` of the
+  logprobs and entropy), returned as the first element; objective the loss.
+- ``floor``: bare GEMMs, no objective.
+
+Methods (a method that cannot run reports why, and the run goes on):
+
+- ``floor3`` / ``floor4``: three bare GEMMs in the input dtype (logits, ``dh``,
+  ``dW``), and four (plus the logits again): the times no method can beat.
+- ``naive`` / ``naive-loss``: the output layer, fp32 logits ``[n, V]``,
+  logsumexp, gather, softmax.
+- ``ours-{torch,triton}``, ``ours-ce-{torch,triton}``: ``linear_logprobs`` with
+  and without the entropy; ``ours-loss-{torch,triton}``: ``fused_token_loss`` (the
+  path ``policy_loss`` takes) with :func:`grpo_token_loss`; each on the backend named.
+- ``verl-triton``: veRL 0.9.1's Triton ``linear_cross_entropy``
+  (``verl/utils/kernel/{kernels,linear_cross_entropy}.py``), loaded by path from the
+  carried wheel as a package of its own, with a stand-in ``verl.utils.device`` for
+  the four helpers the two files import; never vendored.
+- ``verl``: veRL 0.9.1's pure-torch ``FusedLinearForPPO`` (``benchmarks.methods``).
+- ``liger``: Liger-Kernel's fused linear cross entropy (Triton, or its CuTe-DSL inner
+  cross entropy when ``nvidia-cutlass-dsl`` is importable; the row's note says which).
+- ``liger-sm90``: Liger-Kernel's SM90 fused scaled cross entropy (CUTLASS Python DSL,
+  logprobs + entropy): needs ``nvidia-cutlass-dsl``, whose libraries wheel (about
+  92 MB) is more than one GPU call carries (64 MiB); reported as not carried then.
+- ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` with its defaults (it skips
+  gradient tiles below a threshold: inexact by design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+import types
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .methods import floor3, floor4, naive, ppo_terms, verl
+
+__all__ = [
+    "FAMILIES",
+    "METHODS",
+    "VERL_WHEEL_ENV",
+    "Method",
+    "NotAvailable",
+    "grpo_token_loss",
+    "loss_batch",
+    "objective",
+]
+
+VERL_WHEEL_ENV = "HOOKSPEC_VERL_WHEEL"
+"""Path of the veRL 0.9.1 wheel (``scripts/gpu_wheels.sh`` downloads it to ``.whl/``)."""
+
+CUTLASS_NOT_CARRIED = (
+    "not carried: Liger's SM90 path needs nvidia-cutlass-dsl, whose libraries wheel "
+    "(about 92 MB) is more than one GPU call carries (64 MiB)"
+)
+
+Result = tuple[torch.Tensor, torch.Tensor | None]
+FAMILIES = ("floor", "lp+ent", "lp", "loss")
+
+
+class NotAvailable(RuntimeError):
+    """A method that cannot run here (a package not carried, a device it does not support)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Result]
+    family: str
+    backend: str = ""  # ours only: "torch" or "triton"
+    cuda_only: bool = False
+
+
+# ---------------------------------------------------------------- the GRPO/PPO scalar loss
+
+_BATCH: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+
+def loss_batch(n: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Old logprobs, advantages and a mask for ``n`` tokens (fixed seed, one per size)."""
+    key = (n, str(device))
+    if key not in _BATCH:
+        g = torch.Generator(device=device).manual_seed(1)
+        _BATCH.clear()
+        mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
+        _BATCH[key] = {
+            "old": -torch.rand(n, generator=g, device=device) * 12.0,
+            "adv": torch.randn(n, generator=g, device=device),
+            "weight": mask / mask.sum(),
+        }
+    return _BATCH[key]
+
+
+def grpo_token_loss(
+    lp: torch.Tensor, ent: torch.Tensor, batch: dict[str, torch.Tensor], rows: slice = slice(None)
+) -> torch.Tensor:
+    """``sum(weight * (max(-A r, -A clip(r, 0.8, 1.2)) - 0.01 H))`` over ``rows``,
+    ``r = exp(lp - old)``: PPO's clipped objective with an entropy bonus, token-mean
+    weights (``benchmarks.methods.ppo_terms``). Runs in the dtype of ``lp``."""
+    old, adv, weight = (batch[k][rows].to(lp.dtype) for k in ("old", "adv", "weight"))
+    return (ppo_terms(lp, ent, old, adv) * weight).sum()
+
+
+def objective(
+    family: str, n: int, device: torch.device | str
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The scalar whose gradient a method of ``family`` forms, as a function of
+    every row's logprobs and entropy (used in float64 by the reference)."""
+    if family == "lp+ent":
+        return lambda lp, ent: lp.sum() + ent.sum()
+    if family == "lp":
+        return lambda lp, ent: lp.sum() + 0.0 * ent.sum()
+    if family == "loss":
+        batch = loss_batch(n, device)
+        return lambda lp, ent: grpo_token_loss(lp, ent, batch)
+    raise ValueError(f"no objective for family {family!r}")
+
+
+# ---------------------------------------------------------------- ours (the public API only)
+
+
+def _ours(backend: str, entropy: bool) -> Callable[..., Result]:
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+        from torch_impl.processors import linear_logprobs
+
+        r = linear_logprobs(h, w, y, with_entropy=entropy, backend=backend)  # type: ignore[arg-type]
+        return r.logprobs, r.entropy
+
+    return run
+
+
+def _ours_loss(backend: str) -> Callable[..., Result]:
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+        from torch_impl.processors import fused_token_loss
+
+        batch = loss_batch(h.shape[0], h.device)
+
+        def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+            return grpo_token_loss(lp, ent, batch, rows)
+
+        return fused_token_loss(h, w, y, token_loss, backend=backend).loss, None  # type: ignore[arg-type]
+
+    return run
+
+
+def naive_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    lp, ent = naive(h, w, y)
+    assert ent is not None
+    return grpo_token_loss(lp, ent, loss_batch(h.shape[0], h.device)), None
+
+
+def floor3_dev(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    floor3(h, w, y)
+    return torch.zeros((), device=h.device), None
+
+
+def floor4_dev(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    floor4(h, w, y)
+    return torch.zeros((), device=h.device), None
+
+
+# ---------------------------------------------------------------- peers
+
+
+_VERL_TRITON: Any = None
+
+
+def _verl_triton_module() -> Any:
+    """veRL's ``linear_cross_entropy`` loaded from the wheel by path (see the module docstring)."""
+    global _VERL_TRITON
+    if _VERL_TRITON is not None:
+        return _VERL_TRITON
+    wheel = os.environ.get(VERL_WHEEL_ENV, "")
+    if not wheel or not Path(wheel).exists():
+        raise NotAvailable(f"veRL wheel not found: set {VERL_WHEEL_ENV} (scripts/gpu_bench.sh does)")
+    target = Path(os.environ.get("TMPDIR", "/tmp")) / "hookspec-verl-kernel"
+    target.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in ("kernels.py", "linear_cross_entropy.py"):
+            (target / name).write_bytes(zf.read(f"verl/utils/kernel/{name}"))
+    device = types.ModuleType("verl.utils.device")  # the four helpers the two files import
+    device.is_cuda_available = torch.cuda.is_available()  # type: ignore[attr-defined]
+    device.get_device_capability = lambda device_id=0: torch.cuda.get_device_capability(device_id)  # type: ignore[attr-defined]
+    device.get_device_name = lambda: "cuda"  # type: ignore[attr-defined]
+    device.get_torch_device = lambda: torch.cuda  # type: ignore[attr-defined]
+    for name in ("verl", "verl.utils"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["verl.utils.device"] = device
+    package = types.ModuleType("hookspec_bench_verl_kernel")
+    package.__path__ = [str(target)]  # type: ignore[attr-defined]
+    sys.modules[package.__name__] = package
+    spec = importlib.util.spec_from_file_location(
+        f"{package.__name__}.linear_cross_entropy", target / "linear_cross_entropy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    importlib.import_module(f"{package.__name__}.kernels")  # what its forward imports: fail here, not timed
+    _VERL_TRITON = module
+    return module
+
+
+def verl_triton(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    logprobs, entropy = _verl_triton_module().linear_cross_entropy(h, w, y, 1.0, "none")
+    return logprobs, entropy
+
+
+def _require(module: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise NotAvailable(f"{module} not installed ({what}: run scripts/gpu_wheels.sh, carry .whl)")
+
+
+def liger_note() -> str:
+    """Which inner cross entropy Liger's fused linear cross entropy dispatches to here."""
+    if importlib.util.find_spec("cutlass") is not None:
+        return "Liger picks its CuTe-DSL inner cross entropy (nvidia-cutlass-dsl importable)"
+    return "Triton (nvidia-cutlass-dsl not carried)"
+
+
+def liger(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    _require("liger_kernel", "liger-kernel 0.8.5")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    loss = liger_fused_linear_cross_entropy(h, w, y, reduction="none")
+    loss = loss[0] if isinstance(loss, tuple) else loss  # (loss, z_loss) in some releases
+    return -loss, None
+
+
+def liger_sm90(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    _require("liger_kernel", "liger-kernel 0.8.5")
+    if importlib.util.find_spec("cutlass") is None:
+        raise NotAvailable(CUTLASS_NOT_CARRIED)
+    if h.device.type != "cuda" or torch.cuda.get_device_capability(h.device) != (9, 0):
+        raise NotAvailable("Liger's SM90 path runs on compute capability 9.0 only")
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+    nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, y, 1.0, -100, 1, True)
+    return -nll, entropy
+
+
+def cce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    _require("cut_cross_entropy", "cut-cross-entropy 25.1.1")
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(h, w, y, reduction="none"), None
+
+
+# In the order they run at each size: what the targets need first.
+METHODS: dict[str, Method] = {
+    "floor3": Method(floor3_dev, "floor"),
+    "floor4": Method(floor4_dev, "floor"),
+    "ours-triton": Method(_ours("triton", True), "lp+ent", "triton"),
+    "ours-torch": Method(_ours("torch", True), "lp+ent", "torch"),
+    "ours-loss-triton": Method(_ours_loss("triton"), "loss", "triton"),
+    "ours-loss-torch": Method(_ours_loss("torch"), "loss", "torch"),
+    "ours-ce-triton": Method(_ours("triton", False), "lp", "triton"),
+    "ours-ce-torch": Method(_ours("torch", False), "lp", "torch"),
+    "naive": Method(naive, "lp+ent"),
+    "naive-loss": Method(naive_loss, "loss"),
+    "verl-triton": Method(verl_triton, "lp+ent", cuda_only=True),
+    "liger": Method(liger, "lp", cuda_only=True),
+    "liger-sm90": Method(liger_sm90, "lp+ent", cuda_only=True),
+    "cce": Method(cce, "lp", cuda_only=True),
+    "verl": Method(verl, "lp+ent"),
+}

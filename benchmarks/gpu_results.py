@@ -1,0 +1,481 @@
+"""The GPU results page: ``docs/gpu-results.md``'s measured sections, from one run of
+``scripts/gpu_tests.sh``, so the next person with a GPU only runs and commits.
+
+    python -m benchmarks.gpu_results env DIR       # on the GPU machine: DIR/env.json
+    python -m benchmarks.gpu_results render DIR    # DIR/gpu-results.md, and the backend choice
+    python -m benchmarks.gpu_results render DIR --write docs/gpu-results.md
+    python -m benchmarks.gpu_results render --empty --write docs/gpu-results.md   # "not measured"
+
+``DIR`` holds what the run wrote: ``env.json`` (device, versions, commit, date),
+``tests-<release>.log`` (``pytest -v -m gpu`` per megatron-core release) and
+``gpu_logprobs.jsonl`` (one row per size and method, :mod:`benchmarks.gpu_logprobs`).
+``--write`` replaces, in the page, the text between the ``<!-- gpu-results:run -->``
+and ``<!-- gpu-results:targets -->`` markers and their ends; nothing else. ``render``
+also prints, per device class, which backend measured faster on each path: the rows
+the ``backend="auto"`` table is filled from. Every cell without a measurement says
+"not measured"; nothing is estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ._harness import ROOT
+from .gpu_logprobs import RESULTS, SIZE_KEYS, SIZES, TARGET_SIZE
+from .gpu_methods import METHODS
+
+__all__ = ["RELEASES", "backend_choice", "gpu_test_files", "main", "render", "targets", "write_page"]
+
+RELEASES = ("0.19.2", "0.16.1")
+NOT = "not measured"
+PROCESSOR_ONLY = ("tests/test_gpu_checks.py", "tests/test_processors_triton.py")
+"""GPU test files that test no Megatron code: run on the first release only (scripts/gpu_tests.sh)."""
+GPU_MARK = re.compile(r"^[ \t]*(@pytest\.mark\.gpu\b|pytestmark[ \t]*=.*pytest\.mark\.gpu\b)", re.M)
+"""A gpu-marked test or module (the grep -E of scripts/gpu_tests.sh matches the same lines)."""
+
+WHAT = {
+    "floor3": "3 bare GEMMs (logits, dh, dW)",
+    "floor4": "4 bare GEMMs (the logits twice, dh, dW)",
+    "ours-triton": "ours, logprobs + entropy, backend triton",
+    "ours-torch": "ours, logprobs + entropy, backend torch",
+    "ours-loss-triton": "ours, fused GRPO loss, backend triton",
+    "ours-loss-torch": "ours, fused GRPO loss, backend torch",
+    "ours-ce-triton": "ours, logprobs only, backend triton",
+    "ours-ce-torch": "ours, logprobs only, backend torch",
+    "naive": "naive: fp32 logits [n, V], logprobs + entropy",
+    "naive-loss": "naive: fp32 logits [n, V], GRPO loss",
+    "verl-triton": "veRL 0.9.1 Triton linear_cross_entropy, logprobs + entropy",
+    "liger": "Liger-Kernel 0.8.5 fused linear cross entropy, logprobs only",
+    "liger-sm90": "Liger-Kernel 0.8.5 SM90 CUTLASS-DSL scaled cross entropy, logprobs + entropy",
+    "cce": "Cut Cross-Entropy 25.1.1, logprobs only",
+    "verl": "veRL 0.9.1 FusedLinearForPPO (torch), logprobs + entropy",
+}
+FAMILY_TEXT = {"lp+ent": "logprobs + entropy", "lp": "logprobs only", "loss": "fused GRPO loss"}
+MARKERS = ("run", "targets")
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """The test files holding ``gpu``-marked tests, in the order scripts/gpu_tests.sh runs them."""
+    found = sorted(
+        f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if GPU_MARK.search(p.read_text())
+    )
+    first = [f for f in PROCESSOR_ONLY if f in found]
+    return first + [f for f in found if f not in first]
+
+
+def _env(root: Path) -> dict[str, Any]:
+    """What one run ran on: the device, the versions, the commit and the date."""
+    import torch
+
+    env: dict[str, Any] = {"date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")}
+    env["python"] = sys.version.split()[0]
+    env["torch"] = torch.__version__
+    env["cuda"] = torch.version.cuda or ""
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = "absent"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env["device"] = torch.cuda.get_device_name()
+        env["device_class"] = f"sm_{major}{minor}"
+        env["device_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
+        try:
+            smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            env["driver"] = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            env["driver"] = ""
+    else:
+        env["device"] = "no CUDA device"
+    for folder in sorted(root.glob(".site-*")):  # --no-deps installs of the carried wheels
+        for info in folder.glob("*.dist-info"):
+            name, _, version = info.name[: -len(".dist-info")].partition("-")
+            env.setdefault("packages", {}).setdefault(name.replace("_", "-"), []).append(version)
+    wheels = sorted(p.name for p in (root / ".whl").glob("verl-*.whl"))
+    if wheels:
+        env.setdefault("packages", {})["verl"] = [wheels[0].split("-")[1]]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True, cwd=root, timeout=10
+        )
+        ok = head.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if ok:
+        changed = len([ln for ln in dirty.stdout.splitlines() if ln.strip()])
+        env["commit"] = head.stdout.strip()
+        env["commit_note"] = f"{changed} uncommitted paths" if changed else "clean"
+    elif (root / ".whl" / "commit.txt").exists():
+        lines = (root / ".whl" / "commit.txt").read_text().splitlines()
+        env["commit"] = lines[0] if lines else "unknown"
+        env["commit_note"] = "from .whl/commit.txt (written by scripts/gpu_wheels.sh); " + "; ".join(
+            lines[1:]
+        )
+    else:
+        env["commit"], env["commit_note"] = "unknown", "no .git and no .whl/commit.txt"
+    return env
+
+
+TEST_LINE = re.compile(r"^(tests/[\w/.-]+\.py)::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+STARTED = re.compile(r"^(tests/[\w/.-]+\.py)::(\S+) ?$")
+COLLECT_ERROR = re.compile(r"^ERROR (?:collecting )?(tests/[\w/.-]+\.py)\b")
+SUMMARY = re.compile(r"^=+ .*\b(passed|failed|skipped|errors?|deselected|no tests ran)\b.* in [\d.]+s")
+
+
+def read_tests(log: Path) -> dict[str, str]:
+    """Per test file, what ``pytest -v`` logged: the count of each outcome, and where
+    the run was cut if its time limit ended it (a test started and never finished, or
+    no summary line); the key ``"(run)"`` holds the latter."""
+    if not log.exists():
+        return {}
+    counts: dict[str, dict[str, int]] = {}
+    partial: tuple[str, str] | None = None
+    finished = False
+    for line in log.read_text(errors="replace").splitlines():
+        m = TEST_LINE.match(line)
+        c = COLLECT_ERROR.match(line)
+        if m or c:
+            f, outcome = (m.group(1), m.group(3).lower()) if m else (c.group(1), "collection error")  # type: ignore[union-attr]
+            per = counts.setdefault(f, {})
+            per[outcome] = per.get(outcome, 0) + 1
+            partial = None
+        elif STARTED.match(line):
+            s = STARTED.match(line)
+            assert s is not None
+            partial = (s.group(1), s.group(2))
+        elif SUMMARY.match(line):
+            finished = True
+    out = {f: ", ".join(f"{n} {k}" for k, n in sorted(per.items())) for f, per in counts.items()}
+    if partial is not None:
+        f, test = partial
+        out[f] = ", ".join(x for x in (out.get(f, ""), f"cut at the time limit in {test}") if x)
+    if not finished:
+        out["(run)"] = "no summary line: the run was cut at its time limit or crashed"
+    return out
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith("{")]
+
+
+# ---------------------------------------------------------------- the tables
+
+
+def _shape(size: dict[str, Any]) -> str:
+    return f"{size['tokens']} x {size['hidden']} x {size['vocab']} {size['dtype']}"
+
+
+def _row(rows: list[dict[str, Any]], size: dict[str, Any], method: str) -> dict[str, Any] | None:
+    for r in rows:
+        if r["method"] == method and all(r.get(k) == size[k] for k in SIZE_KEYS):
+            return r
+    return None
+
+
+def _num(r: dict[str, Any] | None, key: str) -> float:
+    v = None if r is None or r.get("error") else r.get(key)
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def _fmt(x: float, spec: str) -> str:
+    return NOT if math.isnan(x) else format(x, spec)
+
+
+def _best(rows: list[dict[str, Any]], size: dict[str, Any], family: str) -> tuple[str, float]:
+    """Our faster backend on ``family`` at ``size`` (the one the auto table then picks)."""
+    best = ("", math.nan)
+    for backend in ("torch", "triton"):
+        name = {"lp+ent": "ours", "lp": "ours-ce", "loss": "ours-loss"}[family] + f"-{backend}"
+        t = _num(_row(rows, size, name), "time_ms")
+        if not math.isnan(t) and (math.isnan(best[1]) or t < best[1]):
+            best = (name, t)
+    return best
+
+
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The design's targets at the targets' size, as ``(target, verdict, measured)``:
+    ratios within one run; "not measured" where a figure is missing."""
+    s = TARGET_SIZE
+    t = {m: _num(_row(rows, s, m), "time_ms") for m in METHODS}
+    p = {m: _num(_row(rows, s, m), "peak_extra_gb") for m in METHODS}
+    e = {m: _num(_row(rows, s, m), "dh_rel_err") for m in METHODS}
+    lp_name, lp_t = _best(rows, s, "lp+ent")
+    loss_name, loss_t = _best(rows, s, "loss")
+    out = []
+
+    def verdict(values: Iterable[float], ok: bool) -> str:
+        return NOT if any(math.isnan(v) for v in values) else ("met" if ok else "not met")
+
+    ratio = lp_t / t["floor4"]
+    out.append(
+        (
+            "Logprobs + entropy, forward + backward: at most 1.1x the 4-GEMM floor",
+            verdict([ratio], ratio <= 1.1),
+            NOT
+            if math.isnan(ratio)
+            else f"{lp_name} {lp_t:.1f} ms = {ratio:.2f}x floor4 {t['floor4']:.1f} ms",
+        )
+    )
+    ratio = loss_t / t["floor3"]
+    out.append(
+        (
+            "The fused GRPO/PPO scalar loss, forward + backward: at most 1.1x the 3-GEMM floor",
+            verdict([ratio], ratio <= 1.1),
+            NOT
+            if math.isnan(ratio)
+            else f"{loss_name} {loss_t:.1f} ms = {ratio:.2f}x floor3 {t['floor3']:.1f} ms",
+        )
+    )
+    liger_t = min((x for x in (t["liger"], t["liger-sm90"]) if not math.isnan(x)), default=math.nan)
+    peers = {"veRL Triton": t["verl-triton"], "Liger": liger_t, "CCE": t["cce"]}
+    ours_max = max(lp_t, loss_t)
+    measured = [v for v in peers.values() if not math.isnan(v)]
+    if math.isnan(ours_max) or not measured:
+        v = NOT
+    elif any(ours_max >= x for x in measured):
+        v = "not met"
+    else:
+        v = "met" if len(measured) == len(peers) else NOT
+    missing = [k for k, x in peers.items() if math.isnan(x)]
+    out.append((
+        "Both faster than veRL's Triton kernel, Liger and Cut Cross-Entropy measured in the same run",
+        v,
+        NOT if math.isnan(ours_max) else (
+            f"ours {lp_t:.1f} / {loss_t:.1f} ms; "
+            + ", ".join(f"{k} {_fmt(x, '.1f')}" + ("" if math.isnan(x) else " ms") for k, x in peers.items())
+            + (f" ({', '.join(missing)}: {NOT})" if missing else "")
+        ),
+    ))  # fmt: skip
+    ours_p = max(p.get(lp_name, math.nan), p.get(loss_name, math.nan))
+    out.append(
+        (
+            "Peak extra memory no more than veRL's Triton kernel's",
+            verdict([ours_p, p["verl-triton"]], ours_p <= p["verl-triton"]),
+            NOT
+            if math.isnan(ours_p)
+            else f"ours {ours_p:.2f} GB, veRL Triton {_fmt(p['verl-triton'], '.2f')} GB",
+        )
+    )
+    ours_e, naive_e = e.get(lp_name, math.nan), e["naive"]
+    out.append(
+        (
+            "The dh error no worse than the naive bf16 path's",
+            verdict([ours_e, naive_e], ours_e <= naive_e),
+            NOT
+            if math.isnan(ours_e)
+            else f"ours {ours_e:.1e}, naive {_fmt(naive_e, '.1e')} (relative, against float64)",
+        )
+    )
+    out.append(
+        (
+            "On the CPU, nothing slower: at 8192 x 1024 x 65536 fp32, ours at most 0.8x the naive time",
+            NOT,
+            "a CPU figure: `python -m benchmarks.logprobs` measures it, not this GPU command",
+        )
+    )
+    return out
+
+
+def backend_choice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per device class, size and path, our two backends' times and the faster one."""
+    out = []
+    seen = set()
+    for r in rows:
+        if not r.get("backend") or r.get("error"):
+            continue
+        key = (r.get("device_class", "?"), tuple(r[k] for k in SIZE_KEYS), r["family"])
+        if key in seen:
+            continue
+        seen.add(key)
+        size = dict(zip(SIZE_KEYS, key[1], strict=True))
+        base = r["method"].rsplit("-", 1)[0]
+        times = {b: _num(_row(rows, size, f"{base}-{b}"), "time_ms") for b in ("torch", "triton")}
+        if any(math.isnan(x) for x in times.values()):
+            continue
+        faster = min(times, key=lambda b: times[b])
+        out.append({
+            "device_class": key[0], "device": r.get("device", ""), "size": _shape(size),
+            "dtype": size["dtype"], "path": FAMILY_TEXT[r["family"]], "torch_ms": times["torch"],
+            "triton_ms": times["triton"], "faster": faster,
+            "ratio": max(times.values()) / min(times.values()),
+        })  # fmt: skip
+    return out
+
+
+def render(directory: Path | None) -> dict[str, str]:
+    """The two generated regions of the page, ``{"run": ..., "targets": ...}``."""
+    env: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    logs: dict[str, dict[str, str]] = {}
+    if directory is not None:
+        if (directory / "env.json").exists():
+            env = json.loads((directory / "env.json").read_text())
+        rows = read_rows(directory / RESULTS)
+        logs = {rel: read_tests(directory / f"tests-{rel}.log") for rel in RELEASES}
+    pk = env.get("packages", {})
+
+    def versions(name: str) -> str:
+        return ", ".join(pk.get(name, [])) or NOT
+
+    device = env.get("device", NOT)
+    if env.get("device_class"):
+        device += f" ({env['device_class']}, {env.get('device_memory_gb', '?')} GB"
+        device += f", driver {env.get('driver', '?')})"
+    lines = [
+        "| run | |",
+        "|---|---|",
+        f"| device | {device} |",
+        f"| torch | {env.get('torch', NOT)}" + (f" (CUDA {env['cuda']})" if env.get("cuda") else "") + " |",
+        f"| triton | {env.get('triton', NOT)} |",
+        f"| megatron-core | {versions('megatron-core')} |",
+        f"| liger-kernel, cut-cross-entropy, veRL | {versions('liger-kernel')}, "
+        f"{versions('cut-cross-entropy')}, {versions('verl')} |",
+        f"| commit | {env.get('commit', NOT)}"
+        + (f" ({env['commit_note']})" if env.get("commit_note") else "")
+        + " |",
+        f"| date (UTC) | {env.get('date_utc', NOT)} |",
+        "",
+        "GPU tests (`pytest -v -m gpu`, one run per megatron-core release; the files that test "
+        "no Megatron code run on the first release only):",
+        "",
+        "| test file | " + " | ".join(f"megatron-core {rel}" for rel in RELEASES) + " |",
+        "|---|" + "---|" * len(RELEASES),
+    ]
+    for f in gpu_test_files():
+        cells = []
+        for i, rel in enumerate(RELEASES):
+            if i > 0 and f in PROCESSOR_ONLY:
+                cells.append("not run on this release (tests no Megatron code)")
+            else:
+                cells.append(logs.get(rel, {}).get(f) or NOT)
+        lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    if any("(run)" in logs.get(rel, {}) for rel in RELEASES):
+        lines.append(
+            "| the whole run | " + " | ".join(logs.get(rel, {}).get("(run)", "") for rel in RELEASES) + " |"
+        )
+    lines += [
+        "",
+        "Benchmark (`benchmarks.gpu_logprobs`): forward + backward with ones as cotangents, "
+        "median of 5 after 2 warm-ups (CUDA events), peak extra memory as the growth of "
+        "`max_memory_allocated`, `dh` and `dW` errors relative to float64 on a subset of rows "
+        "and vocabulary entries.",
+    ]
+    for size in SIZES:
+        f3 = _num(_row(rows, size, "floor3"), "time_ms")
+        f4 = _num(_row(rows, size, "floor4"), "time_ms")
+        lines += [
+            "",
+            f"{_shape(size)}:",
+            "",
+            "| method | what | time ms | x floor3 | x floor4 | peak extra GB | dh rel err | dW rel err"
+            " | note |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m in METHODS:
+            r = _row(rows, size, m)
+            t = _num(r, "time_ms")
+            note = "; ".join(x for x in ((r or {}).get("error", ""), (r or {}).get("note", "")) if x)
+            if math.isnan(t):
+                cells = [NOT, "", "", "", "", ""]
+            else:
+                na = "n/a" if METHODS[m].family == "floor" else NOT
+                cells = [
+                    f"{t:.1f}",
+                    _fmt(t / f3, ".2f"),
+                    _fmt(t / f4, ".2f"),
+                    _fmt(_num(r, "peak_extra_gb"), ".2f"),
+                    na if math.isnan(_num(r, "dh_rel_err")) else f"{_num(r, 'dh_rel_err'):.1e}",
+                    na if math.isnan(_num(r, "dw_rel_err")) else f"{_num(r, 'dw_rel_err'):.1e}",
+                ]
+            lines.append(f"| {m} | {WHAT[m]} | " + " | ".join(cells) + f" | {note.replace('|', '/')} |")
+    choice = backend_choice(rows)
+    lines += [
+        "",
+        'The faster backend per device class, size and path (what the `backend="auto"` table is '
+        "filled from):",
+        "",
+        "| device class | size | path | torch ms | triton ms | faster |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in choice:
+        lines.append(
+            f"| {c['device_class']} ({c['device']}) | {c['size']} | {c['path']} | {c['torch_ms']:.1f} | "
+            f"{c['triton_ms']:.1f} | {c['faster']} ({c['ratio']:.2f}x) |"
+        )
+    if not choice:
+        lines.append(f"| {NOT} | | | | | |")
+    tl = [
+        f'At {_shape(TARGET_SIZE)}, ratios within one run; "ours" is the faster of our two backends.',
+        "",
+        "| target | verdict | measured |",
+        "|---|---|---|",
+    ]
+    tl += [f"| {a} | {b} | {c} |" for a, b, c in targets(rows)]
+    return {"run": "\n".join(lines), "targets": "\n".join(tl)}
+
+
+def write_page(page: Path, regions: dict[str, str]) -> None:
+    """Replace each ``<!-- gpu-results:NAME -->`` ... ``<!-- gpu-results:NAME end -->`` region."""
+    text = page.read_text()
+    for name, body in regions.items():
+        start, end = f"<!-- gpu-results:{name} -->", f"<!-- gpu-results:{name} end -->"
+        i, j = text.find(start), text.find(end)
+        if i < 0 or j < i:
+            raise SystemExit(f"gpu_results: {page} has no {start} ... {end} region")
+        text = text[: i + len(start)] + "\n" + body + "\n" + text[j:]
+    page.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("env", help="record the device, versions, commit and date in DIR/env.json")
+    e.add_argument("dir", type=Path)
+    r = sub.add_parser("render", help="the page's generated regions from DIR")
+    r.add_argument("dir", type=Path, nargs="?")
+    r.add_argument("--empty", action="store_true", help="every row 'not measured' (no DIR)")
+    r.add_argument("--write", type=Path, help="replace the regions in this page (docs/gpu-results.md)")
+    args = ap.parse_args(argv)
+    if args.command == "env":
+        args.dir.mkdir(parents=True, exist_ok=True)
+        env = _env(ROOT)
+        (args.dir / "env.json").write_text(json.dumps(env, indent=1) + "\n")
+        print(json.dumps(env))
+        return 0
+    if (args.dir is None) != args.empty:
+        ap.error("give DIR, or --empty for a page with nothing measured")
+    regions = render(None if args.empty else args.dir)
+    text = f"{regions['run']}\n\nTargets:\n\n{regions['targets']}\n"
+    if args.dir is not None:
+        (args.dir / "gpu-results.md").write_text(text)
+    if args.write is not None:
+        write_page(args.write, regions)
+    print(text)
+    rows = [] if args.dir is None else read_rows(args.dir / RESULTS)
+    for c in backend_choice(rows):
+        print(f"auto table: {c['device_class']} ({c['device']}) {c['size']} {c['path']}: "
+              f"torch {c['torch_ms']:.1f} ms, triton {c['triton_ms']:.1f} ms -> {c['faster']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
