@@ -399,3 +399,169 @@ def test_mtp_processor_taking_upstream_keywords_is_refused_before_the_model_runs
             mtp_processor=upstream_style,
         )
     assert "@hookspec.processor" in str(err.value)
+
+
+# ---- MTPOptions: where veRL's patch departs from upstream --------------------
+
+
+def _grads_of(model: Any, batch: dict[str, Any], **kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Forward with labels and the batch's loss mask, backward of the summed loss."""
+    return run(model, batch, labels=batch["labels"], loss_mask=batch["loss_mask"], **kw)
+
+
+def _uneven_batch() -> dict[str, Any]:
+    batch = tiny_batch()
+    batch["loss_mask"][0, 5:] = 0.0  # 13 tokens; 11 after one roll
+    return batch
+
+
+@pytest.mark.parametrize(
+    "processors",
+    [{}, {"mtp_processor": default_mtp_loss}, {"output_processor": stock_loss}],
+    ids=["no processor", "mtp processor", "main processor"],
+)
+def test_detach_encoder_trains_the_mtp_layers_only(processors: dict[str, Any]) -> None:
+    """``MTPOptions(detach_encoder=True)``: Megatron's MTP loss trains each MTP
+    layer and the output head, not the embedding or the main decoder.
+
+    Independent computations: the stock model gives the loss, the output head's
+    gradient and the last MTP layer's (only the last depth's loss reaches it);
+    the stock model with ``mtp_loss_scaling_factor=0`` gives the embedding's and
+    the decoder's (no MTP gradient). The first MTP layer no longer receives the
+    second depth's gradient through its output, so it differs from stock."""
+    from torch_impl.mtp import MTPOptions
+
+    batch = _uneven_batch()
+    want, stock = _grads_of(build_mtp_gpt().eval(), batch)
+    _, no_mtp = _grads_of(build_mtp_gpt(mtp_loss_scaling_factor=0.0).eval(), batch)
+    model = enable_output_processor(build_mtp_gpt(), mtp=MTPOptions(detach_encoder=True)).eval()
+    got, grads_ = _grads_of(model, batch, **processors)
+    assert torch.equal(got, want)
+    assert grads_.keys() == stock.keys()
+    for name, grad in grads_.items():
+        if name.startswith("mtp.layers.1.") or name == "output_layer.weight":
+            assert torch.equal(grad, stock[name]), name
+        elif name.startswith("mtp.layers.0."):
+            continue
+        else:
+            assert torch.equal(grad, no_mtp[name]), name
+    assert not torch.equal(
+        stock["embedding.word_embeddings.weight"], no_mtp["embedding.word_embeddings.weight"]
+    )
+    first = [n for n in stock if n.startswith("mtp.layers.0.") and stock[n].abs().sum() > 0]
+    assert first and any(not torch.equal(grads_[n], stock[n]) for n in first)
+    assert all(grads_[n].abs().sum() > 0 for n in first)  # still trained, by its own depth
+
+
+def test_detach_encoder_at_one_depth_equals_the_stock_mtp_gradients() -> None:
+    """One MTP layer: every MTP gradient is the stock one, bitwise."""
+    from torch_impl.mtp import MTPOptions
+
+    batch = _uneven_batch()
+    _, stock = _grads_of(build_mtp_gpt(1).eval(), batch)
+    _, no_mtp = _grads_of(build_mtp_gpt(1, mtp_loss_scaling_factor=0.0).eval(), batch)
+    model = enable_output_processor(build_mtp_gpt(1), mtp=MTPOptions(detach_encoder=True)).eval()
+    _, got = _grads_of(model, batch, mtp_processor=default_mtp_loss)
+    for name, grad in got.items():
+        want = stock[name] if name.startswith("mtp.") or name == "output_layer.weight" else no_mtp[name]
+        assert torch.equal(grad, want), name
+
+
+def test_mtp_options_are_undone_with_the_adapter() -> None:
+    from torch_impl import disable_output_processor
+    from torch_impl.mtp import MTPOptions
+
+    model = build_mtp_gpt()
+    classes = [type(layer) for layer in model.mtp.layers]
+    enable_output_processor(model, mtp=MTPOptions(detach_encoder=True))
+    assert all(type(layer).__name__.startswith("OutputHook") for layer in model.mtp.layers)
+    enable_output_processor(model)  # the defaults: the layers' own classes again
+    assert [type(layer) for layer in model.mtp.layers] == classes
+    enable_output_processor(model, mtp=MTPOptions(cp_group_from_packed=True))
+    disable_output_processor(model)
+    assert [type(layer) for layer in model.mtp.layers] == classes
+    batch = _uneven_batch()
+    assert torch.equal(_grads_of(model.eval(), batch)[0], _grads_of(build_mtp_gpt().eval(), batch)[0])
+
+
+def test_rolled_per_token_normalization_on_every_release() -> None:
+    """``per_token_normalization="rolled"`` under ``calculate_per_token_loss``:
+    each depth's MTP gradient is scaled by ``n_0 / n_k`` (the loss mask's token
+    count over the rolled mask's), the rule of ``process_mtp_loss`` (0.17+) and
+    veRL's patch. Reference: the stock model, whose MTP gradient is linear in
+    ``mtp_loss_scaling_factor``, with that factor times ``13 / 11`` where the
+    release does not renormalise (0.16), or unchanged where it does (0.17+,
+    bitwise). One MTP layer, so one ratio."""
+    from torch_impl.mtp import MTPOptions
+
+    batch = _uneven_batch()
+    factor = 0.1 if SEMANTICS.clamped_counts else 0.1 * 13 / 11
+    reference = build_mtp_gpt(1, calculate_per_token_loss=True, mtp_loss_scaling_factor=factor).eval()
+    want, want_grads = _grads_of(reference, batch)
+    _, release = _grads_of(
+        build_mtp_gpt(1, calculate_per_token_loss=True, mtp_loss_scaling_factor=0.1).eval(), batch
+    )
+    options = MTPOptions(per_token_normalization="rolled")
+    model = enable_output_processor(
+        build_mtp_gpt(1, calculate_per_token_loss=True, mtp_loss_scaling_factor=0.1), mtp=options
+    ).eval()
+    for processors in ({}, {"mtp_processor": default_mtp_loss}):
+        got, got_grads = _grads_of(model, batch, **processors)
+        assert torch.equal(got, want)
+        for name, grad in want_grads.items():
+            if SEMANTICS.clamped_counts:
+                assert torch.equal(got_grads[name], grad), name
+            else:
+                torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    if not SEMANTICS.clamped_counts:  # the option changes something on this release
+        assert not torch.allclose(
+            release["mtp.layers.0.enorm.weight"], got_grads["mtp.layers.0.enorm.weight"]
+        )
+
+
+def test_scaled_mtp_gradient_scales_the_gradient_not_the_logged_loss(cpu_tracker: None) -> None:
+    """veRL's per-micro-batch factor (``mtp_loss_scaling_factor * routed / batch``
+    tokens): the same gradients as the stock model with the factor folded into
+    ``mtp_loss_scaling_factor``, and Megatron's logged MTP loss unchanged."""
+    from torch_impl.mtp import scaled_mtp_gradient
+
+    batch = _uneven_batch()
+    stock = build_mtp_gpt().train()
+    _, stock_grads = _grads_of(stock, batch)
+    logged = tracker_snapshot()
+    clear_tracker()
+    _, want = _grads_of(build_mtp_gpt(mtp_loss_scaling_factor=0.1 * 0.75).train(), batch)
+    clear_tracker()
+    model = enable_output_processor(build_mtp_gpt()).train()
+    _, got = _grads_of(model, batch, mtp_processor=scaled_mtp_gradient(default_mtp_loss, 0.75))
+    for key, value in tracker_snapshot().items():
+        assert torch.equal(value, logged[key]), key
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    assert not torch.allclose(got["mtp.layers.0.enorm.weight"], stock_grads["mtp.layers.0.enorm.weight"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"detach_encoder": 1}, "mtp.detach_encoder"),
+        ({"cp_group_from_packed": "yes"}, "mtp.cp_group_from_packed"),
+        ({"per_token_normalization": "veRL"}, "mtp.per_token_normalization"),
+    ],
+)
+def test_bad_mtp_options(kwargs: dict[str, Any], field: str) -> None:
+    from torch_impl.mtp import MTPOptions
+
+    with pytest.raises(ContractError) as err:
+        MTPOptions(**kwargs)
+    assert err.value.field == field
+    with pytest.raises(ContractError, match=r"^mtp: expected a torch_impl.mtp.MTPOptions"):
+        enable_output_processor(build_mtp_gpt(), mtp={"detach_encoder": True})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_scaled_mtp_gradient_refuses_a_bad_factor(factor: Any) -> None:
+    from torch_impl.mtp import scaled_mtp_gradient
+
+    with pytest.raises(ContractError, match=r"^factor: expected a finite number > 0"):
+        scaled_mtp_gradient(default_mtp_loss, factor)

@@ -68,6 +68,8 @@ class OutputHookAdapter:
         **kwargs: Any,
     ) -> Any:
         native = self._hookspec_native
+        if mtp_processor is None and has_mtp_layers(self) and options_of(self).mtp.rolls_or_scales_itself:  # type: ignore[arg-type]
+            mtp_processor = default_mtp_loss  # these MTP options act where the adapter computes the losses
         if output_processor is None and mtp_processor is None:
             if native:
                 kwargs["output_processor_context"] = output_processor_context

@@ -22,7 +22,7 @@ import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,16 +40,71 @@ from hookspec import (
 from .context import build_output_context
 from .value_checks import check_labels_deferred
 
-__all__ = ["ForwardCall", "HookOptions", "default_output", "stashed_call"]
+__all__ = ["ForwardCall", "HookOptions", "MTPOptions", "default_output", "stashed_call"]
 
 _STASH = "_hookspec_call"  # the instance attribute set by ForwardCall.stashed, read by stashed_call
+
+
+PER_TOKEN_NORMALIZATIONS = ("release", "rolled")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPOptions:
+    """How an enabled model trains its MTP layers where RL recipes depart from
+    upstream; the defaults are upstream Megatron's (see ``docs/mtp.md``).
+
+    ``detach_encoder``: each MTP layer sees the token embeddings and its input
+    hidden states (the main decoder's, or the previous depth's) detached, so the
+    MTP losses train the MTP layers (and the output head, unless it is detached
+    too) but not the embedding or the main decoder (veRL's ``detach_encoder``)::
+
+        decoder_input_k, hidden_k = embedding(ids_k).detach(), hidden_{k-1}.detach()
+
+    ``per_token_normalization`` (read under ``config.calculate_per_token_loss``):
+    ``"release"`` applies the installed release's rule (0.16: ``scale * loss_k``;
+    0.17+: ``scale * loss_k * n_0 / max(n_k, 1)``, ``n_k`` the rolled mask's token
+    count); ``"rolled"`` applies the 0.17+ rule on every release, as veRL's patch
+    does on releases without ``process_mtp_loss``.
+
+    ``cp_group_from_packed``: roll labels, loss mask and the MTP layers' input ids
+    over ``packed_seq_params.cp_group`` when the micro-batch carries one (dynamic
+    context parallel, as veRL does), instead of the model's CP group (upstream).
+    """
+
+    detach_encoder: bool = False
+    per_token_normalization: Literal["release", "rolled"] = "release"
+    cp_group_from_packed: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("detach_encoder", "cp_group_from_packed"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ContractError(f"mtp.{name}", expected="a bool", actual=repr(value))
+        if self.per_token_normalization not in PER_TOKEN_NORMALIZATIONS:
+            raise ContractError(
+                "mtp.per_token_normalization",
+                expected=f"one of {list(PER_TOKEN_NORMALIZATIONS)}",
+                actual=repr(self.per_token_normalization),
+            )
+
+    @property
+    def rolls_or_scales_itself(self) -> bool:
+        """True when the MTP losses must be computed by the adapter (not by
+        Megatron's native path) for these options to take effect."""
+        return self.per_token_normalization != "release" or self.cp_group_from_packed
+
+    @property
+    def adapts_layers(self) -> bool:
+        """True when the MTP layers need ``torch_impl.mtp``'s layer adapter."""
+        return self.detach_encoder or self.cp_group_from_packed
 
 
 @dataclasses.dataclass(frozen=True)
 class HookOptions:
     """Options of an enabled model.
 
-    ``ignore_index``: the label that selects no token. ``check_values``: check
+    ``ignore_index``: the label that selects no token. ``mtp``: the
+    :class:`MTPOptions` of a model with MTP layers. ``check_values``: check
     the labels' range at every call, once, in the hook (on a GPU without a host
     read: :mod:`torch_impl.value_checks` raises at the next call or at
     ``raise_pending_errors``); ``False`` does no value check at all, in the hook
@@ -58,8 +113,11 @@ class HookOptions:
 
     ignore_index: int = IGNORE_INDEX
     check_values: bool = True
+    mtp: MTPOptions = MTPOptions()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mtp, MTPOptions):
+            raise ContractError("mtp", expected="a torch_impl.mtp.MTPOptions", actual=type(self.mtp).__name__)
         # checked where they enter (enable_output_processor), not at the first forward
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ContractError(

@@ -38,11 +38,13 @@ from ._adapter import (
     original_class,
     set_options,
 )
-from ._call import HookOptions, clear_stash
+from ._call import HookOptions, MTPOptions, clear_stash
 from .hybrid import HybridOutputHookAdapter
+from .mtp import adapt_mtp_layers
 
 __all__ = [
     "HookOptions",
+    "MTPOptions",
     "disable_output_processor",
     "enable_output_processor",
     "has_native_hook",
@@ -111,7 +113,9 @@ def is_output_processor_enabled(model: torch.nn.Module) -> bool:
     return isinstance(unwrap_model(model), OutputHookAdapter)
 
 
-def enable_output_processor(model: M, *, ignore_index: int = IGNORE_INDEX, check_values: bool = True) -> M:
+def enable_output_processor(
+    model: M, *, ignore_index: int = IGNORE_INDEX, check_values: bool = True, mtp: MTPOptions | None = None
+) -> M:
     """Give ``model`` keyword-only ``output_processor=`` and ``output_processor_context=``.
 
     Returns ``model`` itself (a wrapper stays the wrapper; the language model
@@ -135,17 +139,23 @@ def enable_output_processor(model: M, *, ignore_index: int = IGNORE_INDEX, check
     ``ignore_index`` (an int) is the label that selects no token.
     ``check_values``: check the labels' range once per call in the hook, without
     a host read on a GPU (see :class:`HookOptions`); ``False`` does no value check
-    anywhere. Both are checked here, before the model is touched.
+    anywhere. ``mtp``: the :class:`~torch_impl.mtp.MTPOptions` of a model with
+    MTP layers (detached encoder, per-token normalisation, the micro-batch's CP
+    group); ``None`` is upstream Megatron's behaviour. All are checked here,
+    before the model is touched.
     """
     inner = unwrap_model(model)
     if isinstance(ignore_index, int) and not isinstance(ignore_index, bool):
         check_int64("ignore_index", ignore_index)  # compared with int64 labels in the forward
-    options = HookOptions(ignore_index=ignore_index, check_values=check_values)
+    options = HookOptions(
+        ignore_index=ignore_index, check_values=check_values, mtp=MTPOptions() if mtp is None else mtp
+    )
     if not isinstance(inner, OutputHookAdapter):
         cls = type(inner)
         mixin = OutputHookAdapter if hasattr(cls, "_postprocess") else HybridOutputHookAdapter
         inner.__class__ = adapted_class(cls, mixin)
     set_options(inner, options)
+    adapt_mtp_layers(inner, options.mtp)
     return model
 
 
@@ -156,6 +166,7 @@ def disable_output_processor(model: M) -> M:
         inner.__class__ = original_class(inner)
         set_options(inner, None)
         clear_stash(inner)
+        adapt_mtp_layers(inner, None)
     return model
 
 

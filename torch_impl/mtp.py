@@ -30,6 +30,14 @@ logging follow the installed release (:func:`mtp_semantics`), so that
 Any per-token loss processor fits, e.g. the fused
 ``torch_impl.processors.cross_entropy_loss()``, which never materialises the
 MTP logits; :func:`detached_head` detaches the output weight for any of them.
+
+Where RL recipes depart from upstream (veRL's ``mtp_patch.py``), an
+:class:`MTPOptions` given to ``enable_output_processor(model, mtp=...)`` turns
+each departure on: a detached encoder for the MTP layers (through
+:class:`MTPLayerAdapter`, an instance-level subclass of each MTP layer), the
+0.17+ per-token normalisation on every release, and the micro-batch's CP group
+from ``packed_seq_params``; :func:`scaled_mtp_gradient` scales one micro-batch's
+MTP gradient without changing the logged loss.
 """
 
 from __future__ import annotations
@@ -45,16 +53,21 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 
 from hookspec import ContractError, OutputContext, Processor, processor
 
-from ._call import ForwardCall
+from ._call import ForwardCall, MTPOptions
 from ._compat import mtp_cp_group, roll_tensor
 
 __all__ = [
+    "MTPLayerAdapter",
+    "MTPOptions",
     "MTPSemantics",
+    "adapt_mtp_layers",
     "attach_mtp_losses",
     "default_mtp_loss",
     "detached_head",
     "has_mtp_layers",
+    "mtp_roll_group",
     "mtp_semantics",
+    "scaled_mtp_gradient",
 ]
 
 
@@ -165,6 +178,150 @@ def detached_head(mtp_processor: Any, /) -> Processor:
     return processor(fn, name=f"detached_head({name})")
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """``x`` forward; ``factor * dx`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scaled_mtp_gradient(mtp_processor: Any, /, factor: float) -> Processor:
+    """``mtp_processor`` whose loss carries ``factor`` times its gradient; the
+    value (and so Megatron's logged MTP loss) is unchanged::
+
+        loss_k = mtp_processor(ctx_k)["loss"]      # forward: the same values
+        d loss_k = factor * d loss_k               # backward
+
+    That is what veRL does per micro-batch under ``calculate_per_token_loss``
+    when Megatron's ``finalize_model_grads`` divides by a count other than the
+    loss tokens (``mtp_loss_scaling_factor * routed_tokens / batch_tokens``, set
+    on ``packed_seq_params``): make one such processor per micro-batch. ``factor``
+    is a finite number > 0."""
+    if not callable(mtp_processor):
+        raise ContractError(
+            "mtp_processor",
+            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
+            actual=type(mtp_processor).__name__,
+        )
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, (int, float))
+        or not 0 < float(factor) < float("inf")
+    ):
+        raise ContractError("factor", expected="a finite number > 0", actual=repr(factor))
+    scale = float(factor)
+
+    def fn(ctx: OutputContext) -> Any:
+        out = mtp_processor(ctx)
+        if isinstance(out, torch.Tensor):
+            return _ScaleGradient.apply(out, scale)
+        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+            return {**out, "loss": _ScaleGradient.apply(out["loss"], scale)}
+        return out  # the forward's result check names what is wrong
+
+    name = getattr(mtp_processor, "name", getattr(mtp_processor, "__name__", "mtp_processor"))
+    return processor(fn, name=f"scaled_mtp_gradient({name}, {scale:g})")
+
+
+# ---------------------------------------------------------------------------
+# The MTP layers: detached encoder, the micro-batch's CP group
+# ---------------------------------------------------------------------------
+
+_LAYER_OPTIONS = "_hookspec_mtp_options"  # instance attribute of an adapted MTP layer
+
+
+def mtp_roll_group(model: Any, packed_seq_params: Any, options: MTPOptions) -> Any:
+    """The CP group the MTP rolls use: ``packed_seq_params.cp_group`` where
+    ``options.cp_group_from_packed`` and the micro-batch carries one (megatron-core
+    0.16+ ``PackedSeqParams`` has the field), else the model's
+    (``GPTModel._postprocess``'s ``cp_group``, upstream)."""
+    if options.cp_group_from_packed:
+        group = getattr(packed_seq_params, "cp_group", None)
+        if group is not None:
+            return group
+    return mtp_cp_group(model)
+
+
+class MTPLayerAdapter:
+    """Mixed in before ``MultiTokenPredictionLayer`` by :func:`adapt_mtp_layers`
+    (an instance-level subclass; the class itself is untouched).
+
+    Its ``_get_embeddings`` runs Megatron's own and then, with
+    ``detach_encoder``, detaches the last two values it returns, the token
+    embeddings and the input hidden states: ``(..., decoder_input, hidden_states)``
+    in megatron-core 0.16.1 (four values) and 0.19.2 (five, with ``padding_mask``),
+    pinned by ``tests/test_mtp.py::test_detach_encoder_*``. The hidden states stay
+    a tensor that requires grad, as Megatron's own ``mtp_detach_heads`` path keeps
+    them (activation checkpointing needs one such input). With
+    ``cp_group_from_packed`` the layer's ``cp_group`` reads the micro-batch's group
+    for the length of that call (its rolls of input and position ids)."""
+
+    _hookspec_original_class: type[Any]
+    _hookspec_embeddings_signature: inspect.Signature
+
+    def _get_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        options: MTPOptions = self.__dict__[_LAYER_OPTIONS]
+        own = super()._get_embeddings  # type: ignore[misc]
+        group = None
+        if options.cp_group_from_packed:
+            bound = self._hookspec_embeddings_signature.bind(self, *args, **kwargs)
+            group = getattr(bound.arguments.get("packed_seq_params"), "cp_group", None)
+        if group is None:
+            out = own(*args, **kwargs)
+        else:
+            layer: Any = self
+            saved = layer.cp_group
+            layer.cp_group = group
+            try:
+                out = own(*args, **kwargs)
+            finally:
+                layer.cp_group = saved
+        if not options.detach_encoder:
+            return out
+        *rest, decoder_input, hidden_states = out
+        return (*rest, decoder_input.detach(), hidden_states.detach().requires_grad_(True))
+
+
+_ADAPTED_LAYERS: dict[type, type] = {}
+
+
+def _mtp_layers(model: Any) -> list[torch.nn.Module]:
+    block = getattr(model, "mtp", None)
+    return list(getattr(block, "layers", None) or [])
+
+
+def adapt_mtp_layers(model: Any, options: MTPOptions | None) -> None:
+    """Give each MTP layer of ``model`` :class:`MTPLayerAdapter` where ``options``
+    need it, or (``None``, or options that do not) its own class back."""
+    for layer in _mtp_layers(model):
+        cls: Any = type(layer)
+        if options is not None and options.adapts_layers:
+            if not isinstance(layer, MTPLayerAdapter):
+                adapted = _ADAPTED_LAYERS.get(cls)
+                if adapted is None:
+                    adapted = type(
+                        f"OutputHook{cls.__name__}",
+                        (MTPLayerAdapter, cls),
+                        {
+                            "__module__": __name__,
+                            "_hookspec_original_class": cls,
+                            "_hookspec_embeddings_signature": inspect.signature(cls._get_embeddings),
+                        },
+                    )
+                    _ADAPTED_LAYERS[cls] = adapted
+                layer.__class__ = adapted
+            layer.__dict__[_LAYER_OPTIONS] = options
+        elif isinstance(layer, MTPLayerAdapter):
+            layer.__class__ = layer._hookspec_original_class
+            layer.__dict__.pop(_LAYER_OPTIONS, None)
+
+
 # ---------------------------------------------------------------------------
 # The loss loop
 # ---------------------------------------------------------------------------
@@ -193,11 +350,13 @@ def attach_mtp_losses(
     """
     config = model.config
     semantics = mtp_semantics()
+    options = call.options.mtp
     depths = config.mtp_num_layers
     chunks = torch.chunk(hidden_states, 1 + depths, dim=0)
     hidden = chunks[0]
-    cp_group = mtp_cp_group(model)
     packed = hook_kwargs.get("packed_seq_params")
+    cp_group = mtp_roll_group(model, packed, options)
+    rolled_per_token = semantics.clamped_counts or options.per_token_normalization == "rolled"
 
     def roll(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return roll_tensor(x, cp_group=cp_group, packed_seq_params=packed)
@@ -237,12 +396,11 @@ def attach_mtp_losses(
         mtp_loss = loss_mask * loss
         if model.training:
             _log(mtp_loss, num_tokens, accepted, loss_mask, layer, depths, avg_group, semantics)
-        if semantics.clamped_counts:
+        if config.calculate_per_token_loss and rolled_per_token:
             safe = num_tokens.clamp(min=1)
-            if config.calculate_per_token_loss:
-                hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss * (original_num_tokens / safe))
-            else:
-                hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss / safe)
+            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss * (original_num_tokens / safe))
+        elif semantics.clamped_counts and not config.calculate_per_token_loss:
+            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss / num_tokens.clamp(min=1))
         elif config.calculate_per_token_loss:
             hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
         else:
