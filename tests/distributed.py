@@ -1,6 +1,7 @@
 """Run a test body in several processes over gloo (one per rank), on loopback.
 
-``run_distributed(fn, tp=2)`` spawns ``tp * pp`` processes; each initialises
+``run_distributed(fn, tp=2)`` spawns ``tp * pp`` processes (``vpp``: model chunks
+per pipeline rank, for the interleaved schedule); each initialises
 ``torch.distributed`` and Megatron's parallel groups, calls ``fn(rank, *args)``
 and reports an exception back to the parent, which re-raises it with the rank.
 ``fn`` must be a module-level function (it is pickled).
@@ -16,12 +17,22 @@ import torch.multiprocessing as mp
 
 
 def _worker(
-    rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, backend: str, args: tuple, errors: Any
+    rank: int,
+    fn: Callable[..., Any],
+    tp: int,
+    pp: int,
+    port: int,
+    backend: str,
+    args: tuple,
+    errors: Any,
+    vpp: int | None = None,
 ) -> None:
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
-        with megatron_parallel(tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port, backend=backend):
+        with megatron_parallel(
+            tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port, backend=backend, vpp=vpp
+        ):
             fn(rank, *args)
     except BaseException:  # reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
@@ -29,7 +40,12 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], *args: Any, tp: int = 1, pp: int = 1, backend: str = "gloo"
+    fn: Callable[..., Any],
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    backend: str = "gloo",
+    vpp: int | None = None,
 ) -> None:
     from torch_impl.testing.tiny import free_port
 
@@ -39,7 +55,7 @@ def run_distributed(
     try:
         mp.start_processes(
             _worker,
-            args=(fn, tp, pp, port, backend, args, errors),
+            args=(fn, tp, pp, port, backend, args, errors, vpp),
             nprocs=tp * pp,
             join=True,
             start_method="spawn",

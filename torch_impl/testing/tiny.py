@@ -142,16 +142,21 @@ def build_tiny_gpt(
     post_process: bool | None = None,
     mtp_block_spec: Any = None,
     transformer_layer_spec: Any = None,
+    vp_stage: int | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """A tiny ``GPTModel`` on the CPU; the same ``seed`` gives the same weights on
     every rank and every call (Megatron's CPU init splits one master weight).
-    ``transformer_layer_spec``: a layer or block spec instead of :func:`cpu_layer_spec`."""
+    ``transformer_layer_spec``: a layer or block spec instead of :func:`cpu_layer_spec`.
+    ``vp_stage``: this model chunk's virtual pipeline stage (interleaved schedule;
+    pass ``virtual_pipeline_model_parallel_size=`` too), which sets its layers and
+    whether it holds the embedding and the output layer."""
     config = tiny_config(shape, **config_overrides)
+    virtual = vp_stage is not None
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     torch.manual_seed(seed)
     return GPTModel(
         config=config,
@@ -163,6 +168,7 @@ def build_tiny_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
         mtp_block_spec=mtp_block_spec,
+        vp_stage=vp_stage,
     )
 
 
@@ -198,9 +204,11 @@ def megatron_parallel(
     world_size: int | None = None,
     port: int | None = None,
     backend: str = "gloo",
+    vpp: int | None = None,
 ) -> Iterator[None]:
     """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
     model parallel groups; tear both down on exit. One process per rank.
+    ``vpp``: the virtual pipeline size (model chunks per pipeline rank).
 
     The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
     ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
@@ -242,7 +250,9 @@ def megatron_parallel(
     try:
         if made_state:
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
             )
         yield
     finally:
