@@ -29,7 +29,7 @@ MATRIX=(
   "0.18.2 py312"
   "0.19.2 py312"
 )
-TESTS=(tests/test_enable.py tests/test_enable_tp.py tests/test_hybrid.py tests/test_release_matrix.py tests/test_doctor.py)
+TESTS=(tests/test_enable.py tests/test_enable_tp.py tests/test_hybrid.py tests/test_release_matrix.py tests/test_doctor.py tests/test_upstream_mirror.py)
 
 wanted=("$@")
 selected() { [ ${#wanted[@]} -eq 0 ] && return 0; local w; for w in "${wanted[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
