@@ -38,7 +38,16 @@ import torch
 from ._harness import ROOT
 from .gpu_methods import METHODS, NotAvailable, objective
 
-__all__ = ["QUICK_SIZES", "RESULTS", "SIZES", "TARGET_SIZE", "main", "reference", "run_size"]
+__all__ = [
+    "QUICK_SIZES",
+    "RESULTS",
+    "SIZES",
+    "TARGET_SIZE",
+    "device_class_here",
+    "main",
+    "reference",
+    "run_size",
+]
 
 SIZES: list[dict[str, Any]] = [
     {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16"},  # the targets' size
@@ -154,8 +163,18 @@ def _time_once(
 def _device_fields(device: str) -> dict[str, Any]:
     if device != "cuda":
         return {"device": "CPU", "device_class": "cpu"}
-    major, minor = torch.cuda.get_device_capability()
-    return {"device": torch.cuda.get_device_name(), "device_class": f"sm_{major}{minor}"}
+    return {"device": torch.cuda.get_device_name(), "device_class": device_class_here()}
+
+
+def device_class_here() -> str:
+    """The ``backend="auto"`` table's key for this CUDA device (the processors' own
+    ``device_class``; ``sm_<major><minor>`` if the processors do not import)."""
+    name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    try:
+        from torch_impl.processors import device_class
+    except ImportError:
+        return f"sm_{major}{minor}"
+    return str(device_class(name, (major, minor)))
 
 
 def _append(path: Path | None, row: dict[str, Any]) -> None:

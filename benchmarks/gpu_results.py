@@ -30,10 +30,19 @@ from pathlib import Path
 from typing import Any
 
 from ._harness import ROOT
-from .gpu_logprobs import RESULTS, SIZE_KEYS, SIZES, TARGET_SIZE
+from .gpu_logprobs import RESULTS, SIZE_KEYS, SIZES, TARGET_SIZE, device_class_here
 from .gpu_methods import METHODS
 
-__all__ = ["RELEASES", "backend_choice", "gpu_test_files", "main", "render", "targets", "write_page"]
+__all__ = [
+    "RELEASES",
+    "backend_choice",
+    "class_choice",
+    "gpu_test_files",
+    "main",
+    "render",
+    "targets",
+    "write_page",
+]
 
 RELEASES = ("0.19.2", "0.16.1")
 NOT = "not measured"
@@ -92,7 +101,8 @@ def _env(root: Path) -> dict[str, Any]:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         env["device"] = torch.cuda.get_device_name()
-        env["device_class"] = f"sm_{major}{minor}"
+        env["capability"] = f"sm_{major}{minor}"
+        env["device_class"] = device_class_here()
         env["device_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
         try:
             smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
@@ -321,6 +331,19 @@ def backend_choice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def class_choice(rows: list[dict[str, Any]]) -> dict[str, tuple[str, float, float, int]]:
+    """Per device class, the backend with the smaller total time over every (size, path)
+    measured on both backends: ``{class: (backend, torch ms, triton ms, pairs)}``, the one
+    row of the ``backend="auto"`` table a class gets."""
+    totals: dict[str, list[float]] = {}
+    for c in backend_choice(rows):
+        t = totals.setdefault(c["device_class"], [0.0, 0.0, 0])
+        t[0] += c["torch_ms"]
+        t[1] += c["triton_ms"]
+        t[2] += 1
+    return {k: ("torch" if a < b else "triton", a, b, int(n)) for k, (a, b, n) in totals.items()}
+
+
 def render(directory: Path | None) -> dict[str, str]:
     """The two generated regions of the page, ``{"run": ..., "targets": ...}``."""
     env: dict[str, Any] = {}
@@ -338,8 +361,8 @@ def render(directory: Path | None) -> dict[str, str]:
 
     device = env.get("device", NOT)
     if env.get("device_class"):
-        device += f" ({env['device_class']}, {env.get('device_memory_gb', '?')} GB"
-        device += f", driver {env.get('driver', '?')})"
+        device += f" (class {env['device_class']}, {env.get('capability', '?')}, "
+        device += f"{env.get('device_memory_gb', '?')} GB, driver {env.get('driver', '?')})"
     lines = [
         "| run | |",
         "|---|---|",
@@ -423,6 +446,9 @@ def render(directory: Path | None) -> dict[str, str]:
         )
     if not choice:
         lines.append(f"| {NOT} | | | | | |")
+    for cls, (backend, a, b, n) in class_choice(rows).items():
+        lines += ["", f"Device class {cls}: over {n} size and path pairs, torch {a:.1f} ms and triton "
+                  f"{b:.1f} ms in all: `backend=\"auto\"` row `{backend}`."]  # fmt: skip
     tl = [
         f'At {_shape(TARGET_SIZE)}, ratios within one run; "ours" is the faster of our two backends.',
         "",
@@ -443,6 +469,11 @@ def write_page(page: Path, regions: dict[str, str]) -> None:
             raise SystemExit(f"gpu_results: {page} has no {start} ... {end} region")
         text = text[: i + len(start)] + "\n" + body + "\n" + text[j:]
     page.write_text(text)
+
+
+def _env_of(directory: Path | None) -> dict[str, Any]:
+    path = None if directory is None else directory / "env.json"
+    return json.loads(path.read_text()) if path is not None and path.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         write_page(args.write, regions)
     print(text)
     rows = [] if args.dir is None else read_rows(args.dir / RESULTS)
+    env = _env_of(args.dir)
+    where = f"docs/gpu-results.md: run of {env.get('date_utc', '?')} on commit {env.get('commit', '?')[:12]}"
+    for cls, (backend, _, _, n) in class_choice(rows).items():
+        row = f'"{cls}": BackendChoice("{backend}", measured=True, source="{where}")'
+        print(f"auto table row: {row}  # {n} size and path pairs")
     for c in backend_choice(rows):
         print(f"auto table: {c['device_class']} ({c['device']}) {c['size']} {c['path']}: "
               f"torch {c['torch_ms']:.1f} ms, triton {c['triton_ms']:.1f} ms -> {c['faster']}")  # fmt: skip

@@ -240,6 +240,8 @@ def test_backend_choice_per_device_class() -> None:
     assert set(got) == {"logprobs + entropy", "fused GRPO loss"}  # logprobs only: one backend measured
     assert got["logprobs + entropy"]["faster"] == "triton" and got["fused GRPO loss"]["faster"] == "torch"
     assert got["fused GRPO loss"]["device_class"] == "H100"
+    # the class's one row: the smaller total over both pairs (66 + 48 triton < 70 + 46 torch)
+    assert gpu_results.class_choice(rows) == {"H100": ("triton", 116.0, 114.0, 2)}
 
 
 def test_empty_page_says_not_measured_everywhere() -> None:
@@ -279,7 +281,7 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
     text = page.read_text()
     assert text.startswith("# head\n") and "\nmiddle\n" in text and text.endswith("tail\n")
     assert "old" not in text
-    assert "| device | NVIDIA H200 (H200" in text and "| megatron-core | 0.19.2, 0.16.1 |" in text
+    assert "| device | NVIDIA H200 (class H200" in text and "| megatron-core | 0.19.2, 0.16.1 |" in text
     assert "| `tests/test_gpu_checks.py` | 1 failed, 1 passed |" in text
     assert "1 skipped, cut at the time limit in test_d | 1 passed |" in text
     assert (
@@ -292,6 +294,8 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
 
 def test_committed_page_has_both_regions() -> None:
     text = (ROOT / "docs" / "gpu-results.md").read_text()
+    _, total = _table()
+    assert f"limits add up to {total} s" in " ".join(text.split())  # the page quotes the script's budget
     for name in gpu_results.MARKERS:
         assert f"<!-- gpu-results:{name} -->" in text and f"<!-- gpu-results:{name} end -->" in text
 

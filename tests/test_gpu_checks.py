@@ -1,15 +1,15 @@
 """The processors on a GPU, through their public API only, on both backends: bitwise
-the same run to run, no host read (the label check included) under
-``torch.cuda.set_sync_debug_mode("error")``, a CUDA graph replay equal to the eager
-call, and the fused scalar loss against float64 at an awkward real size.
+the same run to run; no host read under ``torch.cuda.set_sync_debug_mode("error")``
+with the label check on (deferred, not skipped); a CUDA graph replay equal to the
+eager call; and the fused scalar loss against float64 at an awkward real size.
 
 Every test is ``gpu``-marked (skipped on a CPU by ``tests/conftest.py``). The other
 GPU checks the design is held to live beside the code they test: the 1F1B plan equal
-to ``forward`` (``test_schedule_plan.py``), the label check alone under sync debug
-mode and a processor with its checks in a CUDA graph (``test_value_checks.py``), and
-``linear_logprobs``'s Triton kernels against float64 at real sizes
-(``test_processors_triton.py``). ``tests/test_gpu_bench.py`` checks on the CPU that
-each of them is there and marked.
+to ``forward`` (``test_schedule_plan.py``); the label check alone under sync debug
+mode, a bad label found without a host read, and a processor with its checks in a
+CUDA graph (``test_value_checks.py``); ``linear_logprobs``'s Triton kernels against
+float64 at real sizes (``test_processors_triton.py``). ``tests/test_gpu_bench.py``
+checks on the CPU that each of them is there and marked.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hookspec import ContractError
 from torch_impl.processors import fused_token_loss, linear_logprobs
-from torch_impl.value_checks import raise_pending_errors
+from torch_impl.value_checks import pending_checks, raise_pending_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -93,22 +92,21 @@ def test_bitwise_run_to_run(path: str, backend: str) -> None:
 @pytest.mark.parametrize("path", list(PASSES))
 def test_no_host_read_forward_and_backward(path: str, backend: str) -> None:
     """Forward and backward, labels checked (the default), under sync debug mode
-    "error": any host synchronisation raises. A bad label is reported afterwards,
-    by ``raise_pending_errors``, not by a host read in the call."""
+    "error": any host synchronisation raises. The label check is deferred, not
+    skipped: it is pending afterwards, and reading it finds nothing wrong."""
     hid, w, y = _inputs()
     PASSES[path](hid, w, y, backend)  # warm-up: Triton compiles and autotunes outside the mode
     raise_pending_errors(wait=True)
-    bad = y.clone()
-    bad[5] = V + 3
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = PASSES[path](hid, w, y, backend)
-        PASSES[path](hid, w, bad, backend)
+        pending = pending_checks()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(ContractError, match="labels"):
-        raise_pending_errors(wait=True)
+    assert pending >= 1
+    raise_pending_errors(wait=True)
+    assert pending_checks() == 0
     assert all(bool(torch.isfinite(v).all()) for v in out.values())
 
 
