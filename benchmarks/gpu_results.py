@@ -363,7 +363,8 @@ def render(directory: Path | None) -> dict[str, str]:
     if env.get("device_class"):
         device += f" (class {env['device_class']}, {env.get('capability', '?')}, "
         device += f"{env.get('device_memory_gb', '?')} GB, driver {env.get('driver', '?')})"
-    lines = [
+    lines = [] if env or rows else [f"No run is recorded yet: every row says {NOT}.", ""]
+    lines += [
         "| run | |",
         "|---|---|",
         f"| device | {device} |",
