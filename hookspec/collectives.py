@@ -36,7 +36,7 @@ does the same with torch and ``ctx.collectives``::
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "Collectives",
@@ -46,12 +46,29 @@ __all__ = [
 A = TypeVar("A")
 
 
+_REQUIRED_METHODS = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states")
+"""The methods of spec 1.0: ``isinstance(x, Collectives)`` asks for these only."""
+
+
 @runtime_checkable
 class Collectives(Protocol):
     """Collectives over the group that shards the vocabulary (tensor parallel).
 
     Every result is replicated on every rank of the group.
+
+    Methods added in a minor version are optional at run time: an object written
+    for an older minor still passes ``isinstance(x, Collectives)`` (which asks for
+    the spec-1.0 methods only), and a processor that needs a newer method looks it
+    up and raises ``ContractError`` naming it where it is missing.
     """
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> Any:  # True, or NotImplemented: the members decide
+        if cls is not Collectives:
+            return NotImplemented
+        if all(callable(getattr(other, name, None)) for name in _REQUIRED_METHODS):
+            return True
+        return NotImplemented
 
     def all_reduce_sum(self, x: A, /) -> A:
         """``sum_r x_r`` over the ranks. Differentiable: its backward passes the
@@ -74,6 +91,36 @@ class Collectives(Protocol):
         """
         ...
 
+    def all_reduce_sum_context_parallel(self, x: A, /) -> A:
+        """``sum_r x_r`` over the context-parallel group (each rank holds ``1/cp``
+        of every sequence): a per-sequence partial sum made whole, say the masked
+        token count ``n_k`` or GSPO's ``sum_t M_t (logp_t - old_t)``. Identity
+        where the group has one rank.
+
+        Differentiable, and unlike :meth:`all_reduce_sum` its backward *sums* the
+        incoming gradient over the group: under context parallel each rank's loss
+        is its own share (its tokens' terms, the shares summing to the loss), so
+        the result feeds different losses on different ranks, and the gradient of
+        ``x_r`` is the sum of what every rank's share asks of the result. (JAX's
+        ``lax.psum`` does the same: its result is invariant and its varying uses
+        sum their cotangents.)
+
+        .. versionadded:: 1.2
+        """
+        ...
+
+    def all_gather(self, x: A, /) -> A:
+        """``stack([x_0, ..., x_{tp-1}])``: every rank's ``x`` (one shape and dtype on
+        every rank) on a new leading dim ``[tp, *x.shape]``, in rank order, which is
+        the order of the vocabulary shards. Not differentiable (for selections such
+        as the candidates of a vocab-parallel top-k; their values are formed with
+        :meth:`all_reduce_sum`). Needed only by processors that merge candidates
+        across shards, at ``tp_size > 1``.
+
+        .. versionadded:: 1.2
+        """
+        ...
+
 
 class SingleProcessCollectives:
     """The collectives of a group of one rank: every operation is the identity."""
@@ -86,6 +133,12 @@ class SingleProcessCollectives:
 
     def gather_hidden_states(self, x: A, /) -> A:
         return x
+
+    def all_reduce_sum_context_parallel(self, x: A, /) -> A:
+        return x
+
+    def all_gather(self, x: A, /) -> A:
+        return x[None]  # type: ignore[index, no-any-return]
 
     def __repr__(self) -> str:
         return "SingleProcessCollectives()"

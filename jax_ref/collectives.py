@@ -10,6 +10,12 @@ on (``shard_map(..., check_vma=True)``, the default):
   axis, axis=0, tiled=True)`` (backward: reduce-scatter); otherwise
   ``lax.pcast(x, axis, to="varying")`` (forward identity, backward psum), so
   the hidden-state gradient sums every vocab shard's part.
+- ``all_gather(x)`` is ``lax.all_gather(lax.stop_gradient(x), axis)``: the
+  shards' values stacked on a new leading dim, no gradient.
+- ``all_reduce_sum_context_parallel(x)`` is ``lax.psum(x, cp_axis_name)`` over
+  the context-parallel mesh axis (identity without one). Its result is
+  invariant along that axis; where each shard's own (varying) terms use it,
+  their cotangents are summed over the axis, the contract's backward.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ def vma_axes(x: Any) -> frozenset[str]:
 class JaxCollectives:
     """The collectives over the mesh axis ``axis_name`` (the vocab-parallel axis)."""
 
-    def __init__(self, axis_name: str = "tp", *, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, axis_name: str = "tp", *, sequence_parallel: bool = False, cp_axis_name: str | None = None
+    ) -> None:
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel
+        self.cp_axis_name = cp_axis_name
 
     def all_reduce_sum(self, x: jax.Array, /) -> jax.Array:
         return lax.psum(x, self.axis_name)
@@ -48,9 +57,19 @@ class JaxCollectives:
             return x
         return lax.pcast(x, self.axis_name, to="varying")
 
+    def all_gather(self, x: jax.Array, /) -> jax.Array:
+        """``[tp, *x.shape]`` in shard order (``lax.all_gather``); no gradient."""
+        return lax.all_gather(lax.stop_gradient(x), self.axis_name)
+
+    def all_reduce_sum_context_parallel(self, x: jax.Array, /) -> jax.Array:
+        if self.cp_axis_name is None:
+            return x
+        return lax.psum(x, self.cp_axis_name)
+
     def rank(self) -> jax.Array:
         """This shard's index along the axis (a traced scalar)."""
         return lax.axis_index(self.axis_name)
 
     def __repr__(self) -> str:
-        return f"JaxCollectives(axis_name={self.axis_name!r}, sequence_parallel={self.sequence_parallel})"
+        cp = f", cp_axis_name={self.cp_axis_name!r}" if self.cp_axis_name is not None else ""
+        return f"JaxCollectives(axis_name={self.axis_name!r}, sequence_parallel={self.sequence_parallel}{cp})"

@@ -63,7 +63,7 @@ def _ctx(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any, **k
     )
 
 
-def _truth(
+def policy_truth(
     h: torch.Tensor,
     w: torch.Tensor,
     labels: torch.Tensor,
@@ -167,7 +167,7 @@ CONFIGS = {
 def test_policy_loss_float64(name: str, fused: bool) -> None:
     cfg = dataclasses.replace(CONFIGS[name], fused=fused)
     d = _data(seed=hash(name) % 1000)
-    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
+    truth = policy_truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
     out = policy_loss(cfg, vocab_chunk_size=13, token_chunk_size=4, fused_tile_elements=3 * V)(
@@ -199,7 +199,7 @@ def test_policy_loss_float32_three_way(name: str) -> None:
     """fp32: both paths no worse than the naive fp32 computation plus a slack."""
     cfg = CONFIGS[name]
     d = _data(seed=5)
-    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
+    truth = policy_truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
     h32, w32 = d["h"].float(), d["w"].float()
     b32 = dataclasses.replace(
         d["batch"],
@@ -259,7 +259,7 @@ def test_packed_sequences_use_cu_seqlens() -> None:
         PolicyLossConfig(aggregation="seq-mean-token-sum"),
     ):
         batch = dataclasses.replace(d["batch"], mask=torch.ones(1, 12))
-        truth = _truth(d["h"], d["w"], d["labels"], batch, cfg, sequences=sequences)
+        truth = policy_truth(d["h"], d["w"], d["labels"], batch, cfg, sequences=sequences)
         h = d["h"].clone().requires_grad_()
         out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch, packed_seq_params=packed))
         out["loss"].backward()
@@ -295,10 +295,16 @@ def test_context_parallel_shares_sum_to_the_loss() -> None:
         )
         total = total + policy_loss(cfg)(ctx)["loss"]
     torch.testing.assert_close(total, whole["loss"], rtol=1e-12, atol=1e-12)
+    # one-rank collectives have no context-parallel sum: what needs it is refused
+    # (tests/test_policy_cp.py runs cp=2 with TorchCollectives over two processes)
     ctx = _ctx(d["h"], d["w"], d["labels"], d["batch"], parallel=ParallelLayout(cp_size=2))
-    with pytest.raises(ContractError, match=r"context\.global_tokens"):
+    with pytest.raises(
+        ContractError, match=r"^collectives: .* for token-mean without context\.global_tokens"
+    ):
         policy_loss(cfg)(ctx)
-    with pytest.raises(ContractError, match=r"parallel\.cp_size"):
+    with pytest.raises(
+        ContractError, match=r"^collectives: .*parallel\.cp_size=2.* for GSPO's sequence ratio"
+    ):
         policy_loss(PolicyLossConfig.gspo())(ctx)
 
 
@@ -308,10 +314,10 @@ def test_mask_defaults_to_loss_mask_then_to_every_token() -> None:
     cfg = PolicyLossConfig(entropy_coef=0.1)
     loss_mask = (torch.arange(S) % 2).float().expand(B, S)
     out = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask))
-    truth = _truth(d["h"], d["w"], d["labels"], batch, cfg, loss_mask=loss_mask)
+    truth = policy_truth(d["h"], d["w"], d["labels"], batch, cfg, loss_mask=loss_mask)
     torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
     out = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch))
-    truth = _truth(d["h"], d["w"], d["labels"], batch, cfg)
+    truth = policy_truth(d["h"], d["w"], d["labels"], batch, cfg)
     torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
 
 
@@ -321,7 +327,7 @@ def test_per_token_temperature_from_the_batch() -> None:
     batch = dataclasses.replace(d["batch"], temperature=t)
     for fused in (True, False):
         cfg = PolicyLossConfig.grpo(fused=fused)
-        truth = _truth(d["h"], d["w"], d["labels"], batch, cfg)
+        truth = policy_truth(d["h"], d["w"], d["labels"], batch, cfg)
         h = d["h"].clone().requires_grad_()
         out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch))
         out["loss"].backward()
@@ -350,7 +356,7 @@ def test_fused_forms_no_gradient_without_grad_mode() -> None:
     with torch.no_grad():
         out = policy_loss(PolicyLossConfig())(_ctx(h, d["w"], d["labels"], d["batch"]))
     assert not out["loss"].requires_grad
-    truth = _truth(d["h"], d["w"], d["labels"], d["batch"], PolicyLossConfig())
+    truth = policy_truth(d["h"], d["w"], d["labels"], d["batch"], PolicyLossConfig())
     torch.testing.assert_close(out["loss"], truth["loss"], rtol=1e-10, atol=1e-12)
 
 

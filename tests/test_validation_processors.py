@@ -1,8 +1,10 @@
 """Bad input to the processors (issue 12): each class of input that used to give a
 finite wrong answer or an unrelated exception.
 
-1. A NaN is never read as "empty": a non-finite or negative mask entry makes the
-   loss and every metric NaN; non-finite counts raise.
+1. A NaN is never read as "empty": a non-finite or negative mask entry, or a
+   non-finite batch value at a counted token, raises ``ContractError`` (on a GPU
+   from a deferred check); with ``check_values=False`` it makes the loss and
+   every metric NaN. Non-finite counts raise.
 2. Every numeric option is a finite number in its range, checked where it enters.
 4. The user context is read by key (a mapping) as by attribute; a temperature the
    processor takes none of is refused.
@@ -83,16 +85,22 @@ def test_bad_mask_entry_makes_loss_and_every_metric_nan(
     fused: bool, aggregation: str, bad: float, where: tuple[int, int]
 ) -> None:
     """One NaN, inf or negative mask entry, even at a token whose label is the
-    ignore index: the loss and every metric are NaN, and so is the gradient of
-    that token's hidden state when it has one (it used to take the empty-mask
-    branch and give 0)."""
+    ignore index: ``ContractError`` naming ``context.mask`` (it used to give a NaN
+    loss, and before that take the empty-mask branch and give 0). Unchecked
+    (``check_values=False``), the loss and every metric are NaN, and so is the
+    gradient of that token's hidden state when it has one."""
     d = _data(seed=1)
     mask = d["batch"].mask.clone()
     mask[where] = bad
     batch = dataclasses.replace(d["batch"], mask=mask)
     h = d["h"].clone().requires_grad_()
     cfg = PolicyLossConfig(aggregation=aggregation, fused=fused, kl_coef=0.1, dual_clip=3.0)
-    out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch))
+    with pytest.raises(
+        ContractError,
+        match=rf"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[{bad}, ",
+    ):
+        policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch))
+    out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch, check_values=False))
     out["loss"].backward()
     assert set(out) >= {
         "loss",
@@ -114,7 +122,11 @@ def test_bad_entry_in_the_models_loss_mask_gives_nan_too() -> None:
     loss_mask = torch.ones(B, S)
     loss_mask[2, 3] = NAN
     batch = dataclasses.replace(d["batch"], mask=None)
-    out = policy_loss(PolicyLossConfig.gspo())(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask))
+    with pytest.raises(ContractError, match=r"^loss_mask: expected finite values >= 0, got 1 values"):
+        policy_loss(PolicyLossConfig.gspo())(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask))
+    out = policy_loss(PolicyLossConfig.gspo())(
+        _ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask, check_values=False)
+    )
     assert all(bool(torch.isnan(v)) for v in out.values())
 
 
@@ -176,12 +188,13 @@ def test_a_count_the_aggregation_never_reads_is_refused(aggregation: str, field:
         aggregation_weights(torch.ones(2, 3), segments, 2, aggregation, **{field: 12.0})
 
 
-def test_aggregation_weights_nan_mask_is_nan_and_counts_are_checked() -> None:
-    mask = torch.tensor([[1.0, NAN, 0.0], [1.0, 1.0, 0.0]])
+def test_aggregation_weights_bad_mask_raises_and_counts_are_checked() -> None:
     segments = torch.arange(2)[:, None].expand(2, 3)
-    for how in AGGREGATIONS:
-        w = aggregation_weights(mask, segments, 2, how)
-        assert bool(torch.isnan(w[0]).any()), how
+    for bad in (NAN, INF, -1.0):
+        mask = torch.tensor([[1.0, bad, 0.0], [1.0, 1.0, 0.0]])
+        for how in AGGREGATIONS:
+            with pytest.raises(ContractError, match=r"^mask: expected finite values >= 0, got 1 values"):
+                aggregation_weights(mask, segments, 2, how)
     w = aggregation_weights(torch.zeros(2, 3), segments, 2, "token-mean")
     assert torch.equal(w, torch.zeros(2, 3))
     for field in ("global_tokens", "global_sequences"):
@@ -427,19 +440,24 @@ def test_batch_values_at_uncounted_tokens_are_never_read(name: str, field: str, 
 
 
 @pytest.mark.parametrize("name", list(CLEAN_CONFIGS))
-def test_batch_value_nan_at_a_counted_token_makes_the_loss_nan(name: str) -> None:
+def test_batch_value_nan_at_a_counted_token_raises(name: str) -> None:
+    """At a counted token a NaN or inf raises, naming the field; unchecked
+    (``check_values=False``) a NaN makes the loss NaN."""
     d = _data(seed=6)
     for field in ("old_logprobs", "advantages", "ref_logprobs"):
-        values = getattr(d["batch"], field).clone()
-        values[2, 6] = NAN  # counted
-        out, _, _ = _run(
-            CLEAN_CONFIGS[name],
-            d["h"],
-            d["w"],
-            d["labels"],
-            dataclasses.replace(d["batch"], **{field: values}),
-        )
-        assert bool(torch.isnan(out["loss"])), field
+        for bad in (NAN, INF, -INF):
+            values = getattr(d["batch"], field).clone()
+            values[2, 6] = bad  # counted
+            batch = dataclasses.replace(d["batch"], **{field: values})
+            with pytest.raises(
+                ContractError, match=rf"^context\.{field}: expected finite values where it is read"
+            ):
+                _run(CLEAN_CONFIGS[name], d["h"], d["w"], d["labels"], batch)
+            out = policy_loss(CLEAN_CONFIGS[name])(
+                _ctx(d["h"], d["w"], d["labels"], batch, check_values=False)
+            )
+            if bad != bad:  # NaN (an infinite old or ref logprob is clamped)
+                assert bool(torch.isnan(out["loss"])), field
 
 
 @pytest.mark.parametrize("name", list(CLEAN_CONFIGS))

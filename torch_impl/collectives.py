@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed.nn.functional
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -49,12 +50,21 @@ class TorchCollectives:
       reduce-scatter), else ``copy_to_tensor_model_parallel_region`` (forward
       identity, backward all-reduce), so the hidden-state gradient is whole; its
       gradient is made contiguous first (see ``_ContiguousGrad``).
+    - ``all_reduce_sum_context_parallel``: over ``cp_group`` (Megatron's
+      context-parallel group, or the micro-batch's ``packed_seq_params.cp_group``),
+      ``torch.distributed.nn.functional.all_reduce`` (forward all-reduce, backward
+      all-reduce: each rank's loss is its own share); the identity where
+      ``cp_group`` is ``None`` or has one rank.
+    - ``all_gather``: ``torch.distributed.all_gather`` of a detached copy,
+      stacked on a new leading dim in rank order; no gradient.
     """
 
-    def __init__(self, group: Any, *, sequence_parallel: bool) -> None:
+    def __init__(self, group: Any, *, sequence_parallel: bool, cp_group: Any = None) -> None:
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.size = torch.distributed.get_world_size(group) if group is not None else 1
+        self.cp_group = cp_group
+        self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
 
     def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
         if self.size == 1:
@@ -80,5 +90,19 @@ class TorchCollectives:
             full = copy_to_tensor_model_parallel_region(x, group=self.group)
         return _ContiguousGrad.apply(full)
 
+    def all_gather(self, x: torch.Tensor, /) -> torch.Tensor:
+        """``[tp, *x.shape]``: every rank's ``x`` in rank order; no gradient."""
+        if self.size == 1:
+            return x.detach()[None]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.detach().contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def all_reduce_sum_context_parallel(self, x: torch.Tensor, /) -> torch.Tensor:
+        if self.cp_size == 1:
+            return x
+        return torch.distributed.nn.functional.all_reduce(x, group=self.cp_group)
+
     def __repr__(self) -> str:
-        return f"TorchCollectives(size={self.size}, sequence_parallel={self.sequence_parallel})"
+        cp = f", cp_size={self.cp_size}" if self.cp_size > 1 else ""
+        return f"TorchCollectives(size={self.size}, sequence_parallel={self.sequence_parallel}{cp})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
@@ -61,6 +62,10 @@ class _StaticParts(NamedTuple):
     layout: ParallelLayout
     vocab: VocabShard | None
     collectives: TorchCollectives
+    cp_group: Any
+    # a micro-batch's own context-parallel group (packed_seq_params.cp_group) ->
+    # the layout and collectives over it
+    by_cp_group: dict[Any, tuple[ParallelLayout, TorchCollectives]]
 
 
 _STATIC_PARTS: weakref.WeakKeyDictionary[torch.nn.Module, _StaticParts] = weakref.WeakKeyDictionary()
@@ -91,10 +96,32 @@ def _static_parts(model: torch.nn.Module, vocab_weight: torch.Tensor | None) -> 
             local, layout.tp_rank, layout.tp_size
         )
         vocab = VocabShard(start=start, end=end, size=local * layout.tp_size)
-    collectives = TorchCollectives(getattr(pgs, "tp", None), sequence_parallel=layout.sequence_parallel)
-    parts = _StaticParts(pgs, sp_flag, local, layout, vocab, collectives)
+    cp_group = getattr(pgs, "cp", None)
+    collectives = TorchCollectives(
+        getattr(pgs, "tp", None), sequence_parallel=layout.sequence_parallel, cp_group=cp_group
+    )
+    parts = _StaticParts(pgs, sp_flag, local, layout, vocab, collectives, cp_group, {})
     _STATIC_PARTS[model] = parts
     return parts
+
+
+def _micro_batch_parts(
+    parts: _StaticParts, packed_seq_params: Any
+) -> tuple[ParallelLayout, TorchCollectives]:
+    """The layout and collectives of one micro-batch: the model's, or, where its
+    ``packed_seq_params`` carries a ``cp_group`` (Megatron's dynamic context
+    parallel), the same with that group's size, rank and context-parallel sum."""
+    group = getattr(packed_seq_params, "cp_group", None)
+    if group is None or group is parts.cp_group:
+        return parts.layout, parts.collectives
+    cached = parts.by_cp_group.get(group)
+    if cached is None:
+        size, rank = _size_rank(group)
+        layout = dataclasses.replace(parts.layout, cp_size=size, cp_rank=rank)
+        tp = parts.collectives
+        collectives = TorchCollectives(tp.group, sequence_parallel=tp.sequence_parallel, cp_group=group)
+        parts.by_cp_group[group] = cached = (layout, collectives)
+    return cached
 
 
 def build_output_context(
@@ -110,13 +137,15 @@ def build_output_context(
     """The typed context for ``hook_kwargs`` (the upstream hook's 16 keywords).
 
     The extras come from the model: its ``pg_collection`` gives the parallel
-    layout and the collectives' group; the vocab range is Megatron's
-    ``VocabUtility`` split of the local weight's rows.
+    layout and the collectives' groups (tensor parallel; context parallel, or
+    the micro-batch's ``packed_seq_params.cp_group`` where it carries one); the
+    vocab range is Megatron's ``VocabUtility`` split of the local weight's rows.
     """
     output_weight = hook_kwargs.get("output_weight")
     output_layer = hook_kwargs.get("output_layer")
     vocab_weight = output_weight if output_weight is not None else getattr(output_layer, "weight", None)
     parts = _static_parts(model, vocab_weight)
+    layout, collectives = _micro_batch_parts(parts, hook_kwargs.get("packed_seq_params"))
     fields: dict[str, Any] = {k: hook_kwargs.get(k) for k in UPSTREAM_HOOK_KEYWORDS}
     if fields["scale_logits"] is None:
         fields["scale_logits"] = no_logit_scaling
@@ -124,13 +153,13 @@ def build_output_context(
         **fields,
         vocab_weight=vocab_weight,
         padding_mask=padding_mask,
-        parallel=parts.layout,
+        parallel=layout,
         vocab=parts.vocab,
         mtp_depth=mtp_depth,
         ignore_index=ignore_index,
         # The protocol is generic in the array type; these act on the torch
         # tensors every context built here holds.
-        collectives=cast(Collectives, parts.collectives),
+        collectives=cast(Collectives, collectives),
         check_values=check_values,
         labels_checked=labels_checked,
     )

@@ -1,4 +1,5 @@
-"""Value checks that do not stall the GPU: the label range and a positive temperature.
+"""Value checks that do not stall the GPU: the label range, a positive temperature,
+finite (and non-negative) masks and per-token values, index and multiple ranges.
 
 ``hookspec.check_labels`` reads the labels' range on the host: on a GPU that is one
 device synchronisation per call, which stalls the pipeline and cannot be captured
@@ -32,8 +33,10 @@ import torch
 from hookspec import ContractError, check_labels
 
 __all__ = [
+    "check_finite_deferred",
     "check_indices_deferred",
     "check_labels_deferred",
+    "check_multiple_deferred",
     "check_positive_deferred",
     "pending_checks",
     "raise_pending_errors",
@@ -148,3 +151,34 @@ def check_indices_deferred(indices: torch.Tensor, size: int, *, field: str) -> N
         return
     bad = (indices < 0) | (indices >= size)
     _check(bad, indices, field=field, expected=f"indices in [0, {size})")
+
+
+def check_finite_deferred(
+    values: torch.Tensor, *, field: str, nonnegative: bool = False, where: torch.Tensor | None = None
+) -> None:
+    """Every value of ``values`` finite (and ``>= 0`` with ``nonnegative``: a mask
+    of weights), at the tokens where ``where`` is True (every token when ``None``;
+    ``where`` has the shape of ``values``), without a host read on CUDA. A bool or
+    integer tensor is finite. A NaN is bad, never skipped."""
+    raise_pending_errors()
+    if values.numel() == 0:
+        return
+    v = values.detach()
+    ok = torch.isfinite(v) if v.dtype.is_floating_point else torch.ones_like(v, dtype=torch.bool)
+    if nonnegative and v.dtype != torch.bool:
+        ok = ok & (v >= 0)
+    bad = ~ok if where is None else where.to(device=v.device) & ~ok
+    expected = "finite values >= 0" if nonnegative else "finite values"
+    if where is not None:
+        expected += " where it is read"
+    _check(bad, v, field=field, expected=expected)
+
+
+def check_multiple_deferred(values: torch.Tensor, multiple: int, *, field: str, why: str = "") -> None:
+    """Every value of the integer tensor ``values`` a multiple of ``multiple`` (say,
+    packed sequence boundaries under context parallel), without a host read on CUDA."""
+    raise_pending_errors()
+    if values.numel() == 0:
+        return
+    bad = values.remainder(multiple) != 0
+    _check(bad, values, field=field, expected=f"multiples of {multiple}{why}")

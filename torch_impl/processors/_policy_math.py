@@ -17,7 +17,7 @@ import torch
 from hookspec import Aggregation, ContractError, KLEstimator
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_indices_deferred
+from ..value_checks import check_finite_deferred, check_indices_deferred
 from ._checks import check_bool, check_finite_number, check_floating, check_int
 
 __all__ = [
@@ -28,7 +28,10 @@ __all__ = [
     "kl_penalty",
     "kl_terms",
     "ppo_token_loss",
+    "segment_sum",
     "sequence_log_ratio",
+    "sequence_ratio_of",
+    "sequence_sums",
     "weights_of",
 ]
 
@@ -235,9 +238,27 @@ def sequence_log_ratio(
     """GSPO's ``log s_k = sum_t M_t (logp_t - old_t) / sum_t M_t`` over each
     sequence ``k``, broadcast back to its tokens (same shape as ``logp``); ``0``
     for a sequence whose ``sum_t M_t`` is exactly 0, NaN where it is NaN."""
+    num, den = sequence_sums(logp, old, mask, segments, count)
+    return sequence_ratio_of(num, den, segments, clamp=clamp)
+
+
+def sequence_sums(
+    logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num [count], den [count])``: ``num_k = sum_t M_t (logp_t - old_t)`` and
+    ``den_k = sum_t M_t`` over the tokens of sequence ``k`` held here (under
+    context parallel, this rank's part: the sums over the group make them whole);
+    ``logp - old`` is not read where ``M == 0``; ``den`` in ``num``'s dtype."""
     diff = torch.where(mask > 0, logp - old, 0.0) * mask
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
+    return num, den
+
+
+def sequence_ratio_of(
+    num: torch.Tensor, den: torch.Tensor, segments: torch.Tensor, *, clamp: float | None
+) -> torch.Tensor:
+    """``clamp(num_k / den_k)`` broadcast to each token's sequence (``0`` where ``den_k == 0``)."""
     per_seq = num / torch.where(den == 0, 1.0, den)
     return _clamp(per_seq[segments], clamp)
 
@@ -280,9 +301,11 @@ def aggregation_weights(
     token's sequence, ``count`` sequences); ``K``: the sequences with
     ``n_k != 0``. ``global_tokens`` / ``global_sequences`` (finite numbers
     > 0) replace ``sum(M)`` / ``K`` (counts over the ranks that share the
-    loss). A mask whose sum is exactly 0 gives ``w = 0``; an entry of ``M``
-    that is NaN, infinite or negative makes the weights it reaches NaN (all of
-    them for token-mean, its sequence's otherwise), never 0.
+    loss). A mask whose sum is exactly 0 gives ``w = 0``. An entry of ``M``
+    that is NaN, infinite or negative raises ``ContractError`` (``mask``): at
+    once on a CPU, from a later check on a GPU (no host read), where until
+    then it makes the weights it reaches NaN (all of them for token-mean, its
+    sequence's otherwise), never 0.
     """
     how = _enum("aggregation", Aggregation, how)
     for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
@@ -306,6 +329,7 @@ def aggregation_weights(
         )
     count = check_int("count", count, low=0)
     check_indices_deferred(segments, count, field="segments")
+    check_finite_deferred(mask, field="mask", nonnegative=True)
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
     return weights_of(m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences)
@@ -319,17 +343,20 @@ def weights_of(
     *,
     global_tokens: float | None,
     global_sequences: float | None,
+    totals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`aggregation_weights` on inputs already checked (``m`` floating,
-    its bad entries already NaN)."""
+    its bad entries already NaN). ``totals``: ``n_k`` ``[count]`` when it is not
+    this ``m``'s own (under context parallel, summed over the group, whose
+    ranks each hold part of every sequence); ``sum(M)`` and ``K`` then come
+    from it too."""
     if how == Aggregation.TOKEN_MEAN:
-        total = (
-            m.sum()
-            if global_tokens is None
-            else torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
-        )
+        if global_tokens is not None:
+            total = torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
+        else:
+            total = m.sum() if totals is None else totals.to(m.dtype).sum()
         return m / torch.where(total == 0, 1.0, total)  # an exactly-0 total has m == 0
-    n_k = segment_sum(m, segments, count)
+    n_k = segment_sum(m, segments, count) if totals is None else totals.to(m.dtype)
     k = (
         (n_k != 0).sum().to(m.dtype).clamp_min(1.0)  # K == 0 only where m == 0
         if global_sequences is None
