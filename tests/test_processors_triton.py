@@ -1,14 +1,13 @@
-"""The Triton path of ``linear_logprobs`` and ``fused_token_loss``, three ways.
+"""The Triton backend of ``linear_logprobs`` and ``fused_token_loss``, three ways.
 
-On a CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
-here before the kernels are made), at small awkward sizes: no dimension a multiple
-of a block. Each case is checked against a float64 ground truth (the full logits,
-upcast) and against the torch path on the same inputs. ``gpu``-marked tests run
-the compiled kernels at real sizes.
-
-Under the interpreter ``tl.dot`` on bf16 operands is wrong (triton 3.7), so the
-kernels upcast the operands in registers there; the bf16 products on tensor cores
-are checked by the GPU tests.
+Its GEMMs are ``torch.mm`` calls; its Triton kernels do the passes over each fp32
+logits chunk (statistics; the logit gradient in place). On a CPU the kernels run under
+Triton's interpreter (``TRITON_INTERPRET=1``, set here before the kernels are made),
+at small awkward sizes: no dimension a multiple of a block, and chunks that divide
+nothing. Each case is checked against a float64 ground truth (the full logits,
+upcast) and against the torch path on the same inputs. ``gpu``-marked tests run the
+compiled kernels and cuBLAS at real sizes. The kernels use no ``tl.dot``, so the
+interpreter's wrong bf16 ``tl.dot`` does not matter here.
 """
 
 from __future__ import annotations
@@ -127,6 +126,47 @@ def test_fp32_three_way(temperature: object) -> None:
     for k, err in max_err(tri, ref).items():
         assert err <= 2e-6 * max(1.0, big[k]), (k, err)
     assert torch.equal(tri["lp"][p["y"] == IGNORE].cpu(), torch.zeros(int((p["y"] == IGNORE).sum())))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("token_chunk", "vocab_chunk"),
+    [(8, 64), (37, 100), (5, 300), (16, 33)],
+    ids=["rows-and-columns-split", "all-rows", "all-columns", "odd-columns"],
+)
+def test_chunks_against_the_torch_path(dtype: torch.dtype, token_chunk: int, vocab_chunk: int) -> None:
+    """Chunks of the cuBLAS logits: rows split (``dW`` through its fp32 accumulator) or
+    not (each ``dW`` chunk one GEMM), columns split (``dh`` accumulated) or not; the
+    gradient written in place over several kernel steps (64 columns a step here),
+    2-byte outputs included. Against float64."""
+    p = inputs(dtype=dtype, seed=11)
+    kw = dict(token_chunk_size=token_chunk, vocab_chunk_size=vocab_chunk)
+    tri = ours(p, "triton", "per-token", **kw)
+    exact = truth(p, "per-token")
+    big = scale_of(exact)
+    # the values are fp32 statistics of exact products: as close as fp32 allows,
+    # whatever the input dtype; the gradients carry the dtype's rounding (of the
+    # logit gradient, then of dh and dW)
+    rel = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    for k, err in max_err(tri, exact).items():
+        tol = 2e-6 if k in ("lp", "ent") else rel
+        assert err <= tol * max(1.0, big[k]), (k, err)
+    assert tri["dh"].dtype == dtype and tri["dw"].dtype == dtype
+
+
+def test_chunks_from_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without sizes, the chunk comes from ``LOGITS_CHUNK_BYTES``: a budget below
+    ``n x 1024`` entries splits the rows too; the results do not change beyond fp32
+    rounding."""
+    from torch_impl import processors
+
+    p = inputs(seed=12)
+    whole = ours(p, "triton", 0.8)
+    monkeypatch.setitem(processors.LOGITS_CHUNK_BYTES, "cpu", 10 * 128 * 4)  # 10 rows x 128 entries
+    split = ours(p, "triton", 0.8)
+    big = scale_of(whole)
+    for k, err in max_err(split, whole).items():
+        assert err <= 2e-6 * max(1.0, big[k]), (k, err)
 
 
 def test_bf16_three_way_no_worse_than_naive() -> None:
@@ -259,6 +299,28 @@ def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         a = linear_logprobs(p["h"], p["w"], p["y"], backend="auto").logprobs
         b = linear_logprobs(p["h"], p["w"], p["y"], backend="torch").logprobs
         assert torch.equal(a, b)
+
+
+def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"auto"``: torch on a CPU; on CUDA the device class's measured entry, else the
+    cuBLAS + Triton design (nothing is measured yet: the table is empty)."""
+    from torch_impl.processors import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
+
+    assert device_class("NVIDIA H100 80GB HBM3", (9, 0)) == "H100"
+    assert device_class("NVIDIA H200", (9, 0)) == "H200"
+    assert device_class("NVIDIA GH200 480GB", (9, 0)) == "GH200"
+    assert device_class("NVIDIA A100-SXM4-80GB", (8, 0)) == "A100"
+    assert device_class("Some Future GPU", (12, 1)) == "sm_121"
+    assert auto_choice(torch.device("cpu")).backend == "torch"
+    assert MEASURED_CHOICES == {}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    unmeasured = auto_choice(torch.device("cuda"))
+    assert (unmeasured.backend, unmeasured.measured) == ("triton", False)
+    assert "not measured" in unmeasured.source
+    measured = BackendChoice("torch", measured=True, source="docs/gpu-results.md")
+    monkeypatch.setitem(MEASURED_CHOICES, "H200", measured)
+    assert auto_choice(torch.device("cuda")) is measured
 
 
 def test_chunk_size_is_a_deprecated_alias() -> None:
