@@ -345,3 +345,16 @@ def test_each_gpu_check_exists_and_is_marked(what: str, file: str, test: str, ph
     tests = _gpu_tests(ROOT / "tests" / file)
     assert test in tests, f"{what}: no gpu-marked {test} in tests/{file}"
     assert phrase in tests[test], f"{what}: {test} no longer holds {phrase!r}"
+
+
+def test_env_reads_the_commit_from_the_wheels_folder_without_git(tmp_path: Path) -> None:
+    """The GPU machine's copy of the tree has no .git: the commit comes from .whl/commit.txt."""
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "commit.txt").write_text(
+        "abc123\nuncommitted paths: 0\nwritten: 2026-11-26T10:00:00Z\n"
+    )
+    (tmp_path / ".site-mcore-0.16.1" / "megatron_core-0.16.1.dist-info").mkdir(parents=True)
+    env = gpu_results._env(tmp_path)
+    assert env["commit"] == "abc123" and "commit.txt" in env["commit_note"]
+    assert env["packages"]["megatron-core"] == ["0.16.1"]
+    assert env["torch"] == torch.__version__
