@@ -260,7 +260,7 @@ def test_detached_head_trains_mtp_layers_but_not_the_head() -> None:
                 torch.testing.assert_close(detached[name], attached[name], rtol=1e-5, atol=1e-6)
 
 
-class _LogitWatch(torch.utils._python_dispatch.TorchDispatchMode):
+class LogitWatch(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the most rows of any tensor produced whose last dim is the vocabulary
     (the weight's transpose ``[h, V]`` and its gradient aside)."""
 
@@ -293,7 +293,7 @@ def test_fused_mtp_processor_matches_and_never_materialises_the_logits() -> None
     fused = cross_entropy_loss(vocab_chunk_size=16, token_chunk_size=4)
     for name, mtp in {"default": default_mtp_loss, "fused": fused}.items():
         model = enable_output_processor(build_mtp_gpt(vocab=72)).eval()
-        with _LogitWatch(vocab=72, hidden=32) as watch:
+        with LogitWatch(vocab=72, hidden=32) as watch:
             results[name] = run(model, batch, **kw, output_processor=main_without_logits, mtp_processor=mtp)
         peaks[name] = watch.rows
     assert peaks["default"] >= 16  # [s=8, b=2, V]: the watch sees logits
