@@ -16,7 +16,9 @@ from .conventions import (
     UPSTREAM_HOOK_KEYWORDS,
     UPSTREAM_HOOK_SOURCES,
     Aggregation,
+    DistillDivergence,
     KLEstimator,
+    TeacherTail,
     UpstreamHookSources,
 )
 from .errors import ContractError
@@ -43,11 +45,13 @@ __all__ = [
     "Array",
     "Collectives",
     "ContractError",
+    "DistillDivergence",
     "KLEstimator",
     "OutputContext",
     "ParallelLayout",
     "Processor",
     "SingleProcessCollectives",
+    "TeacherTail",
     "UpstreamHookSources",
     "VocabShard",
     "check_int64",

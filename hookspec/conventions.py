@@ -53,6 +53,37 @@ Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
     seq-mean-token-mean: mean_b( sum_s(L * M) / sum_s(M) ) # over sequences with sum_s M > 0
 
 An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
+
+Top-k logprobs of one token: the ``k`` largest entries of ``lp = log_softmax(z /
+T)``, ordered by value descending and, among equal values, by id ascending (the
+smaller id first, deterministically)::
+
+    order = argsort by (-lp, id);  ids = order[:k];  topk_logprobs = lp[ids]
+
+Distillation, per token, teacher ``p`` and student ``q = softmax(z / T)``, both
+at temperature ``T``; a divergence between distributions ``P`` and ``Q`` over
+the same outcomes, where a term whose weight (``P``, ``Q``) is 0 is 0::
+
+    forward-kl:  D = sum(P * (log P - log Q))                          # KL(teacher || student)
+    reverse-kl:  D = sum(Q * (log Q - log P))                          # KL(student || teacher)
+    jsd(beta):   log M = logaddexp(log(beta) + log P, log(1 - beta) + log Q)    # 0 < beta < 1
+                 D = beta * sum(P * (log P - log M)) + (1 - beta) * sum(Q * (log Q - log M))
+
+Dense teacher: ``P = p``, ``Q = q`` over the whole vocabulary (the teacher's
+logits ``z_t / T`` from its hidden states and output weight, no gradient).
+Sparse teacher: its top-k ``ids [k]`` and logprobs ``lp_t [k]``, the student's
+``u = z[ids] / T`` and ``log q = u - logsumexp(z / T)``; the teacher's remaining
+mass is treated one of two ways (``TeacherTail``)::
+
+    renormalize:  log P = lp_t - logsumexp(lp_t)                       # [k]
+                  log Q = u - logsumexp(u)                             # [k]: no full-vocabulary term
+    bucket:       p_tail = max(1 - sum(exp(lp_t)), 0)
+                  q_tail = max(-expm1(logsumexp(log q)), tiny)         # tiny: the dtype's smallest normal
+                  log P = concat(lp_t, log(p_tail))                    # [k + 1]: the k ids and one tail
+                  log Q = concat(log q, log(q_tail))
+
+Top-1 agreement: ``argmax(q) == argmax(p)`` (dense; ties: the smaller id), or
+``argmax(q) == ids[0]`` (sparse: the teacher's first id is its top-1).
 """
 
 from __future__ import annotations
@@ -65,7 +96,9 @@ __all__ = [
     "UPSTREAM_HOOK_KEYWORDS",
     "UPSTREAM_HOOK_SOURCES",
     "Aggregation",
+    "DistillDivergence",
     "KLEstimator",
+    "TeacherTail",
     "UpstreamHookSources",
 ]
 
@@ -143,3 +176,18 @@ class Aggregation(enum.StrEnum):
     TOKEN_MEAN = "token-mean"
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+
+
+class DistillDivergence(enum.StrEnum):
+    """The distillation divergences of the module docstring."""
+
+    FORWARD_KL = "forward-kl"
+    REVERSE_KL = "reverse-kl"
+    JSD = "jsd"
+
+
+class TeacherTail(enum.StrEnum):
+    """How a sparse (top-k) teacher's mass outside its ``k`` ids is treated (module docstring)."""
+
+    RENORMALIZE = "renormalize"
+    BUCKET = "bucket"

@@ -225,10 +225,10 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
             actual=f"{type(value).__name__}",
         )
     shape = shape_of(value)  # type: ignore[arg-type]
-    if shape not in ((), (batch, seq)):
+    if shape != () and tuple(shape[:2]) != (batch, seq):  # [b, s, ...]: per token (top-k: [b, s, k])
         raise ContractError(
             field,
-            expected=f"shape [b={batch}, s={seq}] (per token) or [] (a loss)",
+            expected=f"shape [b={batch}, s={seq}] or [b, s, ...] (per token) or [] (a loss)",
             actual=format_shape(shape),
         )
     if not (is_floating(value) or is_integer(value) or dtype_name(value) == "bool"):  # type: ignore[arg-type]
@@ -240,8 +240,9 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
 
 
 def validate_result(result: object, *, batch: int, seq: int, field: str = "processor result") -> None:
-    """A processor returns per-token values ``[b, s]``, a scalar loss ``[]``, or a
-    non-empty mapping from ``str`` to either."""
+    """A processor returns per-token values ``[b, s]`` (or ``[b, s, ...]``, such as
+    top-k logprobs ``[b, s, k]``), a scalar loss ``[]``, or a non-empty mapping
+    from ``str`` to either."""
     if isinstance(result, Mapping):
         if not result:
             raise ContractError(field, expected="a non-empty mapping of arrays", actual="an empty mapping")

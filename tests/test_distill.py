@@ -1,0 +1,345 @@
+"""The distillation processor against an independent float64 computation.
+
+The truth takes the full logits of student and teacher in float64, writes the
+divergences of ``hookspec.conventions`` out directly (``log_softmax`` of the
+whole vocabulary, the tail by ``1 - sum``), aggregates with Python loops over
+the sequences and differentiates with autograd. It imports nothing from
+``torch_impl.processors`` but the processor and its dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from hookspec import Aggregation, ContractError, DistillDivergence, OutputContext, TeacherTail, VocabShard
+from tests.distributed import run_distributed
+from torch_impl.processors import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
+
+IGNORE = -100
+S, B, H, HT, V, K = 7, 3, 8, 6, 46, 5
+DIVS = list(DistillDivergence)
+AGGS = list(Aggregation)
+
+
+def _data(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.8
+    th = torch.randn(S, B, HT, generator=g, dtype=torch.float64)
+    tw = torch.randn(V, HT, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, 2] = IGNORE
+    mask = (torch.rand(B, S, generator=g) > 0.2).double()
+    mask[-1] = 0.0
+    mask[-1, :2] = 1.0
+    mask[1, 3] = 2.5  # a weight, not a flag
+    zt = torch.einsum("sbh,vh->bsv", th, tw)
+    lp_t = zt.log_softmax(-1)
+    top = torch.sort(lp_t, dim=-1, descending=True, stable=True)
+    return {
+        "h": h,
+        "w": w,
+        "th": th,
+        "tw": tw,
+        "labels": labels,
+        "mask": mask,
+        "ids": top.indices[..., :K].contiguous(),
+        "lp": top.values[..., :K].contiguous(),
+    }
+
+
+def _ctx(d: dict[str, Any], teacher: Any, **kw: Any) -> OutputContext:
+    h = d["h"].clone().requires_grad_()
+    w = d["w"].clone().requires_grad_()
+    return OutputContext(
+        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V), context=teacher, **kw
+    )
+
+
+def _div(log_p: torch.Tensor, log_q: torch.Tensor, kind: DistillDivergence, beta: float) -> torch.Tensor:
+    p, q = log_p.exp(), log_q.exp()
+
+    def kl(a: torch.Tensor, la: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
+        return torch.where(a > 0, a * (la - lb), torch.zeros_like(a)).sum(-1)
+
+    if kind == DistillDivergence.FORWARD_KL:
+        return kl(p, log_p, log_q)
+    if kind == DistillDivergence.REVERSE_KL:
+        return kl(q, log_q, log_p)
+    m = beta * p + (1 - beta) * q
+    return beta * kl(p, log_p, m.log()) + (1 - beta) * kl(q, log_q, m.log())
+
+
+def _aggregate(loss: torch.Tensor, m: torch.Tensor, how: Aggregation) -> torch.Tensor:
+    if how == Aggregation.TOKEN_MEAN:
+        return (loss * m).sum() / m.sum() if m.sum() > 0 else loss.sum() * 0.0
+    per = []
+    for i in range(m.shape[0]):
+        n = m[i].sum()
+        if n == 0:
+            continue
+        t = (loss[i] * m[i]).sum()
+        per.append(t / n if how == Aggregation.SEQ_MEAN_TOKEN_MEAN else t)
+    return torch.stack(per).mean() if per else loss.sum() * 0.0
+
+
+def _truth(d: dict[str, Any], cfg: DistillConfig, *, dense: bool, mask: torch.Tensor | None = None) -> dict:
+    h = d["h"].clone().requires_grad_()
+    w = d["w"].clone().requires_grad_()
+    t = cfg.temperature
+    lq = (torch.einsum("sbh,vh->bsv", h, w) / t).log_softmax(-1)  # [b, s, V]
+    if dense:
+        lp = (torch.einsum("sbh,vh->bsv", d["th"], d["tw"]) / t).log_softmax(-1)
+        log_p, log_q = lp, lq
+        top1 = lp.argmax(-1)
+    else:
+        lq_ids = lq.gather(-1, d["ids"])
+        if cfg.tail == TeacherTail.RENORMALIZE:
+            log_p = d["lp"] - d["lp"].logsumexp(-1, keepdim=True)
+            log_q = lq_ids - lq_ids.logsumexp(-1, keepdim=True)
+        else:
+            p_tail = (1 - d["lp"].exp().sum(-1)).clamp_min(0)
+            q_tail = 1 - lq_ids.exp().sum(-1)
+            log_p = torch.cat([d["lp"], p_tail.log()[..., None]], -1)
+            log_q = torch.cat([lq_ids, q_tail.log()[..., None]], -1)
+        top1 = d["ids"][..., 0]
+    per_token = _div(log_p, log_q, cfg.divergence, cfg.beta)
+    fkl = _div(log_p, log_q, DistillDivergence.FORWARD_KL, 0.5)
+    m = d["mask"] if mask is None else mask
+    m = torch.where(d["labels"] == IGNORE, 0.0, m)
+    loss = _aggregate(per_token, m, cfg.aggregation)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    agree = (lq.argmax(-1) == top1).double()
+    den = m.sum() if m.sum() > 0 else torch.tensor(1.0, dtype=torch.float64)
+    return {
+        "loss": loss.detach(),
+        "kl": ((fkl * m).sum() / den).detach(),
+        "top1_agreement": (agree * m).sum() / den,
+        "dh": dh,
+        "dw": dw,
+    }
+
+
+def _teacher(d: dict[str, Any], dense: bool, **kw: Any) -> Any:
+    if dense:
+        return DenseTeacher(hidden_states=d["th"], weight=d["tw"], mask=d["mask"], **kw)
+    return SparseTeacher(ids=d["ids"], logprobs=d["lp"], mask=d["mask"], **kw)
+
+
+def _run(d: dict[str, Any], cfg: DistillConfig, dense: bool, tile: int = 3 * V) -> dict:
+    ctx = _ctx(d, _teacher(d, dense))
+    out = distillation_loss(cfg, tile_elements=tile)(ctx)
+    dh, dw = torch.autograd.grad(out["loss"], (ctx.hidden_states, ctx.vocab_weight))
+    return {**{k: v.detach() for k, v in out.items()}, "dh": dh, "dw": dw}
+
+
+def _close(got: dict, want: dict, tol: float = 1e-10) -> None:
+    for key in ("loss", "kl", "top1_agreement", "dh", "dw"):
+        torch.testing.assert_close(got[key], want[key].to(got[key].dtype), rtol=tol, atol=tol, msg=key)
+
+
+@pytest.mark.parametrize("divergence", DIVS)
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_dense_teacher_against_float64(divergence: DistillDivergence, aggregation: Aggregation) -> None:
+    d = _data()
+    cfg = DistillConfig(divergence=divergence, aggregation=aggregation, temperature=0.7, beta=0.3)
+    _close(_run(d, cfg, dense=True), _truth(d, cfg, dense=True))
+
+
+@pytest.mark.parametrize("divergence", DIVS)
+@pytest.mark.parametrize("tail", list(TeacherTail))
+def test_sparse_teacher_against_float64(divergence: DistillDivergence, tail: TeacherTail) -> None:
+    d = _data(1)
+    cfg = DistillConfig(divergence=divergence, tail=tail, temperature=1.3, beta=0.6)
+    _close(_run(d, cfg, dense=False), _truth(d, cfg, dense=False))
+
+
+def test_sparse_aggregations_and_one_tile_per_token() -> None:
+    d = _data(2)
+    for how in AGGS:
+        cfg = DistillConfig(divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET, aggregation=how)
+        _close(_run(d, cfg, dense=False, tile=1), _truth(d, cfg, dense=False))
+
+
+def test_float32_student_within_float32_error() -> None:
+    d = _data(3)
+    d32 = {**d, "h": d["h"].float(), "w": d["w"].float(), "th": d["th"].float(), "tw": d["tw"].float()}
+    for dense in (True, False):
+        cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
+        got, want = _run(d32, cfg, dense), _truth(d, cfg, dense=dense)
+        _close({k: v.double() for k, v in got.items()}, want, tol=2e-5)
+
+
+def test_no_gradient_reaches_the_teacher() -> None:
+    d = _data()
+    th, tw = d["th"].clone().requires_grad_(), d["tw"].clone().requires_grad_()
+    ctx = _ctx(d, DenseTeacher(hidden_states=th, weight=tw))
+    out = distillation_loss(DistillConfig(divergence=DistillDivergence.JSD))(ctx)
+    out["loss"].backward()
+    assert th.grad is None and tw.grad is None
+    assert ctx.hidden_states.grad is not None and bool(ctx.hidden_states.grad.abs().sum() > 0)
+    lp = d["lp"].clone().requires_grad_()
+    ctx = _ctx(d, SparseTeacher(ids=d["ids"], logprobs=lp))
+    distillation_loss(DistillConfig(tail=TeacherTail.BUCKET))(ctx)["loss"].backward()
+    assert lp.grad is None
+
+
+def test_ignored_labels_and_masked_tokens_get_no_gradient_and_are_not_read() -> None:
+    clean = _data()
+    clean["labels"][:, 4] = IGNORE
+    clean["mask"][2, :] = 0.0
+    d = {**clean, "th": clean["th"].clone(), "lp": clean["lp"].clone(), "ids": clean["ids"].clone()}
+    d["th"][4] = float("nan")  # teacher values at uncounted tokens are never read
+    d["lp"][2] = float("nan")
+    d["ids"][2] = -7
+    for dense in (True, False):
+        cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
+        got = _run(d, cfg, dense)
+        assert torch.isfinite(got["loss"]) and torch.isfinite(got["dh"]).all()
+        assert float(got["dh"][4].abs().max()) == 0.0  # [s, b, h]: position 4 of every sequence
+        assert float(got["dh"][:, 2].abs().max()) == 0.0
+        _close(got, _truth(clean, cfg, dense=dense))
+
+
+def test_empty_mask_is_zero_with_zero_gradient() -> None:
+    d = _data()
+    d["mask"] = torch.zeros(B, S, dtype=torch.float64)
+    for dense in (True, False):
+        got = _run(d, DistillConfig(), dense)
+        assert float(got["loss"]) == 0.0 and float(got["dh"].abs().max()) == 0.0
+        assert float(got["kl"]) == 0.0 and float(got["top1_agreement"]) == 0.0
+
+
+def test_nan_is_visible() -> None:
+    d = _data()
+    d["mask"][0, 0] = 0.0
+    d["mask"][1, 1] = 1.0
+    h_nan = d["h"].clone()
+    h_nan[0, 0, 0] = float("nan")  # a student hidden state at an uncounted token
+    for dense in (True, False):
+        got = _run({**d, "h": h_nan}, DistillConfig(), dense)
+        assert math.isnan(float(got["loss"]))
+        lp = d["lp"].clone()
+        lp[1, 1, 0] = float("nan")  # a counted teacher value
+        th = d["th"].clone()
+        th[1, 1, 0] = float("nan")
+        got = _run({**d, "lp": lp, "th": th}, DistillConfig(), dense)
+        assert math.isnan(float(got["loss"]))
+        bad_mask = d["mask"].clone()
+        bad_mask[2, 6] = -1.0
+        try:  # a negative mask entry: a NaN loss or a named error, never a number
+            got = _run({**d, "mask": bad_mask}, DistillConfig(), dense)
+        except ContractError as exc:
+            assert "mask" in exc.field
+        else:
+            assert math.isnan(float(got["loss"]))
+
+
+def test_sparse_teacher_holding_all_its_mass_in_k() -> None:
+    """The tail bucket with ``p_tail = 0``: the tail terms vanish (forward KL, JSD)."""
+    d = _data()
+    d["lp"] = d["lp"] - d["lp"].logsumexp(-1, keepdim=True)  # the k ids hold every bit of mass
+    for div in (DistillDivergence.FORWARD_KL, DistillDivergence.JSD):
+        cfg = DistillConfig(divergence=div, tail=TeacherTail.BUCKET)
+        got = _run(d, cfg, dense=False)
+        _close(got, _truth(d, cfg, dense=False))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"beta": 0.0}, "beta"),
+        ({"beta": 1.0}, "beta"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"divergence": "kl"}, "divergence"),
+        ({"tail": "drop"}, "tail"),
+        ({"aggregation": "sum"}, "aggregation"),
+    ],
+)
+def test_config_checks(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ContractError) as info:
+        DistillConfig(**kwargs)
+    assert info.value.field == field
+
+
+def test_context_checks() -> None:
+    d = _data()
+    proc = distillation_loss()
+    cases = [
+        (None, "context"),
+        (SparseTeacher(ids=d["ids"][..., :3], logprobs=d["lp"]), "context.logprobs"),
+        (SparseTeacher(ids=d["ids"].float(), logprobs=d["lp"]), "context.ids"),
+        (SparseTeacher(ids=d["ids"], logprobs=d["lp"], mask=torch.ones(B, S + 1)), "context.mask"),
+        (SparseTeacher(ids=d["ids"] + V, logprobs=d["lp"]), "context.ids"),
+        (DenseTeacher(hidden_states=d["th"][:-1], weight=d["tw"]), "context.hidden_states"),
+        (DenseTeacher(hidden_states=d["th"], weight=d["tw"][:-1]), "context.weight"),
+        (DenseTeacher(hidden_states=d["th"], weight=d["tw"], global_tokens=-1.0), "context.global_tokens"),
+    ]
+    for teacher, field in cases:
+        with pytest.raises(ContractError) as info:
+            proc(_ctx(d, teacher))
+        assert info.value.field == field, (teacher, info.value)
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def _tp2(rank: int, d: dict[str, Any], truths: dict[str, dict]) -> None:
+    from megatron.core import parallel_state
+
+    from hookspec import ParallelLayout
+    from torch_impl import TorchCollectives
+
+    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    half = V // 2
+    shard = slice(rank * half, (rank + 1) * half)
+    for name, (cfg, dense) in _TP_CASES.items():
+        teacher = _teacher(d, dense)
+        if dense:
+            teacher = DenseTeacher(hidden_states=d["th"], weight=d["tw"][shard], mask=d["mask"])
+        h = d["h"].clone().requires_grad_()
+        w = d["w"][shard].clone().requires_grad_()
+        ctx = OutputContext(
+            hidden_states=h,
+            labels=d["labels"],
+            vocab_weight=w,
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
+            context=teacher,
+            parallel=ParallelLayout(tp_size=2, tp_rank=rank),
+            collectives=coll,
+        )
+        out = distillation_loss(cfg, tile_elements=4 * half)(ctx)
+        out["loss"].backward()
+        want = truths[name]
+        for key in ("loss", "kl", "top1_agreement"):
+            torch.testing.assert_close(out[key], want[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")
+        torch.testing.assert_close(h.grad, want["dh"], rtol=1e-10, atol=1e-10, msg=f"{name} dh")
+        torch.testing.assert_close(w.grad, want["dw"][shard], rtol=1e-10, atol=1e-10, msg=f"{name} dw")
+
+
+_TP_CASES = {
+    "dense forward-kl": (DistillConfig(temperature=0.8), True),
+    "dense jsd": (DistillConfig(divergence=DistillDivergence.JSD, beta=0.2), True),
+    "dense reverse-kl seq-mean": (
+        DistillConfig(divergence=DistillDivergence.REVERSE_KL, aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN),
+        True,
+    ),
+    "sparse forward-kl renormalize": (DistillConfig(), False),
+    "sparse reverse-kl bucket": (
+        DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET),
+        False,
+    ),
+    "sparse jsd bucket": (DistillConfig(divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET), False),
+}
+
+
+def test_tp2_equals_tp1() -> None:
+    """Two gloo ranks, each half of the vocabulary (the teacher's ids falling in
+    both halves), against the float64 truth of the whole vocabulary."""
+    d = _data(4)
+    truths = {name: _truth(d, cfg, dense=dense) for name, (cfg, dense) in _TP_CASES.items()}
+    run_distributed(_tp2, d, truths, tp=2)

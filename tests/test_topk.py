@@ -1,0 +1,275 @@
+"""Top-k logprobs against the float64 materialised logits: values, ids (ties to the
+smaller id), the label's logprob, the entropy and their gradients; one process
+and two gloo ranks (the vocabulary split), through the hook on the tiny GPT."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import hookspec
+import torch_impl
+from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
+from tests.distributed import run_distributed
+from torch_impl.processors import linear_topk_logprobs, topk_logprobs
+from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
+
+IGNORE = -100
+N, H, V = 23, 7, 38
+
+
+def _problem(seed: int = 0, *, ties: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    if ties:
+        # Small integers: every logit exact in any summation order, so equal logits are
+        # equal whatever the GEMM's blocking (many ties). Rows 2, 5, 30 and 9, 21, 36
+        # equal, and the best of tokens 0 and 1: ties in a tile, across tiles and
+        # across the two halves of the vocabulary.
+        w = torch.randint(-2, 3, (V, H), generator=g).double()
+        h = torch.randint(-2, 3, (N, H), generator=g).double()
+        w[[2, 5, 30]] = 3.0
+        w[[9, 21, 36]] = -3.0
+        h[0], h[1] = 1.0, -1.0
+    y = torch.randint(0, V, (N,), generator=g)
+    y[[3, 11]] = IGNORE
+    return {
+        "h": h,
+        "w": w,
+        "y": y,
+        "t": torch.rand(N, generator=g, dtype=torch.float64) + 0.5,
+    }
+
+
+def _truth(p: dict[str, torch.Tensor], k: int, cot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Materialised logits in float64; ids by a stable sort (ties: the smaller id first)."""
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    lp = ((h @ w.T) / p["t"][:, None]).log_softmax(-1)
+    ids = torch.sort(lp.detach(), dim=1, descending=True, stable=True).indices[:, :k]
+    top = lp.gather(1, ids)
+    y = p["y"]
+    lab = torch.where(y == IGNORE, 0.0, lp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(lp.exp() * lp).sum(-1)
+    loss = (top * cot["v"]).sum() + (lab * cot["l"]).sum() + (ent * cot["e"]).sum()
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    return {
+        "values": top.detach(),
+        "ids": ids,
+        "label": lab.detach(),
+        "entropy": ent.detach(),
+        "dh": dh,
+        "dw": dw,
+    }
+
+
+def _cot(k: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "v": torch.randn(N, k, generator=g, dtype=torch.float64),
+        "l": torch.randn(N, generator=g, dtype=torch.float64),
+        "e": torch.randn(N, generator=g, dtype=torch.float64),
+    }
+
+
+def _ours(
+    p: dict[str, torch.Tensor], k: int, cot: dict[str, torch.Tensor], **kw: Any
+) -> dict[str, torch.Tensor]:
+    h = p["h"].clone().requires_grad_()
+    w = kw.pop("w", p["w"]).clone().requires_grad_()
+    r = linear_topk_logprobs(h, w, k=k, labels=p["y"], temperature=p["t"], with_entropy=True, **kw)
+    assert r.label_logprobs is not None and r.entropy is not None
+    loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
+    loss.backward()
+    return {
+        "values": r.logprobs.detach(),
+        "ids": r.ids,
+        "label": r.label_logprobs.detach(),
+        "entropy": r.entropy.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+    }
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-11) -> None:
+    assert torch.equal(got["ids"], want["ids"]), (got["ids"], want["ids"])
+    for key in ("values", "label", "entropy", "dh", "dw"):
+        torch.testing.assert_close(got[key], want[key], rtol=tol, atol=tol, msg=key)
+
+
+@pytest.mark.parametrize("k", [1, 4, V])
+@pytest.mark.parametrize(("vocab_chunk", "token_chunk"), [(7, 5), (V, N), (1, 1)])
+def test_against_float64(k: int, vocab_chunk: int, token_chunk: int) -> None:
+    p, cot = _problem(), _cot(k)
+    got = _ours(p, k, cot, vocab_chunk_size=vocab_chunk, token_chunk_size=token_chunk)
+    _assert_equal(got, _truth(p, k, cot))
+    assert bool((got["values"][:, :-1] >= got["values"][:, 1:]).all())
+
+
+@pytest.mark.parametrize("vocab_chunk", [4, 7, V])
+def test_ties_go_to_the_smaller_id(vocab_chunk: int) -> None:
+    p = _problem(2, ties=True)  # token 0's best ids: 2, 5, 30, all equal
+    cot = _cot(6)
+    got = _ours(p, 6, cot, vocab_chunk_size=vocab_chunk, token_chunk_size=4)
+    assert got["ids"][0, :3].tolist() == [2, 5, 30]
+    _assert_equal(got, _truth(p, 6, cot))
+
+
+def test_a_loss_renormalised_over_the_k_needs_no_logits_in_backward() -> None:
+    """``log_softmax`` over the k values: the cotangents of a row sum to zero, and the
+    backward (the selected rows of W only) must still equal the truth."""
+    p = _problem(3)
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    r = linear_topk_logprobs(h, w, k=5, temperature=p["t"], vocab_chunk_size=9)
+    g = torch.randn(N, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (r.logprobs.log_softmax(-1) * g).sum().backward()
+    hh = p["h"].clone().requires_grad_()
+    ww = p["w"].clone().requires_grad_()
+    lp = ((hh @ ww.T) / p["t"][:, None]).log_softmax(-1)
+    (lp.gather(1, r.ids).log_softmax(-1) * g).sum().backward()
+    torch.testing.assert_close(h.grad, hh.grad, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(w.grad, ww.grad, rtol=1e-11, atol=1e-11)
+
+
+def test_float32_within_float32_error() -> None:
+    p, cot = _problem(5), _cot(3)
+    got = _ours({**p, "h": p["h"].float(), "w": p["w"].float()}, 3, cot, vocab_chunk_size=8)
+    want = _truth(p, 3, cot)
+    _assert_equal({k: v.double() if v.is_floating_point() else v for k, v in got.items()}, want, tol=2e-5)
+
+
+def test_without_labels_and_nan_rows() -> None:
+    p = _problem()
+    h = p["h"].clone()
+    h[4, 0] = float("nan")
+    r = linear_topk_logprobs(h, p["w"], k=3, vocab_chunk_size=10)
+    assert r.label_logprobs is None and r.entropy is None
+    assert bool(r.logprobs[4].isnan().all())
+    assert bool(torch.isfinite(r.logprobs[torch.arange(N) != 4]).all())
+
+
+@pytest.mark.parametrize(("k", "field"), [(0, "k"), (V + 1, "k"), (2.0, "k")])
+def test_bad_k(k: Any, field: str) -> None:
+    p = _problem()
+    with pytest.raises(ContractError) as info:
+        linear_topk_logprobs(p["h"], p["w"], k=k)
+    assert info.value.field == field
+    with pytest.raises(ContractError):
+        topk_logprobs(0)
+
+
+def test_processor_layout_without_labels() -> None:
+    g = torch.Generator().manual_seed(0)
+    s, b = 5, 2
+    hs = torch.randn(s, b, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    ctx = OutputContext(hidden_states=hs, vocab_weight=w, vocab=VocabShard(0, V, V))
+    out = topk_logprobs(3, temperature=0.5)(ctx)
+    assert set(out) == {"topk_logprobs", "topk_ids"}
+    hookspec.validate_result(out, batch=b, seq=s)
+    lp = (torch.einsum("sbh,vh->bsv", hs, w) / 0.5).log_softmax(-1)
+    want = torch.sort(lp, dim=-1, descending=True, stable=True)
+    assert torch.equal(out["topk_ids"], want.indices[..., :3])
+    torch.testing.assert_close(out["topk_logprobs"], want.values[..., :3], rtol=1e-12, atol=1e-12)
+
+
+def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
+    model = build_tiny_gpt()
+    batch = tiny_batch(2, 8, 64, seed=2)
+    args = (batch["input_ids"], batch["position_ids"], None)
+    logits = model(*args).double()  # [b, s, V]
+    torch_impl.enable_output_processor(model)
+    out = model(
+        *args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, vocab_chunk_size=24)
+    )
+    logp = logits.log_softmax(-1)
+    want = torch.sort(logp, dim=-1, descending=True, stable=True)
+    assert torch.equal(out["topk_ids"], want.indices[..., :5])
+    torch.testing.assert_close(out["topk_logprobs"].double(), want.values[..., :5], rtol=0, atol=2e-6)
+    torch.testing.assert_close(
+        out["logprobs"].double(), logp.gather(2, batch["labels"][..., None]).squeeze(-1), rtol=0, atol=2e-6
+    )
+    out["topk_logprobs"].sum().backward()
+    assert all(q.grad is not None for q in model.parameters() if q.requires_grad)
+
+
+class _OldCollectives:
+    """Collectives written for spec 1.0: no all_gather."""
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        return x
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        return x
+
+
+def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> None:
+    p = _problem()
+    old = _OldCollectives()
+    assert isinstance(old, hookspec.Collectives)
+    r = linear_topk_logprobs(p["h"], p["w"], k=2, collectives=old)
+    assert r.ids.shape == (N, 2)
+    with pytest.raises(ContractError) as info:
+        linear_topk_logprobs(p["h"], p["w"][:19], k=2, collectives=old, vocab_size=V)
+    assert info.value.field == "collectives.all_gather"
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def _tp2(rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dict]]) -> None:
+    from megatron.core import parallel_state
+
+    from torch_impl import TorchCollectives
+
+    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    half = V // 2
+    shard = slice(rank * half, (rank + 1) * half)
+    for k, cot, want in cases:
+        got = _ours(
+            p, k, cot, w=p["w"][shard], vocab_start=rank * half, vocab_size=V, collectives=coll,
+            vocab_chunk_size=6, token_chunk_size=5,
+        )  # fmt: skip
+        want = {**want, "dw": want["dw"][shard]}
+        _assert_equal(got, want)
+    # the processor at tp=2: [b, s, k] on each rank
+    s, b = N, 1
+    ctx = OutputContext(
+        hidden_states=p["h"][:, None, :],
+        vocab_weight=p["w"][shard],
+        labels=p["y"][None, :],
+        vocab=VocabShard(rank * half, (rank + 1) * half, V),
+        parallel=ParallelLayout(tp_size=2, tp_rank=rank),
+        collectives=coll,
+    )
+    out = topk_logprobs(3)(ctx)
+    assert out["topk_ids"].shape == (b, s, 3)
+    assert torch.equal(out["topk_ids"][0], cases[0][2]["ids"][:, :3]) or cases[0][0] < 3
+
+
+def test_tp2_equals_float64() -> None:
+    """k = 3, k = V_local and k > V_local (each shard gives all it has); ties inside
+    a shard and across the two halves (ids 2, 5 | 30 and 9 | 21, 36)."""
+    p = _problem(6, ties=True)
+    p["t"] = torch.ones(N, dtype=torch.float64)
+    cases = []
+    for k in (3, V // 2, V // 2 + 4):
+        cot = _cot(k, seed=k)
+        cases.append((k, cot, _truth(p, k, cot)))
+    assert cases[0][2]["ids"][0].tolist() == [2, 5, 30] and cases[0][2]["ids"][1].tolist() == [9, 21, 36]
+    run_distributed(_tp2, p, cases, tp=2)
+
+
+def test_spec_version_and_gather_of_one_rank() -> None:
+    assert hookspec.SPEC_VERSION >= (1, 2)
+    x = torch.arange(6.0).view(2, 3)
+    assert torch.equal(hookspec.SingleProcessCollectives().all_gather(x), x[None])
+    assert math.isfinite(float(x.sum()))
