@@ -344,12 +344,46 @@ def _cp2(rank: int, thd: dict[str, Any], thd_truths: dict, bshd: dict[str, Any],
         _sum(out["loss"], group), thd_truths["gspo-seq-mean-token-mean"]["loss"], **TOL
     )
 
+    # why the collective's backward sums over the group: with the identity backward of
+    # the tensor-parallel all_reduce_sum, GSPO's loss is right and its gradient is not
+    truth = thd_truths["gspo-seq-mean-token-mean"]
+    h = local["h"].clone().requires_grad_()
+    ctx = _context(model, local, h, thd["w"], local["batch"], psp)
+    out = policy_loss(cfg)(ctx.replace(collectives=_IdentityBackwardCpSum(ctx.collectives)))
+    out["loss"].backward()
+    torch.testing.assert_close(_sum(out["loss"], group), truth["loss"], **TOL)
+    wrong = _sum((h.grad - truth["dh"][index]).abs().max(), group)
+    assert float(wrong) > 1e-3, float(wrong)
+
+
+class _IdentityBackwardCpSum:
+    """``inner``'s collectives, but a context-parallel sum whose backward is the
+    identity (Megatron's ``reduce_from_tensor_model_parallel_region`` over the CP group)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_sum(x)
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_max(x)
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.gather_hidden_states(x)
+
+    def all_reduce_sum_context_parallel(self, x: torch.Tensor, /) -> torch.Tensor:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x.clone(), group=self.inner.cp_group)
+
 
 def test_cp2_thd_and_rows_against_float64() -> None:
     """cp=2 over gloo, one pair of processes for: Megatron's per-sequence split
     pinned to ours; a packed THD row and plain rows, each through every built-in
     processor and every aggregation and ratio level, values and gradients against
-    the unsplit float64 computation; the micro-batch's own CP group."""
+    the unsplit float64 computation; the micro-batch's own CP group; an identity
+    backward of the CP sum gives GSPO a wrong gradient."""
     thd, bshd = _thd_problem(), _bshd_problem()
     run_distributed(_cp2, thd, _truths(thd), bshd, _truths(bshd), tp=CP)
 

@@ -308,6 +308,110 @@ def test_context_parallel_shares_sum_to_the_loss() -> None:
         policy_loss(PolicyLossConfig.gspo())(ctx)
 
 
+def test_mask_of_bool_and_integer_dtypes_is_taken_as_the_float_mask() -> None:
+    """The mask's value check refuses nothing a mask may hold: a bool or integer
+    mask (every value finite, >= 0) gives the float mask's loss, bitwise."""
+    d = _data(seed=11)
+    cfg = PolicyLossConfig.grpo()
+    want = policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], d["batch"]))["loss"]
+    for mask in (d["batch"].mask.bool(), d["batch"].mask.long(), d["batch"].mask.to(torch.uint8)):
+        batch = dataclasses.replace(d["batch"], mask=mask)
+        assert torch.equal(policy_loss(cfg)(_ctx(d["h"], d["w"], d["labels"], batch))["loss"], want)
+
+
+def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
+    from torch_impl.value_checks import check_finite_deferred, check_multiple_deferred, pending_checks
+
+    nan, inf = float("nan"), float("inf")
+    check_finite_deferred(torch.tensor([0.0, 2.5]), field="context.mask", nonnegative=True)
+    check_finite_deferred(torch.tensor([True, False]), field="context.mask", nonnegative=True)
+    with pytest.raises(
+        ContractError,
+        match=r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]$",
+    ):
+        check_finite_deferred(torch.tensor([0.0, -1.0, 1.0]), field="context.mask", nonnegative=True)
+    with pytest.raises(
+        ContractError, match=r"^x: expected finite values >= 0, got 2 values outside it, in \[nan, nan\]$"
+    ):
+        check_finite_deferred(torch.tensor([nan, inf, 1.0]), field="x", nonnegative=True)
+    counted = torch.tensor([True, False, True])
+    check_finite_deferred(torch.tensor([-2.0, nan, 3.0]), field="context.advantages", where=counted)
+    with pytest.raises(
+        ContractError,
+        match=r"^context\.advantages: expected finite values where it is read, "
+        r"got 1 values outside it, in \[-inf, -inf\]$",
+    ):
+        check_finite_deferred(torch.tensor([-inf, nan, 3.0]), field="context.advantages", where=counted)
+    check_multiple_deferred(torch.tensor([0, 4, 12], dtype=torch.int32), 4, field="cu")
+    with pytest.raises(
+        ContractError, match=r"^cu: expected multiples of 4, got 2 values outside it, in \[5, 7\]$"
+    ):
+        check_multiple_deferred(torch.tensor([0, 5, 7, 8], dtype=torch.int32), 4, field="cu")
+    assert pending_checks() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_mask_and_value_checks_defer_without_a_host_read() -> None:
+    """On a GPU each check makes no host read (sync debug mode "error") and its
+    result is read later, naming the field and the values."""
+    from torch_impl.value_checks import check_finite_deferred, check_multiple_deferred, raise_pending_errors
+
+    cuda = torch.device("cuda")
+    checks = [
+        (
+            lambda: check_finite_deferred(
+                torch.tensor([1.0, -1.0, 0.0], device=cuda), field="context.mask", nonnegative=True
+            ),
+            r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]",
+        ),
+        (
+            lambda: check_finite_deferred(
+                torch.tensor([float("inf"), float("nan")], device=cuda),
+                field="context.old_logprobs",
+                where=torch.tensor([True, False], device=cuda),
+            ),
+            r"^context\.old_logprobs: expected finite values where it is read, got 1 values outside it",
+        ),
+        (
+            lambda: check_multiple_deferred(torch.tensor([0, 6], device=cuda), 4, field="cu"),
+            r"^cu: expected multiples of 4, got 1 values outside it, in \[6, 6\]",
+        ),
+    ]
+    for check, message in checks:
+        raise_pending_errors(wait=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            check()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with pytest.raises(ContractError, match=message):
+            raise_pending_errors(wait=True)
+
+
+@pytest.mark.gpu
+def test_cuda_policy_loss_reports_a_negative_mask_entry() -> None:
+    """Through the processor on a GPU: the bad entry is reported by name, in this
+    call (when an earlier check of it has landed) or at the next read."""
+    from torch_impl.value_checks import raise_pending_errors
+
+    raise_pending_errors(wait=True)
+    d = _data(seed=12)
+    mask = d["batch"].mask.clone()
+    mask[1, 3] = -1.0
+    batch = dataclasses.replace(
+        d["batch"],
+        mask=mask.cuda(),
+        old_logprobs=d["batch"].old_logprobs.cuda(),
+        advantages=d["batch"].advantages.cuda(),
+        ref_logprobs=d["batch"].ref_logprobs.cuda(),
+    )
+    ctx = _ctx(d["h"].float().cuda(), d["w"].float().cuda(), d["labels"].cuda(), batch)
+    with pytest.raises(ContractError, match=r"^context\.mask: expected finite values >= 0, got 1 values"):
+        policy_loss(PolicyLossConfig.grpo())(ctx)
+        raise_pending_errors(wait=True)
+
+
 def test_mask_defaults_to_loss_mask_then_to_every_token() -> None:
     d = _data(seed=4)
     batch = dataclasses.replace(d["batch"], mask=None)
