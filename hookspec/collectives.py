@@ -5,8 +5,10 @@ Megatron's tensor-parallel group, ``jax_ref`` with ``lax.psum``/``lax.pmax``
 inside ``shard_map``); processors call it and never name a process group.
 
 The vocab-parallel recipe for a selected-token logprob, written with them.
-Logits are ``[b, s, V/tp]`` (the hidden states ``[s, b, h]`` are transposed
-by the einsum) so that they line up with the ``[b, s]`` labels; remote and
+Logits are ``[b, s, V_local]``, this rank's ``V_local = V / tp`` columns (the
+hidden states ``[s, b, h]`` are transposed by the einsum) so that they line up
+with the ``[b, s]`` labels; the input of ``all_reduce_max`` is detached in a
+framework with autograd (``z.detach()`` in torch); remote and
 ignored labels are clamped to a valid row and masked out. It runs as written
 with numpy and one rank (a doctest in ``tests/test_hookspec.py``); a processor
 does the same with torch and ``ctx.collectives``::
@@ -16,10 +18,10 @@ does the same with torch and ``ctx.collectives``::
     >>> coll, vocab = SingleProcessCollectives(), VocabShard(start=0, end=5, size=5)
     >>> rng = np.random.default_rng(0)
     >>> hidden = rng.standard_normal((3, 2, 4))                  # [s, b, h]
-    >>> weight = rng.standard_normal((5, 4))                     # [V/tp, h], this rank's rows
+    >>> weight = rng.standard_normal((5, 4))                     # [V_local, h], this rank's rows
     >>> labels = np.array([[0, 4, 2], [1, 3, IGNORE_INDEX]])     # [b, s], global ids
     >>> h = coll.gather_hidden_states(hidden)                    # [s, b, h]
-    >>> z = np.einsum("sbh,vh->bsv", h, weight)                  # [b, s, V/tp]
+    >>> z = np.einsum("sbh,vh->bsv", h, weight)                  # [b, s, V_local]
     >>> m = coll.all_reduce_max(z.max(-1))                       # [b, s], detached in autograd
     >>> lse = m + np.log(coll.all_reduce_sum(np.exp(z - m[..., None]).sum(-1)))
     >>> local = (labels >= vocab.start) & (labels < vocab.end)   # [b, s]
