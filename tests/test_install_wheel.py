@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGED = ("pyproject.toml", "README.md", "hookspec", "torch_impl", "jax_ref")
+PACKAGED = ("pyproject.toml", "README.md", "build_backend", "hookspec", "torch_impl", "jax_ref")
 
 CHECK = """
 import importlib.util, json
@@ -144,6 +144,55 @@ def test_wheel_installs_without_dependencies_into_a_bare_torch_megatron_env(
             [str(python), "-m", "torch_impl.doctor"], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+
+
+def _tree(root: pathlib.Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``root`` with its size, mtime (ns) and mode."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return found
+
+
+@pytest.mark.parametrize("how", ["wheel", "install --target"])
+def test_building_from_a_read_only_checkout_writes_nothing_into_it(tmp_path: pathlib.Path, how: str) -> None:
+    """A copy of the checkout, made read-only (``chmod -R a-w``; root ignores the mode,
+    so the tree is also compared before and after): ``pip wheel .`` and ``pip install
+    --target`` leave it as it was, no ``build/``, no ``*.egg-info``, and the wheel
+    holds the three packages."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in PACKAGED:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, src / name)
+    subprocess.run(["chmod", "-R", "a-w", str(src)], check=True)
+    before = _tree(src)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    common = ["--no-deps", "--no-build-isolation", "--no-index"]
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        if how == "wheel":
+            cmd = [*pip, "wheel", *common, "-w", str(tmp_path / "dist"), "."]
+        else:
+            cmd = [*pip, "install", *common, "--target", str(tmp_path / "target"), "."]
+        done = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True)
+        after = _tree(src)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(src)], check=True)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert after == before, sorted(set(after) ^ set(before)) or "a file changed"
+    if how == "wheel":
+        import zipfile
+
+        (wheel,) = (tmp_path / "dist").glob("mcore_hookspec-*.whl")
+        tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+        assert {"hookspec", "torch_impl", "jax_ref"} <= tops and "build_backend" not in tops, tops
+    else:
+        assert (tmp_path / "target" / "hookspec" / "__init__.py").exists()
 
 
 def test_torch_extra_lower_bounds_are_the_tested_ones() -> None:
