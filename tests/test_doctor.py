@@ -93,3 +93,97 @@ def test_a_broken_bitwise_check_is_reported_as_a_failure() -> None:
 def test_facts_row_option_prints_the_table_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert doctor.main(["--facts-row"]) == 0
     assert capsys.readouterr().out.strip() == doctor.release_facts().row()
+
+
+def test_doctor_prints_versions_device_and_the_auto_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+    import importlib.util
+
+    import torch
+
+    import hookspec
+    from torch_impl.processors import auto_choice
+
+    assert doctor.main(["--no-checks"]) == 0
+    out = capsys.readouterr().out
+    spec = ".".join(str(v) for v in hookspec.SPEC_VERSION)
+    assert f"contract SPEC_VERSION {spec}" in out
+    assert f"mcore-hookspec {importlib.metadata.version('mcore-hookspec')}" in out
+    assert f"torch {torch.__version__};" in out
+    assert f"megatron-core {doctor.installed_release().release};" in out
+    triton = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else "absent"
+    assert f"triton {triton};" in out
+    te = "absent" if importlib.util.find_spec("transformer_engine") is None else ""
+    assert f"transformer-engine {te}" in out
+    assert "CUDA device: " in out
+    if not torch.cuda.is_available():
+        assert "CUDA device: none" in out
+    choice = auto_choice(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    measured = "measured on this device class" if choice.measured else "not measured on this device class"
+    assert f'backend "auto": {choice.backend} on ' in out and f"({measured}: {choice.source})" in out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU message; the GPU runs them")
+def test_gpu_checks_skip_on_a_cpu_with_the_reason() -> None:
+    gpu = [c for c in doctor.default_checks() if c[0].startswith("GPU:")]
+    assert len(gpu) == 2
+    results = doctor.run_checks(gpu)
+    assert [r.status for r in results] == ["skip", "skip"]
+    assert all("no CUDA device" in r.detail for r in results)
+
+
+@pytest.mark.gpu
+def test_gpu_checks_pass_on_a_cuda_device() -> None:
+    gpu = [c for c in doctor.default_checks() if c[0].startswith("GPU:")]
+    results = doctor.run_checks(gpu)
+    assert [r.status for r in results] == ["pass", "pass"], results
+
+
+def test_what_is_read_from_megatron_lives_in_one_object() -> None:
+    """``_compat.installed_megatron()`` is computed once; the doctor's facts and the
+    old readers of ``_compat`` are views of it; the doctor reads no Megatron code itself."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from torch_impl import _compat
+
+    facts = _compat.installed_megatron()
+    assert _compat.installed_megatron() is facts
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.native_hook = not facts.native_hook  # type: ignore[misc]
+    assert _compat.mtp_loss_in_block() is facts.mtp_loss_in_block
+    assert _compat.roll_accepts() is facts.roll_keywords
+    assert _compat.reduce_keeps_noncontiguous_result() is facts.reduce_keeps_noncontiguous_result
+    row = doctor.release_facts()
+    assert (row.release, row.native_hook, row.mtp_loss, row.workarounds) == (
+        facts.release,
+        facts.native_hook,
+        facts.mtp_loss_site,
+        facts.workarounds(),
+    )
+    tree = ast.parse(inspect.getsource(doctor))
+    reads = {
+        f"{n.value.id}.{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("inspect", "ast")
+    }
+    assert not reads, f"the doctor works out a fact itself: {sorted(reads)}"
+
+
+def test_the_process_group_api_is_read_from_gpt_model() -> None:
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    from torch_impl import _compat
+
+    params = inspect.signature(GPTModel.__init__).parameters
+    want = (
+        "pg_collection"
+        if "pg_collection" in params
+        else "model_comm_pgs"
+        if "model_comm_pgs" in params
+        else "parallel_state"
+    )
+    assert _compat.installed_megatron().process_groups == want

@@ -1,7 +1,11 @@
 """``python -m torch_impl.doctor``: the installed Megatron Core, the adapter's path
 on it, and whether the output hook holds there.
 
-It prints the installed release (from the distribution metadata, checked
+It prints the project's version and the contract's ``SPEC_VERSION``; the torch,
+megatron-core, triton and Transformer Engine versions (or "absent"); the CUDA
+device; which backend ``backend="auto"`` picks there and whether that choice was
+measured on this device class (:func:`environment`). Then the installed release
+(from the distribution metadata, checked
 against the ``megatron.core`` package actually imported), the adapter path it
 takes, the release's facts as read from its code (:func:`release_facts`, the
 row of the README's release table), whether the release is in the CI matrix
@@ -10,7 +14,9 @@ row of the README's release table), whether the release is in the CI matrix
 untied; a hookspec and an upstream-style processor through the output layer,
 bitwise the stock loss and gradients; on a model with MTP layers, the stock
 MTP losses under a main processor and under the per-depth MTP processor; a
-``HybridModel`` where the release has one. A release outside the matrix gets
+``HybridModel`` where the release has one; on a CUDA machine, the processors on
+both backends against the torch path and float64, and the label check without a
+host read (skipped on a CPU, with the reason). A release outside the matrix gets
 every check that applies to it, each reported as passed, failed or skipped
 (with the reason read from the installed code), rather than a refusal.
 
@@ -22,15 +28,12 @@ Exit status: 0 when no check failed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.metadata
 import importlib.util
-import inspect
 import logging
 import os
 import sys
-import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -38,13 +41,17 @@ from typing import Any
 
 import torch
 
+from ._compat import installed_megatron
+
 __all__ = [
     "MATRIX_RELEASES",
     "CheckResult",
+    "Environment",
     "ReleaseFacts",
     "SkipCheck",
     "adapter_path",
     "default_checks",
+    "environment",
     "installed_release",
     "main",
     "release_facts",
@@ -81,15 +88,10 @@ class Installed:
 
 
 def installed_release() -> Installed:
-    """The release of the ``megatron.core`` that imports (``__version__`` appends a
-    git hash in some builds; the distribution metadata does not)."""
-    spec = importlib.util.find_spec("megatron.core")
-    if spec is None or spec.origin is None:
-        raise ImportError("megatron.core is not installed")
-    package = os.path.dirname(os.path.realpath(spec.origin))
-    dist = importlib.metadata.distribution("megatron-core")
-    located = os.path.realpath(str(dist.locate_file("megatron/core")))
-    return Installed(release=dist.version, package=package, shadowed=located != package)
+    """The release of the ``megatron.core`` that imports, read from
+    ``torch_impl._compat.installed_megatron()``."""
+    m = installed_megatron()
+    return Installed(release=m.release, package=m.package, shadowed=m.shadowed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,129 +134,98 @@ class ReleaseFacts:
         return "| " + " | ".join(cells) + " |"
 
 
-def _assigns_attribute(function: Any, owner: str, attribute: str) -> bool:
-    """``function``'s body assigns ``<...>.{owner}.{attribute}``."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if (
-                    isinstance(target, ast.Attribute)
-                    and target.attr == attribute
-                    and isinstance(target.value, ast.Attribute)
-                    and target.value.attr == owner
-                ):
-                    return True
-    return False
-
-
-def _mtp_loss_site() -> tuple[str, bool]:
-    """Where the MTP losses are computed, and whether labels come from input_ids."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    from ._compat import mtp_loss_in_block
-
-    if mtp_loss_in_block():
-        return "`MultiTokenPredictionBlock.forward` (labels required)", False
-    process = getattr(mtp, "process_mtp_loss", None)
-    if process is not None:
-        derives = "input_ids" in inspect.signature(process).parameters
-        return "`process_mtp_loss`", derives
-    if "MTPLossAutoScaler" in inspect.getsource(GPTModel._postprocess):
-        return "inline in `GPTModel._postprocess`", False
-    return "not found", False
-
-
-def _schedule_plan() -> str:
-    from megatron.core.models.gpt import GPTModel
-
-    if not hasattr(GPTModel, "build_schedule_plan"):
-        return "no"
-    from megatron.core.pipeline_parallel.utils import ScheduleNode
-
-    # 0.17+ resolve a stream getter on first use (`self.stream = self.stream()`).
-    lazy = _assigns_call_of_itself(ScheduleNode, "stream")
-    return "yes: a getter, called on first use" if lazy else "yes: a CUDA stream, taken when built"
-
-
-def _assigns_call_of_itself(cls: type, attribute: str) -> bool:
-    """Some method of ``cls`` runs ``self.<attribute> = self.<attribute>()``."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Assign)
-            and len(node.targets) == 1
-            and isinstance(node.targets[0], ast.Attribute)
-            and node.targets[0].attr == attribute
-            and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Attribute)
-            and node.value.func.attr == attribute
-        ):
-            return True
-    return False
-
-
-def _hybrid_model() -> bool:
-    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
-
-
-def _workarounds(derives: bool, hybrid: bool, plan: str) -> tuple[str, ...]:
-    from ._compat import mtp_loss_in_block, reduce_keeps_noncontiguous_result
-
-    found: list[str] = []
-    if not reduce_keeps_noncontiguous_result():
-        found.append(
-            "TP: `_reduce` leaves a non-contiguous gradient unreduced (adapter hands it a contiguous one)"
-        )
-    in_block = mtp_loss_in_block()
-    if not in_block and not derives:
-        found.append("MTP with `labels=None` crashes (adapter derives them from `input_ids`)")
-    if in_block:
-        found.append("MTP loss fixed inside the block (per-depth `mtp_processor` refused)")
-    if hybrid:
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-        if "output_processor" not in inspect.signature(HybridModel.forward).parameters:
-            found.append("`HybridModel` has no hook (adapter adds one)")
-    if plan != "no" and _plan_mtp_overwrites_ids():
-        found.append("MTP in the plan hands the hook rolled `input_ids` (adapter restores them)")
-    return tuple(found)
-
-
-def _plan_mtp_overwrites_ids() -> bool:
-    """The plan's MTP pre-dispatch writes rolled ids into ``chunk_state.input_ids``."""
-    for name in (
-        "megatron.core.models.common.fine_grained_callables",
-        "megatron.core.models.gpt.fine_grained_callables",
-    ):
-        if importlib.util.find_spec(name) is None:
-            continue
-        module = importlib.import_module(name)
-        for _, function in inspect.getmembers(module, inspect.isfunction):
-            if function.__module__ == name and _assigns_attribute(function, "chunk_state", "input_ids"):
-                return True
-    return False
-
-
 def release_facts() -> ReleaseFacts:
-    """The :class:`ReleaseFacts` of the installed Megatron Core."""
-    from megatron.core.models.gpt import GPTModel
-
-    from .enable import has_native_hook
-
-    native = has_native_hook(GPTModel)
-    mtp_loss, derives = _mtp_loss_site()
-    hybrid = _hybrid_model()
-    plan = _schedule_plan()
+    """The :class:`ReleaseFacts` of the installed Megatron Core: a view of
+    ``torch_impl._compat.installed_megatron()``, where every fact is read once."""
+    m = installed_megatron()
     return ReleaseFacts(
-        release=installed_release().release,
-        native_hook=native,
-        mtp_loss=mtp_loss,
-        mtp_labels_from_input_ids=derives,
-        hybrid_model=hybrid,
-        schedule_plan=plan,
-        workarounds=_workarounds(derives, hybrid, plan),
+        release=m.release,
+        native_hook=m.native_hook,
+        mtp_loss=m.mtp_loss_site,
+        mtp_labels_from_input_ids=m.mtp_labels_from_input_ids,
+        hybrid_model=m.hybrid_model,
+        schedule_plan=m.schedule_plan,
+        workarounds=m.workarounds(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What an adopter needs to know of this machine: versions (``"absent"`` where a
+    package is not installed), the CUDA device, and ``backend="auto"``'s choice."""
+
+    project: str
+    spec_version: str
+    python: str
+    torch: str
+    megatron_core: str
+    triton: str
+    transformer_engine: str
+    cuda_device: str
+    device_class: str | None
+    auto_backend: str
+    auto_measured: bool
+    auto_source: str
+
+    def lines(self) -> list[str]:
+        measured = (
+            "measured on this device class" if self.auto_measured else "not measured on this device class"
+        )
+        return [
+            f"mcore-hookspec {self.project}, contract SPEC_VERSION {self.spec_version}",
+            f"Python {self.python}; torch {self.torch}; megatron-core {self.megatron_core}; "
+            f"triton {self.triton}; transformer-engine {self.transformer_engine}",
+            f"CUDA device: {self.cuda_device}"
+            + (f" (device class {self.device_class})" if self.device_class else ""),
+            f'backend "auto": {self.auto_backend} ({measured}: {self.auto_source})',
+        ]
+
+
+def _version(*names: str, module: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "installed (no distribution metadata)" if importlib.util.find_spec(module) else "absent"
+
+
+def environment() -> Environment:
+    """The :class:`Environment` of this process (no CUDA context is created on a CPU)."""
+    import hookspec
+
+    from .processors import auto_choice, device_class
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(device)
+        capability = torch.cuda.get_device_capability(device)
+        cuda = f"{name}, sm_{capability[0]}{capability[1]}, {torch.cuda.device_count()} visible"
+        klass: str | None = device_class(name, capability)
+    else:
+        device, cuda, klass = torch.device("cpu"), "none (torch.cuda.is_available() is False)", None
+    choice = auto_choice(device)
+    where = "this CUDA device" if device.type == "cuda" else "the CPU"
+    return Environment(
+        project=_version("mcore-hookspec", module="hookspec").replace(
+            "installed (no distribution metadata)", "a checkout (not installed)"
+        ),
+        spec_version=".".join(str(v) for v in hookspec.SPEC_VERSION),
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        megatron_core=_version("megatron-core", module="megatron.core"),
+        triton=_version("triton", module="triton"),
+        transformer_engine=_version(
+            "transformer-engine",
+            "transformer_engine",
+            "transformer-engine-torch",
+            module="transformer_engine",
+        ),
+        cuda_device=cuda,
+        device_class=klass,
+        auto_backend=f"{choice.backend} on {where}",
+        auto_measured=choice.measured,
+        auto_source=choice.source,
     )
 
 
@@ -381,7 +352,6 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
-    from ._compat import mtp_loss_in_block
     from .enable import enable_output_processor
     from .mtp import default_mtp_loss
     from .testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
@@ -406,7 +376,7 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
         _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "main processor")
 
     def mtp_processor() -> None:
-        if mtp_loss_in_block():
+        if installed_megatron().mtp_loss_in_block:
             raise SkipCheck(
                 "MultiTokenPredictionBlock.forward computes the MTP losses on this release "
                 "(it takes compute_language_model_loss): no per-depth processor"
@@ -421,7 +391,7 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 
 def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     def check() -> None:
-        if not _hybrid_model():
+        if not installed_megatron().hybrid_model:
             raise SkipCheck("no megatron.core.models.hybrid in this release")
         from .enable import enable_output_processor
         from .testing.tiny import tiny_batch
@@ -437,9 +407,110 @@ def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     yield "HybridModel (*-*-), without and with a processor: bitwise stock", check
 
 
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise SkipCheck(
+            "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() is False)"
+        )
+
+
+def _gpu_case(
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Awkward sizes on the GPU in ``dtype``, and the float64 truth on the same
+    rounded inputs: ``logprobs``, ``d(sum logprobs)/d hidden``."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 67, 96, 1003
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100
+    h64 = hidden.double().requires_grad_()
+    logp = torch.log_softmax(h64 @ weight.double().T, dim=-1)
+    truth = torch.where(labels == -100, 0.0, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0])
+    (grad,) = torch.autograd.grad(truth.sum(), h64)
+    cuda = torch.device("cuda")
+    return hidden.to(cuda), weight.to(cuda), labels.to(cuda), truth.detach(), grad
+
+
+def _gpu_backends() -> list[str]:
+    from .processors import triton_available
+
+    return ["torch", "triton"] if triton_available() else ["torch"]
+
+
+def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    def backends_agree() -> None:
+        _need_cuda()
+        from .processors import linear_logprobs
+
+        for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            hidden, weight, labels, truth, grad = _gpu_case(dtype)
+            got = {}
+            for backend in _gpu_backends():
+                h = hidden.clone().requires_grad_()
+                r = linear_logprobs(h, weight, labels, backend=backend)
+                (dh,) = torch.autograd.grad(r.logprobs.sum(), h)
+                got[backend] = (r.logprobs.double().cpu(), dh.double().cpu())
+            for backend, (lp, dh) in got.items():
+                for what, a, want in (("logprobs", lp, truth), ("d/d hidden", dh, grad)):
+                    scale = float(want.abs().max())
+                    err = float((a - want).abs().max())
+                    if not err <= rtol * scale:
+                        raise AssertionError(
+                            f"{backend} {str(dtype).removeprefix('torch.')} {what}: max abs err {err:.3g} "
+                            f"against float64, allowed {rtol:g} * {scale:.3g}"
+                        )
+                    base = got["torch"][0 if what == "logprobs" else 1]
+                    diff = float((a - base).abs().max())
+                    if not diff <= rtol * scale:
+                        raise AssertionError(f"{backend} {what}: {diff:.3g} from the torch path")
+
+    def label_check_without_host_read() -> None:
+        _need_cuda()
+        from hookspec import ContractError
+
+        from .processors import linear_logprobs
+        from .value_checks import pending_checks, raise_pending_errors
+
+        hidden, weight, labels, _, _ = _gpu_case(torch.float32)
+        raise_pending_errors(wait=True)
+        for backend in _gpu_backends():
+            bad = labels.clone()
+            bad[3] = weight.shape[0] + 5  # a label no row holds
+            h = hidden.clone().requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # a host read raises here
+            try:
+                r = linear_logprobs(h, weight, bad, backend=backend)
+                r.logprobs.sum().backward()
+                pending = pending_checks()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if pending < 1:
+                raise AssertionError(f"{backend}: no deferred label check was queued")
+            try:
+                raise_pending_errors(wait=True)
+            except ContractError as error:
+                if error.field != "labels":
+                    raise
+            else:
+                raise AssertionError(f"{backend}: the out-of-range label was not reported")
+
+    yield (
+        "GPU: linear_logprobs on both backends (fp32, bf16) against the torch path and float64",
+        backends_agree,
+    )
+    yield (
+        "GPU: the label check makes no host read and reports a bad label later",
+        label_check_without_host_read,
+    )
+
+
 def default_checks() -> Iterator[tuple[str, Callable[[], None]]]:
-    """The doctor's checks, by name: GPT, GPT with MTP layers, HybridModel."""
-    for group in (_gpt_checks, _mtp_checks, _hybrid_checks):
+    """The doctor's checks, by name: GPT, GPT with MTP layers, HybridModel, and the
+    GPU checks (skipped without a CUDA device)."""
+    for group in (_gpt_checks, _mtp_checks, _hybrid_checks, _gpu_checks):
         yield from group()
 
 
@@ -509,8 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.facts_row:
         print(facts.row())
         return 0
+    for line in environment().lines():
+        print(line)
     print(f"megatron-core {installed.release} at {installed.package}")
-    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")
     if installed.shadowed:
         print("warning: the megatron-core metadata found first is not that of the imported package")
     print(f"adapter path: {adapter_path(facts)}")
@@ -527,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {facts.row()}")
     if args.no_checks:
         return 0
-    print("checks (tiny CPU model):")
+    print("checks (tiny CPU model; the GPU checks on a CUDA device):")
     results = run_checks()
     for r in results:
         line = f"  {r.status.upper():4}  {r.name}  [{r.seconds:.1f} s]"
