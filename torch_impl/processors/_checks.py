@@ -23,11 +23,13 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_labels_deferred, check_positive_deferred
 
 __all__ = [
+    "UNSUPPORTED_LOGIT_OPTIONS",
     "check_bool",
     "check_finite_number",
     "check_floating",
     "check_int",
     "check_temperature",
+    "context_logit_scale",
     "context_field",
     "resolve_compute_dtype",
     "resolve_vocab_chunk",
@@ -223,3 +225,72 @@ def resolve_vocab_chunk(vocab_chunk_size: Any, chunk_size: Any, *, stacklevel: i
         stacklevel=stacklevel + 1,
     )
     return chunk_size
+
+
+UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = (
+    "logit_dtype",
+    "output_logit_softcapping",
+    "logit_softcapping",
+    "final_logit_softcapping",
+)
+"""Config fields that would change the stock model's logits in a way the built-in
+processors do not follow (output logits in another dtype, softcapping). None is
+read by the output path of megatron-core 0.13.1 to 0.19.2; a release that adds
+one gets a ``ContractError`` naming it when it is set, not a silent difference."""
+
+_PROBE = (1.0, -2.0, 0.5, 3.0)
+
+
+def context_logit_scale(ctx: Any, *, processor: str) -> float:
+    """The factor ``c`` by which the stock model scales its logits, for a built-in
+    processor that forms ``c * hidden @ weight.T`` itself (it reads the weight,
+    not ``output_layer``): every model option that changes the stock logits is
+    followed here or refused by name.
+
+    - ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``, MuP's
+      ``config.mup_output_mult`` where ``config.use_mup``; the identity before
+      MuP) is probed on a few CPU values: it must be ``x -> c * x`` with one
+      finite ``c > 0``; anything else (softcapping, an offset) is refused.
+    - With no ``scale_logits`` (a context built by hand), ``c`` is the config's
+      MuP multiplier (``use_mup``, ``mup_output_mult``), else 1.
+    - A set field of :data:`UNSUPPORTED_LOGIT_OPTIONS` on ``ctx.config`` is refused.
+    """
+    config = getattr(ctx, "config", None)
+    for name in UNSUPPORTED_LOGIT_OPTIONS:
+        value = getattr(config, name, None)
+        if value is not None and value is not False and value != 0:
+            raise ContractError(
+                f"config.{name}",
+                expected=f"unset (None): processor {processor!r} forms the logits from the weight "
+                "and does not follow this option of the model's output layer",
+                actual=repr(value),
+                hint="use an upstream-style processor that calls output_layer, or unset the option",
+            )
+    mup = 1.0
+    if config is not None and getattr(config, "use_mup", False):
+        mup = check_finite_number(
+            "config.mup_output_mult", getattr(config, "mup_output_mult", 1.0), low=0.0, low_open=True
+        )
+    scale_logits = getattr(ctx, "scale_logits", None)
+    if scale_logits is None:
+        return mup
+    x = torch.tensor(_PROBE, dtype=torch.float64).reshape(1, 1, -1)  # [s, b, V]
+    expected = "logits -> c * logits with one finite c > 0 (MuP's output multiplier)"
+    try:
+        with torch.no_grad():
+            y = scale_logits(x)
+    except Exception as exc:  # a scaling that is not a plain function of the logits
+        raise ContractError(
+            "scale_logits", expected=expected, actual=f"{type(exc).__name__} on a probe"
+        ) from None
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(x.shape):
+        raise ContractError("scale_logits", expected=expected, actual=type(y).__name__)
+    y = y.detach().to(device="cpu", dtype=torch.float64)
+    c = float(y.flatten()[0])
+    if not (math.isfinite(c) and c > 0) or not torch.allclose(y, c * x, rtol=1e-6, atol=0.0):
+        raise ContractError(
+            "scale_logits",
+            expected=f"{expected}: processor {processor!r} scales its own logits by c",
+            actual=f"{_PROBE} -> {tuple(round(v, 6) for v in y.flatten().tolist())}",
+        )
+    return c

@@ -21,11 +21,11 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import check_labels_deferred
 from ._checks import (
-    check_finite_number,
     check_floating,
     check_int,
     check_temperature,
     context_field,
+    context_logit_scale,
     resolve_vocab_chunk,
 )
 
@@ -64,14 +64,11 @@ class HookInputs:
     kwargs: dict[str, Any]  # vocab_start, vocab_size, collectives, ignore_index, logit_scale, check_values
 
 
-def logit_scale(ctx: OutputContext) -> float:
-    """MuP's output multiplier where the model applies it (``scale_logits``):
-    a finite number > 0."""
-    config = ctx.config
-    if config is not None and getattr(config, "use_mup", False):
-        mult = getattr(config, "mup_output_mult", 1.0)
-        return check_finite_number("config.mup_output_mult", mult, low=0.0, low_open=True)
-    return 1.0
+def logit_scale(ctx: OutputContext, processor: str = "built-in") -> float:
+    """The factor the model's ``scale_logits`` applies (MuP's output multiplier):
+    a finite number > 0; a model option that changes the logits otherwise is
+    refused by name (:func:`~torch_impl.processors._checks.context_logit_scale`)."""
+    return context_logit_scale(ctx, processor=processor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +135,7 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
             vocab_start=ctx.vocab.start,
             vocab_size=ctx.vocab.size,
             collectives=ctx.collectives,
-            logit_scale=logit_scale(ctx),
+            logit_scale=logit_scale(ctx, name),
             # each value is checked once: the labels above or in the hook, a
             # temperature by resolve_temperature
             check_values=False,
