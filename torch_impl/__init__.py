@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._compat import InstalledMegatron, installed_megatron
     from .collectives import TorchCollectives
     from .context import build_output_context, parallel_layout
     from .enable import (
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HookOptions",
+    "InstalledMegatron",
     "TorchCollectives",
     "build_output_context",
     "build_schedule_plan",
@@ -35,6 +37,7 @@ __all__ = [
     "disable_output_processor",
     "enable_output_processor",
     "has_native_hook",
+    "installed_megatron",
     "is_output_processor_enabled",
     "parallel_layout",
     "plan_loss_func",
@@ -44,6 +47,7 @@ __all__ = [
 
 _WHERE: dict[str, str] = {
     "HookOptions": ".enable",
+    "InstalledMegatron": "._compat",
     "TorchCollectives": ".collectives",
     "build_output_context": ".context",
     "build_schedule_plan": ".schedule_plan",
@@ -52,6 +56,7 @@ _WHERE: dict[str, str] = {
     "disable_output_processor": ".enable",
     "enable_output_processor": ".enable",
     "has_native_hook": ".enable",
+    "installed_megatron": "._compat",
     "is_output_processor_enabled": ".enable",
     "parallel_layout": ".context",
     "plan_loss_func": ".schedule_plan",

@@ -191,7 +191,7 @@ def _version(*names: str, module: str) -> str:
 
 
 def environment() -> Environment:
-    """The :class:`Environment` of this process (no CUDA context is created on a CPU)."""
+    """The :class:`Environment` of this process (on a CPU, CUDA is not initialised)."""
     import hookspec
 
     from .processors import auto_choice, device_class

@@ -45,7 +45,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _MAX_FAILURE_LINES = 20
 SYNTHETIC_KINDS = ("strongly-negative", "peaked", "awkward")
 """The synthetic kinds run by default (``--case`` asks for others)."""
-ALL_SYNTHETIC_KINDS = ("random", "strongly-negative", "peaked", "masked", "awkward")
+ALL_SYNTHETIC_KINDS = ("random", "strongly-negative", "peaked", "masked", "awkward", "ties")
 """Every kind of :func:`jax_ref.check.cases.synthetic_context` (``CASE_KINDS``; a test keeps them equal)."""
 SEED_MAX = 2**32 - 1
 """``--seed`` is in ``[0, SEED_MAX]``: it seeds torch generators after mixing (cotangents per output)."""
@@ -78,6 +78,21 @@ def _ref(name: str, **kwargs: Any) -> Callable[[], Any]:
         from .. import processors
 
         return getattr(processors, name)(**kwargs)
+
+    return make
+
+
+def _distill_ref(config_spec: str | None = None, **topk: Any) -> Callable[[], Any]:
+    """``jax_ref.distill``'s reference: ``distillation_loss`` of the config at
+    ``config_spec``, else ``topk_logprobs(**topk)``."""
+
+    def make() -> Any:
+        from .. import distill
+        from ._spec import resolve
+
+        if config_spec is not None:
+            return distill.distillation_loss(resolve(config_spec))
+        return distill.topk_logprobs(**topk)
 
     return make
 
@@ -120,6 +135,25 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:SEQ_SUM",
         _policy_reference(f"{_B}:SEQ_SUM_CONFIG"),
         f"{_B}:policy_context",
+    ),
+    BuiltinCheck("topk_logprobs(k=5, entropy)", f"{_B}:TOPK", _distill_ref(k=5, entropy=True)),
+    BuiltinCheck(
+        "distillation_loss(sparse jsd, bucket)",
+        f"{_B}:DISTILL_SPARSE",
+        _distill_ref(f"{_B}:DISTILL_SPARSE_CONFIG"),
+        f"{_B}:sparse_teacher_context",
+    ),
+    BuiltinCheck(
+        "distillation_loss(sparse kl, renormalize)",
+        f"{_B}:DISTILL_RENORMALIZE",
+        _distill_ref(f"{_B}:DISTILL_RENORMALIZE_CONFIG"),
+        f"{_B}:sparse_teacher_context",
+    ),
+    BuiltinCheck(
+        "distillation_loss(dense reverse kl)",
+        f"{_B}:DISTILL_DENSE",
+        _distill_ref(f"{_B}:DISTILL_DENSE_CONFIG"),
+        f"{_B}:dense_teacher_context",
     ),
     BuiltinCheck(
         "example: vocab-parallel recipe",
@@ -262,14 +296,9 @@ def _versions() -> str:
     import megatron.core
     import torch
 
-    from torch_impl import has_native_hook
+    from torch_impl import installed_megatron
 
-    try:
-        from megatron.core.models.gpt import GPTModel
-
-        hook = "native hook" if has_native_hook(GPTModel) else "no native hook: the adapter's own path"
-    except Exception:  # pragma: no cover - informative only
-        hook = "?"
+    hook = "native hook" if installed_megatron().native_hook else "no native hook: the adapter's own path"
     return (
         f"python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"megatron-core {megatron.core.__version__} ({hook}), "
