@@ -1,6 +1,6 @@
 """This checkout's ``linear_logprobs`` on the CPU against another checkout's, in one run.
 
-Answers "is the CPU path slower than before?" (issue 9's CPU target). Each round times,
+Answers "is the CPU path slower than before?". Each round times,
 in a fresh process per checkout and in alternating order, one forward + backward of
 selected-token logprobs and entropy (fp32, cotangents of ones) after one warm-up; the
 figure is the median over rounds of this checkout's time over the other's::

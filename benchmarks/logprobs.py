@@ -38,9 +38,9 @@ BF16_GEMM_METHODS = ("naive", "verl", "policy-naive")  # multiply in bf16: hours
 SWEEP = {"tokens": [2048, 4096, 8192], "at_vocab": 32768, "vocab": [16384, 65536, 131072], "at_tokens": 2048}
 QUICK_SWEEP = {"tokens": [256, 1024], "at_vocab": 4096, "vocab": [2048, 8192], "at_tokens": 256}
 
-TARGETS = {  # CPU targets of the issue
+TARGETS = {  # the CPU targets (ratios against baselines measured in the same run)
     "mem_vs_naive": 0.05,
-    "time_vs_naive": 1.35,
+    "time_vs_naive": 0.8,
     "time_vs_verl": 1.0,
     "policy_vs_naive": 1.05,
 }
@@ -147,7 +147,7 @@ def _summary(
         checks = [
             (f"peak extra memory <= 5% of {base}", ours.get("mem_vs_naive"), TARGETS["mem_vs_naive"]),
             (
-                f"logprobs+entropy fwd+bwd <= 1.35x {base}",
+                f"logprobs+entropy fwd+bwd <= {TARGETS['time_vs_naive']}x {base}",
                 ours.get("time_vs_naive"),
                 TARGETS["time_vs_naive"],
             ),
@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--sections", default="main,bf16-small,sweep", help="of main, bf16-small, sweep")
     parser.add_argument("--floors", action="store_true", help="also time bare GEMMs (3 and 4)")
+    parser.add_argument("--methods", default="", help="only these methods (comma-separated), e.g. naive,ours")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = QUICK if args.quick else FULL
     methods, skipped = _methods(args.device, args.floors)
+    if args.methods:
+        wanted = args.methods.split(",")
+        methods = [m for m in methods if m in wanted]
     sections = set(args.sections.split(","))
     rows: list[dict[str, Any]] = []
     out = args.out
