@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -433,10 +433,9 @@ def _gpu_case(
     return hidden.to(cuda), weight.to(cuda), labels.to(cuda), truth.detach(), grad
 
 
-def _gpu_backends() -> list[str]:
-    from .processors import triton_available
-
-    return ["torch", "triton"] if triton_available() else ["torch"]
+def _gpu_backends() -> list[Literal["torch", "triton"]]:
+    """Both backends where Triton imports (it ships with torch's CUDA builds), else torch."""
+    return ["torch", "triton"] if importlib.util.find_spec("triton") is not None else ["torch"]
 
 
 def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
