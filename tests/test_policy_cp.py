@@ -172,10 +172,10 @@ def _truths(p: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
 class _Model(torch.nn.Module):
     """What ``build_output_context`` reads off a model: its config and process groups."""
 
-    def __init__(self, cp_group: Any) -> None:
+    def __init__(self, cp_group: Any, tp_group: Any = None) -> None:
         super().__init__()
         self.config = types.SimpleNamespace(sequence_parallel=False)
-        self.pg_collection = types.SimpleNamespace(tp=None, cp=cp_group, pp=None)
+        self.pg_collection = types.SimpleNamespace(tp=tp_group, cp=cp_group, pp=None)
 
 
 def _split(p: dict[str, Any], rank: int, packed: bool) -> tuple[dict[str, Any], Any]:
@@ -254,14 +254,17 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 def _check_case(
     rank: int, model: _Model, local: dict[str, Any], index: torch.Tensor, p: dict[str, Any],
-    truths: dict[str, dict[str, torch.Tensor]], psp: Any, group: Any,
+    truths: dict[str, dict[str, torch.Tensor]], psp: Any, group: Any, shard: slice = slice(None),
+    configs: tuple[str, ...] = tuple(CONFIGS),
 ) -> None:  # fmt: skip
+    """``rank``: this rank's place in the CP ``group``; ``shard``: its rows of the
+    output weight (tensor parallel: the weight gradient's rows of the truth)."""
     from torch_impl.processors import cross_entropy_loss, selected_logprobs
 
     # the per-token processors: this rank's tokens of the whole batch's values
     t = truths["logprobs"]
     h = local["h"].clone().requires_grad_()
-    w = p["w"].clone().requires_grad_()
+    w = p["w"][shard].clone().requires_grad_()
     ctx = _context(model, local, h, w, {"temperature": local["temperature"]}, psp)
     assert ctx.parallel.cp_size == CP and ctx.parallel.cp_rank == rank, ctx.parallel
     out = selected_logprobs(entropy=True, vocab_chunk_size=7, token_chunk_size=5)(ctx)
@@ -269,21 +272,22 @@ def _check_case(
     torch.testing.assert_close(out["logprobs"], t["sel_lp"][:, index], **TOL)
     torch.testing.assert_close(out["entropy"], t["sel_ent"][:, index], **TOL)
     torch.testing.assert_close(h.grad, t["sel_dh"][index], **TOL)
-    torch.testing.assert_close(_sum(w.grad, group), t["sel_dw"], **TOL)
+    torch.testing.assert_close(_sum(w.grad, group), t["sel_dw"][shard], **TOL)
 
     h = local["h"].clone().requires_grad_()
-    w = p["w"].clone().requires_grad_()
+    w = p["w"][shard].clone().requires_grad_()
     ce = cross_entropy_loss(vocab_chunk_size=7)(_context(model, local, h, w, None, psp))
     (local["c_lp"] * ce).sum().backward()
     torch.testing.assert_close(ce, -t["ce_lp"][:, index], **TOL)
     torch.testing.assert_close(h.grad, t["ce_dh"][index], **TOL)
-    torch.testing.assert_close(_sum(w.grad, group), t["ce_dw"], **TOL)
+    torch.testing.assert_close(_sum(w.grad, group), t["ce_dw"][shard], **TOL)
 
     # the policy loss: shares that sum to the whole loss, gradients of the whole loss
-    for name, (cfg, counts) in CONFIGS.items():
+    for name in configs:
+        cfg, counts = CONFIGS[name]
         truth = truths[name]
         h = local["h"].clone().requires_grad_()
-        w = p["w"].clone().requires_grad_()
+        w = p["w"][shard].clone().requires_grad_()
         batch = dataclasses.replace(local["batch"], **counts)
         fn = policy_loss(cfg, vocab_chunk_size=7, token_chunk_size=5, fused_tile_elements=3 * V)
         out = fn(_context(model, local, h, w, batch, psp))
@@ -291,7 +295,7 @@ def _check_case(
         msg = f"{name} (rank {rank})"
         torch.testing.assert_close(_sum(out["loss"], group), truth["loss"], **TOL, msg=msg)
         torch.testing.assert_close(h.grad, truth["dh"][index], **TOL, msg=msg)
-        torch.testing.assert_close(_sum(w.grad, group), truth["dw"], **TOL, msg=msg)
+        torch.testing.assert_close(_sum(w.grad, group), truth["dw"][shard], **TOL, msg=msg)
         for metric in ("pg_loss", "entropy", "clip_fraction"):
             torch.testing.assert_close(_sum(out[metric], group), truth[metric], **TOL, msg=f"{metric} {msg}")
 
@@ -378,6 +382,7 @@ class _IdentityBackwardCpSum:
         return reduce_from_tensor_model_parallel_region(x.clone(), group=self.inner.cp_group)
 
 
+@pytest.mark.slow
 def test_cp2_thd_and_rows_against_float64() -> None:
     """cp=2 over gloo, one pair of processes for: Megatron's per-sequence split
     pinned to ours; a packed THD row and plain rows, each through every built-in
@@ -386,6 +391,42 @@ def test_cp2_thd_and_rows_against_float64() -> None:
     backward of the CP sum gives GSPO a wrong gradient."""
     thd, bshd = _thd_problem(), _bshd_problem()
     run_distributed(_cp2, thd, _truths(thd), bshd, _truths(bshd), tp=CP)
+
+
+def _tp2_cp2(rank: int, thd: dict[str, Any], thd_truths: dict) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=CP)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    tp_rank = torch.distributed.get_rank(tp_group)
+    cp_rank = torch.distributed.get_rank(cp_group)
+    half = V // 2
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=thd["cu"],
+        cu_seqlens_kv=thd["cu"],
+        cu_seqlens_q_padded=thd["cu_padded"],
+        cu_seqlens_kv_padded=thd["cu_padded"],
+    )
+    local, index = _split(thd, cp_rank, packed=True)
+    configs = ("token-mean-fused", "grpo-autograd", "gspo-seq-mean-token-mean", "gspo-token-mean-kl-entropy")
+    _check_case(
+        cp_rank, _Model(cp_group, tp_group), local, index, thd, thd_truths, psp, cp_group,
+        shard=slice(tp_rank * half, (tp_rank + 1) * half), configs=configs,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tp2_cp2_thd_against_float64() -> None:
+    """tp=2 x cp=2 over four gloo processes: the vocabulary split over tensor
+    parallel (its sums and the hidden-state gradient over the TP group) and the
+    sequences over context parallel (the per-sequence sums over the CP group), a
+    packed row through every built-in processor, GSPO and the sequence means."""
+    thd = _thd_problem()
+    run_distributed(_tp2_cp2, thd, _truths(thd), tp=2, pp=2)  # four processes; the worker sets tp x cp
 
 
 # ---------------------------------------------------------------- one process: what is refused
