@@ -145,3 +145,29 @@ def test_bad_results_and_no_schedule_plan() -> None:
         build_schedule_plan(
             model, batch["input_ids"], batch["position_ids"], None, output_processor=stock_loss
         )
+
+
+def test_detach_encoder_on_a_hybrid_model() -> None:
+    """``MTPOptions(detach_encoder=True)`` on a HybridModel's MTP layer: the MTP loss
+    trains the MTP layer (its gradients the stock model's, bitwise) and the output
+    head, not the embedding or the main stack (those equal the stock model's with
+    ``mtp_loss_scaling_factor=0``)."""
+    from torch_impl.mtp import MTPOptions
+
+    batch = tiny_batch()
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    want, stock = run(build_tiny_hybrid("*-*-/*-").eval(), batch, **kw)
+    _, no_mtp = run(build_tiny_hybrid("*-*-/*-", mtp_loss_scaling_factor=0.0).eval(), batch, **kw)
+    model = enable_output_processor(build_tiny_hybrid("*-*-/*-"), mtp=MTPOptions(detach_encoder=True)).eval()
+    for processors in ({}, {"output_processor": stock_loss}):
+        got, got_grads = run(model, batch, **kw, **processors)
+        assert torch.equal(got, want)
+        assert got_grads.keys() == stock.keys()
+        for name, grad in got_grads.items():
+            expected = (
+                stock[name] if name.startswith("mtp.") or name == "output_layer.weight" else no_mtp[name]
+            )
+            assert torch.equal(grad, expected), name
+    assert not torch.equal(
+        stock["embedding.word_embeddings.weight"], no_mtp["embedding.word_embeddings.weight"]
+    )
