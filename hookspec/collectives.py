@@ -2,7 +2,10 @@
 
 Each framework implements :class:`Collectives` once (``torch_impl`` over
 Megatron's tensor-parallel group, ``jax_ref`` with ``lax.psum``/``lax.pmax``
-inside ``shard_map``); processors call it and never name a process group.
+inside ``shard_map``); processors call it and never name a process group. One
+method, ``all_reduce_sum_context_parallel`` (spec 1.2), sums over the
+context-parallel group instead, for the per-sequence sums of a loss whose
+sequences are split over its ranks.
 
 The vocab-parallel recipe for a selected-token logprob, written with them.
 Logits are ``[b, s, V_local]``, this rank's ``V_local = V / tp`` columns (the

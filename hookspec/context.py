@@ -139,7 +139,8 @@ class OutputContext:
         mtp_depth: ``0`` for the main head, ``k`` for the MTP head predicting
             token ``t + k + 1`` (labels and mask already rolled for it).
         ignore_index: the label that selects no token.
-        collectives: the :class:`Collectives` over the vocab-parallel group.
+        collectives: the :class:`Collectives` over the vocab-parallel group
+            (and its sum over the context-parallel group, spec 1.2).
         check_values: whether a processor checks the values it reads (a
             per-token temperature's sign, the label range unless
             ``labels_checked``). ``False`` only where the model was enabled
