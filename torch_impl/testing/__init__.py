@@ -5,6 +5,8 @@ CPU, a one-call process-group set-up, and the examples.
   ``cpu_layer_spec``, ``megatron_parallel``, ``free_port``.
 - :mod:`torch_impl.testing.tiny_hybrid`: a ``HybridModel`` without Transformer Engine.
 - :mod:`torch_impl.testing.tiny_moe`: a GPT whose layers (or last layer) are MoE layers.
+- :mod:`torch_impl.testing.cp`: Megatron's context-parallel split of a batch (plain rows
+  and packed THD sequences), written out.
 - :mod:`torch_impl.testing.examples`: runnable examples (a GRPO toy).
 
 Nothing in the library imports this package; the tests, the doctor, ``hookcheck``, the
