@@ -357,23 +357,23 @@ def test_cuda_mask_and_value_checks_defer_without_a_host_read() -> None:
     from torch_impl.value_checks import check_finite_deferred, check_multiple_deferred, raise_pending_errors
 
     cuda = torch.device("cuda")
+    mask = torch.tensor([1.0, -1.0, 0.0], device=cuda)  # inputs made before the mode is on
+    old, counted = (
+        torch.tensor([float("inf"), float("nan")], device=cuda),
+        torch.tensor([True, False], device=cuda),
+    )
+    cu = torch.tensor([0, 6], device=cuda)
     checks = [
         (
-            lambda: check_finite_deferred(
-                torch.tensor([1.0, -1.0, 0.0], device=cuda), field="context.mask", nonnegative=True
-            ),
+            lambda: check_finite_deferred(mask, field="context.mask", nonnegative=True),
             r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]",
         ),
         (
-            lambda: check_finite_deferred(
-                torch.tensor([float("inf"), float("nan")], device=cuda),
-                field="context.old_logprobs",
-                where=torch.tensor([True, False], device=cuda),
-            ),
+            lambda: check_finite_deferred(old, field="context.old_logprobs", where=counted),
             r"^context\.old_logprobs: expected finite values where it is read, got 1 values outside it",
         ),
         (
-            lambda: check_multiple_deferred(torch.tensor([0, 6], device=cuda), 4, field="cu"),
+            lambda: check_multiple_deferred(cu, 4, field="cu"),
             r"^cu: expected multiples of 4, got 1 values outside it, in \[6, 6\]",
         ),
     ]
