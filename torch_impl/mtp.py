@@ -54,7 +54,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from hookspec import ContractError, OutputContext, Processor, processor
 
 from ._call import ForwardCall, MTPOptions
-from ._compat import mtp_cp_group, roll_tensor
+from ._compat import installed_megatron, mtp_cp_group, roll_tensor
 
 __all__ = [
     "MTPLayerAdapter",
@@ -95,13 +95,13 @@ def has_mtp_layers(model: Any) -> bool:
 
 @functools.cache
 def mtp_semantics() -> MTPSemantics:
-    """The :class:`MTPSemantics` of the installed release, read from its functions."""
-    process = getattr(_mtp, "process_mtp_loss", None)
-    params = inspect.signature(process).parameters if process is not None else {}
+    """The :class:`MTPSemantics` of the installed release, as
+    ``_compat.installed_megatron()`` read them from its functions."""
+    facts = installed_megatron()
     return MTPSemantics(
-        mup_scaling="scale_logits_fn" in params,
-        clamped_counts=process is not None,
-        logs_acceptance=hasattr(_mtp.MTPLossLoggingHelper, "save_metrics_to_tracker"),
+        mup_scaling=facts.mtp_mup_scaling,
+        clamped_counts=facts.mtp_clamped_counts,
+        logs_acceptance=facts.mtp_logs_acceptance,
     )
 
 
