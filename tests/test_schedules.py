@@ -69,15 +69,21 @@ def test_cpu_device_mode_maps_cuda_requests_to_the_cpu() -> None:
 
 
 def test_cpu_schedule_patches_torch_only_while_entered() -> None:
-    current_device, synchronize = torch.cuda.current_device, torch.cuda.synchronize
+    names = ("current_device", "synchronize", "current_stream")
+    originals = [getattr(torch.cuda, n) for n in names]
     with cpu_schedule():
         assert torch.cuda.current_device() == 0
         torch.cuda.synchronize()  # a no-op
+        stream = torch.cuda.current_stream()
+        stream.wait_event(object())  # no-ops
+        stream.wait_stream(stream)
+        with pytest.raises(AttributeError):
+            stream.record_event  # noqa: B018  (only the waits are stood in for)
         assert torch.empty(3, device=torch.cuda.current_device()).device.type == "cpu"
-    assert torch.cuda.current_device is current_device and torch.cuda.synchronize is synchronize
+    assert [getattr(torch.cuda, n) for n in names] == originals
     with pytest.raises(KeyError), cpu_schedule():
         raise KeyError("undone on the way out")
-    assert torch.cuda.current_device is current_device and torch.cuda.synchronize is synchronize
+    assert [getattr(torch.cuda, n) for n in names] == originals
     if NO_GPU:  # outside, a CUDA request is refused again
         with pytest.raises((RuntimeError, AssertionError)):
             torch.zeros(1, device="cuda")

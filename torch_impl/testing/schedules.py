@@ -10,8 +10,8 @@ process group (gloo) live on the CPU. On megatron-core 0.16.1 and 0.19.2 these a
   ``torch.empty(shape, device=torch.cuda.current_device(), ...)``, and
   ``torch.cuda.synchronize()`` after a batched send/receive (``batch_p2p_sync``).
 
-:func:`cpu_schedule` makes them run on the CPU with three torch-level shims while it
-is entered, and touches no Megatron symbol:
+:func:`cpu_schedule` makes them run on the CPU with torch-level shims while it is
+entered, and touches no Megatron symbol:
 
 1. :class:`CPUDeviceMode`, a ``torch.overrides.TorchFunctionMode``: a factory call's
    ``device=`` that names CUDA (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``) or
@@ -20,7 +20,13 @@ is entered, and touches no Megatron symbol:
 2. ``unittest.mock.patch("torch.cuda.current_device", return_value=0)`` (the mode then
    maps the ordinal 0 to the CPU);
 3. ``unittest.mock.patch("torch.cuda.synchronize")`` (a no-op: gloo's point-to-point
-   operations have completed when ``wait()`` returns).
+   operations have completed when ``wait()`` returns);
+4. ``unittest.mock.patch("torch.cuda.current_stream")``: a stand-in stream whose
+   ``wait_event`` and ``wait_stream`` do nothing (work on the CPU is not queued on
+   streams). On 0.19.2, ``finalize_model_grads`` -> ``DistributedDataParallel.finish_grad_sync``
+   -> ``_ParamAndGradBucketGroup.start_grad_sync`` calls ``torch.cuda.current_stream()``
+   on every call (to wait for CUDA-graph gradient events), so a DDP-wrapped model's
+   step needs it; 0.16.1 does not call it there.
 
 Used as::
 
@@ -37,9 +43,11 @@ in one ``torch.distributed.batch_isend_irecv`` call on the pipeline group, a sen
 to the previous rank, a receive from it, a send to the next and a receive from it
 (``p2p_communication._batched_p2p_ops``, in that order). With two ranks the
 previous and the next rank are the same process, and gloo matches a sender's
-messages to the receiver's buffers in posting order on one tag: rank 0 sends the
-gradient before the activation while rank 1 receives the activation first, so
-each lands in the other's buffer (same shape: no error, wrong values). With
+messages to the receiver's buffers in posting order on one tag: rank 0 posts its
+send to rank 1 as "previous" (a gradient) before its send to rank 1 as "next" (an
+activation), while rank 1 posts its receive from rank 0 as "previous" (an
+activation) first, so messages land in the wrong buffers (same shape: no error,
+wrong values; seen here from the third micro-batch on). With
 ``False``, Megatron's ``_p2p_ops`` puts one direction on the world group, which
 keeps them apart. 1F1B is unaffected (each rank talks one way at a time).
 
@@ -111,12 +119,15 @@ class CPUDeviceMode(TorchFunctionMode):
 @contextlib.contextmanager
 def cpu_schedule() -> Iterator[None]:
     """Enter :class:`CPUDeviceMode` and patch ``torch.cuda.current_device`` (returns
-    0) and ``torch.cuda.synchronize`` (does nothing); all three are undone on exit,
-    also when the body raises. See the module docstring for the CUDA calls this covers.
+    0), ``torch.cuda.synchronize`` (does nothing) and ``torch.cuda.current_stream``
+    (a stream whose waits do nothing); all are undone on exit, also when the body
+    raises. See the module docstring for the CUDA calls this covers.
     """
+    stream = mock.NonCallableMock(spec=["wait_event", "wait_stream", "synchronize"])
     with (
         mock.patch("torch.cuda.current_device", return_value=0),
         mock.patch("torch.cuda.synchronize"),
+        mock.patch("torch.cuda.current_stream", return_value=stream),
         CPUDeviceMode(),
     ):
         yield
