@@ -59,33 +59,26 @@ def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 def test_verl_model_forward_fused() -> None:
     """veRL ``model_forward_fused.py``: per-token logprobs and entropy at a
-    temperature, from the hidden states, on every release."""
-    batch = tiny_batch()
-    input_ids, position_ids, attention_mask, labels = (
-        batch["input_ids"],
-        batch["position_ids"],
-        batch["attention_mask"],
-        batch["labels"],
-    )
+    temperature, from the hidden states, on every release; on the patch's own input
+    convention (``fused_forward_model``: a right-padded batch packed into one THD row
+    with next-token labels, the results unpacked to ``[b, s]``)."""
+    batch = _padded_batch()
+    args, kw = _packed_inputs(batch)
     temperature = 0.7
     model = build_tiny_gpt()
 
-    # --- the documented replacement
+    # --- the documented replacement (on the packed row veRL builds)
     model = torch_impl.enable_output_processor(model)
-    out = model(
-        input_ids,
-        position_ids,
-        attention_mask,
-        labels=labels,
-        output_processor=selected_logprobs(temperature=temperature, entropy=True),
-    )
+    out = model(*args, **kw, output_processor=selected_logprobs(temperature=temperature, entropy=True))
     log_probs, entropy = out["logprobs"], out["entropy"]
     # ---
 
-    stock = build_tiny_gpt()
-    want = _reference(stock(input_ids, position_ids, attention_mask), labels, temperature)
-    torch.testing.assert_close(log_probs, want["logprobs"], **TOL)
-    torch.testing.assert_close(entropy, want["entropy"], **TOL)
+    mask = batch["attention_mask"]
+    per_sequence = _per_sequence_reference(build_tiny_gpt, batch, temperature)
+    torch.testing.assert_close(_unpack(log_probs.detach(), mask), per_sequence["logprobs"], **TOL)
+    torch.testing.assert_close(_unpack(entropy.detach(), mask), per_sequence["entropy"], **TOL)
+    stock = build_tiny_gpt()  # the same packed row through the stock model's logits
+    want = _reference(stock(*args, packed_seq_params=kw["packed_seq_params"]), kw["labels"], temperature)
     (log_probs.sum() + 0.5 * entropy.sum()).backward()
     (want["logprobs"].sum() + 0.5 * want["entropy"].sum()).backward()
     _assert_grads_close(_grads(model), _grads(stock))
@@ -192,14 +185,16 @@ def _packed_inputs(batch: dict[str, torch.Tensor]) -> tuple[tuple[Any, ...], dic
     }
 
 
-def _per_sequence_reference(build: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _per_sequence_reference(
+    build: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
     """Independent: the stock model on each sequence alone, its materialised logits."""
     stock = build()
     out = {"logprobs": torch.zeros(batch["labels"].shape), "entropy": torch.zeros(batch["labels"].shape)}
     with torch.no_grad():
         for row, n in enumerate(LENGTHS):
             logits = stock(batch["input_ids"][row : row + 1, :n], torch.arange(n)[None], None)
-            ref = _reference(logits, batch["labels"][row : row + 1, :n])
+            ref = _reference(logits, batch["labels"][row : row + 1, :n], temperature)
             for key in out:
                 out[key][row, :n] = ref[key][0]
     return out
