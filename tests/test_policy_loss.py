@@ -106,7 +106,9 @@ def policy_truth(
     hi = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + hi)
     pg = torch.maximum(pg1, pg2)
+    dual = None
     if cfg.dual_clip is not None:
+        dual = (adv < 0) & (pg > -adv * cfg.dual_clip)
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
     ref = (
         torch.where(m > 0, batch.ref_logprobs.double(), lp.detach())
@@ -139,14 +141,21 @@ def policy_truth(
     loss = aggregate(per_token)
     loss.backward()
     mm = m.sum()
-    return {
+    r_old = (old - lp.detach()).clamp(-clamp, clamp)
+    out = {
         "loss": loss.detach(),
         "pg_loss": aggregate(pg.detach()),
         "entropy": (ent.detach() * m).sum() / mm,
         "clip_fraction": ((pg2 > pg1).double() * m).sum() / mm,
+        "approx_kl": (torch.where(m > 0, torch.exp(r_old) - r_old - 1, 0.0) * m).sum() / mm,
         "dh": h.grad,
         "dw": w.grad,
     }
+    if kl is not None:
+        out["kl"] = aggregate(kl.detach())
+    if dual is not None:
+        out["dual_clip_fraction"] = (dual.double() * m).sum() / mm
+    return out
 
 
 CONFIGS = {
@@ -178,8 +187,9 @@ def test_policy_loss_float64(name: str, fused: bool) -> None:
     torch.testing.assert_close(out["loss"], truth["loss"], **tol)
     torch.testing.assert_close(h.grad, truth["dh"], **tol)
     torch.testing.assert_close(w.grad, truth["dw"], **tol)
-    for metric in ("pg_loss", "entropy", "clip_fraction"):
-        torch.testing.assert_close(out[metric], truth[metric], **tol, msg=metric)
+    for metric in ("pg_loss", "entropy", "clip_fraction", "approx_kl", "kl", "dual_clip_fraction"):
+        if metric in truth:
+            torch.testing.assert_close(out[metric], truth[metric], **tol, msg=metric)
     assert set(out) >= {"loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "kl"}
     assert all(v.shape == () for v in out.values())
     assert float(out["approx_kl"]) >= 0.0
