@@ -7,7 +7,10 @@ CPU, a one-call process-group set-up, and the examples.
 - :mod:`torch_impl.testing.tiny_moe`: a GPT whose layers (or last layer) are MoE layers.
 - :mod:`torch_impl.testing.cp`: Megatron's context-parallel split of a batch (plain rows
   and packed THD sequences), written out.
-- :mod:`torch_impl.testing.examples`: runnable examples (a GRPO toy).
+- :mod:`torch_impl.testing.schedules`: ``cpu_schedule()``, which lets Megatron's
+  pipeline schedules (``get_forward_backward_func``) run on a CPU over gloo.
+- :mod:`torch_impl.testing.examples`: runnable examples (a GRPO toy, also through
+  Megatron's schedule).
 
 Nothing in the library imports this package; the tests, the doctor, ``hookcheck``, the
 benchmarks and the notebooks do.
