@@ -108,6 +108,9 @@ def validate_collectives(ctx: OutputContext) -> None:
     layout = ctx.parallel
     if not isinstance(layout, ParallelLayout):
         raise ContractError("parallel", expected="a hookspec.ParallelLayout", actual=type(layout).__name__)
+    for group in ("tp", "cp", "pp"):
+        check_int64(f"parallel.{group}_size", getattr(layout, f"{group}_size"), low=1)
+        check_int64(f"parallel.{group}_rank", getattr(layout, f"{group}_rank"), low=0)
     vocab = ctx.vocab
     tp = layout.tp_size
     if vocab is not None and not isinstance(vocab, VocabShard):

@@ -191,6 +191,15 @@ def test_mtp_depth_of_the_context_is_an_int_at_least_0(value: Any) -> None:
     assert info.value.field == "mtp_depth"
 
 
+@pytest.mark.parametrize("field", ["tp_size", "cp_size", "pp_size"])
+def test_parallel_sizes_beyond_int64_are_named(field: str) -> None:
+    layout = ParallelLayout(**{field: 2**70})
+    ctx = _ctx(1, 0, _shard(1, 0), _Group()).replace(parallel=layout)
+    with pytest.raises(ContractError) as info:
+        hookspec.validate_context(ctx)
+    assert info.value.field == f"parallel.{field}"
+
+
 def test_check_int64_bounds() -> None:
     assert hookspec.check_int64("n", 2**63 - 1) == 2**63 - 1
     assert hookspec.check_int64("n", -(2**63)) == -(2**63)
