@@ -211,3 +211,23 @@ def test_known_megatron_warnings_are_named_and_explained_once() -> None:
     assert "Apex are not installed" not in proc.stderr and "Apex is not installed" not in proc.stderr
     assert "No CUDA runtime is found" not in proc.stderr
     assert proc.stderr.count("are silenced") == 1
+
+
+def test_the_tolerances_in_help_are_the_ones_applied() -> None:
+    """--help states the tolerances without importing jax or torch: they must be the
+    ones comparison.TOLERANCES applies."""
+    from jax_ref.check.comparison import TOLERANCES
+    from jax_ref.check.hookcheck import _EPILOG
+
+    text = " ".join(_EPILOG.split())
+    number = r"([0-9.e-]+)"
+    found = {
+        "float32": re.search(rf"float32: rtol {number}, atol {number}", text),
+        "float16": re.search(rf"float16: {number}, {number}", text),
+        "bfloat16": re.search(rf"bfloat16: {number}, {number}\)", text),
+    }
+    for dtype, m in found.items():
+        assert m is not None, dtype
+        assert (float(m.group(1)), float(m.group(2))) == (TOLERANCES[dtype].rtol, TOLERANCES[dtype].atol)
+    slack = re.search(rf"\+ {number} \* floor", text)
+    assert slack is not None and float(slack.group(1)) == TOLERANCES["float32"].slack
