@@ -10,8 +10,8 @@ on (``shard_map(..., check_vma=True)``, the default):
   axis, axis=0, tiled=True)`` (backward: reduce-scatter); otherwise
   ``lax.pcast(x, axis, to="varying")`` (forward identity, backward psum), so
   the hidden-state gradient sums every vocab shard's part.
-- ``all_gather(x)`` is ``lax.all_gather(lax.stop_gradient(x), axis)``: the
-  shards' values stacked on a new leading dim, no gradient.
+- ``all_gather(x)``: the shards' values stacked on a new leading dim, no
+  gradient (a ``lax.psum`` of one slot per shard, invariant over the axis).
 - ``all_reduce_sum_context_parallel(x)`` is ``lax.psum(x, cp_axis_name)`` over
   the context-parallel mesh axis (identity without one). Its result is
   invariant along that axis; where each shard's own (varying) terms use it,
@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["JaxCollectives", "vma_axes"]
@@ -58,8 +59,12 @@ class JaxCollectives:
         return lax.pcast(x, self.axis_name, to="varying")
 
     def all_gather(self, x: jax.Array, /) -> jax.Array:
-        """``[tp, *x.shape]`` in shard order (``lax.all_gather``); no gradient."""
-        return lax.all_gather(lax.stop_gradient(x), self.axis_name)
+        """``[tp, *x.shape]`` in shard order; no gradient. Each shard writes its slot
+        and ``lax.psum`` sums them, so that the result is typed invariant over the
+        axis (``lax.all_gather``'s is varying: a top-k of it would not be replicated)."""
+        x = lax.stop_gradient(x)
+        slots = jnp.zeros((lax.axis_size(self.axis_name), *x.shape), x.dtype)
+        return lax.psum(slots.at[lax.axis_index(self.axis_name)].set(x), self.axis_name)
 
     def all_reduce_sum_context_parallel(self, x: jax.Array, /) -> jax.Array:
         if self.cp_axis_name is None:

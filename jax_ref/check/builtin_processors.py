@@ -13,19 +13,30 @@ import dataclasses
 
 import torch
 
-from hookspec import Aggregation, KLEstimator, OutputContext
+from hookspec import Aggregation, DistillDivergence, KLEstimator, OutputContext, TeacherTail
 from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
     PolicyBatch,
     PolicyLossConfig,
+    SparseTeacher,
     cross_entropy_loss,
+    distillation_loss,
     policy_loss,
     selected_logprobs,
+    topk_logprobs,
 )
 
 from .examples import current_logprobs
 
 __all__ = [
     "CROSS_ENTROPY",
+    "DISTILL_DENSE",
+    "DISTILL_DENSE_CONFIG",
+    "DISTILL_RENORMALIZE",
+    "DISTILL_RENORMALIZE_CONFIG",
+    "DISTILL_SPARSE",
+    "DISTILL_SPARSE_CONFIG",
     "GRPO",
     "GRPO_CONFIG",
     "GSPO",
@@ -37,9 +48,13 @@ __all__ = [
     "PPO_CONFIG",
     "SEQ_SUM",
     "SEQ_SUM_CONFIG",
+    "TOPK",
+    "CheckedDenseTeacher",
     "TemperatureContext",
+    "dense_teacher_context",
     "gspo_context",
     "policy_context",
+    "sparse_teacher_context",
     "temperature_context",
 ]
 
@@ -104,3 +119,61 @@ def gspo_context(ctx: OutputContext) -> PolicyBatch:
     old = batch.old_logprobs.clone()
     old[0, 2] = lp[0, 2].float()
     return dataclasses.replace(batch, old_logprobs=old)
+
+
+# ---------------------------------------------------------------- top-k and distillation
+
+TOPK = topk_logprobs(5, entropy=True, **_TILES)
+DISTILL_SPARSE_CONFIG = DistillConfig(
+    divergence=DistillDivergence.JSD, beta=0.3, tail=TeacherTail.BUCKET, temperature=1.5
+)
+DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_elements=200)
+DISTILL_RENORMALIZE_CONFIG = DistillConfig(aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN, temperature=1.5)
+DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_elements=200)
+DISTILL_DENSE_CONFIG = DistillConfig(divergence=DistillDivergence.REVERSE_KL, temperature=0.8)
+DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_elements=200)
+
+_TEACHER_HIDDEN = 16
+_TEACHER_K = 6
+
+
+def _teacher_model(ctx: OutputContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random teacher of the context's vocabulary, the same on every rank:
+    hidden states ``[s, b, 16]`` (the context's layout) and the whole weight ``[V, 16]``."""
+    assert ctx.vocab is not None
+    g = torch.Generator().manual_seed(21)
+    s, b = ctx.hidden_states.shape[0], ctx.hidden_states.shape[1]
+    th = torch.randn(s, b, _TEACHER_HIDDEN, generator=g, dtype=torch.float64)
+    tw = torch.randn(ctx.vocab.size, _TEACHER_HIDDEN, generator=g, dtype=torch.float64) * 0.6
+    return th, tw
+
+
+def sparse_teacher_context(ctx: OutputContext) -> SparseTeacher:
+    """The random teacher's top-6 ids and logprobs at ``T = 1.5`` (the sparse configs'
+    temperature), float32."""
+    th, tw = _teacher_model(ctx)
+    lp = (torch.einsum("sbh,vh->bsv", th, tw) / 1.5).log_softmax(-1)
+    top = torch.sort(lp, dim=-1, descending=True, stable=True)
+    return SparseTeacher(
+        ids=top.indices[..., :_TEACHER_K].contiguous(),
+        logprobs=top.values[..., :_TEACHER_K].float().contiguous(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedDenseTeacher(DenseTeacher):
+    """A :class:`DenseTeacher` that also carries the whole teacher weight, which the
+    sharded reference slices at its shard (the processor reads ``weight`` only)."""
+
+    full_weight: torch.Tensor | None = None
+
+
+def dense_teacher_context(ctx: OutputContext) -> CheckedDenseTeacher:
+    """The random teacher's hidden states and this rank's rows of its weight, float32."""
+    assert ctx.vocab is not None
+    th, tw = _teacher_model(ctx)
+    return CheckedDenseTeacher(
+        hidden_states=th.float(),
+        weight=tw[ctx.vocab.start : ctx.vocab.end].float(),
+        full_weight=tw.float(),
+    )

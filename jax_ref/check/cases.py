@@ -15,6 +15,9 @@ labels with a few ``ignore_index`` entries and a loss mask. The kinds:
   aggregations, zero gradients).
 - ``awkward``: sizes that divide nothing (b=3, s=7, h=13, V=67), with the
   masking of ``masked``.
+- ``ties``: small integers in the hidden states and the weight (every logit
+  exact in any dtype and summation order) and equal weight rows, so that
+  tokens have equal logits, which a top-k must order by id.
 
 The default sizes are the tiny GPT's (b=3, s=8, h=32, V=64), so that JAX
 compiles the reference's operations once for both.
@@ -31,7 +34,7 @@ from torch_impl.context import no_logit_scaling
 
 __all__ = ["CASE_KINDS", "StandInOutputLayer", "synthetic_context"]
 
-CASE_KINDS: tuple[str, ...] = ("random", "strongly-negative", "peaked", "masked", "awkward")
+CASE_KINDS: tuple[str, ...] = ("random", "strongly-negative", "peaked", "masked", "awkward", "ties")
 
 
 class StandInOutputLayer(torch.nn.Module):
@@ -91,6 +94,10 @@ def synthetic_context(
         labels = torch.where(hit, top.t(), labels)
         w = 0.2 * w
         h = 0.2 * h + 25.0 * w[top] / w[top].pow(2).sum(-1, keepdim=True)
+    elif kind == "ties":
+        h = torch.randint(-2, 3, (seq, batch, hidden), generator=g).double()
+        w = torch.randint(-1, 2, (vocab, hidden), generator=g).double()
+        w[1::4] = w[0::4][: w[1::4].shape[0]]  # rows 4j and 4j + 1 equal
     if kind in ("masked", "awkward"):
         mask[-1] = 0
         mask[0, ::2] = 0
