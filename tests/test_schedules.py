@@ -404,3 +404,59 @@ def test_the_recipe_runs_and_equals_the_whole_batch() -> None:
             grad, whole.grads[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
         )
     assert any(g.abs().sum() > 0 for g in whole.grads.values())
+
+
+def test_unequal_micro_batches_with_the_batch_count() -> None:
+    """Micro-batches of 3 and 5 sequences: ``PolicyBatch(global_sequences=8)`` and the
+    loss returned times the number of micro-batches (the schedule divides by it) give
+    the whole batch's loss and gradients, as docs/schedules.md says."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    example = _recipe_module()
+    with megatron_parallel():
+        model = torch_impl.enable_output_processor(build_tiny_gpt())
+        (whole,) = example.grpo_micro_batches(model, 1, batch=8)
+        parts = [{k: v[:3] for k, v in whole.items()}, {k: v[3:] for k, v in whole.items()}]
+
+        def loss_func(result: Mapping[str, torch.Tensor]) -> Any:
+            return result["loss"] * len(parts), {"loss": result["loss"].detach().clone()}
+
+        def step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> Any:
+            mb = next(data_iterator)
+            context = PolicyBatch(
+                old_logprobs=mb["old_logprobs"],
+                advantages=mb["advantages"],
+                mask=mb["mask"],
+                ref_logprobs=mb["ref_logprobs"],
+                global_sequences=8,
+            )
+            result = model(
+                mb["input_ids"],
+                mb["position_ids"],
+                None,
+                labels=mb["labels"],
+                output_processor=example.grpo,
+                output_processor_context=context,
+            )
+            return result, loss_func
+
+        with cpu_schedule():
+            metrics = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(parts),
+                model=[model],
+                num_microbatches=len(parts),
+                seq_length=8,
+                micro_batch_size=4,
+            )
+        got = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        loss = example.forward_step_func(iter([whole]), model)[0]["loss"]
+        loss.backward()
+    want = loss.detach()
+    torch.testing.assert_close(metrics[0]["loss"] + metrics[1]["loss"], want, rtol=1e-5, atol=1e-7)
+    # the plain average of the two means is not the whole batch's mean
+    assert abs(float(metrics[0]["loss"] * 8 / 3 + metrics[1]["loss"] * 8 / 5) / 2 - float(want)) > 1e-3
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
