@@ -13,7 +13,9 @@ inside the hook), run the way an RL framework runs it:
 - each micro-batch is packed (THD): its sequences concatenated into one row
   ``[1, n * s]`` with ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=...)``,
   position ids restarting at every sequence, and the policy loss reading the
-  sequences from ``packed_seq_params``.
+  sequences from ``packed_seq_params``. (The toy's sequences all have ``P + C - 1``
+  tokens; :func:`pack` takes rows of one length, and the boundaries are what a
+  packed batch of varying lengths would carry in the same fields.)
 
 One update::
 
@@ -21,8 +23,9 @@ One update::
     mbs       = pack(rows of micro-batch k) for k < num_microbatches  # [1, n*G*s/M] each
     old, ref  = forward-only schedule, selected_logprobs              # per micro-batch [1, t]
     repeat updates_per_step times:
+        ddp.zero_grad_buffer()
         schedule(forward_step: policy_loss on the packed micro-batch; loss_func: its mapping)
-        param.grad = param.main_grad; optimizer.step(); ddp.zero_grad_buffer()
+        param.grad = param.main_grad; optimizer.step()
 
 The loss of a micro-batch is its seq-mean-token-mean; the schedule divides each by the
 number of micro-batches, so with equal micro-batches the step's gradient is the whole
