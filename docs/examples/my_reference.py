@@ -1,6 +1,6 @@
 """The float64 JAX reference of `my_processor.tempered_logprobs`."""
 
-import jax_ref.references  # jax_ref loads its submodules lazily: import the ones you use
+import jax_ref.references  # the submodule used here (`import jax_ref` alone also works: they load on use)
 from jax_ref import ReferenceInputs
 
 
