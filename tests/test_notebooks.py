@@ -22,7 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = ("01_write_validate_deploy.ipynb", "02_validate_in_depth.ipynb", "03_rl_grpo.ipynb")
+EXPECTED = (
+    "01_write_validate_deploy.ipynb",
+    "02_validate_in_depth.ipynb",
+    "03_rl_grpo.ipynb",
+    "04_distillation.ipynb",
+)
 CELL_TIMEOUT_S = 600
 HAS_NBCLIENT = all(importlib.util.find_spec(m) is not None for m in ("nbclient", "nbformat", "ipykernel"))
 
