@@ -21,6 +21,8 @@ import torch_impl
 from hookspec import ContractError
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.examples.grpo_schedule import (
+    PACKED_FIELDS,
+    pack,
     policy_update,
     schedule_logprobs,
     split_rollout,
@@ -48,34 +50,53 @@ def _policy_and_reference(*, double: bool = False, reference_seed: int = 1234) -
     return ddp, reference
 
 
-def test_one_packed_schedule_update_equals_the_padded_forward() -> None:
+def _flat(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``[n, s]`` rows -> ``[1, t]``: the first ``lengths[i]`` entries of each row."""
+    return torch.cat([x[i, :n] for i, n in enumerate(lengths)])[None]
+
+
+@pytest.mark.parametrize("varied", [False, True], ids=["equal-lengths", "varied-lengths"])
+def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> None:
+    """``varied``: sequence i keeps its first ``7 - i % 3`` tokens in the packed batch;
+    the padded reference masks the rest (causal: the kept positions see the same)."""
     config = GRPOToyConfig(prompts_per_step=4, group_size=4, kl_coef=0.1, seed=3)
     task = CountingTask(vocab_size=TOY_SHAPE.vocab_size)
+    lengths = [7 - i % 3 if varied else 7 for i in range(16)]
     with megatron_parallel():
         ddp, reference = _policy_and_reference(double=True, reference_seed=7)
         batch = rollout(ddp, task, config, generator=torch.Generator().manual_seed(0))
-        mbs = split_rollout(batch, NUM_MICROBATCHES)
-        assert all(mb.input_ids.shape == (1, 4 * 7) for mb in mbs)  # 4 sequences of 7 a row
+        mask = batch.mask * (torch.arange(7) < torch.tensor(lengths)[:, None])
+        if varied:
+            rows = {f: getattr(batch, f) for f in PACKED_FIELDS} | {"mask": mask}
+            parts = [range(4 * k, 4 * k + 4) for k in range(NUM_MICROBATCHES)]
+            mbs = [pack({f: v[r] for f, v in rows.items()}, lengths=[lengths[i] for i in r]) for r in parts]
+            assert [mb.input_ids.shape[1] for mb in mbs] == [sum(lengths[i] for i in r) for r in parts]
+        else:
+            mbs = split_rollout(batch, NUM_MICROBATCHES)
+            assert all(mb.input_ids.shape == (1, 4 * 7) for mb in mbs)  # 4 sequences of 7 a row
         old = schedule_logprobs(ddp, mbs, schedule_context=cpu_schedule)
         ref = schedule_logprobs(reference, mbs, schedule_context=cpu_schedule)
 
         # the toy's way: padded rows [16, 7], one plain forward each
         want_old = sequence_logprobs(ddp, batch)
         want_ref = sequence_logprobs(reference, batch)
-        torch.testing.assert_close(torch.cat(old, 1).view(16, 7), want_old, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(torch.cat(ref, 1).view(16, 7), want_ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.cat(old, 1), _flat(want_old, lengths), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.cat(ref, 1), _flat(want_ref, lengths), rtol=1e-10, atol=1e-12)
         assert not torch.equal(want_old, want_ref)
 
         # old logprobs moved off the policy's own, so that some ratios clip; the same both ways
         noise = 0.3 * torch.randn(16, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         mbs = [
-            dataclasses.replace(mb, old_logprobs=o + noise[4 * k : 4 * k + 4].reshape(1, -1), ref_logprobs=r)
+            dataclasses.replace(
+                mb,
+                old_logprobs=o + _flat(noise[4 * k : 4 * k + 4], lengths[4 * k : 4 * k + 4]),
+                ref_logprobs=r,
+            )
             for k, (mb, o, r) in enumerate(zip(mbs, old, ref, strict=True))
         ]
         metrics = policy_update(ddp, mbs, kl_coef=config.kl_coef, schedule_context=cpu_schedule)
         got = {name: p.main_grad.clone() for name, p in ddp.module.named_parameters()}
 
-        old_padded = want_old + noise
         out = ddp.module(
             batch.input_ids,
             batch.position_ids,
@@ -83,7 +104,7 @@ def test_one_packed_schedule_update_equals_the_padded_forward() -> None:
             labels=batch.labels,
             output_processor=policy_loss(PolicyLossConfig.grpo(kl_coef=config.kl_coef)),
             output_processor_context=PolicyBatch(
-                old_logprobs=old_padded, advantages=batch.advantages, mask=batch.mask, ref_logprobs=want_ref
+                old_logprobs=want_old + noise, advantages=batch.advantages, mask=mask, ref_logprobs=want_ref
             ),
         )
         ddp.zero_grad_buffer()
@@ -111,6 +132,11 @@ def test_micro_batches_must_split_the_rollout_evenly() -> None:
         model = torch_impl.enable_output_processor(build_tiny_gpt(TOY_SHAPE))
         batch = rollout(model, CountingTask(), config, generator=torch.Generator().manual_seed(0))
     assert len(split_rollout(batch, 3)) == 3
+    rows = {f: getattr(batch, f) for f in PACKED_FIELDS}
+    for lengths in ([8] * 6, [0] * 6, [7] * 5):
+        with pytest.raises(ContractError) as err:
+            pack(rows, lengths=lengths)
+        assert err.value.field == "lengths"
     for bad in (4, 0, 2.0):
         with pytest.raises(ContractError) as err:
             split_rollout(batch, bad)  # type: ignore[arg-type]

@@ -14,8 +14,8 @@ inside the hook), run the way an RL framework runs it:
   ``[1, n * s]`` with ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=...)``,
   position ids restarting at every sequence, and the policy loss reading the
   sequences from ``packed_seq_params``. (The toy's sequences all have ``P + C - 1``
-  tokens; :func:`pack` takes rows of one length, and the boundaries are what a
-  packed batch of varying lengths would carry in the same fields.)
+  tokens; :func:`pack` also packs sequences of different lengths, as the test of one
+  update does.)
 
 One update::
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss, se
 from .grpo_toy import CountingTask, GRPOToyConfig, Rollout, StepStats, rollout
 
 __all__ = [
+    "PACKED_FIELDS",
     "PackedMicroBatch",
     "grpo_schedule_step",
     "pack",
@@ -63,8 +64,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class PackedMicroBatch:
-    """``n`` sequences of length ``s`` packed into one row: every per-token field is
-    ``[1, n * s]``; ``packed_seq_params`` carries ``cu_seqlens = [0, s, 2s, ..., ns]``."""
+    """Sequences packed into one row: every per-token field is ``[1, t]`` (``t`` the
+    sum of their lengths); ``packed_seq_params`` carries their boundaries
+    (``cu_seqlens_q``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -76,27 +78,32 @@ class PackedMicroBatch:
     ref_logprobs: torch.Tensor | None = None
 
 
-def pack(rows: Mapping[str, torch.Tensor], /) -> PackedMicroBatch:
-    """Pack ``[n, s]`` rows (``input_ids``, ``position_ids``, ``labels``, ``mask``,
-    ``advantages``) into one THD row ``[1, n * s]``::
+PACKED_FIELDS = ("input_ids", "position_ids", "labels", "mask", "advantages")
 
-        packed[k] = rows[k].reshape(1, -1)
-        cu_seqlens = arange(n + 1) * s          # int32, the sequences' boundaries
-    """
+
+def pack(rows: Mapping[str, torch.Tensor], /, *, lengths: Sequence[int] | None = None) -> PackedMicroBatch:
+    """Pack ``[n, s]`` rows (``input_ids``, ``position_ids``, ``labels``, ``mask``,
+    ``advantages``) into one THD row ``[1, t]``, keeping the first ``lengths[i]``
+    tokens of row ``i`` (all ``s`` when ``lengths`` is ``None``)::
+
+        packed[k]  = cat([rows[k][i, :lengths[i]] for i in range(n)])[None]   # [1, t]
+        cu_seqlens = [0, cumsum(lengths)]                                    # int32
+
+    Under causal attention a sequence's first ``lengths[i]`` positions see only
+    themselves, so they equal the padded row's (whose later positions the loss
+    must then mask)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     n, s = rows["input_ids"].shape
-    cu = torch.arange(n + 1, dtype=torch.int32) * s
+    keep = [s] * n if lengths is None else [int(x) for x in lengths]
+    if len(keep) != n or not all(1 <= x <= s for x in keep):
+        raise ContractError("lengths", expected=f"{n} lengths in [1, {s}]", actual=repr(lengths))
+    cu = torch.tensor([0, *keep], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(keep), max_seqlen_kv=max(keep)
     )
-    flat = {k: rows[k].reshape(1, n * s).contiguous() for k in ("input_ids", "position_ids", "labels")}
-    return PackedMicroBatch(
-        **flat,
-        mask=rows["mask"].reshape(1, n * s).contiguous(),
-        advantages=rows["advantages"].reshape(1, n * s).contiguous(),
-        packed_seq_params=psp,
-    )
+    flat = {k: torch.cat([rows[k][i, : keep[i]] for i in range(n)])[None] for k in PACKED_FIELDS}
+    return PackedMicroBatch(**flat, packed_seq_params=psp)
 
 
 def split_rollout(batch: Rollout, num_microbatches: int, /) -> list[PackedMicroBatch]:
