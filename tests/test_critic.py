@@ -150,6 +150,34 @@ def test_values_only_without_a_context_and_the_loss_mask_as_default() -> None:
 
 
 @pytest.mark.usefixtures("megatron_single")
+def test_split_batch_losses_sum_to_the_loss_with_global_tokens() -> None:
+    """A batch split in two (as over context-parallel ranks or micro-batches): with
+    ``global_tokens`` = the whole batch's token count, the halves' losses sum to the
+    whole batch's loss."""
+    batch, vb = tiny_batch(), _value_batch()
+    head = _head()
+    model = torch_impl.enable_output_processor(build_tiny_gpt())
+    proc = value_head_processor(head, clip_range=CLIP)
+
+    def loss(rows: slice, global_tokens: float | None) -> torch.Tensor:
+        part = ValueBatch(vb.returns[rows], vb.old_values[rows], vb.mask[rows], global_tokens=global_tokens)
+        out = model(
+            batch["input_ids"][rows],
+            batch["position_ids"][rows],
+            None,
+            output_processor=proc,
+            output_processor_context=part,
+        )
+        return out["loss"].detach()
+
+    whole = loss(slice(0, 2), None)
+    total = float(vb.mask.sum())
+    halves = loss(slice(0, 1), total) + loss(slice(1, 2), total)
+    torch.testing.assert_close(halves, whole, rtol=1e-6, atol=0)
+    assert not torch.allclose(loss(slice(0, 1), None) + loss(slice(1, 2), None), whole)
+
+
+@pytest.mark.usefixtures("megatron_single")
 @pytest.mark.parametrize(
     ("context", "field"),
     [

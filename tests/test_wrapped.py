@@ -136,3 +136,26 @@ def test_a_model_without_a_language_model_names_what_was_looked_for() -> None:
     assert err.value.field == "model"
     assert ".language_model" in str(err.value.expected) and ".module" in str(err.value.expected)
     assert str(err.value.actual) == "Sequential -> .module: Empty (no language model found)"
+
+
+def test_wrapped_hybrid_model() -> None:
+    """A HybridModel at ``.language_model`` (megatron-core 0.19), under Float16Module."""
+    pytest.importorskip(
+        "megatron.core.models.hybrid",
+        reason="HybridModel arrives with Megatron Core 0.19 (this one is older)",
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    from torch_impl.testing.tiny_hybrid import build_tiny_hybrid
+
+    batch = tiny_batch()
+    processor = selected_logprobs(entropy=True)
+    reference = torch_impl.enable_output_processor(build_tiny_hybrid("*-*-", bf16=True).bfloat16())
+    want = _run(reference, batch, processor)
+    hybrid = build_tiny_hybrid("*-*-", bf16=True)
+    wrapped = Float16Module(hybrid.config, TinyMultimodal(hybrid))
+    torch_impl.enable_output_processor(wrapped)
+    assert torch_impl.unwrap_model(wrapped) is hybrid
+    assert type(hybrid).__name__ == "OutputHookHybridModel"
+    _assert_equal(_run(wrapped, batch, processor), want)
+    _assert_equal(_gpt_grads(hybrid), _gpt_grads(reference))

@@ -69,6 +69,9 @@ class MTPOptions:
     ``cp_group_from_packed``: roll labels, loss mask and the MTP layers' input ids
     over ``packed_seq_params.cp_group`` when the micro-batch carries one (dynamic
     context parallel, as veRL does), instead of the model's CP group (upstream).
+
+    A model (or pipeline stage) without MTP layers ignores them, so one call can
+    enable every model chunk of a pipeline.
     """
 
     detach_encoder: bool = False
