@@ -150,6 +150,44 @@ def test_values_only_without_a_context_and_the_loss_mask_as_default() -> None:
 
 
 @pytest.mark.usefixtures("megatron_single")
+@pytest.mark.parametrize("skip_bias_add", [False, True])
+def test_megatron_column_parallel_head_at_tp1(skip_bias_add: bool) -> None:
+    """A ``ColumnParallelLinear(h, 1)`` owned by the user returns ``(output, bias)``;
+    the values and its gradients equal a ``torch.nn.Linear`` with the same weights."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    batch, vb = tiny_batch(), _value_batch()
+    model = torch_impl.enable_output_processor(build_tiny_gpt())
+    linear = _head()
+    column = ColumnParallelLinear(
+        32,
+        1,
+        config=model.config,
+        init_method=torch.nn.init.zeros_,
+        bias=True,
+        gather_output=False,
+        skip_bias_add=skip_bias_add,
+    )
+    with torch.no_grad():
+        column.weight.copy_(linear.weight)
+        column.bias.copy_(linear.bias)
+    outs = []
+    for head in (linear, column):
+        out = model(
+            batch["input_ids"],
+            batch["position_ids"],
+            None,
+            output_processor=value_head_processor(head),
+            output_processor_context=vb,
+        )
+        out["loss"].backward()
+        outs.append(out)
+    assert torch.equal(outs[0]["values"], outs[1]["values"])
+    assert torch.equal(column.weight.grad, linear.weight.grad)
+    assert torch.equal(column.bias.grad, linear.bias.grad)
+
+
+@pytest.mark.usefixtures("megatron_single")
 def test_split_batch_losses_sum_to_the_loss_with_global_tokens() -> None:
     """A batch split in two (as over context-parallel ranks or micro-batches): with
     ``global_tokens`` = the whole batch's token count, the halves' losses sum to the

@@ -127,8 +127,9 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
     """The critic processor of the module docstring: ``{"values": [b, s]}``, and with a
     :class:`ValueBatch` as the user context also ``"loss"`` and ``"clip_fraction"``
     (scalars). ``head``: a callable ``[..., h] -> [..., 1]`` (a module the user
-    owns and optimises); ``clip_range``: a finite number > 0, or ``None`` for the
-    unclipped loss."""
+    owns and optimises), or one returning Megatron's ``(output, bias)`` pair (a
+    ``ColumnParallelLinear(h, 1)`` at tp=1; bias added); ``clip_range``: a finite
+    number > 0, or ``None`` for the unclipped loss."""
     if not callable(head):
         raise ContractError("head", expected="a callable [..., h] -> [..., 1]", actual=type(head).__name__)
     if clip_range is not None and (
@@ -145,6 +146,9 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
         if tp > 1:  # every rank's gradient is whole: counted once in the gather's sum
             hidden = _ScaleGradient.apply(hidden, 1.0 / tp)
         out = head(hidden)
+        if isinstance(out, tuple):  # Megatron's parallel linear layers return (output, bias)
+            out, bias = out
+            out = out if bias is None else out + bias
         if out.shape[-1] != 1 or tuple(out.shape[:-1]) != tuple(hidden.shape[:-1]):
             raise ContractError(
                 "head", expected=f"output [s, b, 1] for input {list(hidden.shape)}", actual=list(out.shape)
