@@ -23,12 +23,13 @@ if TYPE_CHECKING:
         require_output_processor,
         unwrap_model,
     )
-    from .mtp import default_mtp_loss, detached_head
+    from .mtp import MTPOptions, default_mtp_loss, detached_head, scaled_mtp_gradient
     from .schedule_plan import build_schedule_plan, plan_loss_func
 
 __all__ = [
     "HookOptions",
     "InstalledMegatron",
+    "MTPOptions",
     "TorchCollectives",
     "build_output_context",
     "build_schedule_plan",
@@ -42,12 +43,14 @@ __all__ = [
     "parallel_layout",
     "plan_loss_func",
     "require_output_processor",
+    "scaled_mtp_gradient",
     "unwrap_model",
 ]
 
 _WHERE: dict[str, str] = {
     "HookOptions": ".enable",
     "InstalledMegatron": "._compat",
+    "MTPOptions": ".mtp",
     "TorchCollectives": ".collectives",
     "build_output_context": ".context",
     "build_schedule_plan": ".schedule_plan",
@@ -61,6 +64,7 @@ _WHERE: dict[str, str] = {
     "parallel_layout": ".context",
     "plan_loss_func": ".schedule_plan",
     "require_output_processor": ".enable",
+    "scaled_mtp_gradient": ".mtp",
     "unwrap_model": ".enable",
 }
 """The module each public name lives in (a test keeps it equal to ``__all__``)."""
