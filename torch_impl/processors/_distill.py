@@ -43,6 +43,7 @@ from ._checks import check_finite_number, check_floating, check_int, resolve_com
 from ._inputs import logit_scale, to_tokens
 from ._policy import sequence_ids
 from ._policy_math import aggregation_weights
+from ._setup import refuse_double_backward
 
 __all__ = [
     "DISTILL_TILE_ELEMENTS",
@@ -210,7 +211,7 @@ def sparse_divergence(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _DistillSetup:
     config: DistillConfig
     weights: torch.Tensor  # [n]: the aggregation weight of each token (0: not counted)
     inv_t: float  # the student's: logit scale / T
@@ -226,39 +227,39 @@ class _Plan:
     teacher_weight: torch.Tensor | None  # [V_local, h_t] (dense), detached
 
 
-def _reduce_max(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
-    return plan.collectives.all_reduce_max(x) if plan.collectives is not None else x
+def _reduce_max(setup: _DistillSetup, x: torch.Tensor) -> torch.Tensor:
+    return setup.collectives.all_reduce_max(x) if setup.collectives is not None else x
 
 
-def _reduce_sum(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
-    return plan.collectives.all_reduce_sum(x) if plan.collectives is not None else x
+def _reduce_sum(setup: _DistillSetup, x: torch.Tensor) -> torch.Tensor:
+    return setup.collectives.all_reduce_sum(x) if setup.collectives is not None else x
 
 
-def _tile_logits(x: torch.Tensor, w: torch.Tensor, plan: _Plan, inv_t: float) -> torch.Tensor:
-    z = torch.mm(x.to(plan.compute_dtype), w.to(plan.compute_dtype).T).to(plan.acc_dtype)
+def _tile_logits(x: torch.Tensor, w: torch.Tensor, setup: _DistillSetup, inv_t: float) -> torch.Tensor:
+    z = torch.mm(x.to(setup.compute_dtype), w.to(setup.compute_dtype).T).to(setup.acc_dtype)
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
-def _argmax_ids(plan: _Plan, z: torch.Tensor, big_m: torch.Tensor) -> torch.Tensor:
+def _argmax_ids(setup: _DistillSetup, z: torch.Tensor, big_m: torch.Tensor) -> torch.Tensor:
     """The global argmax of each row over the shards (ties: the smaller id), given the
     rows' global max ``big_m`` (already reduced)."""
     local_max, local_arg = z.max(1)  # the first maximal column
-    cand = torch.where(local_max == big_m, local_arg + plan.vocab_start, _BIG_ID)
-    return -_reduce_max(plan, -cand)
+    cand = torch.where(local_max == big_m, local_arg + setup.vocab_start, _BIG_ID)
+    return -_reduce_max(setup, -cand)
 
 
 def _dense_tile(
-    plan: _Plan, zs: torch.Tensor, zt: torch.Tensor, rows: slice
+    setup: _DistillSetup, zs: torch.Tensor, zt: torch.Tensor, rows: slice
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(D [r], KL [r], agree [r], lse_s [r], dD/dz_s [r, V_local])`` of a dense tile."""
-    cfg = plan.config
-    big = _reduce_max(plan, torch.stack([zs.amax(1), zt.amax(1)]))
+    cfg = setup.config
+    big = _reduce_max(setup, torch.stack([zs.amax(1), zt.amax(1)]))
     ms, mt = big[0], big[1]
-    agree = _argmax_ids(plan, zs, ms) == _argmax_ids(plan, zt, mt)
+    agree = _argmax_ids(setup, zs, ms) == _argmax_ids(setup, zt, mt)
     ls, lt = zs - ms[:, None], zt - mt[:, None]  # shifted
     es, et = torch.exp(ls), torch.exp(lt)
     diff = lt - ls
-    sums = _reduce_sum(plan, torch.stack([es.sum(1), et.sum(1), (et * diff).sum(1), (es * diff).sum(1)]))
+    sums = _reduce_sum(setup, torch.stack([es.sum(1), et.sum(1), (et * diff).sum(1), (es * diff).sum(1)]))
     log_ss, log_st = torch.log(sums[0]), torch.log(sums[1])
     # log p - log q = (lt - log St) - (ls - log Ss) = diff + (log Ss - log St)
     shift = log_ss - log_st
@@ -277,30 +278,30 @@ def _dense_tile(
     log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
     a = (1 - beta) * (log_q - log_m)  # dD/dq
     terms = beta * torch.where(p == 0, 0.0, p * (log_p - log_m)) + torch.where(q == 0, 0.0, q * a)
-    sums2 = _reduce_sum(plan, torch.stack([terms.sum(1), (q * a).sum(1)]))
+    sums2 = _reduce_sum(setup, torch.stack([terms.sum(1), (q * a).sum(1)]))
     return sums2[0], kl, agree, lse_s, q * (a - sums2[1][:, None])
 
 
 def _sparse_tile(
-    plan: _Plan, zs: torch.Tensor, rows: slice
+    setup: _DistillSetup, zs: torch.Tensor, rows: slice
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(D, KL, agree, lse_s, dD/du [r, k], dD/dlse [r], cols [r, k])`` of a sparse
     tile (``cols``: the teacher ids' local columns, -1 in other shards)."""
-    cfg = plan.config
-    assert plan.teacher_ids is not None and plan.teacher_logprobs is not None
-    ids, lp_t = plan.teacher_ids[rows], plan.teacher_logprobs[rows]
-    ms = _reduce_max(plan, zs.amax(1))
-    agree = _argmax_ids(plan, zs, ms) == ids[:, 0]
-    local = ids - plan.vocab_start
+    cfg = setup.config
+    assert setup.teacher_ids is not None and setup.teacher_logprobs is not None
+    ids, lp_t = setup.teacher_ids[rows], setup.teacher_logprobs[rows]
+    ms = _reduce_max(setup, zs.amax(1))
+    agree = _argmax_ids(setup, zs, ms) == ids[:, 0]
+    local = ids - setup.vocab_start
     cols = torch.where((local >= 0) & (local < zs.shape[1]), local, -1)
     picked = torch.where(cols >= 0, zs.gather(1, cols.clamp(min=0)), 0.0)
-    sums = _reduce_sum(plan, torch.cat([torch.exp(zs - ms[:, None]).sum(1, keepdim=True), picked], 1))
+    sums = _reduce_sum(setup, torch.cat([torch.exp(zs - ms[:, None]).sum(1, keepdim=True), picked], 1))
     lse_s = ms + torch.log(sums[:, 0])
     with torch.enable_grad():
         u = sums[:, 1:].detach().requires_grad_()
         lse = lse_s.detach().requires_grad_()
         d, kl = sparse_divergence(lp_t, u, lse, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta)
-        w = plan.weights[rows].to(d.dtype)
+        w = setup.weights[rows].to(d.dtype)
         gu, glse = torch.autograd.grad((torch.where(w != 0, d, 0.0) * w).sum(), (u, lse), allow_unused=True)
     glse = torch.zeros_like(lse_s) if glse is None else glse
     return d.detach(), kl.detach(), agree, lse_s, gu, glse, cols
@@ -308,10 +309,10 @@ def _sparse_tile(
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: _DistillSetup) -> tuple[torch.Tensor, ...]:
         hd, wd = h.detach(), w.detach()
         n = hd.shape[0]
-        acc = plan.acc_dtype
+        acc = setup.acc_dtype
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hd.shape, dtype=acc, device=hd.device) if need_dh else None
         dw = torch.zeros(wd.shape, dtype=acc, device=wd.device) if need_dw else None
@@ -319,16 +320,16 @@ class _FusedDistill(torch.autograd.Function):
         kl_all = torch.zeros(n, dtype=acc, device=hd.device)
         agree_all = torch.zeros(n, dtype=torch.bool, device=hd.device)
         lse_all = torch.zeros(n, dtype=acc, device=hd.device)
-        sparse = plan.teacher_ids is not None
-        renormalized = sparse and plan.config.tail == TeacherTail.RENORMALIZE
-        for i0 in range(0, n, plan.rows):
-            rows = slice(i0, min(i0 + plan.rows, n))
+        sparse = setup.teacher_ids is not None
+        renormalized = sparse and setup.config.tail == TeacherTail.RENORMALIZE
+        for i0 in range(0, n, setup.rows):
+            rows = slice(i0, min(i0 + setup.rows, n))
             x = hd[rows]
-            zs = _tile_logits(x, wd, plan, plan.inv_t)  # GEMM 1: the student's logits tile
-            wts = plan.weights[rows].to(acc)
+            zs = _tile_logits(x, wd, setup, setup.inv_t)  # GEMM 1: the student's logits tile
+            wts = setup.weights[rows].to(acc)
             if sparse:
-                d, kl, agree, lse_s, gu, glse, cols = _sparse_tile(plan, zs, rows)
-                gu = torch.where(cols >= 0, gu, 0.0) * plan.inv_t
+                d, kl, agree, lse_s, gu, glse, cols = _sparse_tile(setup, zs, rows)
+                gu = torch.where(cols >= 0, gu, 0.0) * setup.inv_t
                 if renormalized:  # no full-vocabulary term: k columns per row, no GEMM
                     safe = cols.clamp(min=0)
                     if dh is not None:
@@ -338,21 +339,23 @@ class _FusedDistill(torch.autograd.Function):
                         dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, x.shape[1]))
                     gz = None
                 else:  # dD/dz = dD/du at the ids + dD/dlse * softmax(z)
-                    gz = torch.exp(zs - lse_s[:, None]).mul_(glse[:, None] * plan.inv_t)
+                    gz = torch.exp(zs - lse_s[:, None]).mul_(glse[:, None] * setup.inv_t)
                     gz.scatter_add_(1, cols.clamp(min=0), gu)
             else:
-                assert plan.teacher_hidden is not None and plan.teacher_weight is not None
-                zt = _tile_logits(plan.teacher_hidden[rows], plan.teacher_weight, plan, plan.teacher_inv_t)
-                d, kl, agree, lse_s, gz = _dense_tile(plan, zs, zt, rows)  # zt: the teacher GEMM
+                assert setup.teacher_hidden is not None and setup.teacher_weight is not None
+                zt = _tile_logits(
+                    setup.teacher_hidden[rows], setup.teacher_weight, setup, setup.teacher_inv_t
+                )
+                d, kl, agree, lse_s, gz = _dense_tile(setup, zs, zt, rows)  # zt: the teacher GEMM
                 del zt
                 live = wts[:, None] != 0  # a teacher NaN at an uncounted token stays out
-                gz = torch.where(live, gz * (wts[:, None] * plan.inv_t), 0.0)
+                gz = torch.where(live, gz * (wts[:, None] * setup.inv_t), 0.0)
             if gz is not None:
-                gzc = gz.to(plan.compute_dtype)
+                gzc = gz.to(setup.compute_dtype)
                 if dh is not None:
-                    dh[rows] += torch.mm(gzc, wd.to(plan.compute_dtype)).to(acc)  # GEMM 2
+                    dh[rows] += torch.mm(gzc, wd.to(setup.compute_dtype)).to(acc)  # GEMM 2
                 if dw is not None:
-                    dw += torch.mm(gzc.T, x.to(plan.compute_dtype)).to(acc)  # GEMM 3
+                    dw += torch.mm(gzc.T, x.to(setup.compute_dtype)).to(acc)  # GEMM 3
             loss = loss + (torch.where(wts != 0, d, 0.0) * wts).sum()
             kl_all[rows], agree_all[rows], lse_all[rows] = kl, agree, lse_s
         ctx.set_materialize_grads(False)
@@ -363,6 +366,7 @@ class _FusedDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        refuse_double_backward("distillation_loss")
         dh, dw = ctx.saved_tensors
         if g is None:
             return None, None, None
@@ -536,7 +540,7 @@ def distillation_loss(
             th = coll.gather_hidden_states(th) if coll is not None else th
             t_h, t_w = th.reshape(-1, th.shape[-1]).detach(), tw.detach().to(device)
         local = int(weight.shape[0])
-        plan = _Plan(
+        setup = _DistillSetup(
             config=config,
             weights=w_rows,
             inv_t=logit_scale(ctx) / config.temperature,
@@ -551,7 +555,7 @@ def distillation_loss(
             teacher_hidden=t_h,
             teacher_weight=t_w,
         )
-        loss, kl, agree, lse = _FusedDistill.apply(h.reshape(-1, h.shape[-1]), weight, plan)
+        loss, kl, agree, lse = _FusedDistill.apply(h.reshape(-1, h.shape[-1]), weight, setup)
         m_rows = to_tokens(mask)
         total = m_rows.sum()
         denom = torch.where(total == 0, 1.0, total)

@@ -37,6 +37,7 @@ from ._checks import (
     resolve_compute_dtype,
 )
 from ._inputs import from_tokens, logit_scale, resolve_temperature, tile_options, to_tokens
+from ._setup import refuse_double_backward
 
 __all__ = [
     "TOPK_TILES",
@@ -122,7 +123,7 @@ def gather_collective(collectives: Collectives | None, *, split: bool) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _TopkSetup:
     k: int
     k_local: int
     labels_local: torch.Tensor | None  # [n]: the label's row in this shard, or -1
@@ -138,10 +139,10 @@ class _Plan:
     with_entropy: bool
 
 
-def _logits(x: torch.Tensor, wc: torch.Tensor, plan: _Plan, rows: slice) -> torch.Tensor:
+def _logits(x: torch.Tensor, wc: torch.Tensor, setup: _TopkSetup, rows: slice) -> torch.Tensor:
     """``(x @ wc.T) * inv_t`` in the accumulation dtype: one tile's tempered logits."""
-    z = torch.mm(x.to(plan.compute_dtype), wc.T).to(plan.acc_dtype)
-    inv_t = plan.inv_t
+    z = torch.mm(x.to(setup.compute_dtype), wc.T).to(setup.acc_dtype)
+    inv_t = setup.inv_t
     if isinstance(inv_t, torch.Tensor):
         z.mul_(inv_t[rows, None])
     elif inv_t != 1.0:
@@ -149,12 +150,12 @@ def _logits(x: torch.Tensor, wc: torch.Tensor, plan: _Plan, rows: slice) -> torc
     return z
 
 
-def _forward(h: torch.Tensor, w: torch.Tensor, plan: _Plan) -> dict[str, torch.Tensor]:
+def _forward(h: torch.Tensor, w: torch.Tensor, setup: _TopkSetup) -> dict[str, torch.Tensor]:
     """Per row, one pass over this shard's tiles: the top ``k_local`` tempered logits
     and their ids, and the online logsumexp statistics ``m``, ``s`` (and ``t`` for
     the entropy, ``zy`` for the label); then the shards combined."""
     n, local = h.shape[0], w.shape[0]
-    acc, k = plan.acc_dtype, plan.k
+    acc, k = setup.acc_dtype, setup.k
     dev = h.device
     m = torch.full((n,), float("-inf"), dtype=acc, device=dev)
     s = torch.zeros(n, dtype=acc, device=dev)
@@ -162,21 +163,21 @@ def _forward(h: torch.Tensor, w: torch.Tensor, plan: _Plan) -> dict[str, torch.T
     zy = torch.zeros(n, dtype=acc, device=dev)
     top_v = torch.full((n, k), float("-inf"), dtype=acc, device=dev)
     top_i = torch.full((n, k), _NO_ID, dtype=torch.long, device=dev)
-    for i0 in range(0, n, plan.token_chunk):
-        rows = slice(i0, min(i0 + plan.token_chunk, n))
+    for i0 in range(0, n, setup.token_chunk):
+        rows = slice(i0, min(i0 + setup.token_chunk, n))
         x = h[rows]
         run_v = run_i = None
-        for j0 in range(0, local, plan.vocab_chunk):
-            j1 = min(j0 + plan.vocab_chunk, local)
-            z = _logits(x, w[j0:j1].to(plan.compute_dtype), plan, rows)
-            tv, ti = _tile_topk(z, plan.k_local, plan.vocab_start + j0)
+        for j0 in range(0, local, setup.vocab_chunk):
+            j1 = min(j0 + setup.vocab_chunk, local)
+            z = _logits(x, w[j0:j1].to(setup.compute_dtype), setup, rows)
+            tv, ti = _tile_topk(z, setup.k_local, setup.vocab_start + j0)
             if run_v is None or run_i is None:
                 run_v, run_i = tv, ti
             else:
                 run_v, run_i = order_candidates(torch.cat([run_v, tv], 1), torch.cat([run_i, ti], 1))
-                run_v, run_i = run_v[:, : plan.k_local], run_i[:, : plan.k_local]
-            if plan.labels_local is not None:
-                col = plan.labels_local[rows] - j0
+                run_v, run_i = run_v[:, : setup.k_local], run_i[:, : setup.k_local]
+            if setup.labels_local is not None:
+                col = setup.labels_local[rows] - j0
                 hit = (col >= 0) & (col < j1 - j0)
                 picked = z.gather(1, col.clamp(0, j1 - j0 - 1)[:, None]).squeeze(1)
                 zy[rows] += torch.where(hit, picked, 0.0)
@@ -187,14 +188,14 @@ def _forward(h: torch.Tensor, w: torch.Tensor, plan: _Plan) -> dict[str, torch.T
             z.sub_(m_new[:, None])
             e = torch.exp(z)
             fresh = torch.isneginf(m_old)  # nothing accumulated yet
-            if plan.with_entropy:  # t = sum exp(z - m) (z - m), rescaled to the new max
+            if setup.with_entropy:  # t = sum exp(z - m) (z - m), rescaled to the new max
                 rescaled = a * (t[rows] + (m_old - m_new) * s[rows])
                 t[rows] = torch.where(fresh, 0.0, rescaled) + (e * z).sum(1)
             s[rows] = torch.where(fresh, 0.0, s[rows] * a) + e.sum(1)
             m[rows] = m_new
         assert run_v is not None and run_i is not None
-        top_v[rows, : plan.k_local], top_i[rows, : plan.k_local] = run_v, run_i
-    return _combine(m, s, t, zy, top_v, top_i, plan)
+        top_v[rows, : setup.k_local], top_i[rows, : setup.k_local] = run_v, run_i
+    return _combine(m, s, t, zy, top_v, top_i, setup)
 
 
 def _combine(
@@ -204,7 +205,7 @@ def _combine(
     zy: torch.Tensor,
     top_v: torch.Tensor,
     top_i: torch.Tensor,
-    plan: _Plan,
+    setup: _TopkSetup,
 ) -> dict[str, torch.Tensor]:
     """The shards' statistics combined (one all-reduce max, one all-reduce sum) and
     their candidates merged (one all-gather each of values and ids)::
@@ -213,35 +214,35 @@ def _combine(
         top = first k of order_candidates(all shards' candidates)
         logprobs = top_values - lse
     """
-    coll = plan.collectives
+    coll = setup.collectives
     big_m = coll.all_reduce_max(m) if coll is not None else m
     a = torch.exp(m - big_m)
-    has = plan.labels_local >= 0 if plan.labels_local is not None else None
+    has = setup.labels_local >= 0 if setup.labels_local is not None else None
     parts = [s * a, zy if has is None else torch.where(has, zy, 0.0)]
-    if plan.with_entropy:
+    if setup.with_entropy:
         parts.append(a * (t + (m - big_m) * s))
     summed = torch.stack(parts)
     if coll is not None:
         summed = coll.all_reduce_sum(summed)
     big_s = summed[0]
     lse = big_m + torch.log(big_s)
-    if plan.gather is not None:
+    if setup.gather is not None:
         n, k = top_v.shape
-        gv, gi = plan.gather(top_v), plan.gather(top_i)  # [tp, n, k]
+        gv, gi = setup.gather(top_v), setup.gather(top_i)  # [tp, n, k]
         top_v, top_i = order_candidates(
             gv.permute(1, 0, 2).reshape(n, -1), gi.permute(1, 0, 2).reshape(n, -1)
         )
         top_v, top_i = top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
     out = {"lse": lse, "values": top_v - lse[:, None], "ids": top_i}
-    if plan.labels_local is not None and plan.ignored is not None:
-        out["label"] = torch.where(plan.ignored, 0.0, summed[1] - lse)
-    if plan.with_entropy:
+    if setup.labels_local is not None and setup.ignored is not None:
+        out["label"] = torch.where(setup.ignored, 0.0, summed[1] - lse)
+    if setup.with_entropy:
         out["entropy"] = torch.log(big_s) - summed[2] / big_s
     return out
 
 
-def _row_factor(plan: _Plan, rows: slice) -> torch.Tensor | float:
-    return plan.inv_t[rows, None] if isinstance(plan.inv_t, torch.Tensor) else plan.inv_t
+def _row_factor(setup: _TopkSetup, rows: slice) -> torch.Tensor | float:
+    return setup.inv_t[rows, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
 
 
 def _sparse_backward(
@@ -249,7 +250,7 @@ def _sparse_backward(
     w: torch.Tensor,
     cols: torch.Tensor,
     g: torch.Tensor,
-    plan: _Plan,
+    setup: _TopkSetup,
     dh: torch.Tensor | None,
     dw: torch.Tensor | None,
 ) -> None:
@@ -258,14 +259,14 @@ def _sparse_backward(
     here = cols >= 0
     g = torch.where(here, g, 0.0)
     safe = cols.clamp(min=0)
-    for i0 in range(0, h.shape[0], plan.token_chunk):
-        rows = slice(i0, min(i0 + plan.token_chunk, h.shape[0]))
-        gr = g[rows] * _row_factor(plan, rows)  # [r, k]
+    for i0 in range(0, h.shape[0], setup.token_chunk):
+        rows = slice(i0, min(i0 + setup.token_chunk, h.shape[0]))
+        gr = g[rows] * _row_factor(setup, rows)  # [r, k]
         if dh is not None:
-            wsel = w[safe[rows]].to(plan.acc_dtype)  # [r, k, h]
+            wsel = w[safe[rows]].to(setup.acc_dtype)  # [r, k, h]
             dh[rows] += torch.bmm(gr.unsqueeze(1), wsel).squeeze(1)
         if dw is not None:
-            contrib = gr.unsqueeze(2) * h[rows].to(plan.acc_dtype).unsqueeze(1)  # [r, k, h]
+            contrib = gr.unsqueeze(2) * h[rows].to(setup.acc_dtype).unsqueeze(1)  # [r, k, h]
             dw.index_add_(0, safe[rows].reshape(-1), contrib.reshape(-1, h.shape[1]).to(dw.dtype))
 
 
@@ -276,38 +277,38 @@ def _dense_backward(
     c: torch.Tensor,
     g_ent: torch.Tensor | None,
     entropy: torch.Tensor | None,
-    plan: _Plan,
+    setup: _TopkSetup,
     dh: torch.Tensor | None,
     dw: torch.Tensor | None,
 ) -> None:
     """The logsumexp and entropy terms: ``dz = -p * (c + g_ent * (log p + H))`` with
     ``p = softmax(z)``, the tile logits recomputed (3 GEMMs: logits, ``dh``, ``dw``)."""
     n, local = h.shape[0], w.shape[0]
-    for j0 in range(0, local, plan.vocab_chunk):
-        j1 = min(j0 + plan.vocab_chunk, local)
-        wc = w[j0:j1].to(plan.compute_dtype)
-        for i0 in range(0, n, plan.token_chunk):
-            rows = slice(i0, min(i0 + plan.token_chunk, n))
-            logp = _logits(h[rows], wc, plan, rows).sub_(lse[rows, None])
+    for j0 in range(0, local, setup.vocab_chunk):
+        j1 = min(j0 + setup.vocab_chunk, local)
+        wc = w[j0:j1].to(setup.compute_dtype)
+        for i0 in range(0, n, setup.token_chunk):
+            rows = slice(i0, min(i0 + setup.token_chunk, n))
+            logp = _logits(h[rows], wc, setup, rows).sub_(lse[rows, None])
             p = torch.exp(logp)
             coef = c[rows, None]
             if g_ent is not None and entropy is not None:
                 coef = coef + g_ent[rows, None] * (logp + entropy[rows, None])
-            gz = (-p * coef) * _row_factor(plan, rows)
-            gzc = gz.to(plan.compute_dtype)
+            gz = (-p * coef) * _row_factor(setup, rows)
+            gzc = gz.to(setup.compute_dtype)
             if dh is not None:
-                dh[rows] += torch.mm(gzc, wc).to(plan.acc_dtype)
+                dh[rows] += torch.mm(gzc, wc).to(setup.acc_dtype)
             if dw is not None:
-                dw[j0:j1] += torch.mm(gzc.T, h[rows].to(plan.compute_dtype)).to(dw.dtype)
+                dw[j0:j1] += torch.mm(gzc.T, h[rows].to(setup.compute_dtype)).to(dw.dtype)
 
 
 class _TopkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: _TopkSetup) -> tuple[torch.Tensor, ...]:
         hd, wd = h.detach(), w.detach()
-        out = _forward(hd, wd, plan)
+        out = _forward(hd, wd, setup)
         ctx.set_materialize_grads(False)
-        ctx.plan = plan
+        ctx.setup = setup
         ctx.save_for_backward(h, w)
         ctx.stats = (out["lse"], out["ids"], out.get("entropy"))
         empty = out["lse"].new_empty(0)
@@ -323,32 +324,38 @@ class _TopkFunction(torch.autograd.Function):
         g_lab: torch.Tensor | None,
         g_ent: torch.Tensor | None,
     ) -> tuple[Any, ...]:
+        refuse_double_backward("linear_topk_logprobs")
         h, w = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        setup: _TopkSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw):
             return None, None, None
         lse, ids, entropy = ctx.stats
-        acc = plan.acc_dtype
+        acc = setup.acc_dtype
         n = h.shape[0]
         dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need_dh else None
         dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_dw else None
         hd, wd = h.detach(), w.detach()
         c = torch.zeros(n, dtype=acc, device=h.device)
         if g_val is not None:
-            local = ids - plan.vocab_start
+            local = ids - setup.vocab_start
             cols = torch.where((local >= 0) & (local < w.shape[0]), local, -1)
-            _sparse_backward(hd, wd, cols, g_val.to(acc), plan, dh, dw)
+            _sparse_backward(hd, wd, cols, g_val.to(acc), setup, dh, dw)
             c = c + g_val.to(acc).sum(1)
-        if g_lab is not None and g_lab.numel() and plan.labels_local is not None and plan.ignored is not None:
-            gl = torch.where(plan.ignored, 0.0, g_lab.to(acc))
-            _sparse_backward(hd, wd, plan.labels_local[:, None], gl[:, None], plan, dh, dw)
+        if (
+            g_lab is not None
+            and g_lab.numel()
+            and setup.labels_local is not None
+            and setup.ignored is not None
+        ):
+            gl = torch.where(setup.ignored, 0.0, g_lab.to(acc))
+            _sparse_backward(hd, wd, setup.labels_local[:, None], gl[:, None], setup, dh, dw)
             c = c + gl
-        ge = g_ent.to(acc) if g_ent is not None and g_ent.numel() and plan.with_entropy else None
+        ge = g_ent.to(acc) if g_ent is not None and g_ent.numel() and setup.with_entropy else None
         # A loss of the top-k values' differences (one renormalised over the k) has
         # c == 0 and no entropy term: its backward needs no logits.
         if ge is not None or bool((c != 0).any()):
-            _dense_backward(hd, wd, lse, c, ge, entropy, plan, dh, dw)
+            _dense_backward(hd, wd, lse, c, ge, entropy, setup, dh, dw)
         return (
             dh.to(h.dtype) if dh is not None else None,
             dw.to(w.dtype) if dw is not None else None,
@@ -478,7 +485,7 @@ def linear_topk_logprobs(
         ignored = y == ignore_index
         row = y - vocab_start
         labels_local = torch.where((row >= 0) & (row < local) & ~ignored, row, -1)
-    plan = _Plan(
+    setup = _TopkSetup(
         k=k,
         k_local=min(k, local),
         labels_local=labels_local,
@@ -493,7 +500,7 @@ def linear_topk_logprobs(
         gather=gather,
         with_entropy=with_entropy,
     )
-    values, ids, label, entropy = _TopkFunction.apply(h, weight, plan)
+    values, ids, label, entropy = _TopkFunction.apply(h, weight, setup)
     return TopkResult(
         logprobs=values,
         ids=ids,
