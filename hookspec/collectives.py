@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
+    "REQUIRED_COLLECTIVES",
     "Collectives",
     "SingleProcessCollectives",
 ]
@@ -51,8 +52,11 @@ __all__ = [
 A = TypeVar("A")
 
 
-_REQUIRED_METHODS = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states")
-"""The methods of spec 1.0: ``isinstance(x, Collectives)`` asks for these only."""
+REQUIRED_COLLECTIVES: tuple[str, ...] = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states")
+"""The methods of spec 1.0, which every :class:`Collectives` has: ``isinstance(x,
+Collectives)`` and ``validate_context`` ask for these only. Methods the protocol gained
+later are optional: a collectives object written before them still validates, and a
+processor that needs one checks for it where it calls it."""
 
 
 @runtime_checkable
@@ -71,7 +75,7 @@ class Collectives(Protocol):
     def __subclasshook__(cls, other: type) -> Any:  # True, or NotImplemented: the members decide
         if cls is not Collectives:
             return NotImplemented
-        if all(callable(getattr(other, name, None)) for name in _REQUIRED_METHODS):
+        if all(callable(getattr(other, name, None)) for name in REQUIRED_COLLECTIVES):
             return True
         return NotImplemented
 

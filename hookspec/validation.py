@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .arrays import dtype_name, format_shape, is_array, is_floating, is_integer, shape_of
-from .collectives import SingleProcessCollectives
+from .collectives import REQUIRED_COLLECTIVES, SingleProcessCollectives
 from .context import OutputContext, ParallelLayout, VocabShard
 from .errors import ContractError
 
@@ -32,11 +32,6 @@ __all__ = [
 INT64_MIN: int = -(2**63)
 INT64_MAX: int = 2**63 - 1
 """The range of an integer option: every one ends up in an int64 tensor or kernel argument."""
-
-REQUIRED_COLLECTIVES: tuple[str, ...] = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states")
-"""The methods every :class:`~hookspec.Collectives` has. Methods the protocol
-gained later are optional: a collectives object written before them still
-validates, and a processor that needs one checks for it where it calls it."""
 
 
 def check_int64(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
