@@ -216,7 +216,10 @@ def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     if a.dtype == out.dtype and b.dtype == out.dtype:
         return out.addmm_(a, b)
     if _out_dtype_gemm(a):
-        return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        try:
+            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        except RuntimeError:  # a release whose addmm(out_dtype) takes no fp32 accumulator
+            return out.add_(torch.mm(a, b, out_dtype=out.dtype))
     return out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
