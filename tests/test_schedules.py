@@ -165,11 +165,11 @@ def _build(processor: str, shape: TinyGPTShape, **kw: Any) -> torch.nn.Module:
     return build_tiny_gpt(shape, pipeline_dtype=torch.float64, **kw).double()
 
 
-def _reference(processor: str, num_layers: int) -> dict[str, Any]:
+def _reference(processor: str, num_layers: int, **kw: Any) -> dict[str, Any]:
     """One process, no pipeline: the micro-batches in order, each loss scaled as the
     schedule scales it, gradients accumulated. Returns the state the stages load,
     the losses, the gradients and the contexts."""
-    model = _build(processor, TinyGPTShape(num_layers=num_layers))  # stock: no hook
+    model = _build(processor, TinyGPTShape(num_layers=num_layers), **kw)  # stock: no hook
     batches = _micro_batches()
     contexts = _contexts(model, batches) if processor == "policy" else [None] * len(batches)
     losses = []
@@ -343,6 +343,56 @@ def _references(num_layers: int) -> dict[str, dict[str, Any]]:
         return {p: _reference(p, num_layers) for p in ("stock", "policy")}
 
 
+def _tied_reference() -> dict[str, Any]:
+    with _one_thread(), megatron_parallel():
+        return _reference("policy", 2, share_embeddings_and_output_weights=True)
+
+
+TIED = "embedding.word_embeddings.weight"
+
+
+def _tied_rank(rank: int, ref: dict[str, Any]) -> None:
+    """Tied embeddings under 1F1B: the last stage holds its own copy of the embedding
+    as the output weight; each stage's model in Megatron's DDP, and the schedule's
+    ``finalize_model_grads`` sums the two copies' gradients over the embedding group.
+    Both copies' ``main_grad`` must equal the unpipelined tied weight's gradient."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    torch.set_num_threads(1)
+    with cpu_schedule():  # the constructor syncs the last stage's copy with weight.data.cuda()
+        model = torch_impl.enable_output_processor(
+            _build("policy", TinyGPTShape(num_layers=2), share_embeddings_and_output_weights=True)
+        )
+
+    def global_name(name: str) -> str:
+        return TIED if name == "output_layer.weight" else _global_name(model, name)
+
+    local = {global_name(k): k for k in model.state_dict() if "_extra_state" not in k}
+    model.load_state_dict({k: ref["state"][g] for g, k in local.items()}, strict=False)
+    with cpu_schedule():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.no_sync_func = ddp.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
+    losses = _run_schedule("policy", [ddp], ref, [])
+    if rank == 1:
+        for got, want in zip(losses, ref["losses"], strict=True):
+            torch.testing.assert_close(got["loss"], want, rtol=1e-10, atol=0.0)
+    names = [n for n, _ in model.named_parameters()]
+    assert (TIED if rank == 0 else "output_layer.weight") in names
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.main_grad,
+            ref["grads"][global_name(name)],
+            rtol=1e-10,
+            atol=1e-14,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
+
+
 def test_no_pipelining_schedule_equals_one_process() -> None:
     refs = _references(2)
     with _one_thread(), megatron_parallel():
@@ -353,6 +403,11 @@ def test_no_pipelining_schedule_equals_one_process() -> None:
 @pytest.mark.slow
 def test_1f1b_pp2_schedule_equals_one_process() -> None:
     run_distributed(_pipeline_rank, _references(2), None, 2, pp=2)
+
+
+@pytest.mark.slow
+def test_1f1b_pp2_tied_embeddings_through_ddp_and_finalize_model_grads() -> None:
+    run_distributed(_tied_rank, _tied_reference(), pp=2)
 
 
 @pytest.mark.slow
