@@ -14,6 +14,10 @@ loss scaled the way the schedule scales it (``loss * cp / num_microbatches``):
   written here from the stock model's materialised float64 logits: losses and
   every gradient to ``rtol=1e-10``.
 
+With tied embeddings under 1F1B, each stage in Megatron's DDP and
+``finalize_model_grads`` run by the schedule, both copies of the tied weight end with
+its whole gradient (float64).
+
 On the last stage the model returns the processor's mapping, which Megatron hands
 to the ``loss_func`` unchanged (checked); other stages return the hidden states.
 The recipe of ``docs/examples/schedule_recipe.py`` runs here too, and
