@@ -54,8 +54,9 @@ __all__ = [
     "sparse_divergence",
 ]
 
-DISTILL_TILE_ELEMENTS = 1 << 22
-"""Logits per tile (rows x the local vocabulary): 16 MiB in fp32, per logits tile."""
+DISTILL_TILE_ELEMENTS: dict[str, int] = {"cpu": 1 << 23, "cuda": 1 << 28}
+"""``device.type -> logits per tile`` (rows x the local vocabulary) when not given:
+32 MiB of fp32 per logits tile on a CPU, 1 GiB on a GPU (as ``fused_token_loss``)."""
 
 _BIG_ID = 1 << 62
 
@@ -322,6 +323,7 @@ class _FusedDistill(torch.autograd.Function):
         lse_all = torch.zeros(n, dtype=acc, device=hd.device)
         sparse = setup.teacher_ids is not None
         renormalized = sparse and setup.config.tail == TeacherTail.RENORMALIZE
+        wc = wd.to(setup.compute_dtype)
         for i0 in range(0, n, setup.rows):
             rows = slice(i0, min(i0 + setup.rows, n))
             x = hd[rows]
@@ -352,10 +354,14 @@ class _FusedDistill(torch.autograd.Function):
                 gz = torch.where(live, gz * (wts[:, None] * setup.inv_t), 0.0)
             if gz is not None:
                 gzc = gz.to(setup.compute_dtype)
+                xc = x.to(setup.compute_dtype)
                 if dh is not None:
-                    dh[rows] += torch.mm(gzc, wd.to(setup.compute_dtype)).to(acc)  # GEMM 2
-                if dw is not None:
-                    dw += torch.mm(gzc.T, x.to(setup.compute_dtype)).to(acc)  # GEMM 3
+                    dh[rows] += torch.mm(gzc, wc).to(acc)  # GEMM 2
+                if dw is not None:  # GEMM 3, accumulated in place
+                    if gzc.dtype == dw.dtype:
+                        dw.addmm_(gzc.T, xc)
+                    else:
+                        dw += torch.mm(gzc.T, xc).to(acc)
             loss = loss + (torch.where(wts != 0, d, 0.0) * wts).sum()
             kl_all[rows], agree_all[rows], lse_all[rows] = kl, agree, lse_s
         ctx.set_materialize_grads(False)
@@ -419,7 +425,7 @@ def distillation_loss(
     config: DistillConfig | None = None,
     /,
     *,
-    tile_elements: int = DISTILL_TILE_ELEMENTS,
+    tile_elements: int | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> Processor:
     """A processor returning the distillation loss and its metrics, scalars::
@@ -435,7 +441,8 @@ def distillation_loss(
     ``hookspec.conventions`` (divergences, the two tails, agreement); the
     metrics carry no gradient; no gradient reaches the teacher.
 
-    Cost per tile of ``rows`` tokens (``rows = tile_elements // V_local``), as a
+    Cost per tile of ``rows`` tokens (``rows = tile_elements // V_local``;
+    ``tile_elements`` default per device, :data:`DISTILL_TILE_ELEMENTS`), as a
     scalar loss with its gradient formed in the forward pass:
 
     - dense: three student GEMMs (logits, ``dh = gz @ W``, ``dW = gz.T @ h``)
@@ -451,7 +458,8 @@ def distillation_loss(
     config = DistillConfig() if config is None else config
     if not isinstance(config, DistillConfig):
         raise ContractError("config", expected="a DistillConfig", actual=type(config).__name__)
-    tile_elements = check_int("tile_elements", tile_elements, low=1)
+    if tile_elements is not None:
+        tile_elements = check_int("tile_elements", tile_elements, low=1)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         if not isinstance(ctx, OutputContext):
@@ -549,7 +557,7 @@ def distillation_loss(
             collectives=coll,
             compute_dtype=cdtype,
             acc_dtype=acc,
-            rows=max(1, tile_elements // local),
+            rows=max(1, _tile(tile_elements, device) // local),
             teacher_ids=t_ids,
             teacher_logprobs=t_lp,
             teacher_hidden=t_h,
@@ -567,6 +575,12 @@ def distillation_loss(
         }
 
     return processor(fn, name="distillation_loss")
+
+
+def _tile(given: int | None, device: torch.device) -> int:
+    return (
+        given if given is not None else DISTILL_TILE_ELEMENTS.get(device.type, DISTILL_TILE_ELEMENTS["cuda"])
+    )
 
 
 def _shape(x: Any) -> str:
