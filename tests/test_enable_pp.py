@@ -1,9 +1,13 @@
 """Pipeline parallel 2 over gloo, the stages driven by hand.
 
-Megatron's schedules allocate on CUDA (see the facts file), so the test plays the
-schedule itself: stage 0 runs the embedding and its layer and sends the hidden
-states; stage 1 sets them as its input tensor, runs the processor, back-propagates
-and sends the input gradient back. The processor must run on the last stage only.
+The test plays one micro-batch of the schedule itself, with plain ``send``/``recv``,
+so that nothing but the two stages lies between the hook and the comparison:
+stage 0 runs the embedding and its layer and sends the hidden states; stage 1 sets
+them as its input tensor, runs the processor, back-propagates and sends the input
+gradient back. The processor must run on the last stage only. Megatron's own
+schedules (1F1B, interleaved) also run on a CPU, under
+``torch_impl.testing.schedules.cpu_schedule()``; ``tests/test_schedules.py`` tests
+the hook through them.
 """
 
 from __future__ import annotations

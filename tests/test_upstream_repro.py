@@ -27,6 +27,7 @@ EXPECTED: dict[str, dict[str, bool]] = {
     "final_norm_schedule_plan.py": {"0.16.1": True, "0.19.2": True},
     "tp_reduce_noncontiguous_grad.py": {"0.16.1": True, "0.19.2": False},
     "moe_router_without_te.py": {"0.16.1": True, "0.19.2": False},
+    "interleaved_gloo_batch_p2p.py": {"0.16.1": True, "0.19.2": True},
 }
 
 
@@ -67,5 +68,11 @@ def test_defect_shows_as_documented(script: str) -> None:
     if script == "tp_reduce_noncontiguous_grad.py":
         assert report["grad_contiguous"] == report["expected"] == 3.0, report  # the control
         assert (report["grad_noncontiguous"] == 3.0) is not report["defect"], report
+    if script == "interleaved_gloo_batch_p2p.py":
+        # the controls: unbatched and reordered-batch exchanges deliver; the defect is a swap
+        assert report["expected"] == [21.0, 22.0], report
+        assert report["unbatched"] == report["expected"], report
+        assert report["reordered_batch_correct"] is True, report
+        assert report["swapped"] is report["defect"], report
     if script == "moe_router_without_te.py" and not report["defect"]:
         assert report["transformer_engine"] or report["matches_matmul"] is True, report
