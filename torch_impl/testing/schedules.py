@@ -42,14 +42,16 @@ pipeline ranks over gloo: ``batch_p2p_comm=False`` in the model's config
 in one ``torch.distributed.batch_isend_irecv`` call on the pipeline group, a send
 to the previous rank, a receive from it, a send to the next and a receive from it
 (``p2p_communication._batched_p2p_ops``, in that order). With two ranks the
-previous and the next rank are the same process, and gloo matches a sender's
-messages to the receiver's buffers in posting order on one tag: rank 0 posts its
-send to rank 1 as "previous" (a gradient) before its send to rank 1 as "next" (an
-activation), while rank 1 posts its receive from rank 0 as "previous" (an
-activation) first, so messages land in the wrong buffers (same shape: no error,
-wrong values; seen here from the third micro-batch on). With
-``False``, Megatron's ``_p2p_ops`` puts one direction on the world group, which
-keeps them apart. 1F1B is unaffected (each rank talks one way at a time).
+previous and the next rank are the same process, and ``batch_isend_irecv`` matches
+operations between one pair of ranks in one direction in posting order (torch
+documents this for every backend): rank 0 posts its send to rank 1 as "previous" (a
+gradient) before its send to rank 1 as "next" (an activation), while rank 1 posts its
+receive from rank 0 as "previous" (an activation) first, so messages land in the wrong
+buffers (same shape: no error, wrong values; seen here from the third micro-batch on).
+With ``False``, Megatron's ``_p2p_ops`` posts every rank's sends and receives in one
+per-peer order (send-next before send-prev, recv-prev before recv-next), which keeps
+them apart. The cause and a reproduction: ``docs/upstream.md``, report 4.
+1F1B is unaffected (each rank talks one way at a time).
 
 Only for CPU runs of tiny models: the mode sees every torch call made inside it
 (a Python call's overhead each), and it moves CUDA requests to the CPU silently.
