@@ -288,37 +288,83 @@ def test_context_checks() -> None:
 # ---------------------------------------------------------------- tensor parallel
 
 
-def _tp2(rank: int, d: dict[str, Any], truths: dict[str, dict]) -> None:
+class _RowsGather(torch.autograd.Function):
+    """Sequence parallel on gloo: all-gather rows; backward all-reduce and keep this
+    rank's rows (a reduce-scatter), as Megatron's ``gather_from_sequence_parallel_region``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        r = torch.distributed.get_rank(ctx.group)
+        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
+
+
+class _SequenceParallel:
+    def __init__(self, inner: Any, group: Any) -> None:
+        self.inner, self.group = inner, group
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_sum(x)
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_max(x)
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        return _RowsGather.apply(x, self.group)
+
+
+def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_parallel: bool) -> None:
     from megatron.core import parallel_state
 
     from hookspec import ParallelLayout
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    cfg, dense = _TP_CASES[name]
+    group = parallel_state.get_tensor_model_parallel_group()
+    coll: Any = TorchCollectives(group, sequence_parallel=False)
     half = V // 2
     shard = slice(rank * half, (rank + 1) * half)
-    for name, (cfg, dense) in _TP_CASES.items():
-        teacher = _teacher(d, dense)
-        if dense:
-            teacher = DenseTeacher(hidden_states=d["th"], weight=d["tw"][shard], mask=d["mask"])
-        h = d["h"].clone().requires_grad_()
-        w = d["w"][shard].clone().requires_grad_()
-        ctx = OutputContext(
-            hidden_states=h,
-            labels=d["labels"],
-            vocab_weight=w,
-            vocab=VocabShard(rank * half, (rank + 1) * half, V),
-            context=teacher,
-            parallel=ParallelLayout(tp_size=2, tp_rank=rank),
-            collectives=coll,
-        )
-        out = distillation_loss(cfg, tile_elements=4 * half)(ctx)
-        out["loss"].backward()
-        want = truths[name]
-        for key in ("loss", "kl", "top1_agreement"):
-            torch.testing.assert_close(out[key], want[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")
-        torch.testing.assert_close(h.grad, want["dh"], rtol=1e-10, atol=1e-10, msg=f"{name} dh")
-        torch.testing.assert_close(w.grad, want["dw"][shard], rtol=1e-10, atol=1e-10, msg=f"{name} dw")
+    s = d["h"].shape[0]
+    rows = slice(rank * s // 2, (rank + 1) * s // 2) if sequence_parallel else slice(0, s)
+    if sequence_parallel:
+        coll = _SequenceParallel(coll, group)
+    teacher = _teacher(d, dense)
+    if dense:
+        teacher = DenseTeacher(hidden_states=d["th"][rows], weight=d["tw"][shard], mask=d["mask"])
+    h = d["h"][rows].clone().requires_grad_()
+    w = d["w"][shard].clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=h,
+        labels=d["labels"],
+        vocab_weight=w,
+        vocab=VocabShard(rank * half, (rank + 1) * half, V),
+        context=teacher,
+        parallel=ParallelLayout(tp_size=2, tp_rank=rank, sequence_parallel=sequence_parallel),
+        collectives=coll,
+    )
+    out = distillation_loss(cfg, tile_elements=4 * half)(ctx)
+    out["loss"].backward()
+    for key in ("loss", "kl", "top1_agreement"):
+        torch.testing.assert_close(out[key], want[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")
+    torch.testing.assert_close(h.grad, want["dh"][rows], rtol=1e-10, atol=1e-10, msg=f"{name} dh")
+    torch.testing.assert_close(w.grad, want["dw"][shard], rtol=1e-10, atol=1e-10, msg=f"{name} dw")
+
+
+def _tp2(
+    rank: int, d: dict[str, Any], truths: dict[str, dict], d_sp: dict[str, Any], sp: dict[str, dict]
+) -> None:
+    for name, want in truths.items():
+        _tp2_case(rank, d, name, want, sequence_parallel=False)
+    for name, want in sp.items():  # each rank holds half of the sequence positions
+        _tp2_case(rank, d_sp, name, want, sequence_parallel=True)
 
 
 _TP_CASES = {
@@ -339,7 +385,14 @@ _TP_CASES = {
 
 def test_tp2_equals_tp1() -> None:
     """Two gloo ranks, each half of the vocabulary (the teacher's ids falling in
-    both halves), against the float64 truth of the whole vocabulary."""
+    both halves), against the float64 truth of the whole vocabulary; then sequence
+    parallel (each rank half of the positions, a gloo stand-in for Megatron's gather)."""
     d = _data(4)
     truths = {name: _truth(d, cfg, dense=dense) for name, (cfg, dense) in _TP_CASES.items()}
-    run_distributed(_tp2, d, truths, tp=2)
+    cut = {"h": 6, "th": 6}  # [s, b, ...]: 6 positions, 3 a rank
+    d_sp = {k: v[: cut[k]] if k in cut else (v[:, :6] if k != "w" and k != "tw" else v) for k, v in d.items()}
+    sp = {
+        name: _truth(d_sp, *_TP_CASES[name][:1], dense=_TP_CASES[name][1])
+        for name in ("dense jsd", "sparse jsd bucket")
+    }
+    run_distributed(_tp2, d, truths, d_sp, sp, tp=2)

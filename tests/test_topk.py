@@ -225,12 +225,51 @@ def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> Non
 # ---------------------------------------------------------------- tensor parallel
 
 
-def _tp2(rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dict]]) -> None:
+class _RowsGather(torch.autograd.Function):
+    """Sequence parallel on gloo: all-gather rows; backward all-reduce and keep this
+    rank's rows (a reduce-scatter), as Megatron's ``gather_from_sequence_parallel_region``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        r = torch.distributed.get_rank(ctx.group)
+        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
+
+
+class _SequenceParallel:
+    def __init__(self, inner: Any, group: Any) -> None:
+        self.inner, self.group = inner, group
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_sum(x)
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_max(x)
+
+    def all_gather(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_gather(x)
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        return _RowsGather.apply(x, self.group)
+
+
+def _tp2(
+    rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dict]], sp: tuple[dict, dict, dict]
+) -> None:
     from megatron.core import parallel_state
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    group = parallel_state.get_tensor_model_parallel_group()
+    coll = TorchCollectives(group, sequence_parallel=False)
     half = V // 2
     shard = slice(rank * half, (rank + 1) * half)
     for k, cot, want in cases:
@@ -252,12 +291,29 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dic
     )
     out = topk_logprobs(3)(ctx)
     assert out["topk_ids"].shape == (b, s, 3)
-    assert torch.equal(out["topk_ids"][0], cases[0][2]["ids"][:, :3]) or cases[0][0] < 3
+    assert torch.equal(out["topk_ids"][0], cases[0][2]["ids"])
+    # sequence parallel: each rank holds half of the rows
+    p_sp, cot, want = sp
+    rows = slice(rank * 11, (rank + 1) * 11)
+    h = p_sp["h"][rows].clone().requires_grad_()
+    w = p_sp["w"][shard].clone().requires_grad_()
+    r = linear_topk_logprobs(
+        h, w, k=3, labels=p_sp["y"], temperature=p_sp["t"], with_entropy=True, vocab_start=rank * half,
+        vocab_size=V, collectives=_SequenceParallel(coll, group), vocab_chunk_size=7,
+    )  # fmt: skip
+    assert r.label_logprobs is not None and r.entropy is not None
+    loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
+    loss.backward()
+    assert torch.equal(r.ids, want["ids"])
+    torch.testing.assert_close(r.logprobs, want["values"], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(h.grad, want["dh"][rows], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(w.grad, want["dw"][shard], rtol=1e-11, atol=1e-11)
 
 
 def test_tp2_equals_float64() -> None:
     """k = 3, k = V_local and k > V_local (each shard gives all it has); ties inside
-    a shard and across the two halves (ids 2, 5 | 30 and 9 | 21, 36)."""
+    a shard and across the two halves (ids 2, 5 | 30 and 9 | 21, 36); the processor;
+    sequence-parallel rows (a gloo stand-in for Megatron's gather)."""
     p = _problem(6, ties=True)
     p["t"] = torch.ones(N, dtype=torch.float64)
     cases = []
@@ -265,7 +321,9 @@ def test_tp2_equals_float64() -> None:
         cot = _cot(k, seed=k)
         cases.append((k, cot, _truth(p, k, cot)))
     assert cases[0][2]["ids"][0].tolist() == [2, 5, 30] and cases[0][2]["ids"][1].tolist() == [9, 21, 36]
-    run_distributed(_tp2, p, cases, tp=2)
+    p_sp = {**p, "h": p["h"][:22], "y": p["y"][:22], "t": _problem(7)["t"][:22]}  # 22 rows: 11 a rank
+    cot = {key: c[:22] for key, c in _cot(3, seed=9).items()}
+    run_distributed(_tp2, p, cases, (p_sp, cot, _truth(p_sp, 3, cot)), tp=2)
 
 
 def test_spec_version_and_gather_of_one_rank() -> None:
