@@ -293,6 +293,24 @@ def test_example_pair_passes_hookcheck(tp: int) -> None:
     assert proc.returncode == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
+    if tp == 2:  # the README shows this run's table: its header and rows are what hookcheck prints
+        shown = _readme_hookcheck_table()
+        assert shown[0] in out.splitlines(), (shown[0], out)
+        for row in shown[2:-1]:  # every column but the errors, which vary in their last digits
+            assert any(_words(line) == _words(row) for line in out.splitlines()), (row, out)
+        assert shown[-1] in out, (shown[-1], out)
+
+
+def _words(line: str) -> list[str]:
+    return [w for w in line.split() if not re.fullmatch(r"[-+.\deinfa]+", w)]
+
+
+def _readme_hookcheck_table() -> list[str]:
+    """The lines of the README's ```text block that shows the pair's ``hookcheck --tp 2`` output."""
+    text = (ROOT / "README.md").read_text()
+    after = text.split("--context docs.examples.my_processor:make_context --tp 2", 1)[1]
+    block = after.split("```text\n", 1)[1].split("```", 1)[0]
+    return block.rstrip("\n").splitlines()
 
 
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
