@@ -12,32 +12,42 @@ losses from the hidden states and the vocab shard, never materialising the logit
   ``k`` largest logprobs per token and their ids, vocab parallel.
 - :func:`distillation_loss` (:class:`DistillConfig`, with :class:`SparseTeacher`
   or :class:`DenseTeacher` as the user context): KL or JSD to a teacher.
+- Chunk sizes per device (:data:`LOGITS_CHUNK_BYTES`, :data:`TILES_BY_DEVICE`) and what
+  ``backend="auto"`` runs on a device (:func:`auto_choice`, :data:`MEASURED_CHOICES`).
 """
 
+from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
 from ._distill import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
 from ._fused import FUSED_TILE_ELEMENTS, FusedLossResult, TokenLoss, fused_token_loss
 from ._logprobs import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK, LogprobResult, linear_logprobs
 from ._policy import PolicyBatch, policy_loss
 from ._policy_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
 from ._processors import cross_entropy_loss, selected_logprobs
+from ._setup import LOGITS_CHUNK_BYTES, TILES_BY_DEVICE
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
+    "BackendChoice",
     "DEFAULT_TOKEN_CHUNK",
     "DEFAULT_VOCAB_CHUNK",
     "DenseTeacher",
     "DistillConfig",
     "FUSED_TILE_ELEMENTS",
     "FusedLossResult",
+    "LOGITS_CHUNK_BYTES",
     "LogprobResult",
+    "MEASURED_CHOICES",
     "PolicyBatch",
     "PolicyLossConfig",
     "RatioLevel",
     "SparseTeacher",
+    "TILES_BY_DEVICE",
     "TokenLoss",
     "TopkResult",
     "aggregation_weights",
+    "auto_choice",
     "cross_entropy_loss",
+    "device_class",
     "distillation_loss",
     "fused_token_loss",
     "kl_penalty",
