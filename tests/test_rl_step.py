@@ -25,8 +25,8 @@ from megatron.core import parallel_state
 import torch_impl
 from hookspec import ContractError
 from tests.distributed import run_distributed
-from torch_impl.testing.examples.grpo_toy import CountingTask, GRPOToyConfig, group_advantages, train
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
+from torch_impl.testing.examples.grpo_toy import CountingTask, GRPOToyConfig, group_advantages, train
 from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt
 
 B, S = 4, 8

@@ -31,14 +31,25 @@ N, H, V = 6, 4, 8
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randint(0, V, (N,), generator=g)
+    return (
+        torch.randn(N, H, generator=g),
+        torch.randn(V, H, generator=g),
+        torch.randint(0, V, (N,), generator=g),
+    )
 
 
 def _sum_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, rows: slice) -> torch.Tensor:
     return logprobs.sum()
 
 
-_LOGPROBS_INTS = ("ignore_index", "vocab_start", "vocab_size", "vocab_chunk_size", "token_chunk_size", "chunk_size")
+_LOGPROBS_INTS = (
+    "ignore_index",
+    "vocab_start",
+    "vocab_size",
+    "vocab_chunk_size",
+    "token_chunk_size",
+    "chunk_size",
+)
 _FUSED_INTS = ("ignore_index", "vocab_start", "vocab_size", "tile_elements")
 
 
@@ -76,7 +87,9 @@ _FACTORIES: list[tuple[str, Callable[..., Any], str]] = [
 
 
 @pytest.mark.parametrize("value", HUGE)
-@pytest.mark.parametrize(("name", "factory", "option"), _FACTORIES, ids=[f"{n}-{o}" for n, _, o in _FACTORIES])
+@pytest.mark.parametrize(
+    ("name", "factory", "option"), _FACTORIES, ids=[f"{n}-{o}" for n, _, o in _FACTORIES]
+)
 def test_processor_factory_integer_options_are_checked_when_made(
     name: str, factory: Callable[..., Any], option: str, value: int
 ) -> None:
