@@ -11,7 +11,8 @@ interpreter, do not. The floor:
 - logprobs (+ entropy): 4.0: the logits in the forward pass; in the backward the
   logits again, ``dh`` and ``dW``;
 - a scalar loss whose gradients are formed in the forward pass
-  (``fused_token_loss``, the fused policy loss): 3.0, no logits recomputed.
+  (``fused_token_loss``, the fused policy loss, the reduced cross entropy): 3.0,
+  no logits recomputed.
 
 A GEMM moved into a kernel makes a count fall below the floor, a recompute makes it
 rise above it; both fail (see the self-tests at the end). No timing is asserted.
@@ -166,6 +167,18 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
             OutputContext(hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V))
         ),
         4.0,
+    ),
+    "cross_entropy_loss(reduction='mean')": (
+        lambda d, h, w: cross_entropy_loss(reduction="mean", fused_tile_elements=d["tile_elements"])(
+            OutputContext(
+                hidden_states=h,
+                labels=d["y"],
+                vocab_weight=w,
+                vocab=VocabShard(0, V, V),
+                loss_mask=d["batch"].mask,
+            )
+        ),
+        3.0,
     ),
     "policy_loss(GRPO, fused)": (
         lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), fused_tile_elements=d["tile_elements"])(

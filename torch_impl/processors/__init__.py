@@ -4,7 +4,8 @@ losses from the hidden states and the vocab shard, never materialising the logit
 - :func:`linear_logprobs`: the tensor function underneath (vocab parallel,
   online logsumexp, logits recomputed in backward).
 - :func:`fused_token_loss`: a scalar loss of per-token terms whose gradients
-  are formed in the forward pass (no recomputation).
+  are formed in the forward pass (no recomputation); the fused policy loss and
+  ``cross_entropy_loss(reduction="sum" | "mean")`` run on it.
 - Processors for ``enable_output_processor``: :func:`selected_logprobs`,
   :func:`cross_entropy_loss`, :func:`policy_loss` (with :class:`PolicyBatch`
   as the user context and :class:`PolicyLossConfig`).

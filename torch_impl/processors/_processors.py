@@ -1,17 +1,27 @@
 """The logprob processors: selected-token logprobs (and entropy) and Megatron's
-cross entropy, each computed from the hidden states and the vocab shard
-(layout: :mod:`._inputs`). The policy loss is in :mod:`._policy`.
+cross entropy (per token, or reduced through :func:`fused_token_loss`), each
+computed from the hidden states and the vocab shard (layout: :mod:`._inputs`).
+The policy loss is in :mod:`._policy`.
 """
 
 from __future__ import annotations
 
+import typing
+from typing import Any, Literal
+
 import torch
 
-from hookspec import ContractError, OutputContext, Processor, processor
+from hookspec import Aggregation, ContractError, OutputContext, Processor, processor
 
-from ._checks import check_bool, check_temperature, context_field
-from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
+from ..value_checks import check_finite_deferred
+from ._checks import check_bool, check_finite_number, check_int, check_temperature, context_field
+from ._fused import fused_token_loss
+from ._inputs import HookInputs, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
 from ._logprobs import linear_logprobs
+from ._policy_math import weights_of
+
+Reduction = Literal["none", "sum", "mean"]
+REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
 
 __all__ = [
     "cross_entropy_loss",
@@ -65,27 +75,115 @@ def selected_logprobs(
     return processor(fn, name="selected_logprobs")
 
 
+def _check_reduction(value: Any) -> Reduction:
+    if not isinstance(value, str) or value not in REDUCTIONS:
+        raise ContractError("reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(value))
+    return typing.cast(Reduction, value)
+
+
+def _global_tokens(ctx: OutputContext, reduction: Reduction) -> float | None:
+    """The user context's ``global_tokens``: a finite number > 0 read by ``"mean"``
+    only (refused, not ignored, with ``"sum"``)."""
+    value = context_field(ctx.context, "global_tokens")
+    if value is None:
+        return None
+    if reduction != "mean":
+        raise ContractError(
+            "context.global_tokens",
+            expected=f"None with reduction={reduction!r}, which divides by no count",
+            actual=repr(value),
+        )
+    return check_finite_number("context.global_tokens", value, low=0.0, low_open=True)
+
+
+def _token_weights(
+    ctx: OutputContext, x: HookInputs, reduction: Reduction
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w [n], M [n])`` in row order with ``loss = -sum(w * logprobs)``: ``M`` is
+    ``loss_mask`` (every token when ``None``; checked ``>= 0`` and finite), 0 at an
+    ignored label; ``w = M`` (sum) or the token mean's ``M / count`` of
+    :func:`~torch_impl.processors.aggregation_weights`, ``count`` the context's
+    ``global_tokens`` else ``sum(M)`` (an exactly-0 ``sum(M)`` gives ``w = 0``)."""
+    acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
+    device = x.hidden.device
+    given = typing.cast("torch.Tensor | None", ctx.loss_mask)
+    if given is None:
+        m = torch.ones(x.labels.shape, dtype=acc, device=device)
+    else:
+        if ctx.check_values:
+            check_finite_deferred(given, field="loss_mask", nonnegative=True)
+        m = to_tokens(given.detach()).to(device=device, dtype=acc)
+        m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))  # unchecked: NaN shows
+    m = torch.where(x.labels.to(device) == ctx.ignore_index, m * 0.0, m)
+    count = _global_tokens(ctx, reduction)
+    if reduction == "sum":
+        return m, m
+    if count is None and ctx.parallel.cp_size > 1:
+        raise ContractError(
+            "context.global_tokens",
+            expected=f"the token count over the context-parallel group (parallel.cp_size="
+            f"{ctx.parallel.cp_size}) for reduction='mean'",
+            actual="None",
+            hint="or use reduction='sum' and divide by the count yourself",
+        )
+    segments = torch.zeros(m.shape, dtype=torch.long, device=device)
+    return weights_of(m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None), m
+
+
 def cross_entropy_loss(
     *,
+    reduction: Reduction = "none",
+    temperature: float | None = None,
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
+    fused_tile_elements: int | None = None,
     chunk_size: int | None = None,
 ) -> Processor:
-    """A processor returning the per-token loss ``[b, s]`` (fp32) of Megatron's
-    ``compute_language_model_loss``, unreduced and without the loss mask, like
-    Megatron's (apply ``loss_mask`` as you do to Megatron's output)::
+    """Megatron's ``compute_language_model_loss``, per token or reduced.
 
-        loss = -log_softmax(scale_logits(hidden_states @ vocab_weight.T))[labels]
+    ``reduction="none"`` (the default): the per-token loss ``[b, s]`` (fp32),
+    unreduced and without the loss mask, like Megatron's (apply ``loss_mask`` as
+    you do to Megatron's output)::
+
+        loss = -log_softmax(scale_logits(hidden_states @ vocab_weight.T) / T)[labels]
 
     One difference: where ``labels == ctx.ignore_index`` the loss is ``0`` with a
     zero gradient (Megatron returns the logsumexp there, which the loss mask
-    then removes).
+    then removes). ``T`` is ``temperature`` (default 1); a user context holding
+    a ``temperature`` that is not ``None`` raises rather than being ignored
+    (Megatron's loss has none). Logits recomputed in backward
+    (:func:`linear_logprobs`, tile ``vocab_chunk_size`` x ``token_chunk_size``):
+    four GEMM-equivalents ``2 n h V`` forward plus backward.
 
-    It takes no temperature (Megatron's loss has none): a user context holding
-    a ``temperature`` that is not ``None`` raises rather than being ignored.
+    ``reduction="sum"`` or ``"mean"``: ``{"loss": [], "tokens": []}`` (fp32)::
+
+        M = loss_mask * (labels != ignore_index)      # [b, s]; loss_mask None: ones
+        w = M                                         # "sum"
+        w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
+        loss = sum(w * -logprobs)                     # logprobs as above, at T
+        tokens = sum(M)                               # this rank's counted tokens, detached
+
+    through :func:`fused_token_loss`: the gradient formed in the forward pass,
+    three GEMM-equivalents on both backends, no logits recomputed
+    (``fused_tile_elements`` logits a tile, default per device). ``T``:
+    ``temperature``, else the user context's ``temperature`` (a number or
+    ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
+    context's key or attribute, a finite number > 0) replaces ``sum(M)``,
+    for a loss split over ranks; with ``"sum"`` it is refused, and under
+    context parallel ``"mean"`` requires it. A mask summing to exactly 0
+    gives ``loss = 0`` with a zero gradient (never NaN); a ``loss_mask``
+    entry that is NaN, infinite or negative raises ``ContractError``
+    (``loss_mask``). A NaN or inf in the hidden states or weight makes the
+    loss NaN.
     """
+    reduction = _check_reduction(reduction)
+    if temperature is not None:
+        check_temperature(temperature, 1)
     tile = tile_options(
         vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
+    )
+    tile_elements = (
+        None if fused_tile_elements is None else check_int("fused_tile_elements", fused_tile_elements, low=1)
     )
 
     def fn(ctx: OutputContext) -> torch.Tensor:
@@ -95,17 +193,36 @@ def cross_entropy_loss(
             raise ContractError(
                 "context.temperature",
                 expected="none (cross_entropy_loss is Megatron's loss, which takes no temperature; "
-                "use selected_logprobs for tempered logprobs)",
+                "use selected_logprobs for tempered logprobs, or a reduction)",
                 actual=f"a {type(t).__name__}",
             )
         res = linear_logprobs(
             x.hidden,
             x.weight,
             x.labels,
+            temperature=1.0 if temperature is None else temperature,
             vocab_chunk_size=tile.vocab_chunk_size,
             token_chunk_size=tile.token_chunk_size,
             **x.kwargs,
         )
         return from_tokens(-res.logprobs, x.b, x.s)
 
-    return processor(fn, name="cross_entropy_loss")
+    def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
+        x = hook_inputs(ctx, "cross_entropy_loss")
+        temp = resolve_temperature(temperature, ctx, x.b, x.s)
+        w, m = _token_weights(ctx, x, reduction)
+
+        def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+            wr = w[rows].to(lp.dtype)
+            return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
+
+        res = fused_token_loss(
+            x.hidden, x.weight, x.labels, tile_loss, temperature=temp, tile_elements=tile_elements, **x.kwargs
+        )
+        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
+        # even at an uncounted token (its gradient would be NaN anyway)
+        return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
+
+    if reduction == "none":
+        return processor(fn, name="cross_entropy_loss")
+    return processor(reduced, name="cross_entropy_loss")
