@@ -262,15 +262,15 @@ class MTPLayerAdapter:
     ``cp_group_from_packed`` the layer's ``cp_group`` reads the micro-batch's group
     for the length of that call (its rolls of input and position ids)."""
 
-    _hookspec_original_class: type[Any]
-    _hookspec_embeddings_signature: inspect.Signature
+    _hookspec_mtp_original_class: type[Any]
+    _hookspec_mtp_embeddings_signature: inspect.Signature
 
     def _get_embeddings(self, *args: Any, **kwargs: Any) -> Any:
         options: MTPOptions = self.__dict__[_LAYER_OPTIONS]
         own = super()._get_embeddings  # type: ignore[misc]
         group = None
         if options.cp_group_from_packed:
-            bound = self._hookspec_embeddings_signature.bind(self, *args, **kwargs)
+            bound = self._hookspec_mtp_embeddings_signature.bind(self, *args, **kwargs)
             group = getattr(bound.arguments.get("packed_seq_params"), "cp_group", None)
         if group is None:
             out = own(*args, **kwargs)
@@ -310,15 +310,15 @@ def adapt_mtp_layers(model: Any, options: MTPOptions | None) -> None:
                         (MTPLayerAdapter, cls),
                         {
                             "__module__": __name__,
-                            "_hookspec_original_class": cls,
-                            "_hookspec_embeddings_signature": inspect.signature(cls._get_embeddings),
+                            "_hookspec_mtp_original_class": cls,
+                            "_hookspec_mtp_embeddings_signature": inspect.signature(cls._get_embeddings),
                         },
                     )
                     _ADAPTED_LAYERS[cls] = adapted
                 layer.__class__ = adapted
             layer.__dict__[_LAYER_OPTIONS] = options
         elif isinstance(layer, MTPLayerAdapter):
-            layer.__class__ = layer._hookspec_original_class
+            layer.__class__ = layer._hookspec_mtp_original_class
             layer.__dict__.pop(_LAYER_OPTIONS, None)
 
 
