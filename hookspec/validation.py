@@ -204,7 +204,7 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
         rows = ctx.vocab.local_size if ctx.vocab is not None else ws[0]
         if ws != (rows, h):
             raise ContractError(
-                "vocab_weight", expected=f"shape [V/tp={rows}, h={h}]", actual=format_shape(ws)
+                "vocab_weight", expected=f"shape [V_local={rows}, h={h}]", actual=format_shape(ws)
             )
     check_int64("mtp_depth", ctx.mtp_depth, low=0)
     check_int64("ignore_index", ctx.ignore_index)

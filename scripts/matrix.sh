@@ -10,7 +10,7 @@
 # and put first on PYTHONPATH of the environment of its Python (py311 or py312); the run
 # checks that `megatron.core` then imports from that folder. The releases the environments
 # themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
-# here they only print their row of the README's release table. Every release prints
+# here they only print their row of the release table (docs/releases.md). Every release prints
 # `python -m torch_impl.doctor --facts-row`, the row tests/test_release_matrix.py checks.
 # Exit status: 0 when every release passed, 1 otherwise. Expects both environments set up.
 set -uo pipefail

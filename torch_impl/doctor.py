@@ -8,7 +8,7 @@ measured on this device class (:func:`environment`). Then the installed release
 (from the distribution metadata, checked
 against the ``megatron.core`` package actually imported), the adapter path it
 takes, the release's facts as read from its code (:func:`release_facts`, the
-row of the README's release table), whether the release is in the CI matrix
+row of the release table in docs/releases.md), whether the release is in the CI matrix
 (:data:`MATRIX_RELEASES`), and then runs the checks on a tiny CPU model
 (:func:`run_checks`, a few seconds): bitwise stock without a processor, tied and
 untied; a hookspec and an upstream-style processor through the output layer,
@@ -22,7 +22,7 @@ every check that applies to it, each reported as passed, failed or skipped
 
 Exit status: 0 when no check failed, 1 otherwise.
 
-``--facts-row`` prints only the README table row; ``--no-checks`` skips the checks.
+``--facts-row`` prints only the release-table row (docs/releases.md); ``--no-checks`` skips the checks.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ReleaseFacts:
     workarounds: tuple[str, ...]
 
     def row(self) -> str:
-        """The README table row."""
+        """The release-table row of docs/releases.md."""
 
         def yes(flag: bool) -> str:
             return "yes" if flag else "no"
@@ -570,7 +570,9 @@ def _run_checks(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_impl.doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--facts-row", action="store_true", help="print only the README release-table row")
+    parser.add_argument(
+        "--facts-row", action="store_true", help="print only the release-table row of docs/releases.md"
+    )
     parser.add_argument("--no-checks", action="store_true", help="print the facts, run no checks")
     args = parser.parse_args(argv)
 

@@ -119,7 +119,7 @@ def _vjps(
 def _leaf_weight(ctx: OutputContext) -> OutputContext:
     w = ctx.vocab_weight
     if not isinstance(w, torch.Tensor):
-        raise ContractError("vocab_weight", expected="a torch.Tensor [V/tp, h]", actual=type(w).__name__)
+        raise ContractError("vocab_weight", expected="a torch.Tensor [V_local, h]", actual=type(w).__name__)
     if w.is_leaf and w.requires_grad:
         return ctx
     leaf = w.detach().requires_grad_()

@@ -128,7 +128,7 @@ class DenseTeacher:
 
     ``hidden_states``: ``[s, b, h_t]`` in the layout of the student's
     ``ctx.hidden_states`` (``[s/tp, b, h_t]`` under sequence parallel);
-    ``weight``: ``[V/tp, h_t]``, the same vocabulary rows as the student's
+    ``weight``: ``[V_local, h_t]``, the same vocabulary rows as the student's
     shard. ``h_t`` may differ from the student's. No gradient reaches them.
     ``mask``, ``global_tokens``, ``global_sequences``: as :class:`SparseTeacher`.
     """
@@ -469,7 +469,9 @@ def distillation_loss(
                 actual=type(ctx).__name__,
             )
         if ctx.vocab_weight is None or ctx.vocab is None:
-            raise ContractError("vocab_weight", expected="the output weight shard [V/tp, h]", actual="None")
+            raise ContractError(
+                "vocab_weight", expected="the output weight shard [V_local, h]", actual="None"
+            )
         hs = check_floating("hidden_states", ctx.hidden_states)
         validate_context(ctx, check_values=False)
         teacher = _teacher(ctx)

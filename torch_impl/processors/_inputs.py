@@ -114,7 +114,7 @@ def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
             "labels", expected=f"token ids [b, s] (processor {name!r} needs them)", actual="None"
         )
     if ctx.vocab_weight is None or ctx.vocab is None:
-        raise ContractError("vocab_weight", expected="the output weight shard [V/tp, h]", actual="None")
+        raise ContractError("vocab_weight", expected="the output weight shard [V_local, h]", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
     # A direct call (not through the hook) gets the hook's shape checks too, and the
     # label range where the hook has not checked it (a hand-built context).

@@ -542,7 +542,9 @@ def topk_logprobs(
                 "processor 'topk_logprobs'", expected="a hookspec.OutputContext", actual=type(ctx).__name__
             )
         if ctx.vocab_weight is None or ctx.vocab is None:
-            raise ContractError("vocab_weight", expected="the output weight shard [V/tp, h]", actual="None")
+            raise ContractError(
+                "vocab_weight", expected="the output weight shard [V_local, h]", actual="None"
+            )
         hs = check_floating("hidden_states", ctx.hidden_states)
         validate_context(ctx, check_values=False)
         if ctx.labels is not None:
