@@ -388,7 +388,9 @@ def test_direct_call_with_hidden_states_in_batch_major_order_raises(make: Any) -
 
 def test_direct_call_with_a_weight_that_is_not_the_vocab_shard_raises() -> None:
     d = _data()
-    with pytest.raises(ContractError, match=r"^vocab_weight: expected shape \[V_local=50, h=8\], got \[49, 8\]"):
+    with pytest.raises(
+        ContractError, match=r"^vocab_weight: expected shape \[V_local=50, h=8\], got \[49, 8\]"
+    ):
         selected_logprobs()(_ctx(d["h"], d["w"][:-1], d["labels"]))
 
 
