@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -66,3 +67,43 @@ def run_distributed(
             rank, tb = errors.get()
             reports.append(f"--- rank {rank} ---\n{tb}")
         raise AssertionError("\n".join(reports) or str(exc)) from None
+
+
+class _RowsGather(torch.autograd.Function):
+    """All-gather rows along dim 0; backward: all-reduce and keep this rank's rows (a
+    reduce-scatter), as Megatron's ``gather_from_sequence_parallel_region(...,
+    tensor_parallel_output_grad=True)``, whose buffers live on CUDA."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        r = torch.distributed.get_rank(ctx.group)
+        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
+
+
+class GlooSequenceParallel:
+    """``inner`` collectives with ``gather_hidden_states`` as under sequence parallel, over
+    gloo (Megatron's sequence-parallel gather needs CUDA); every other method is ``inner``'s."""
+
+    def __init__(self, inner: Any, group: Any) -> None:
+        self.inner, self.group = inner, group
+
+    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_sum(x)
+
+    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_reduce_max(x)
+
+    def all_gather(self, x: torch.Tensor, /) -> torch.Tensor:
+        return self.inner.all_gather(x)
+
+    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
+        return _RowsGather.apply(x, self.group)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hookspec import Aggregation, ContractError, DistillDivergence, OutputContext, TeacherTail, VocabShard
-from tests.distributed import run_distributed
+from tests.distributed import GlooSequenceParallel, run_distributed
 from torch_impl.processors import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
 
 IGNORE = -100
@@ -288,39 +288,6 @@ def test_context_checks() -> None:
 # ---------------------------------------------------------------- tensor parallel
 
 
-class _RowsGather(torch.autograd.Function):
-    """Sequence parallel on gloo: all-gather rows; backward all-reduce and keep this
-    rank's rows (a reduce-scatter), as Megatron's ``gather_from_sequence_parallel_region``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rows = group, x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        r = torch.distributed.get_rank(ctx.group)
-        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
-
-
-class _SequenceParallel:
-    def __init__(self, inner: Any, group: Any) -> None:
-        self.inner, self.group = inner, group
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_sum(x)
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_max(x)
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return _RowsGather.apply(x, self.group)
-
-
 def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_parallel: bool) -> None:
     from megatron.core import parallel_state
 
@@ -335,7 +302,7 @@ def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_p
     s = d["h"].shape[0]
     rows = slice(rank * s // 2, (rank + 1) * s // 2) if sequence_parallel else slice(0, s)
     if sequence_parallel:
-        coll = _SequenceParallel(coll, group)
+        coll = GlooSequenceParallel(coll, group)
     teacher = _teacher(d, dense)
     if dense:
         teacher = DenseTeacher(hidden_states=d["th"][rows], weight=d["tw"][shard], mask=d["mask"])

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import GlooSequenceParallel, run_distributed
 from torch_impl.processors import fused_token_loss, linear_logprobs
 
 IGNORE = -100
@@ -57,39 +57,6 @@ def _truth(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"lp": lp.detach(), "ent": ent.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
-class _GlooSequenceParallel(torch.autograd.Function):
-    """All-gather rows along dim 0; backward: all-reduce and keep this rank's rows
-    (a reduce-scatter), like Megatron's ``gather_from_sequence_parallel_region``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rows = group, x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        r = torch.distributed.get_rank(ctx.group)
-        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
-
-
-class _SPCollectives:
-    def __init__(self, inner: Any, group: Any) -> None:
-        self.inner, self.group = inner, group
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_sum(x)
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_max(x)
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return _GlooSequenceParallel.apply(x, self.group)
-
-
 def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
     from megatron.core import parallel_state
 
@@ -129,7 +96,7 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     rows = slice(rank * N // 2, (rank + 1) * N // 2)
     h_local = p["h"][rows].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
-    sp = _SPCollectives(coll, group)
+    sp = GlooSequenceParallel(coll, group)
     r = linear_logprobs(h_local, w, p["y"], temperature=p["t"], with_entropy=True, collectives=sp, **kw)
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy**2).sum().backward()

@@ -13,7 +13,7 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.distributed import run_distributed
+from tests.distributed import GlooSequenceParallel, run_distributed
 from torch_impl.processors import linear_topk_logprobs, topk_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
@@ -225,42 +225,6 @@ def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> Non
 # ---------------------------------------------------------------- tensor parallel
 
 
-class _RowsGather(torch.autograd.Function):
-    """Sequence parallel on gloo: all-gather rows; backward all-reduce and keep this
-    rank's rows (a reduce-scatter), as Megatron's ``gather_from_sequence_parallel_region``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rows = group, x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        r = torch.distributed.get_rank(ctx.group)
-        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
-
-
-class _SequenceParallel:
-    def __init__(self, inner: Any, group: Any) -> None:
-        self.inner, self.group = inner, group
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_sum(x)
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_reduce_max(x)
-
-    def all_gather(self, x: torch.Tensor, /) -> torch.Tensor:
-        return self.inner.all_gather(x)
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return _RowsGather.apply(x, self.group)
-
-
 def _tp2(
     rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dict]], sp: tuple[dict, dict, dict]
 ) -> None:
@@ -299,7 +263,7 @@ def _tp2(
     w = p_sp["w"][shard].clone().requires_grad_()
     r = linear_topk_logprobs(
         h, w, k=3, labels=p_sp["y"], temperature=p_sp["t"], with_entropy=True, vocab_start=rank * half,
-        vocab_size=V, collectives=_SequenceParallel(coll, group), vocab_chunk_size=7,
+        vocab_size=V, collectives=GlooSequenceParallel(coll, group), vocab_chunk_size=7,
     )  # fmt: skip
     assert r.label_logprobs is not None and r.entropy is not None
     loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
