@@ -162,3 +162,23 @@ def test_hookcheck_seed_beyond_its_range_is_named(value: str) -> None:
     line = err.getvalue().strip().splitlines()[-1]
     assert line.startswith("hookcheck: error: --seed: expected an int in [0, 2**32 - 1]"), line
     assert "processor" not in line
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**70, True, 1.0, "-100"])
+def test_hook_options_made_directly_check_ignore_index(value: Any) -> None:
+    """``HookOptions`` made by hand checks what ``enable_output_processor`` checks."""
+    from torch_impl import HookOptions
+
+    with pytest.raises(ContractError) as info:
+        HookOptions(ignore_index=value)
+    assert info.value.field == "ignore_index"
+
+
+def test_hook_options_keep_ignore_index_as_a_python_int() -> None:
+    import numpy as np
+
+    from torch_impl import HookOptions
+
+    got = HookOptions(ignore_index=np.int64(-7)).ignore_index
+    assert type(got) is int and got == -7
+    assert HookOptions(ignore_index=2**63 - 1).ignore_index == 2**63 - 1

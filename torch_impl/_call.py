@@ -30,6 +30,7 @@ from hookspec import (
     IGNORE_INDEX,
     ContractError,
     OutputContext,
+    check_int64,
     check_upstream_processor,
     is_hookspec_processor,
     validate_context,
@@ -122,12 +123,8 @@ class HookOptions:
         if not isinstance(self.mtp, MTPOptions):
             raise ContractError("mtp", expected="a torch_impl.mtp.MTPOptions", actual=type(self.mtp).__name__)
         # checked where they enter (enable_output_processor), not at the first forward
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ContractError(
-                "ignore_index",
-                expected="an int (the label that selects no token; Megatron's is -100)",
-                actual=repr(self.ignore_index),
-            )
+        # the label that selects no token (Megatron's is -100); it meets int64 label tensors
+        object.__setattr__(self, "ignore_index", check_int64("ignore_index", self.ignore_index))
         if not isinstance(self.check_values, bool):
             raise ContractError("check_values", expected="a bool", actual=repr(self.check_values))
 

@@ -63,7 +63,9 @@ _TILES = {"vocab_chunk_size": 24, "token_chunk_size": 7}
 LOGPROBS = selected_logprobs(entropy=True, **_TILES)
 LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, **_TILES)
 LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, **_TILES)
-CROSS_ENTROPY = cross_entropy_loss(**_TILES)
+CROSS_ENTROPY = cross_entropy_loss(
+    vocab_chunk_size=_TILES["vocab_chunk_size"], token_chunk_size=_TILES["token_chunk_size"]
+)
 
 PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
 PPO = policy_loss(PPO_CONFIG, fused_tile_elements=200)  # fused: 3 tokens x 64 logits per tile
