@@ -74,8 +74,8 @@ def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> N
         else:
             mbs = split_rollout(batch, NUM_MICROBATCHES)
             assert all(mb.input_ids.shape == (1, 4 * 7) for mb in mbs)  # 4 sequences of 7 a row
-        old = schedule_logprobs(ddp, mbs, schedule_context=cpu_schedule)
-        ref = schedule_logprobs(reference, mbs, schedule_context=cpu_schedule)
+        old = schedule_logprobs(ddp, mbs, schedule_scope=cpu_schedule)
+        ref = schedule_logprobs(reference, mbs, schedule_scope=cpu_schedule)
 
         # the toy's way: padded rows [16, 7], one plain forward each
         want_old = sequence_logprobs(ddp, batch)
@@ -94,7 +94,7 @@ def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> N
             )
             for k, (mb, o, r) in enumerate(zip(mbs, old, ref, strict=True))
         ]
-        metrics = policy_update(ddp, mbs, kl_coef=config.kl_coef, schedule_context=cpu_schedule)
+        metrics = policy_update(ddp, mbs, kl_coef=config.kl_coef, schedule_scope=cpu_schedule)
         got = {name: p.main_grad.clone() for name, p in ddp.module.named_parameters()}
 
         out = ddp.module(
@@ -166,7 +166,7 @@ def test_grpo_through_the_schedule_reward_rises() -> None:
                 CountingTask(vocab_size=TOY_SHAPE.vocab_size),
                 RUN,
                 num_microbatches=RUN_MICROBATCHES,
-                schedule_context=cpu_schedule,
+                schedule_scope=cpu_schedule,
             )
     finally:
         torch.set_num_threads(threads)

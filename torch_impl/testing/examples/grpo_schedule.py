@@ -30,7 +30,7 @@ One update::
 The loss of a micro-batch is its seq-mean-token-mean; the schedule divides each by the
 number of micro-batches, so with equal micro-batches the step's gradient is the whole
 batch's, as in the toy. Sampling calls the model directly (no schedule). On a CPU,
-pass ``schedule_context=torch_impl.testing.schedules.cpu_schedule``: each schedule
+pass ``schedule_scope=torch_impl.testing.schedules.cpu_schedule``: each schedule
 call runs inside it.
 """
 
@@ -125,7 +125,7 @@ def split_rollout(batch: Rollout, num_microbatches: int, /) -> list[PackedMicroB
     ]
 
 
-ScheduleContext = Callable[[], contextlib.AbstractContextManager[Any]]
+ScheduleScope = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 def _schedule(
@@ -134,11 +134,11 @@ def _schedule(
     mbs: list[PackedMicroBatch],
     *,
     forward_only: bool,
-    schedule_context: ScheduleContext,
+    schedule_scope: ScheduleScope,
 ) -> Any:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    with schedule_context():
+    with schedule_scope():
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(mbs),
@@ -156,11 +156,11 @@ def schedule_logprobs(
     /,
     *,
     temperature: float = 1.0,
-    schedule_context: ScheduleContext = contextlib.nullcontext,
+    schedule_scope: ScheduleScope = contextlib.nullcontext,
 ) -> list[torch.Tensor]:
     """Each micro-batch's label logprobs ``[1, t]`` through a forward-only schedule
     (``selected_logprobs`` in the hook; the loss function returns a zero loss and
-    the logprobs as its metrics), entered inside ``schedule_context()``."""
+    the logprobs as its metrics), entered inside ``schedule_scope()``."""
     processor = selected_logprobs(temperature=temperature)
 
     def loss_func(result: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -179,7 +179,7 @@ def schedule_logprobs(
         return result, loss_func
 
     with torch.no_grad():
-        out = _schedule(model, step, mbs, forward_only=True, schedule_context=schedule_context)
+        out = _schedule(model, step, mbs, forward_only=True, schedule_scope=schedule_scope)
     return [m["logprobs"] for m in out]
 
 
@@ -209,11 +209,11 @@ def policy_update(
     *,
     kl_coef: float,
     temperature: float = 1.0,
-    schedule_context: ScheduleContext = contextlib.nullcontext,
+    schedule_scope: ScheduleScope = contextlib.nullcontext,
 ) -> list[dict[str, torch.Tensor]]:
     """One forward and backward pass of the GRPO loss over the packed micro-batches
     (each with ``old_logprobs`` and ``ref_logprobs``) through the schedule, inside
-    ``schedule_context()``. DDP's gradient buffer is zeroed first; afterwards each
+    ``schedule_scope()``. DDP's gradient buffer is zeroed first; afterwards each
     parameter's ``main_grad`` holds the gradient of the mean of the micro-batch
     losses. Returns the schedule's per-micro-batch metrics (``loss``, ``kl``,
     ``clip_fraction``)."""
@@ -247,7 +247,7 @@ def policy_update(
         return result, loss_func
 
     ddp.zero_grad_buffer()
-    return list(_schedule(ddp, step, mbs, forward_only=False, schedule_context=schedule_context))
+    return list(_schedule(ddp, step, mbs, forward_only=False, schedule_scope=schedule_scope))
 
 
 def grpo_schedule_step(
@@ -260,12 +260,12 @@ def grpo_schedule_step(
     *,
     num_microbatches: int,
     generator: torch.Generator,
-    schedule_context: ScheduleContext = contextlib.nullcontext,
+    schedule_scope: ScheduleScope = contextlib.nullcontext,
 ) -> StepStats:
     """One rollout and ``updates_per_step`` optimizer steps, every pass through the
     schedule over ``num_microbatches`` packed micro-batches. ``ddp`` from
     :func:`wrap_ddp`; ``reference`` an enabled GPT (its weights are not updated).
-    Each schedule call runs inside ``schedule_context()`` (on a CPU:
+    Each schedule call runs inside ``schedule_scope()`` (on a CPU:
     ``torch_impl.testing.schedules.cpu_schedule``); sampling runs outside it."""
     vocab = getattr(unwrap_model(ddp), "vocab_size", None)
     if vocab != task.vocab_size:
@@ -274,7 +274,7 @@ def grpo_schedule_step(
         )
     batch = rollout(ddp, task, config, generator=generator)
     mbs = split_rollout(batch, num_microbatches)
-    kw: dict[str, Any] = {"temperature": config.temperature, "schedule_context": schedule_context}
+    kw: dict[str, Any] = {"temperature": config.temperature, "schedule_scope": schedule_scope}
     old = schedule_logprobs(ddp, mbs, **kw)
     ref = schedule_logprobs(reference, mbs, **kw)
     mbs = [dataclasses.replace(mb, old_logprobs=o, ref_logprobs=r) for mb, o, r in zip(mbs, old, ref)]
@@ -305,7 +305,7 @@ def train(
     /,
     *,
     num_microbatches: int = 4,
-    schedule_context: ScheduleContext = contextlib.nullcontext,
+    schedule_scope: ScheduleScope = contextlib.nullcontext,
 ) -> list[StepStats]:
     """``config.steps`` steps of :func:`grpo_schedule_step` with Adam (``lr``) on
     ``ddp``'s parameters, sampling from a generator seeded with ``config.seed``."""
@@ -320,7 +320,7 @@ def train(
             config,
             num_microbatches=num_microbatches,
             generator=generator,
-            schedule_context=schedule_context,
+            schedule_scope=schedule_scope,
         )
         for _ in range(config.steps)
     ]
