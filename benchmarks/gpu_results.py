@@ -299,7 +299,8 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
         (
             "On the CPU, nothing slower: at 8192 x 1024 x 65536 fp32, ours at most 0.8x the naive time",
             NOT,
-            "a CPU figure: `python -m benchmarks.logprobs` measures it, not this GPU command",
+            "a CPU figure, not this GPU command's: measured by `python -m benchmarks.logprobs`: see"
+            " [processors.md](processors.md#benchmarks)",
         )
     )
     return out
