@@ -67,6 +67,7 @@ __all__ = [
     "has_mtp_layers",
     "mtp_roll_group",
     "mtp_semantics",
+    "scale_gradient",
     "scaled_mtp_gradient",
 ]
 
@@ -191,6 +192,11 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged in the forward pass; ``factor * dx`` in the backward pass."""
+    return _ScaleGradient.apply(x, factor)
+
+
 def scaled_mtp_gradient(mtp_processor: Any, /, factor: float) -> Processor:
     """``mtp_processor`` whose loss carries ``factor`` times its gradient; the
     value (and so Megatron's logged MTP loss) is unchanged::
@@ -220,9 +226,9 @@ def scaled_mtp_gradient(mtp_processor: Any, /, factor: float) -> Processor:
     def fn(ctx: OutputContext) -> Any:
         out = mtp_processor(ctx)
         if isinstance(out, torch.Tensor):
-            return _ScaleGradient.apply(out, scale)
+            return scale_gradient(out, scale)
         if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-            return {**out, "loss": _ScaleGradient.apply(out["loss"], scale)}
+            return {**out, "loss": scale_gradient(out["loss"], scale)}
         return out  # the forward's result check names what is wrong
 
     name = getattr(mtp_processor, "name", getattr(mtp_processor, "__name__", "mtp_processor"))

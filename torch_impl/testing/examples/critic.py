@@ -48,6 +48,7 @@ import torch
 
 import hookspec
 from hookspec import ContractError, OutputContext
+from torch_impl.mtp import scale_gradient
 
 __all__ = ["ValueBatch", "clipped_value_loss", "value_head_processor"]
 
@@ -63,19 +64,6 @@ class ValueBatch:
     old_values: torch.Tensor
     mask: torch.Tensor | None = None
     global_tokens: float | None = None
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """``x`` forward; ``factor * dx`` backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
 
 
 def clipped_value_loss(
@@ -141,10 +129,10 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
     clip = None if clip_range is None else float(clip_range)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        hidden = ctx.collectives.gather_hidden_states(ctx.hidden_states)  # [s, b, h]
+        hidden: Any = ctx.collectives.gather_hidden_states(ctx.hidden_states)  # [s, b, h]
         tp = ctx.parallel.tp_size
         if tp > 1:  # every rank's gradient is whole: counted once in the gather's sum
-            hidden = _ScaleGradient.apply(hidden, 1.0 / tp)
+            hidden = scale_gradient(hidden, 1.0 / tp)
         out = head(hidden)
         if isinstance(out, tuple):  # Megatron's parallel linear layers return (output, bias)
             out, bias = out
