@@ -19,7 +19,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -70,9 +70,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         base = torch.cuda.memory_allocated()
     else:
         exact = _reset_peak()
-        base = _status_kib("VmRSS") * 1024
+        base = status_kib("VmRSS") * 1024
         if not exact:
-            base = max(base, _status_kib("VmHWM") * 1024)
+            base = max(base, status_kib("VmHWM") * 1024)
     t0 = time.perf_counter()
     if method in POLICY_METHODS:
         loss = POLICY_METHODS[method](x["h"], x["w"], x["y"], x["batch"])
@@ -94,7 +94,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _status_kib("VmHWM") * 1024 - base
+        peak = status_kib("VmHWM") * 1024 - base
     return {
         "time_s": elapsed,
         "peak_extra_mib": peak / 2**20,

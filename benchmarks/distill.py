@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ._worker import status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
 FULL = {"tokens": 1024, "hidden": 512, "teacher_hidden": 768, "vocab": 32768, "k": 16}
 QUICK = {"tokens": 128, "hidden": 64, "teacher_hidden": 96, "vocab": 2048, "k": 8}
@@ -127,14 +129,6 @@ def _materialised(pair: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
     return (0.5 * (lp.exp() * (lp - log_m)).sum(-1) + 0.5 * (lq.exp() * (lq - log_m)).sum(-1)).mean()
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def worker(spec: dict[str, Any]) -> dict[str, float]:
     """One forward + backward in this process: wall time and peak RSS above the inputs."""
     torch.set_num_threads(int(spec.get("threads") or torch.get_num_threads()))
@@ -148,13 +142,13 @@ def worker(spec: dict[str, Any]) -> dict[str, float]:
             f.write("5")  # reset the peak resident set
     except OSError:
         pass
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     t0 = time.perf_counter()
     fn = _ours if spec["method"] == "ours" else _materialised
     loss = fn(spec["pair"], x)
     loss.backward()
     elapsed = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     return {"time_s": elapsed, "peak_extra_mib": (peak - base) / 1024, "loss": float(loss)}
 
 
