@@ -13,6 +13,7 @@ from .collectives import Collectives, SingleProcessCollectives
 from .context import OutputContext, ParallelLayout, VocabShard
 from .conventions import (
     IGNORE_INDEX,
+    TAIL_FLOOR,
     UPSTREAM_HOOK_KEYWORDS,
     UPSTREAM_HOOK_SOURCES,
     Aggregation,
@@ -36,6 +37,7 @@ from .validation import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "TAIL_FLOOR",
     "INT64_MAX",
     "INT64_MIN",
     "SPEC_VERSION",

@@ -69,21 +69,40 @@ the same outcomes, where a term whose weight (``P``, ``Q``) is 0 is 0::
     jsd(beta):   log M = logaddexp(log(beta) + log P, log(1 - beta) + log Q)    # 0 < beta < 1
                  D = beta * sum(P * (log P - log M)) + (1 - beta) * sum(Q * (log Q - log M))
 
-Dense teacher: ``P = p``, ``Q = q`` over the whole vocabulary (the teacher's
-logits ``z_t / T`` from its hidden states and output weight, no gradient).
+Dense teacher: ``P = p``, ``Q = q`` over the whole vocabulary. The teacher's
+logits are ``z_t = h_t @ W_t.T * c_t / T`` from its hidden states, its output weight
+(the same vocabulary rows as the student's) and its own logit scale ``c_t`` (MuP's
+output multiplier of the teacher model; 1 without MuP); the student's are ``z = h @
+W.T * c / T`` with its model's scale ``c``. No gradient reaches the teacher. No
+``T**2`` factor is applied: ``D`` is the divergence at temperature ``T``
+(Hinton's ``T**2`` gradient scale is the caller's to multiply).
+
 Sparse teacher: its top-k ``ids [k]`` and logprobs ``lp_t [k]``, the student's
 ``u = z[ids] / T`` and ``log q = u - logsumexp(z / T)``; the teacher's remaining
 mass is treated one of two ways (``TeacherTail``)::
 
     renormalize:  log P = lp_t - logsumexp(lp_t)                       # [k]
                   log Q = u - logsumexp(u)                             # [k]: no full-vocabulary term
-    bucket:       p_tail = max(1 - sum(exp(lp_t)), 0)
-                  q_tail = max(-expm1(logsumexp(log q)), tiny)         # tiny: the dtype's smallest normal
-                  log P = concat(lp_t, log(p_tail))                    # [k + 1]: the k ids and one tail
-                  log Q = concat(log q, log(q_tail))
+    bucket:       p_tail = -expm1(logsumexp(lp_t))                     # 1 - sum(exp(lp_t)), no cancellation
+                  q_tail = -expm1(logsumexp(log q))
+                  log P = concat(lp_t, log(max(p_tail, TAIL_FLOOR)))   # [k + 1]: the k ids and one tail
+                  log Q = concat(log q, log(max(q_tail, TAIL_FLOOR)))  # both tails alike
+
+``TAIL_FLOOR = 2**-126`` (float32's smallest normal number, whatever dtype the terms
+are computed in): a tail that is empty on both sides contributes
+``TAIL_FLOOR * (log TAIL_FLOOR - log TAIL_FLOOR) = 0``, and a tail empty on one side
+only a finite term (``k = V``, or a teacher whose listed mass rounds to 1, gives a
+finite reverse KL).
+
+A sparse teacher is valid where it is read (the tokens that count), per token:
+``ids`` distinct, each in ``[0, V)``; ``lp_t`` finite, each ``<= eps`` and
+``sum(exp(lp_t)) <= 1 + k * eps`` (``eps``: the machine epsilon of ``lp_t``'s dtype,
+its rounding); ``lp_t[0] >= lp_t[j]`` for every ``j`` (``ids[0]`` is the teacher's
+top-1, which top-1 agreement reads). An invalid teacher raises ``ContractError``
+rather than giving a loss.
 
 Top-1 agreement: ``argmax(q) == argmax(p)`` (dense; ties: the smaller id), or
-``argmax(q) == ids[0]`` (sparse: the teacher's first id is its top-1).
+``argmax(q) == ids[0]`` (sparse).
 """
 
 from __future__ import annotations
@@ -93,6 +112,7 @@ from typing import NamedTuple
 
 __all__ = [
     "IGNORE_INDEX",
+    "TAIL_FLOOR",
     "UPSTREAM_HOOK_KEYWORDS",
     "UPSTREAM_HOOK_SOURCES",
     "Aggregation",
@@ -104,6 +124,10 @@ __all__ = [
 
 IGNORE_INDEX: int = -100
 """The default ignore index, as in ``torch.nn.functional.cross_entropy``."""
+
+TAIL_FLOOR: float = 2.0**-126
+"""The floor of both tails of a sparse teacher's ``bucket`` form (float32's smallest
+normal number, whatever dtype the terms are computed in; module docstring)."""
 
 UPSTREAM_HOOK_KEYWORDS: tuple[str, ...] = (
     "hidden_states",

@@ -30,18 +30,25 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hookspec import OutputContext, VocabShard
+from hookspec import DistillDivergence, OutputContext, TeacherTail, VocabShard
 from torch_impl import processors
 from torch_impl.processors import (
     BackendChoice,
+    DenseTeacher,
+    DistillConfig,
+    LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
     RatioLevel,
+    SparseTeacher,
     cross_entropy_loss,
+    distillation_loss,
     fused_token_loss,
     linear_logprobs,
+    linear_topk_logprobs,
     policy_loss,
     selected_logprobs,
+    topk_logprobs,
 )
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -52,6 +59,7 @@ if HAS_TRITON and not torch.cuda.is_available():
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 B, S, H, V = 4, 12, 24, 300  # n = 48 tokens; no other dimension equals H
+K = 5  # top-k and the sparse teacher
 N = B * S
 IGNORE = -100
 aten = torch.ops.aten
@@ -102,7 +110,18 @@ def data(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, V, (B, S), generator=g)
     y[0, ::5] = IGNORE
+    teacher_h = torch.randn(S, B, H, generator=g).to(dtype)
+    teacher_w = (torch.randn(V, H, generator=g) * 0.3).to(dtype)
+    top = torch.sort(
+        torch.einsum("sbh,vh->bsv", teacher_h.double(), teacher_w.double()).log_softmax(-1),
+        -1,
+        descending=True,
+    )
     return {
+        "dense": DenseTeacher(hidden_states=teacher_h, weight=teacher_w),
+        "sparse": SparseTeacher(
+            ids=top.indices[..., :K].contiguous(), logprobs=top.values[..., :K].contiguous()
+        ),
         "h": torch.randn(S, B, H, generator=g).to(dtype),  # [s, b, h], Megatron's layout
         "w": (torch.randn(V, H, generator=g) * 0.3).to(dtype),
         "y": y,
@@ -115,9 +134,25 @@ def data(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def ctx_of(d: dict[str, Any], h: torch.Tensor, w: torch.Tensor) -> OutputContext:
+def ctx_of(
+    d: dict[str, Any], h: torch.Tensor, w: torch.Tensor, context: Any = None, **kw: Any
+) -> OutputContext:
     return OutputContext(
-        hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V), context=d["batch"]
+        hidden_states=h,
+        labels=d["y"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=d["batch"] if context is None else context,
+        **kw,
+    )
+
+
+def _distill(how: str) -> Callable[[dict[str, Any], torch.Tensor, torch.Tensor], Any]:
+    tail = TeacherTail.BUCKET if how == "bucket" else TeacherTail.RENORMALIZE
+    cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=tail)
+    teacher = "dense" if how == "dense" else "sparse"
+    return lambda d, h, w: distillation_loss(cfg, tile_elements=d["tile_elements"])(
+        ctx_of(d, h, w, d[teacher])
     )
 
 
@@ -138,12 +173,14 @@ def backward_of(out: Any) -> None:
 CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], Any], float]] = {
     "linear_logprobs+entropy": (
         lambda d, h, w: linear_logprobs(
-            h.reshape(-1, H), w, d["y"].T.reshape(-1), with_entropy=True, **d["kw"]
+            h.reshape(-1, H), w, d["y"].T.reshape(-1), with_entropy=True, options=LinearOptions(**d["kw"])
         ),
         4.0,
     ),
     "linear_logprobs": (
-        lambda d, h, w: linear_logprobs(h.reshape(-1, H), w, d["y"].T.reshape(-1), **d["kw"]),
+        lambda d, h, w: linear_logprobs(
+            h.reshape(-1, H), w, d["y"].T.reshape(-1), options=LinearOptions(**d["kw"])
+        ),
         4.0,
     ),
     "fused_token_loss": (
@@ -152,8 +189,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
             w,
             d["y"].T.reshape(-1),
             lambda lp, ent, rows: (lp * 0.3 - ent**2).sum(),
-            tile_elements=d["tile_elements"],
-            backend=d["backend"],
+            options=LinearOptions(backend=d["backend"], tile_rows=max(1, d["tile_elements"] // w.shape[0])),
         ),
         3.0,
     ),
@@ -186,6 +222,26 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         ),
         3.0,
     ),
+    "linear_topk_logprobs": (
+        lambda d, h, w: linear_topk_logprobs(
+            h.reshape(-1, H),
+            w,
+            k=K,
+            labels=d["y"].T.reshape(-1),
+            with_entropy=True,
+            options=LinearOptions(**d["kw"]),
+        ),
+        4.0,
+    ),
+    "topk_logprobs": (lambda d, h, w: topk_logprobs(K, **d["tile"])(ctx_of(d, h, w)), 4.0),
+    "distillation_loss(dense)": (_distill("dense"), 4.0),  # and the teacher's logits (h_t = h)
+    "distillation_loss(sparse, bucket)": (_distill("bucket"), 3.0),
+    # the logits only; the gradient at the k ids of each row: 2 r k h flops, no GEMM
+    "distillation_loss(sparse, renormalize)": (_distill("renormalize"), 1.0 + K / V),
+    "cross_entropy_loss as the MTP processor": (
+        lambda d, h, w: cross_entropy_loss(**d["tile"])(ctx_of(d, h, w, mtp_depth=1)),
+        4.0,
+    ),
     "policy_loss(PPO, autograd)": (
         lambda d, h, w: policy_loss(PolicyLossConfig(fused=False), **d["tile"])(ctx_of(d, h, w)),
         4.0,
@@ -198,9 +254,18 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
     ),
 }
 
+ROW_SWEEP = {
+    "fused_token_loss",
+    "cross_entropy_loss(reduction='mean')",
+    "policy_loss(GRPO, fused)",
+    "distillation_loss(dense)",
+    "distillation_loss(sparse, bucket)",
+    "distillation_loss(sparse, renormalize)",
+}
 TORCH_TILE = (11, 128)  # token_chunk_size x vocab_chunk_size: chunks that divide nothing
-TILE_ELEMENTS = 9 * V  # fused: 9 rows a tile
-TRITON_BUDGET = 16384  # bytes of one fp32 logits chunk: 13 rows x 256 entries here
+TILE_ELEMENTS = 9 * V  # the row sweep: 9 rows a tile
+GRAD_BUFFER = 18 * V * 4  # the row sweep's gradient buffer: 18 rows (two tiles; three buffers in all)
+TRITON_BUDGET = 16384  # bytes of one fp32 logits tile: 13 rows x 256 entries here
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -211,8 +276,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if name == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed here (py311's CPU torch wheel has none); the torch backend runs")
     choice = BackendChoice(name, measured=False, source="test")
-    monkeypatch.setattr("torch_impl.processors._setup.auto_choice", lambda device: choice)
-    monkeypatch.setitem(processors.LOGITS_CHUNK_BYTES, "cpu", TRITON_BUDGET)
+    monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)
+    monkeypatch.setitem(processors.TILE_BYTES, "cpu", TRITON_BUDGET)
+    monkeypatch.setitem(processors.GRAD_BUFFER_BYTES, "cpu", GRAD_BUFFER)
     yield name
 
 
@@ -222,13 +288,13 @@ def _run_case(name: str, backend: str, dtype: torch.dtype = torch.float32) -> tu
     tile = (
         {} if backend == "triton" else {"token_chunk_size": TORCH_TILE[0], "vocab_chunk_size": TORCH_TILE[1]}
     )
-    d.update(tile=tile, kw=dict(tile, backend=backend), tile_elements=TILE_ELEMENTS, backend=backend)
+    kw = {} if backend == "triton" else {"tile_rows": TORCH_TILE[0], "tile_cols": TORCH_TILE[1]}
+    d.update(tile=tile, kw=dict(kw, backend=backend), tile_elements=TILE_ELEMENTS, backend=backend)
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
     counter = measure(lambda: backward_of(forward(d, h, w)))
-    fused = CASES[name][1] == 3.0
-    if fused:
-        budget = (TILE_ELEMENTS // V) * V * 4
+    if name in ROW_SWEEP:  # the gradient buffer (the compute dtype; fp32 here) is the larger
+        budget = max((TILE_ELEMENTS // V) * V * 4, GRAD_BUFFER)
     elif backend == "triton":
         budget = TRITON_BUDGET
     else:
@@ -264,7 +330,7 @@ def test_counter_counts_an_extra_gemm() -> None:
     y = d["y"].T.reshape(-1)
 
     def with_recompute() -> None:
-        r = linear_logprobs(h, w, y, with_entropy=True, backend="torch")
+        r = linear_logprobs(h, w, y, with_entropy=True, options=LinearOptions(backend="torch"))
         (r.logprobs.sum() + r.entropy.sum()).backward()  # type: ignore[union-attr]
         torch.mm(h.detach(), w.detach().T)
 

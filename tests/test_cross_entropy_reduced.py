@@ -95,7 +95,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if name == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed here (py311's CPU torch wheel has none); the torch backend runs")
     choice = BackendChoice(name, measured=False, source="test")
-    monkeypatch.setattr("torch_impl.processors._setup.auto_choice", lambda device: choice)
+    monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)
     return str(name)
 
 

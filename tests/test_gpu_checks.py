@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from torch_impl.processors import fused_token_loss, linear_logprobs
+from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 from torch_impl.value_checks import pending_checks, raise_pending_errors
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +59,7 @@ def _logprobs_pass(
     hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, backend: str
 ) -> dict[str, torch.Tensor]:
     hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    r = linear_logprobs(hh, ww, y, with_entropy=True, backend=backend)  # type: ignore[arg-type]
+    r = linear_logprobs(hh, ww, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
     assert r.entropy is not None
     (r.logprobs.sum() + r.entropy.sum()).backward()
     assert hh.grad is not None and ww.grad is not None
@@ -68,7 +68,7 @@ def _logprobs_pass(
 
 def _loss_pass(hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, backend: str) -> dict[str, torch.Tensor]:
     hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    r = fused_token_loss(hh, ww, y, _token_loss(hid.shape[0]), backend=backend)  # type: ignore[arg-type]
+    r = fused_token_loss(hh, ww, y, _token_loss(hid.shape[0]), options=LinearOptions(backend=backend))  # type: ignore[arg-type]
     r.loss.backward()
     assert hh.grad is not None and ww.grad is not None
     return {"loss": r.loss.detach(), "dh": hh.grad, "dw": ww.grad}
@@ -118,7 +118,7 @@ def test_cuda_graph_replay_equals_eager(backend: str) -> None:
     hid2, _, y2 = _inputs(n=1031, h=512, v=20011, seed=3)
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
-        r = linear_logprobs(hid, w, y, with_entropy=True, backend=backend)  # type: ignore[arg-type]
+        r = linear_logprobs(hid, w, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
         assert r.entropy is not None
         return r.logprobs, r.entropy
 
@@ -136,7 +136,7 @@ def test_cuda_graph_replay_equals_eager(backend: str) -> None:
         y.copy_(y2)
         g.replay()
         torch.cuda.synchronize()
-        eager = linear_logprobs(hid2, w, y2, with_entropy=True, backend=backend)  # type: ignore[arg-type]
+        eager = linear_logprobs(hid2, w, y2, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
     assert torch.equal(lp, eager.logprobs)
     assert eager.entropy is not None and torch.equal(ent, eager.entropy)
     raise_pending_errors(wait=True)

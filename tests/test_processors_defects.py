@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, SingleProcessCollectives, VocabShard
-from torch_impl.processors import fused_token_loss, linear_logprobs, selected_logprobs
+from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs, selected_logprobs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not torch.cuda.is_available():
@@ -73,12 +73,12 @@ def test_linear_logprobs_refuses_double_backward_by_name(backend: str) -> None:
     dtype = torch.float32 if backend == "triton" else torch.float64
     h, w, y = _inputs(dtype)
     h.requires_grad_()
-    lp = linear_logprobs(h, w, y, backend=backend).logprobs
+    lp = linear_logprobs(h, w, y, options=LinearOptions(backend=backend)).logprobs
     with pytest.raises(RuntimeError, match="linear_logprobs: double backward"):
         torch.autograd.grad(lp.sum(), h, create_graph=True)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return linear_logprobs(x, w, y, backend=backend).logprobs.sum()
+        return linear_logprobs(x, w, y, options=LinearOptions(backend=backend)).logprobs.sum()
 
     with pytest.raises(RuntimeError, match="linear_logprobs: double backward"):
         torch.autograd.functional.hvp(f, h.detach(), torch.ones_like(h))
@@ -88,7 +88,9 @@ def test_linear_logprobs_refuses_double_backward_by_name(backend: str) -> None:
     )
     assert float(hvp.abs().max()) > 1e-3
     # one backward without create_graph is unaffected
-    (g,) = torch.autograd.grad(linear_logprobs(h, w, y, backend=backend).logprobs.sum(), h)
+    (g,) = torch.autograd.grad(
+        linear_logprobs(h, w, y, options=LinearOptions(backend=backend)).logprobs.sum(), h
+    )
     (g_truth,) = torch.autograd.grad(_truth(h, w, y)[0].sum(), h)
     torch.testing.assert_close(
         g.double(), g_truth.double(), rtol=0, atol=1e-5 if backend == "triton" else 1e-12
@@ -99,7 +101,9 @@ def test_linear_logprobs_refuses_double_backward_by_name(backend: str) -> None:
 def test_fused_token_loss_refuses_double_backward_by_name(backend: str) -> None:
     h, w, y = _inputs(torch.float32 if backend == "triton" else torch.float64)
     h.requires_grad_()
-    f = fused_token_loss(h, w, y, lambda lp, ent, rows: (lp - ent).sum(), backend=backend)
+    f = fused_token_loss(
+        h, w, y, lambda lp, ent, rows: (lp - ent).sum(), options=LinearOptions(backend=backend)
+    )
     with pytest.raises(RuntimeError, match="fused_token_loss: double backward"):
         torch.autograd.grad(f.loss, h, create_graph=True)
 
@@ -250,11 +254,8 @@ def test_float64_path_is_float64_accurate(case: str) -> None:
             a,
             b,
             y,
-            temperature=t,
-            logit_scale=scale,
             with_entropy=True,
-            vocab_chunk_size=7,
-            token_chunk_size=4,
+            options=LinearOptions(temperature=t, logit_scale=scale, tile_cols=7, tile_rows=4),
         )
         assert r.logprobs.dtype == torch.float64 and r.entropy is not None
         return r.logprobs, r.entropy
@@ -276,7 +277,9 @@ def test_fused_loss_and_processor_with_float32_temperature_are_float64_accurate(
     h, w, y = _inputs()
     t = (torch.rand(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5).float()
     lp_truth, ent_truth = _truth(h, w, y, t)
-    f = fused_token_loss(h, w, y, lambda lp, ent, rows: (lp + ent).sum(), temperature=t)
+    f = fused_token_loss(
+        h, w, y, lambda lp, ent, rows: (lp + ent).sum(), options=LinearOptions(temperature=t)
+    )
     torch.testing.assert_close(f.logprobs, lp_truth, rtol=0, atol=1e-12)
     torch.testing.assert_close(f.entropy, ent_truth, rtol=0, atol=1e-12)
     ctx = OutputContext(

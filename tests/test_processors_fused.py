@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_impl.processors import fused_token_loss, linear_logprobs
+from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 IGNORE = -100
 
@@ -41,7 +41,9 @@ def _loss(x: dict[str, Any]) -> Any:
 def _autograd(x: dict[str, Any], scale: float) -> tuple[torch.Tensor, ...]:
     h = x["h"].clone().requires_grad_()
     w = x["w"].clone().requires_grad_()
-    r = linear_logprobs(h, w, x["y"], temperature=x["t"].to(x["h"].dtype), with_entropy=True)
+    r = linear_logprobs(
+        h, w, x["y"], with_entropy=True, options=LinearOptions(temperature=x["t"].to(x["h"].dtype))
+    )
     assert r.entropy is not None
     loss = _loss(x)(r.logprobs, r.entropy, slice(None))
     (loss * scale).backward()
@@ -54,7 +56,13 @@ def test_fused_equals_autograd_float64(tile: int) -> None:
     loss_a, dh_a, dw_a = _autograd(x, 2.5)
     h = x["h"].clone().requires_grad_()
     w = x["w"].clone().requires_grad_()
-    f = fused_token_loss(h, w, x["y"], _loss(x), temperature=x["t"], tile_elements=tile)
+    f = fused_token_loss(
+        h,
+        w,
+        x["y"],
+        _loss(x),
+        options=LinearOptions(temperature=x["t"], tile_rows=max(1, tile // w.shape[0])),
+    )
     (f.loss * 2.5).backward()  # the stored gradients are scaled by the incoming one
     tol = {"rtol": 1e-11, "atol": 1e-12}
     torch.testing.assert_close(f.loss, loss_a, **tol)
@@ -72,7 +80,13 @@ def test_fused_no_worse_than_autograd_in_low_precision(dtype: torch.dtype) -> No
     other = _autograd(x, 1.0)
     h = x["h"].clone().requires_grad_()
     w = x["w"].clone().requires_grad_()
-    f = fused_token_loss(h, w, x["y"], _loss(x), temperature=x["t"].to(dtype), tile_elements=600)
+    f = fused_token_loss(
+        h,
+        w,
+        x["y"],
+        _loss(x),
+        options=LinearOptions(temperature=x["t"].to(dtype), tile_rows=max(1, 600 // w.shape[0])),
+    )
     f.loss.backward()
     for got, ref, want in zip((f.loss, h.grad, w.grad), other, truth):
         scale = max(1.0, float(want.abs().max()))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookspec import ContractError
-from torch_impl.processors import linear_logprobs
+from hookspec import ContractError, VocabShard
+from torch_impl.processors import LinearOptions, linear_logprobs
 
 IGNORE = -100
 SLACK = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
@@ -144,7 +144,7 @@ def test_ignored_tokens_are_zero_with_zero_gradient() -> None:
     h, w, y = _inputs(12, 8, 50, torch.float32, seed=2)
     y[[0, 5, 11]] = IGNORE
     hh = h.clone().requires_grad_()
-    r = linear_logprobs(hh, w, y, vocab_chunk_size=16, token_chunk_size=5)
+    r = linear_logprobs(hh, w, y, options=LinearOptions(tile_cols=16, tile_rows=5))
     assert torch.equal(r.logprobs[[0, 5, 11]], torch.zeros(3))
     assert r.entropy is None
     r.logprobs.sum().backward()
@@ -155,7 +155,7 @@ def test_ignored_tokens_are_zero_with_zero_gradient() -> None:
 def test_custom_ignore_index_inside_the_vocabulary() -> None:
     h, w, y = _inputs(10, 8, 50, torch.float64, seed=3)
     y[2] = 7
-    r = linear_logprobs(h, w, y, ignore_index=7)
+    r = linear_logprobs(h, w, y, options=LinearOptions(ignore_index=7))
     truth, _ = reference(h, w, torch.where(y == 7, IGNORE, y), 1.0, torch.float64)
     torch.testing.assert_close(r.logprobs, truth, rtol=0, atol=1e-12)
 
@@ -166,7 +166,9 @@ def test_float64_gradcheck() -> None:
     t = torch.rand(6, dtype=torch.float64) + 0.5
 
     def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = linear_logprobs(a, b, y, temperature=t, with_entropy=True, vocab_chunk_size=5, token_chunk_size=4)
+        r = linear_logprobs(
+            a, b, y, with_entropy=True, options=LinearOptions(temperature=t, tile_cols=5, tile_rows=4)
+        )
         assert r.entropy is not None
         return r.logprobs, r.entropy
 
@@ -197,7 +199,7 @@ def test_all_logits_strongly_negative(dtype: torch.dtype) -> None:
     h = torch.cat([h, torch.ones(20, 1, dtype=torch.float64)], 1)
     w = torch.cat([w, torch.full((300, 1), -1e4, dtype=torch.float64)], 1)
     h, w = h.to(dtype), w.to(dtype)
-    r = linear_logprobs(h, w, y, with_entropy=True, vocab_chunk_size=64, token_chunk_size=7)
+    r = linear_logprobs(h, w, y, with_entropy=True, options=LinearOptions(tile_cols=64, tile_rows=7))
     assert bool(torch.isfinite(r.logprobs).all()) and bool((r.logprobs <= 0).all())
     truth_lp, truth_ent = reference(h, w, y, 1.0, torch.float64)
     naive_lp, _ = reference(h, w, y, 1.0, dtype)
@@ -218,7 +220,7 @@ def test_logits_up_to_1e4_and_peaked(dtype: torch.dtype) -> None:
 
 def test_entropy_is_non_negative_and_logprobs_non_positive() -> None:
     h, w, y = _inputs(64, 16, 500, torch.float32, seed=8, scale=30.0)
-    r = linear_logprobs(h, w, y, with_entropy=True, vocab_chunk_size=77, token_chunk_size=9)
+    r = linear_logprobs(h, w, y, with_entropy=True, options=LinearOptions(tile_cols=77, tile_rows=9))
     assert r.entropy is not None
     assert bool((r.entropy >= 0).all()) and bool((r.logprobs <= 0).all())
 
@@ -236,7 +238,7 @@ def test_nonfinite_hidden_states_give_nan_never_finite(bad: float) -> None:
     h, w, y = _inputs(10, 8, 60, torch.float32, seed=10)
     h[4, 2] = bad
     hh = h.clone().requires_grad_()
-    r = linear_logprobs(hh, w, y, with_entropy=True, vocab_chunk_size=16, token_chunk_size=3)
+    r = linear_logprobs(hh, w, y, with_entropy=True, options=LinearOptions(tile_cols=16, tile_rows=3))
     assert r.entropy is not None
     assert bool(torch.isnan(r.logprobs[4])) and bool(torch.isnan(r.entropy[4]))
     others = torch.arange(10) != 4
@@ -250,7 +252,7 @@ def test_nonfinite_hidden_states_give_nan_never_finite(bad: float) -> None:
 def test_nonfinite_weight_gives_nan() -> None:
     h, w, y = _inputs(5, 4, 30, torch.float32, seed=11)
     w[17, 1] = float("nan")
-    r = linear_logprobs(h, w, y, vocab_chunk_size=8)
+    r = linear_logprobs(h, w, y, options=LinearOptions(tile_cols=8))
     assert bool(torch.isnan(r.logprobs).all())
 
 
@@ -295,13 +297,15 @@ class _OtherRanksAbsent:
 def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:
     """A shard of rows [30, 60) of a vocabulary of 90: label 5 lives elsewhere."""
     h, w, y = _inputs(4, 4, 30, torch.float32)
-    shard = dict(vocab_start=30, vocab_size=90, collectives=_OtherRanksAbsent())
-    r = linear_logprobs(h, w, torch.tensor([5, 35, 89, IGNORE]), **shard)  # type: ignore[arg-type]
+    shard = LinearOptions(vocab=VocabShard(30, 60, 90), collectives=_OtherRanksAbsent())
+    r = linear_logprobs(h, w, torch.tensor([5, 35, 89, IGNORE]), options=shard)
     assert r.logprobs.shape == (4,)
     with pytest.raises(ContractError, match="labels"):
-        linear_logprobs(h, w, torch.tensor([5, 35, 90, 0]), **shard)  # type: ignore[arg-type]
-    with pytest.raises(ContractError, match="vocab_size"):
-        linear_logprobs(h, w, y, vocab_start=30, vocab_size=40, collectives=_OtherRanksAbsent())  # type: ignore[arg-type]
+        linear_logprobs(h, w, torch.tensor([5, 35, 90, 0]), options=shard)
+    with pytest.raises(ContractError, match=r"vocab: expected a shard of V_local = 30 rows"):
+        linear_logprobs(
+            h, w, y, options=LinearOptions(vocab=VocabShard(30, 50, 90), collectives=_OtherRanksAbsent())
+        )
 
 
 @pytest.mark.parametrize(
@@ -310,7 +314,7 @@ def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:
 def test_bad_temperature_raises(temperature: object) -> None:
     h, w, y = _inputs(4, 4, 30, torch.float32)
     with pytest.raises(ContractError, match="temperature"):
-        linear_logprobs(h, w, y, temperature=temperature)  # type: ignore[arg-type]
+        linear_logprobs(h, w, y, options=LinearOptions(temperature=temperature))  # type: ignore[arg-type]
 
 
 def test_bad_shapes_and_dtypes_raise() -> None:
@@ -326,6 +330,6 @@ def test_bad_shapes_and_dtypes_raise() -> None:
     with pytest.raises(ContractError, match="hidden: expected a floating dtype"):
         linear_logprobs(h.long(), w, y)
     with pytest.raises(ContractError, match="temperature"):
-        linear_logprobs(h, w, y, temperature=torch.ones(5))
-    with pytest.raises(ContractError, match="chunk_size"):
-        linear_logprobs(h, w, y, vocab_chunk_size=0)
+        linear_logprobs(h, w, y, options=LinearOptions(temperature=torch.ones(5)))
+    with pytest.raises(ContractError, match="tile_cols"):
+        linear_logprobs(h, w, y, options=LinearOptions(tile_cols=0))

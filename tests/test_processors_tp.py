@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from hookspec import VocabShard
 from tests.distributed import GlooSequenceParallel, run_distributed
-from torch_impl.processors import fused_token_loss, linear_logprobs
+from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 IGNORE = -100
 N, H, V = 24, 8, 70
@@ -84,9 +85,17 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     h = p["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
     f = fused_token_loss(
-        h, w, p["y"], _token_loss(p["c_lp"], p["c_ent"]), temperature=p["t"], collectives=coll,
-        tile_elements=7 * half, vocab_start=rank * half, vocab_size=V,
-    )  # fmt: skip
+        h,
+        w,
+        p["y"],
+        _token_loss(p["c_lp"], p["c_ent"]),
+        options=LinearOptions(
+            temperature=p["t"],
+            collectives=coll,
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
+            tile_rows=max(1, 7 * half // w.shape[0]),
+        ),
+    )
     f.loss.backward()
     torch.testing.assert_close(f.loss, truth["loss"], **tol)
     torch.testing.assert_close(h.grad, truth["dh"], **tol)
@@ -177,9 +186,14 @@ def _tp2_megatron_sequence_parallel(
     h_local = p["h"][rows].cuda().requires_grad_()
     w = p["w"][shard].cuda().requires_grad_()
     r = linear_logprobs(
-        h_local, w, p["y"].cuda(), temperature=p["t"].cuda(), with_entropy=True, collectives=coll,
-        vocab_start=rank * half, vocab_size=V,
-    )  # fmt: skip
+        h_local,
+        w,
+        p["y"].cuda(),
+        with_entropy=True,
+        options=LinearOptions(
+            temperature=p["t"].cuda(), collectives=coll, vocab=VocabShard(rank * half, (rank + 1) * half, V)
+        ),
+    )
     assert r.entropy is not None
     (p["c_lp"].cuda() * r.logprobs + p["c_ent"].cuda() * r.entropy**2).sum().backward()
     tol = {"rtol": 0.0, "atol": 1e-10}

@@ -27,8 +27,8 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are made, on first use
 
-from hookspec import ContractError
-from torch_impl.processors import fused_token_loss, linear_logprobs
+from hookspec import ContractError, SingleProcessCollectives, VocabShard
+from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 from .distributed import run_distributed
 
@@ -155,14 +155,14 @@ def test_chunks_against_the_torch_path(dtype: torch.dtype, token_chunk: int, voc
 
 
 def test_chunks_from_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without sizes, the chunk comes from ``LOGITS_CHUNK_BYTES``: a budget below
+    """Without sizes, the chunk comes from ``TILE_BYTES``: a budget below
     ``n x 1024`` entries splits the rows too; the results do not change beyond fp32
     rounding."""
     from torch_impl import processors
 
     p = inputs(seed=12)
     whole = ours(p, "triton", 0.8)
-    monkeypatch.setitem(processors.LOGITS_CHUNK_BYTES, "cpu", 10 * 128 * 4)  # 10 rows x 128 entries
+    monkeypatch.setitem(processors.TILE_BYTES, "cpu", 10 * 128 * 4)  # 10 rows x 128 entries
     split = ours(p, "triton", 0.8)
     big = scale_of(whole)
     for k, err in max_err(split, whole).items():
@@ -212,13 +212,13 @@ def test_logits_near_minus_1e4() -> None:
 def test_logprobs_only_and_ignored_everywhere() -> None:
     p = inputs(n=19, v=77, seed=4)
     h = p["h"].clone().requires_grad_()
-    r = linear_logprobs(h, p["w"], p["y"], backend="triton")
+    r = linear_logprobs(h, p["w"], p["y"], options=LinearOptions(backend="triton"))
     assert r.entropy is None
     exact = truth(p, 1.0)
     torch.testing.assert_close(r.logprobs.double(), exact["lp"], rtol=0, atol=2e-6)
     y_none = torch.full_like(p["y"], IGNORE)
     h2 = p["h"].clone().requires_grad_()
-    r2 = linear_logprobs(h2, p["w"], y_none, backend="triton")
+    r2 = linear_logprobs(h2, p["w"], y_none, options=LinearOptions(backend="triton"))
     r2.logprobs.sum().backward()
     assert torch.equal(r2.logprobs, torch.zeros_like(r2.logprobs))
     assert torch.equal(h2.grad, torch.zeros_like(h2))
@@ -236,7 +236,7 @@ def test_bitwise_run_to_run() -> None:
 def test_nan_in_hidden_is_visible() -> None:
     p = inputs(seed=6)
     p["h"][3, 5] = float("nan")
-    r = linear_logprobs(p["h"], p["w"], p["y"], backend="triton", with_entropy=True)
+    r = linear_logprobs(p["h"], p["w"], p["y"], with_entropy=True, options=LinearOptions(backend="triton"))
     assert r.entropy is not None
     assert bool(torch.isnan(r.entropy[3]))
     assert bool(torch.isnan(r.logprobs[3])) or int(p["y"][3]) == IGNORE
@@ -258,9 +258,14 @@ def test_fused_token_loss_triton_equals_torch() -> None:
         h = p["h"].clone().requires_grad_()
         w = p["w"].clone().requires_grad_()
         f = fused_token_loss(
-            h, w, p["y"], _fused_loss(p["c_lp"], p["c_ent"]), temperature=p["t"], backend=backend,
-            tile_elements=11 * V,
-        )  # fmt: skip
+            h,
+            w,
+            p["y"],
+            _fused_loss(p["c_lp"], p["c_ent"]),
+            options=LinearOptions(
+                temperature=p["t"], backend=backend, tile_rows=max(1, 11 * V // w.shape[0])
+            ),
+        )
         f.loss.backward()
         out[backend] = {"loss": f.loss.detach(), "lp": f.logprobs, "dh": h.grad, "dw": w.grad}
     for k, v in out["torch"].items():
@@ -277,10 +282,12 @@ def test_fused_token_loss_contract(backend: str) -> None:
         (lambda lp, ent, rows: torch.ones((), dtype=torch.long), "int64"),
     ]:
         with pytest.raises(ContractError, match="token_loss") as err:
-            fused_token_loss(h, p["w"], p["y"], bad, backend=backend)
+            fused_token_loss(h, p["w"], p["y"], bad, options=LinearOptions(backend=backend))
         assert what in str(err.value)
     # a constant loss is valid: zero gradients
-    f = fused_token_loss(h, p["w"], p["y"], lambda lp, ent, rows: torch.tensor(3.0), backend=backend)
+    f = fused_token_loss(
+        h, p["w"], p["y"], lambda lp, ent, rows: torch.tensor(3.0), options=LinearOptions(backend=backend)
+    )
     f.loss.backward()
     assert torch.equal(h.grad, torch.zeros_like(h))
 
@@ -288,16 +295,16 @@ def test_fused_token_loss_contract(backend: str) -> None:
 def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     p = inputs(n=4, v=20)
     with pytest.raises(ContractError, match=r"backend.*one of"):
-        linear_logprobs(p["h"], p["w"], p["y"], backend="cuda")  # type: ignore[arg-type]
+        linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="cuda"))  # type: ignore[arg-type]
     with pytest.raises(ContractError, match="float64"):
-        linear_logprobs(p["h"].double(), p["w"].double(), p["y"], backend="triton")
+        linear_logprobs(p["h"].double(), p["w"].double(), p["y"], options=LinearOptions(backend="triton"))
     if not ON_GPU:
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ContractError, match="TRITON_INTERPRET"):
-            linear_logprobs(p["h"], p["w"], p["y"], backend="triton")
+            linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="triton"))
         # "auto" on a CPU is the torch path: bitwise the same as asking for it
-        a = linear_logprobs(p["h"], p["w"], p["y"], backend="auto").logprobs
-        b = linear_logprobs(p["h"], p["w"], p["y"], backend="torch").logprobs
+        a = linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="auto")).logprobs
+        b = linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="torch")).logprobs
         assert torch.equal(a, b)
 
 
@@ -323,14 +330,26 @@ def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert auto_choice(torch.device("cuda")) is measured
 
 
-def test_chunk_size_is_a_deprecated_alias() -> None:
+def test_the_previous_keywords_are_deprecated_and_mean_the_same() -> None:
+    """The keywords of the previous release map onto ``LinearOptions`` (one release,
+    ``DeprecationWarning``), with the same results; both forms at once are refused."""
     p = inputs(n=6, v=40)
-    with pytest.warns(DeprecationWarning, match="vocab_chunk_size"):
-        a = linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, backend="torch").logprobs
-    b = linear_logprobs(p["h"], p["w"], p["y"], vocab_chunk_size=7, backend="torch").logprobs
+    w = p["w"][10:30]
+    coll = SingleProcessCollectives()
+    with pytest.warns(DeprecationWarning, match="LinearOptions"):
+        a = linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, temperature=0.7, backend="torch").logprobs
+    b = linear_logprobs(
+        p["h"], p["w"], p["y"], options=LinearOptions(tile_cols=7, temperature=0.7, backend="torch")
+    ).logprobs
     assert torch.equal(a, b)
-    with pytest.raises(ContractError, match="chunk_size"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ContractError, match="collectives"):
+        linear_logprobs(p["h"], w, p["y"], vocab_start=10, vocab_size=40, collectives=coll)
+    with pytest.raises(ContractError, match="chunk_size"), pytest.warns(DeprecationWarning):
         linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, vocab_chunk_size=7)
+    with pytest.raises(ContractError, match="options"):
+        linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(), temperature=2.0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        linear_logprobs(p["h"], p["w"], p["y"], temprature=2.0)
 
 
 # ---------------------------------------------------------------- tensor parallel over gloo
@@ -347,9 +366,17 @@ def _tp2_triton(rank: int, p: dict[str, torch.Tensor], exact: dict[str, torch.Te
     h = p["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
     r = linear_logprobs(
-        h, w, p["y"], temperature=p["t"], with_entropy=True, collectives=coll, backend="triton",
-        vocab_start=rank * half, vocab_size=V,
-    )  # fmt: skip
+        h,
+        w,
+        p["y"],
+        with_entropy=True,
+        options=LinearOptions(
+            temperature=p["t"],
+            collectives=coll,
+            backend="triton",
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
+        ),
+    )
     assert r.entropy is not None
     torch.autograd.backward([r.logprobs, r.entropy], [p["c_lp"].float(), p["c_ent"].float()])
     tol = {"rtol": 0.0, "atol": 2e-6 * 10}
@@ -390,7 +417,7 @@ def test_gpu_three_way_real_sizes(n: int, h: int, v: int, dtype: torch.dtype) ->
     for backend in ("auto", "torch"):
         hh = hid.clone().requires_grad_()
         ww = w.clone().requires_grad_()
-        r = linear_logprobs(hh, ww, y, with_entropy=True, backend=backend)
+        r = linear_logprobs(hh, ww, y, with_entropy=True, options=LinearOptions(backend=backend))
         assert r.entropy is not None
         (r.logprobs.sum() + r.entropy.sum()).backward()
         res[backend] = (r.logprobs.detach(), r.entropy.detach(), hh.grad, ww.grad)
@@ -434,7 +461,11 @@ def test_gpu_fused_loss_backends_agree_and_repeat_bitwise(dtype: torch.dtype) ->
         hh = hid.clone().requires_grad_()
         ww = w.clone().requires_grad_()
         f = fused_token_loss(
-            hh, ww, y, lambda lp, ent, rows: (lp - 0.1 * ent**2).sum(), temperature=t, backend=backend
+            hh,
+            ww,
+            y,
+            lambda lp, ent, rows: (lp - 0.1 * ent**2).sum(),
+            options=LinearOptions(temperature=t, backend=backend),
         )
         f.loss.backward()
         return f.loss.detach(), f.logprobs, hh.grad, ww.grad

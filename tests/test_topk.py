@@ -14,7 +14,7 @@ import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.distributed import GlooSequenceParallel, run_distributed
-from torch_impl.processors import linear_topk_logprobs, topk_logprobs
+from torch_impl.processors import LinearOptions, linear_topk_logprobs, topk_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 IGNORE = -100
@@ -125,7 +125,7 @@ def test_a_loss_renormalised_over_the_k_needs_no_logits_in_backward() -> None:
     p = _problem(3)
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
-    r = linear_topk_logprobs(h, w, k=5, temperature=p["t"], vocab_chunk_size=9)
+    r = linear_topk_logprobs(h, w, k=5, options=LinearOptions(temperature=p["t"], tile_cols=9))
     g = torch.randn(N, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     (r.logprobs.log_softmax(-1) * g).sum().backward()
     hh = p["h"].clone().requires_grad_()
@@ -147,7 +147,7 @@ def test_without_labels_and_nan_rows() -> None:
     p = _problem()
     h = p["h"].clone()
     h[4, 0] = float("nan")
-    r = linear_topk_logprobs(h, p["w"], k=3, vocab_chunk_size=10)
+    r = linear_topk_logprobs(h, p["w"], k=3, options=LinearOptions(tile_cols=10))
     assert r.label_logprobs is None and r.entropy is None
     assert bool(r.logprobs[4].isnan().all())
     assert bool(torch.isfinite(r.logprobs[torch.arange(N) != 4]).all())
@@ -215,10 +215,15 @@ def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> Non
     p = _problem()
     old = _OldCollectives()
     assert isinstance(old, hookspec.Collectives)
-    r = linear_topk_logprobs(p["h"], p["w"], k=2, collectives=old)
+    r = linear_topk_logprobs(p["h"], p["w"], k=2, options=LinearOptions(collectives=old))
     assert r.ids.shape == (N, 2)
     with pytest.raises(ContractError) as info:
-        linear_topk_logprobs(p["h"], p["w"][:19], k=2, collectives=old, vocab_size=V)
+        linear_topk_logprobs(
+            p["h"],
+            p["w"][:19],
+            k=2,
+            options=LinearOptions(collectives=old, vocab=VocabShard(0, 19, V)),
+        )
     assert info.value.field == "collectives.all_gather"
 
 
@@ -262,9 +267,18 @@ def _tp2(
     h = p_sp["h"][rows].clone().requires_grad_()
     w = p_sp["w"][shard].clone().requires_grad_()
     r = linear_topk_logprobs(
-        h, w, k=3, labels=p_sp["y"], temperature=p_sp["t"], with_entropy=True, vocab_start=rank * half,
-        vocab_size=V, collectives=GlooSequenceParallel(coll, group), vocab_chunk_size=7,
-    )  # fmt: skip
+        h,
+        w,
+        k=3,
+        labels=p_sp["y"],
+        with_entropy=True,
+        options=LinearOptions(
+            temperature=p_sp["t"],
+            collectives=GlooSequenceParallel(coll, group),
+            tile_cols=7,
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
+        ),
+    )
     assert r.label_logprobs is not None and r.entropy is not None
     loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
     loss.backward()

@@ -16,6 +16,7 @@ import torch
 import hookspec
 from hookspec import ContractError
 from torch_impl.processors import (
+    LinearOptions,
     PolicyLossConfig,
     TokenLoss,
     cross_entropy_loss,
@@ -42,7 +43,8 @@ def _sum_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, rows: slice)
     return logprobs.sum()
 
 
-_LOGPROBS_INTS = (
+_OPTION_INTS = ("ignore_index", "tile_rows", "tile_cols")
+_LEGACY_INTS = (
     "ignore_index",
     "vocab_start",
     "vocab_size",
@@ -50,28 +52,33 @@ _LOGPROBS_INTS = (
     "token_chunk_size",
     "chunk_size",
 )
-_FUSED_INTS = ("ignore_index", "vocab_start", "vocab_size", "tile_elements")
+_FUSED_LEGACY_INTS = ("ignore_index", "vocab_start", "vocab_size", "tile_elements")
 
 
 @pytest.mark.parametrize("value", HUGE)
-@pytest.mark.parametrize("option", _LOGPROBS_INTS)
-def test_linear_logprobs_integer_options(option: str, value: int) -> None:
-    h, w, y = _inputs()
-    with warnings.catch_warnings(), pytest.raises(ContractError) as info:
-        warnings.simplefilter("ignore", DeprecationWarning)  # chunk_size: the deprecated name
-        linear_logprobs(h, w, y, **{option: value})
-    # chunk_size is the deprecated name of vocab_chunk_size, checked under its new name
-    assert info.value.field == ("vocab_chunk_size" if option == "chunk_size" else option), info.value
+@pytest.mark.parametrize("option", _OPTION_INTS)
+def test_linear_options_integer_fields(option: str, value: int) -> None:
+    with pytest.raises(ContractError) as info:
+        LinearOptions(**{option: value})
+    assert info.value.field == option, info.value
     assert "int" in str(info.value.expected)
 
 
 @pytest.mark.parametrize("value", HUGE)
-@pytest.mark.parametrize("option", _FUSED_INTS)
-def test_fused_token_loss_integer_options(option: str, value: int) -> None:
+@pytest.mark.parametrize(("function", "option"), [
+    *(("linear_logprobs", o) for o in _LEGACY_INTS),
+    *(("fused_token_loss", o) for o in _FUSED_LEGACY_INTS),
+])  # fmt: skip
+def test_deprecated_integer_keywords(function: str, option: str, value: int) -> None:
+    """The previous release's keywords are checked under the names the caller wrote."""
     h, w, y = _inputs()
     loss: TokenLoss = _sum_loss
-    with pytest.raises(ContractError) as info:
-        fused_token_loss(h, w, y, loss, **{option: value})
+    with warnings.catch_warnings(), pytest.raises(ContractError) as info:
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if function == "linear_logprobs":
+            linear_logprobs(h, w, y, **{option: value})
+        else:
+            fused_token_loss(h, w, y, loss, **{option: value})
     assert info.value.field == option, info.value
 
 
@@ -121,7 +128,7 @@ def test_in_range_integers_still_work_at_the_int64_edges() -> None:
     change nothing: the result equals the default call's, bitwise."""
     h, w, y = _inputs()
     want = linear_logprobs(h, w, y).logprobs
-    got = linear_logprobs(h, w, y, vocab_chunk_size=2**63 - 1, token_chunk_size=2**63 - 1).logprobs
+    got = linear_logprobs(h, w, y, options=LinearOptions(tile_cols=2**63 - 1, tile_rows=2**63 - 1)).logprobs
     assert torch.equal(got, want)
 
 

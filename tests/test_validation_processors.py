@@ -25,6 +25,7 @@ import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
 from torch_impl.processors import (
+    LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
     aggregation_weights,
@@ -249,19 +250,24 @@ def test_temperature_takes_numpy_numbers_like_the_config() -> None:
 
     d = _data()
     h, w, y = d["h"].reshape(-1, H), d["w"], d["labels"].T.reshape(-1)
-    want = linear_logprobs(h, w, y, temperature=0.5).logprobs
+    want = linear_logprobs(h, w, y, options=LinearOptions(temperature=0.5)).logprobs
     for t in (np.float32(0.5), np.float64(0.5)):
-        assert torch.equal(linear_logprobs(h, w, y, temperature=t).logprobs, want)
+        assert torch.equal(linear_logprobs(h, w, y, options=LinearOptions(temperature=t)).logprobs, want)
         selected_logprobs(temperature=t)  # accepted where the factory checks it
     with pytest.raises(ContractError, match=r"^temperature: expected a finite number > 0"):
-        linear_logprobs(h, w, y, temperature=np.float32("nan"))
+        linear_logprobs(h, w, y, options=LinearOptions(temperature=np.float32("nan")))
 
 
 @pytest.mark.parametrize("collectives", [object(), "tp", 2])
 def test_collectives_that_are_not_collectives_are_named(collectives: Any) -> None:
     d = _data()
     with pytest.raises(ContractError, match=r"^collectives: expected None or a hookspec.Collectives") as err:
-        linear_logprobs(d["h"].reshape(-1, H), d["w"], d["labels"].T.reshape(-1), collectives=collectives)
+        linear_logprobs(
+            d["h"].reshape(-1, H),
+            d["w"],
+            d["labels"].T.reshape(-1),
+            options=LinearOptions(collectives=collectives),
+        )
     assert err.value.actual == type(collectives).__name__
 
 

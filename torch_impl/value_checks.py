@@ -33,6 +33,7 @@ import torch
 from hookspec import ContractError, check_labels
 
 __all__ = [
+    "check_condition_deferred",
     "check_finite_deferred",
     "check_indices_deferred",
     "check_labels_deferred",
@@ -182,3 +183,15 @@ def check_multiple_deferred(values: torch.Tensor, multiple: int, *, field: str, 
         return
     bad = values.remainder(multiple) != 0
     _check(bad, values, field=field, expected=f"multiples of {multiple}{why}")
+
+
+def check_condition_deferred(
+    bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str, noun: str = "values"
+) -> None:
+    """No entry of the bool tensor ``bad`` set (a rule of several values, such as a
+    sparse teacher's distinct ids), without a host read on CUDA; the error counts
+    the bad entries and gives the min and max of ``values`` (``bad``'s shape) there."""
+    raise_pending_errors()
+    if bad.numel() == 0:
+        return
+    _check(bad, values.detach(), field=field, expected=expected, noun=noun)

@@ -19,23 +19,22 @@ losses from the hidden states and the vocab shard, never materialising the logit
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
 from ._distill import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
-from ._fused import FUSED_TILE_ELEMENTS, FusedLossResult, TokenLoss, fused_token_loss
-from ._logprobs import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK, LogprobResult, linear_logprobs
+from ._fused import FusedLossResult, TokenLoss, fused_token_loss
+from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
+from ._logprobs import LogprobResult, linear_logprobs
+from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
 from ._policy_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
 from ._processors import cross_entropy_loss, selected_logprobs
-from ._setup import LOGITS_CHUNK_BYTES, TILES_BY_DEVICE
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
     "BackendChoice",
-    "DEFAULT_TOKEN_CHUNK",
-    "DEFAULT_VOCAB_CHUNK",
     "DenseTeacher",
     "DistillConfig",
-    "FUSED_TILE_ELEMENTS",
     "FusedLossResult",
-    "LOGITS_CHUNK_BYTES",
+    "GRAD_BUFFER_BYTES",
+    "LinearOptions",
     "LogprobResult",
     "MEASURED_CHOICES",
     "PolicyBatch",
@@ -43,6 +42,7 @@ __all__ = [
     "RatioLevel",
     "SparseTeacher",
     "TILES_BY_DEVICE",
+    "TILE_BYTES",
     "TokenLoss",
     "TopkResult",
     "aggregation_weights",

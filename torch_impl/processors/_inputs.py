@@ -28,6 +28,7 @@ from ._checks import (
     context_logit_scale,
     resolve_vocab_chunk,
 )
+from ._options import LinearOptions
 
 __all__ = [
     "HookInputs",
@@ -42,26 +43,79 @@ __all__ = [
 
 
 def to_tokens(x: torch.Tensor) -> torch.Tensor:
-    """``[b, s] -> [n]`` in the hidden states' row order (``s``-major)."""
-    return x.transpose(0, 1).reshape(-1)
+    """``[b, s, ...] -> [n, ...]`` in the hidden states' row order (``s``-major)."""
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
 
 
 def from_tokens(v: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """``[n] -> [b, s]``, the inverse of :func:`to_tokens`."""
-    return v.view(s, b).transpose(0, 1).contiguous()
+    """``[n, ...] -> [b, s, ...]``, the inverse of :func:`to_tokens`."""
+    return v.view(s, b, *v.shape[1:]).transpose(0, 1).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """A processor's tile options; ``None``: the default per device."""
+
+    vocab_chunk_size: int | None = None
+    token_chunk_size: int | None = None
+    tile_elements: int | None = None  # the row sweep's logits a tile (rows = this // V_local)
+
+
+def tile_options(
+    *,
+    vocab_chunk_size: Any = None,
+    token_chunk_size: Any = None,
+    chunk_size: Any = None,
+    tile_elements: Any = None,
+    stacklevel: int = 3,
+) -> Tile:
+    """A processor factory's tile options, checked where they enter: each ``None``
+    (the default per device) or an int >= 1. ``chunk_size`` is the deprecated name
+    of ``vocab_chunk_size`` (one release: ``DeprecationWarning``; both given raises)."""
+    if chunk_size is not None:
+        vocab_chunk_size = check_int(
+            "chunk_size", resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=stacklevel), low=1
+        )
+    checked = {
+        name: None if value is None else check_int(field, value, low=1)
+        for name, field, value in (
+            ("vocab_chunk_size", "vocab_chunk_size", vocab_chunk_size),
+            ("token_chunk_size", "token_chunk_size", token_chunk_size),
+            ("tile_elements", "fused_tile_elements", tile_elements),
+        )
+    }
+    return Tile(**checked)
 
 
 @dataclasses.dataclass(frozen=True)
 class HookInputs:
-    """The hook's tensors as ``linear_logprobs`` takes them; ``kwargs`` its
-    vocab-shard keywords."""
+    """The hook's tensors as the tensor functions take them, and their options."""
 
     hidden: torch.Tensor  # [n_local, h]
     weight: torch.Tensor  # [V_local, h]
-    labels: torch.Tensor  # [n] global ids
+    labels: torch.Tensor | None  # [n] global ids
     b: int
     s: int
-    kwargs: dict[str, Any]  # vocab_start, vocab_size, collectives, ignore_index, logit_scale, check_values
+    options: LinearOptions  # vocab, collectives, ignore_index, logit_scale; values checked here
+
+    @property
+    def token_labels(self) -> torch.Tensor:
+        """The labels ``[n]``, for a processor that required them."""
+        assert self.labels is not None, "hook_inputs(needs_labels=True) checked them"
+        return self.labels
+
+    def tensor_options(
+        self, tile: Tile, temperature: float | torch.Tensor = 1.0, *, whole_rows: bool = False
+    ) -> LinearOptions:
+        """:attr:`options` with the processor's temperature and tile: rows by
+        ``token_chunk_size`` x ``vocab_chunk_size``, or for a row sweep
+        (``whole_rows``) ``tile_elements // V_local`` rows."""
+        rows, cols = tile.token_chunk_size, tile.vocab_chunk_size
+        if whole_rows:
+            rows, cols = None, None
+            if tile.tile_elements is not None:
+                rows = max(1, tile.tile_elements // max(1, int(self.weight.shape[0])))
+        return dataclasses.replace(self.options, temperature=temperature, tile_rows=rows, tile_cols=cols)
 
 
 def logit_scale(ctx: OutputContext, processor: str = "built-in") -> float:
@@ -71,75 +125,50 @@ def logit_scale(ctx: OutputContext, processor: str = "built-in") -> float:
     return context_logit_scale(ctx, processor=processor)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tile:
-    """The tile of ``linear_logprobs``'s torch path: vocab entries by tokens;
-    ``None``: the default per device."""
-
-    vocab_chunk_size: int | None = None
-    token_chunk_size: int | None = None
-
-
-def tile_options(
-    *, vocab_chunk_size: Any, token_chunk_size: Any, chunk_size: Any, stacklevel: int = 3
-) -> Tile:
-    """A processor factory's tile options, checked where they enter: each
-    ``None`` (the default per device) or an int >= 1. ``chunk_size`` is the
-    deprecated name of ``vocab_chunk_size`` (one release: ``DeprecationWarning``;
-    both given raises)."""
-    if chunk_size is not None:
-        vocab_chunk_size = check_int(
-            "chunk_size", resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=stacklevel), low=1
-        )
-    return Tile(
-        vocab_chunk_size=None
-        if vocab_chunk_size is None
-        else check_int("vocab_chunk_size", vocab_chunk_size, low=1),
-        token_chunk_size=None
-        if token_chunk_size is None
-        else check_int("token_chunk_size", token_chunk_size, low=1),
-    )
-
-
-def hook_inputs(ctx: OutputContext, name: str) -> HookInputs:
-    """Check what processor ``name`` reads from ``ctx`` (shapes and types, no
-    values: ``hookspec.validate_context(check_values=False)``, as the hook does
-    before a call, so that a direct call is checked too) and return it as rows."""
+def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> HookInputs:
+    """The one prologue of every processor: check what processor ``name`` reads from
+    ``ctx`` (shapes and types, no values: ``hookspec.validate_context(check_values=
+    False)``, as the hook does before a call, so that a direct call is checked too;
+    the labels' range where the hook has not checked it) and return it as rows."""
     if not isinstance(ctx, OutputContext):
         raise ContractError(
             f"processor {name!r}", expected="a hookspec.OutputContext", actual=type(ctx).__name__
         )
-    if ctx.labels is None:
+    if ctx.labels is None and needs_labels:
         raise ContractError(
             "labels", expected=f"token ids [b, s] (processor {name!r} needs them)", actual="None"
         )
     if ctx.vocab_weight is None or ctx.vocab is None:
         raise ContractError("vocab_weight", expected="the output weight shard [V_local, h]", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
-    # A direct call (not through the hook) gets the hook's shape checks too, and the
-    # label range where the hook has not checked it (a hand-built context).
     validate_context(ctx, check_values=False)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
         raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
-    if ctx.check_values and not ctx.labels_checked:
-        check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
-    b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
+    labels = None
+    if ctx.labels is not None:
+        if ctx.check_values and not ctx.labels_checked:
+            check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
+        b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
+        labels = to_tokens(typing.cast(torch.Tensor, ctx.labels))
+    else:
+        s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
+        b = int(hs.shape[1])
+    options = LinearOptions(
+        ignore_index=ctx.ignore_index,
+        vocab=ctx.vocab,
+        collectives=ctx.collectives,
+        logit_scale=logit_scale(ctx, name),
+        # each value is checked once: the labels above or in the hook, a
+        # temperature by resolve_temperature
+        check_values=False,
+    )
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
         weight=typing.cast(torch.Tensor, ctx.vocab_weight),
-        labels=to_tokens(typing.cast(torch.Tensor, ctx.labels)),
+        labels=labels,
         b=b,
         s=s,
-        kwargs=dict(
-            ignore_index=ctx.ignore_index,
-            vocab_start=ctx.vocab.start,
-            vocab_size=ctx.vocab.size,
-            collectives=ctx.collectives,
-            logit_scale=logit_scale(ctx, name),
-            # each value is checked once: the labels above or in the hook, a
-            # temperature by resolve_temperature
-            check_values=False,
-        ),
+        options=options,
     )
 
 

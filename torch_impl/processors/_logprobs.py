@@ -1,12 +1,5 @@
-"""Selected-token logprobs and entropy from hidden states and a vocab shard, without
-materialising the ``[n, V]`` logits: the public function and its autograd.
-
-Two backends compute the same statistics and gradients, each GEMM a ``torch.mm``
-(cuBLAS on a GPU): the Triton backend does the memory-bound work on each logits
-chunk in Triton kernels (:mod:`._triton_path`), the torch backend in torch ops
-(:mod:`._tiles`; the CPU path and the in-repo reference). ``backend="auto"`` takes
-the device class's entry of :mod:`._backends` (Triton on CUDA where nothing was
-measured, torch on a CPU and for float64).
+"""Selected-token logprobs and entropy: the engine's vocabulary sweep, forward and
+recomputing backward (:func:`linear_logprobs`).
 """
 
 from __future__ import annotations
@@ -16,29 +9,11 @@ from typing import Any
 
 import torch
 
-from hookspec import IGNORE_INDEX, Collectives
+from ._checks import check_bool
+from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
+from ._options import LinearOptions, gather_rows, legacy_options, make_setup, refuse_double_backward
 
-from ._checks import resolve_vocab_chunk
-from ._setup import (
-    DEFAULT_TOKEN_CHUNK,
-    DEFAULT_VOCAB_CHUNK,
-    Backend,
-    TileSetup,
-    check_hidden,
-    gather_rows,
-    make_setup,
-    refuse_double_backward,
-)
-from ._tiles import Stats, backward_tiles, forward_stats, logit_grad_coefficients, scaled_hidden
-
-__all__ = [
-    "DEFAULT_TOKEN_CHUNK",
-    "DEFAULT_VOCAB_CHUNK",
-    "LogprobResult",
-    "linear_logprobs",
-    "run_backward",
-    "run_forward",
-]
+__all__ = ["LogprobResult", "linear_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,43 +29,13 @@ class LogprobResult:
     entropy: torch.Tensor | None
 
 
-def run_forward(hs: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> Stats:
-    """The global statistics of every token, on the setup's backend."""
-    if setup.kernel is not None:
-        from ._triton_path import triton_forward_stats
-
-        return triton_forward_stats(hs, w, setup)
-    return forward_stats(hs, w, setup)
-
-
-def run_backward(
-    hs: torch.Tensor,
-    w: torch.Tensor,
-    setup: TileSetup,
-    stats: Stats,
-    coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-    *,
-    need_dh: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dh, dw)`` from the logit-gradient coefficients, on the setup's backend."""
-    if setup.kernel is not None:
-        from ._triton_path import triton_backward
-
-        return triton_backward(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
-    return backward_tiles(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
-
-
-# ---------------------------------------------------------------- autograd
-
-
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hs = scaled_hidden(h, setup)
-        stats = run_forward(hs, w, setup)
+        with no_autocast(h):
+            stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy)
         ctx.set_materialize_grads(False)
         ctx.setup = setup
         ctx.stats = dataclasses.replace(stats, logprobs=stats.logprobs.detach())
@@ -107,12 +52,12 @@ class _LinearLogprobs(torch.autograd.Function):
         setup: TileSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_h is None) or not (need_dh or need_dw):
-            return None, None, None
+            return None, None, None, None
         stats: Stats = ctx.stats
-        coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype)
-        hs = scaled_hidden(h, setup)
-        dh, dw = run_backward(hs, w, setup, stats, coef, need_dh=need_dh, need_dw=need_dw)
-        return (dh.to(h.dtype) if dh is not None else None), dw, None
+        with no_autocast(h):
+            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype)
+            dh, dw = Engine(h, w, setup).backward(stats, coef, need_dh=need_dh, need_dw=need_dw)
+        return (dh.to(h.dtype) if dh is not None else None), dw, None, None
 
 
 def linear_logprobs(
@@ -121,19 +66,9 @@ def linear_logprobs(
     labels: torch.Tensor,
     /,
     *,
-    temperature: float | torch.Tensor = 1.0,
-    ignore_index: int = IGNORE_INDEX,
+    options: LinearOptions | None = None,
     with_entropy: bool = False,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-    collectives: Collectives | None = None,
-    backend: Backend = "auto",
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-    logit_scale: float = 1.0,
-    check_values: bool = True,
-    chunk_size: int | None = None,
+    **deprecated: Any,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
     never materialising the logits. Equal to::
@@ -143,67 +78,33 @@ def linear_logprobs(
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)        # >= 0
 
     where ``weight_full`` stacks every rank's shard and ``gather`` is
-    ``collectives.gather_hidden_states`` (sequence parallel).
+    ``collectives.gather_hidden_states`` (sequence parallel); ``T``,
+    ``logit_scale``, the shard and the tiles are ``options``
+    (:class:`LinearOptions`).
+
+    Cost: four GEMM-equivalents ``2 n h V_local``: the logits tile by tile in the
+    forward pass (online logsumexp), and in the backward the logits again, ``dh``
+    and ``dW``; memory, one tile of fp32 logits and the gradients.
 
     Args:
-        hidden: ``[n_local, h]``: this rank's rows (``hidden_states.reshape(-1,
-            h)`` of the hook's ``[s, b, h]``; ``n / tp`` rows under sequence
-            parallel). Gathered here through ``collectives``, so its gradient
-            holds every shard's contribution.
-        weight: ``[V_local, h]``, this rank's vocab shard, rows
-            ``[vocab_start, vocab_start + V_local)`` of the vocabulary.
+        hidden: ``[n_local, h]``: this rank's rows (``n / tp`` under sequence
+            parallel), gathered here, so its gradient holds every shard's part.
+        weight: ``[V_local, h]``, this rank's vocab shard (``options.vocab``).
         labels: ``[n]`` global token ids of the gathered rows, or ``ignore_index``.
-        temperature: ``T > 0``: a number or a tensor ``[n]`` (not differentiated).
+        options: :class:`LinearOptions` (default: ``LinearOptions()``).
         with_entropy: also return the entropy of ``softmax(z)``.
-        vocab_size: the global vocabulary (default ``vocab_start + V_local``);
-            labels outside ``[0, vocab_size)`` other than ``ignore_index`` raise.
-            A shard that is not the whole vocabulary needs ``collectives``.
-        collectives: the ``hookspec.Collectives`` of the vocab-parallel group;
-            ``None`` for one process (then ``weight`` must be the whole vocabulary).
-        backend: ``"triton"`` (cuBLAS GEMMs, Triton kernels for the passes over
-            each logits chunk), ``"torch"`` (cuBLAS GEMMs, torch ops for the
-            passes), or ``"auto"``: the device class's measured choice, else
-            Triton on CUDA where Triton is installed, torch otherwise (CPU,
-            fp64). ``"triton"`` on a CPU needs ``TRITON_INTERPRET=1``. fp32
-            products use TF32 only where ``torch.backends.cuda.matmul.allow_tf32``
-            asks for it.
-        vocab_chunk_size, token_chunk_size: the logits chunk, vocab entries by
-            tokens. Default per device: on the torch path ``TILES_BY_DEVICE``
-            (4096 x 1024 on a CPU, 8192 x 4096 on CUDA); on the Triton path
-            ``LOGITS_CHUNK_BYTES`` of fp32 logits (1 GiB on CUDA: every row,
-            as many vocabulary entries as fit).
-        compute_dtype: the matmul operands' dtype; default float32 on a CPU for
-            the torch path, float64 where ``hidden`` or ``weight`` is float64
-            (torch path), the input dtype elsewhere. Products accumulate in fp32
-            (fp64) whatever it is.
-        logit_scale: a constant factor on the logits (MuP's output multiplier).
-        check_values: read the labels and a tensor temperature to check them.
-        chunk_size: deprecated name of ``vocab_chunk_size`` (one release).
+        deprecated: the previous release's keywords (``temperature=``,
+            ``vocab_start=``, ...), mapped to ``options`` with a
+            ``DeprecationWarning``.
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
-        ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a
-        finite number. Differentiable once: a backward with
-        ``create_graph=True`` raises (its gradient would have no graph).
+        ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
+        number. Differentiable once: a backward with ``create_graph=True`` raises.
     """
-    check_hidden(hidden)
-    h = gather_rows(hidden, collectives)
-    setup = make_setup(
-        h,
-        weight,
-        labels,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        ignore_index=ignore_index,
-        with_entropy=with_entropy,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        collectives=collectives,
-        vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=2),
-        token_chunk_size=token_chunk_size,
-        compute_dtype=compute_dtype,
-        check_values=check_values,
-        backend=backend,
-    )
-    logprobs, entropy = _LinearLogprobs.apply(h, weight, setup)
+    options = legacy_options("linear_logprobs", options, deprecated, weight)
+    h = gather_rows(hidden, options)
+    check_bool("with_entropy", with_entropy)
+    setup = make_setup(h, weight, labels, options)
+    logprobs, entropy = _LinearLogprobs.apply(h, weight, setup, with_entropy)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None)

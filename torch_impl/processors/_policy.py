@@ -45,7 +45,7 @@ from hookspec import (
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_multiple_deferred
-from ._checks import check_finite_number, check_floating, check_int
+from ._checks import check_finite_number, check_floating
 from ._fused import fused_token_loss
 from ._inputs import HookInputs, Tile, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
 from ._logprobs import linear_logprobs
@@ -424,7 +424,7 @@ def _fused_pass(
     rows: TokenRows,
     config: PolicyLossConfig,
     temperature: float | torch.Tensor,
-    tile_elements: int | None,
+    tile: Tile,
 ) -> _Pass:
     """Gradients formed in the forward pass, tile by tile (``fused_token_loss``)."""
 
@@ -435,11 +435,10 @@ def _fused_pass(
     res = fused_token_loss(
         x.hidden,
         x.weight,
-        x.labels,
+        x.token_labels,
         tile_loss,
-        temperature=temperature,
-        tile_elements=tile_elements,
-        **x.kwargs,
+        options=x.tensor_options(tile, temperature, whole_rows=True),
+        entropy_grad=config.entropy_coef != 0.0,
     )
     terms = token_terms(res.logprobs, res.entropy, rows, config)
     return _Pass(loss=res.loss, logp=res.logprobs, entropy=res.entropy, terms=terms)
@@ -452,12 +451,9 @@ def _logprobs(
     lr = linear_logprobs(
         x.hidden,
         x.weight,
-        x.labels,
-        temperature=temperature,
+        x.token_labels,
+        options=x.tensor_options(tile, temperature),
         with_entropy=True,
-        vocab_chunk_size=tile.vocab_chunk_size,
-        token_chunk_size=tile.token_chunk_size,
-        **x.kwargs,
     )
     return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
 
@@ -565,10 +561,10 @@ def policy_loss(
     if not isinstance(config, PolicyLossConfig):
         raise ContractError("config", expected="a PolicyLossConfig", actual=type(config).__name__)
     tile = tile_options(
-        vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
-    )
-    tile_elements = (
-        None if fused_tile_elements is None else check_int("fused_tile_elements", fused_tile_elements, low=1)
+        vocab_chunk_size=vocab_chunk_size,
+        token_chunk_size=token_chunk_size,
+        chunk_size=chunk_size,
+        tile_elements=fused_tile_elements,
     )
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 
@@ -594,7 +590,7 @@ def policy_loss(
         totals = None if cp_sum is None else cp_sum(segment_sum(mask, segments, count))
         rows = _rows(seqs, batch, config, totals)
         if fused:
-            p = _fused_pass(x, rows, config, temperature, tile_elements)
+            p = _fused_pass(x, rows, config, temperature, tile)
         else:
             p = _autograd_pass(*_logprobs(x, temperature, tile), rows, config)
         return _metrics(p, rows, config, totals)

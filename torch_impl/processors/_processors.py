@@ -14,7 +14,7 @@ import torch
 from hookspec import Aggregation, ContractError, OutputContext, Processor, processor
 
 from ..value_checks import check_finite_deferred
-from ._checks import check_bool, check_finite_number, check_int, check_temperature, context_field
+from ._checks import check_bool, check_finite_number, check_temperature, context_field
 from ._fused import fused_token_loss
 from ._inputs import HookInputs, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
 from ._logprobs import linear_logprobs
@@ -60,12 +60,9 @@ def selected_logprobs(
         res = linear_logprobs(
             x.hidden,
             x.weight,
-            x.labels,
-            temperature=resolve_temperature(temperature, ctx, x.b, x.s),
+            x.token_labels,
+            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
             with_entropy=entropy,
-            vocab_chunk_size=tile.vocab_chunk_size,
-            token_chunk_size=tile.token_chunk_size,
-            **x.kwargs,
         )
         out = {"logprobs": from_tokens(res.logprobs, x.b, x.s)}
         if res.entropy is not None:
@@ -108,13 +105,13 @@ def _token_weights(
     device = x.hidden.device
     given = typing.cast("torch.Tensor | None", ctx.loss_mask)
     if given is None:
-        m = torch.ones(x.labels.shape, dtype=acc, device=device)
+        m = torch.ones(x.token_labels.shape, dtype=acc, device=device)
     else:
         if ctx.check_values:
             check_finite_deferred(given, field="loss_mask", nonnegative=True)
         m = to_tokens(given.detach()).to(device=device, dtype=acc)
         m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))  # unchecked: NaN shows
-    m = torch.where(x.labels.to(device) == ctx.ignore_index, m * 0.0, m)
+    m = torch.where(x.token_labels.to(device) == ctx.ignore_index, m * 0.0, m)
     count = _global_tokens(ctx, reduction)
     if reduction == "sum":
         return m, m
@@ -180,10 +177,10 @@ def cross_entropy_loss(
     if temperature is not None:
         check_temperature(temperature, 1)
     tile = tile_options(
-        vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
-    )
-    tile_elements = (
-        None if fused_tile_elements is None else check_int("fused_tile_elements", fused_tile_elements, low=1)
+        vocab_chunk_size=vocab_chunk_size,
+        token_chunk_size=token_chunk_size,
+        chunk_size=chunk_size,
+        tile_elements=fused_tile_elements,
     )
 
     def fn(ctx: OutputContext) -> torch.Tensor:
@@ -199,11 +196,8 @@ def cross_entropy_loss(
         res = linear_logprobs(
             x.hidden,
             x.weight,
-            x.labels,
-            temperature=1.0 if temperature is None else temperature,
-            vocab_chunk_size=tile.vocab_chunk_size,
-            token_chunk_size=tile.token_chunk_size,
-            **x.kwargs,
+            x.token_labels,
+            options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
         )
         return from_tokens(-res.logprobs, x.b, x.s)
 
@@ -217,7 +211,12 @@ def cross_entropy_loss(
             return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
 
         res = fused_token_loss(
-            x.hidden, x.weight, x.labels, tile_loss, temperature=temp, tile_elements=tile_elements, **x.kwargs
+            x.hidden,
+            x.weight,
+            x.token_labels,
+            tile_loss,
+            options=x.tensor_options(tile, temp, whole_rows=True),
+            entropy_grad=False,
         )
         # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
         # even at an uncounted token (its gradient would be NaN anyway)

@@ -2,54 +2,33 @@
 ``[n, V]`` logits: :func:`linear_topk_logprobs` (the tensor function, vocab
 parallel) and :func:`topk_logprobs` (the processor).
 
-The tile loop here is its own (``torch.mm`` over tiles of ``token_chunk`` rows by
-``vocab_chunk`` vocabulary entries, a running top-k and an online logsumexp per
-row); the candidates of the vocab shards are merged with
-``Collectives.all_gather`` (spec 1.2).
+An epilogue on the engine's vocabulary sweep (:mod:`._engine`): it keeps each row's
+running top-k over the tiles the sweep forms, beside the sweep's statistics; the
+candidates of the vocab shards are merged with ``Collectives.all_gather`` (spec
+1.2). The selection is ``torch.topk`` on each tile on both backends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any
 
 import torch
 
-from hookspec import (
-    IGNORE_INDEX,
-    Collectives,
-    ContractError,
-    OutputContext,
-    Processor,
-    processor,
-    validate_context,
-)
-from hookspec.arrays import format_shape
+from hookspec import Collectives, ContractError, OutputContext, Processor, processor
 
-from ..value_checks import check_labels_deferred
-from ._checks import (
-    check_bool,
-    check_finite_number,
-    check_floating,
-    check_int,
-    check_temperature,
-    resolve_compute_dtype,
-)
-from ._inputs import from_tokens, logit_scale, resolve_temperature, tile_options, to_tokens
-from ._setup import refuse_double_backward
+from ._checks import check_bool, check_int, check_temperature
+from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
+from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
+from ._options import LinearOptions, gather_rows, legacy_options, make_setup, refuse_double_backward
 
 __all__ = [
-    "TOPK_TILES",
     "TopkResult",
     "gather_collective",
     "linear_topk_logprobs",
     "order_candidates",
     "topk_logprobs",
 ]
-
-TOPK_TILES: dict[str, tuple[int, int]] = {"cpu": (1024, 4096), "cuda": (4096, 8192)}
-"""``device.type -> (token_chunk, vocab_chunk)``: the tile when not given."""
 
 _NO_ID = 1 << 62
 """The id of a padding candidate (a shard with fewer than ``k`` entries): after every real id."""
@@ -84,21 +63,28 @@ def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, to
     """The ``k`` best ``(values, ids)`` of a tile ``z`` ``[r, c]`` (column ``j`` is id
     ``first_id + j``), in :func:`order_candidates` order, ``[r, min(k, c)]``.
 
-    ``torch.topk`` picks the set; a row with more entries equal to its ``k``-th
-    value than fit (a tie at the boundary) is sorted whole instead, so that the
-    smaller ids win whatever ``torch.topk`` picked."""
+    ``torch.topk`` picks a set whose ``k``-th value ``v`` is right, but among entries
+    equal to ``v`` any may be picked: the entries above ``v`` are kept, and the
+    entries equal to ``v`` are taken again by smallest column (a second ``topk`` on
+    ``-column`` where ``z == v``), so the smaller ids win, with no host read."""
     r, c = z.shape
     cols = torch.arange(first_id, first_id + c, device=z.device)
     if c <= k:
         return order_candidates(z, cols.expand(r, c))
     vals, idx = torch.topk(z, k, dim=1)
-    tied = (z >= vals[:, -1:]).sum(1) > k
-    vals, ids = order_candidates(vals, idx + first_id)
-    if bool(tied.any()):
-        rows = tied.nonzero().squeeze(1)
-        tv, ti = torch.sort(z[rows], dim=1, descending=True, stable=True)
-        vals[rows], ids[rows] = tv[:, :k], ti[:, :k] + first_id
-    return vals, ids
+    kth = vals[:, -1:]
+    neg_col = -torch.arange(c, device=z.device, dtype=z.dtype)
+    tied = torch.topk(torch.where(z == kth, neg_col, float("-inf")), k, dim=1).values
+    above = vals > kth
+    cand_v = torch.cat(
+        [torch.where(above, vals, float("-inf")), torch.where(tied > float("-inf"), kth, tied)], 1
+    )
+    cand_i = torch.cat(
+        [torch.where(above, idx, _NO_ID), torch.where(tied > float("-inf"), -tied.long(), _NO_ID)], 1
+    )
+    cand_i = torch.where(cand_i == _NO_ID, _NO_ID, cand_i + first_id)
+    cand_v, cand_i = order_candidates(cand_v, cand_i)
+    return cand_v[:, :k], cand_i[:, :k]
 
 
 def gather_collective(collectives: Collectives | None, *, split: bool) -> Any:
@@ -122,199 +108,57 @@ def gather_collective(collectives: Collectives | None, *, split: bool) -> Any:
     return fn
 
 
-@dataclasses.dataclass(frozen=True)
-class _TopkSetup:
-    k: int
-    k_local: int
-    labels_local: torch.Tensor | None  # [n]: the label's row in this shard, or -1
-    ignored: torch.Tensor | None  # [n] bool
-    inv_t: torch.Tensor | float  # [n] or a number (temperature and logit scale)
-    vocab_start: int
-    compute_dtype: torch.dtype
-    acc_dtype: torch.dtype
-    token_chunk: int
-    vocab_chunk: int
-    collectives: Collectives | None
-    gather: Any  # all_gather, or None at tp = 1
-    with_entropy: bool
+def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(values, ids, on_tile)``: the running top-``k_local`` of each row, kept by
+    ``on_tile`` over the vocabulary sweep's tiles (tempered values)."""
+    setup = eng.setup
+    top_v = torch.full((eng.n, k_local), float("-inf"), dtype=setup.acc_dtype, device=eng.hs.device)
+    top_i = torch.full((eng.n, k_local), _NO_ID, dtype=torch.long, device=eng.hs.device)
+
+    def on_tile(z: torch.Tensor, rows: slice, cols: slice) -> None:
+        tv, ti = _tile_topk(z, k_local, setup.vocab_start + cols.start)
+        tv = eng.temper(tv, rows)
+        if cols.start == 0:
+            top_v[rows, : tv.shape[1]], top_i[rows, : ti.shape[1]] = tv, ti
+            return
+        v, i = order_candidates(torch.cat([top_v[rows], tv], 1), torch.cat([top_i[rows], ti], 1))
+        top_v[rows], top_i[rows] = v[:, :k_local], i[:, :k_local]
+
+    return top_v, top_i, on_tile
 
 
-def _logits(x: torch.Tensor, wc: torch.Tensor, setup: _TopkSetup, rows: slice) -> torch.Tensor:
-    """``(x @ wc.T) * inv_t`` in the accumulation dtype: one tile's tempered logits."""
-    z = torch.mm(x.to(setup.compute_dtype), wc.T).to(setup.acc_dtype)
-    inv_t = setup.inv_t
-    if isinstance(inv_t, torch.Tensor):
-        z.mul_(inv_t[rows, None])
-    elif inv_t != 1.0:
-        z.mul_(inv_t)
-    return z
-
-
-def _forward(h: torch.Tensor, w: torch.Tensor, setup: _TopkSetup) -> dict[str, torch.Tensor]:
-    """Per row, one pass over this shard's tiles: the top ``k_local`` tempered logits
-    and their ids, and the online logsumexp statistics ``m``, ``s`` (and ``t`` for
-    the entropy, ``zy`` for the label); then the shards combined."""
-    n, local = h.shape[0], w.shape[0]
-    acc, k = setup.acc_dtype, setup.k
-    dev = h.device
-    m = torch.full((n,), float("-inf"), dtype=acc, device=dev)
-    s = torch.zeros(n, dtype=acc, device=dev)
-    t = torch.zeros(n, dtype=acc, device=dev)
-    zy = torch.zeros(n, dtype=acc, device=dev)
-    top_v = torch.full((n, k), float("-inf"), dtype=acc, device=dev)
-    top_i = torch.full((n, k), _NO_ID, dtype=torch.long, device=dev)
-    for i0 in range(0, n, setup.token_chunk):
-        rows = slice(i0, min(i0 + setup.token_chunk, n))
-        x = h[rows]
-        run_v = run_i = None
-        for j0 in range(0, local, setup.vocab_chunk):
-            j1 = min(j0 + setup.vocab_chunk, local)
-            z = _logits(x, w[j0:j1].to(setup.compute_dtype), setup, rows)
-            tv, ti = _tile_topk(z, setup.k_local, setup.vocab_start + j0)
-            if run_v is None or run_i is None:
-                run_v, run_i = tv, ti
-            else:
-                run_v, run_i = order_candidates(torch.cat([run_v, tv], 1), torch.cat([run_i, ti], 1))
-                run_v, run_i = run_v[:, : setup.k_local], run_i[:, : setup.k_local]
-            if setup.labels_local is not None:
-                col = setup.labels_local[rows] - j0
-                hit = (col >= 0) & (col < j1 - j0)
-                picked = z.gather(1, col.clamp(0, j1 - j0 - 1)[:, None]).squeeze(1)
-                zy[rows] += torch.where(hit, picked, 0.0)
-            cm = z.amax(1)
-            m_old = m[rows]
-            m_new = torch.maximum(m_old, cm)
-            a = torch.exp(m_old - m_new)
-            z.sub_(m_new[:, None])
-            e = torch.exp(z)
-            fresh = torch.isneginf(m_old)  # nothing accumulated yet
-            if setup.with_entropy:  # t = sum exp(z - m) (z - m), rescaled to the new max
-                rescaled = a * (t[rows] + (m_old - m_new) * s[rows])
-                t[rows] = torch.where(fresh, 0.0, rescaled) + (e * z).sum(1)
-            s[rows] = torch.where(fresh, 0.0, s[rows] * a) + e.sum(1)
-            m[rows] = m_new
-        assert run_v is not None and run_i is not None
-        top_v[rows, : setup.k_local], top_i[rows, : setup.k_local] = run_v, run_i
-    return _combine(m, s, t, zy, top_v, top_i, setup)
-
-
-def _combine(
-    m: torch.Tensor,
-    s: torch.Tensor,
-    t: torch.Tensor,
-    zy: torch.Tensor,
-    top_v: torch.Tensor,
-    top_i: torch.Tensor,
-    setup: _TopkSetup,
-) -> dict[str, torch.Tensor]:
-    """The shards' statistics combined (one all-reduce max, one all-reduce sum) and
-    their candidates merged (one all-gather each of values and ids)::
-
-        M = all_reduce_max(m);  S = all_reduce_sum(s * exp(m - M));  lse = M + log S
-        top = first k of order_candidates(all shards' candidates)
-        logprobs = top_values - lse
-    """
-    coll = setup.collectives
-    big_m = coll.all_reduce_max(m) if coll is not None else m
-    a = torch.exp(m - big_m)
-    has = setup.labels_local >= 0 if setup.labels_local is not None else None
-    parts = [s * a, zy if has is None else torch.where(has, zy, 0.0)]
-    if setup.with_entropy:
-        parts.append(a * (t + (m - big_m) * s))
-    summed = torch.stack(parts)
-    if coll is not None:
-        summed = coll.all_reduce_sum(summed)
-    big_s = summed[0]
-    lse = big_m + torch.log(big_s)
-    if setup.gather is not None:
-        n, k = top_v.shape
-        gv, gi = setup.gather(top_v), setup.gather(top_i)  # [tp, n, k]
+def _merge_shards(
+    top_v: torch.Tensor, top_i: torch.Tensor, k: int, gather: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shards' candidates merged (one all-gather each of values and ids): the
+    first ``k`` of :func:`order_candidates` over all of them."""
+    n = top_v.shape[0]
+    if gather is not None:
+        gv, gi = gather(top_v), gather(top_i)  # [tp, n, k_local]
         top_v, top_i = order_candidates(
             gv.permute(1, 0, 2).reshape(n, -1), gi.permute(1, 0, 2).reshape(n, -1)
         )
-        top_v, top_i = top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
-    out = {"lse": lse, "values": top_v - lse[:, None], "ids": top_i}
-    if setup.labels_local is not None and setup.ignored is not None:
-        out["label"] = torch.where(setup.ignored, 0.0, summed[1] - lse)
-    if setup.with_entropy:
-        out["entropy"] = torch.log(big_s) - summed[2] / big_s
-    return out
-
-
-def _row_factor(setup: _TopkSetup, rows: slice) -> torch.Tensor | float:
-    return setup.inv_t[rows, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
-
-
-def _sparse_backward(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    cols: torch.Tensor,
-    g: torch.Tensor,
-    setup: _TopkSetup,
-    dh: torch.Tensor | None,
-    dw: torch.Tensor | None,
-) -> None:
-    """``dz[i, cols[i, j]] += g[i, j]`` for the columns in this shard (``cols`` local
-    rows of ``w``, ``-1`` elsewhere), without a logits tile: ``O(n k h)``."""
-    here = cols >= 0
-    g = torch.where(here, g, 0.0)
-    safe = cols.clamp(min=0)
-    for i0 in range(0, h.shape[0], setup.token_chunk):
-        rows = slice(i0, min(i0 + setup.token_chunk, h.shape[0]))
-        gr = g[rows] * _row_factor(setup, rows)  # [r, k]
-        if dh is not None:
-            wsel = w[safe[rows]].to(setup.acc_dtype)  # [r, k, h]
-            dh[rows] += torch.bmm(gr.unsqueeze(1), wsel).squeeze(1)
-        if dw is not None:
-            contrib = gr.unsqueeze(2) * h[rows].to(setup.acc_dtype).unsqueeze(1)  # [r, k, h]
-            dw.index_add_(0, safe[rows].reshape(-1), contrib.reshape(-1, h.shape[1]).to(dw.dtype))
-
-
-def _dense_backward(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    lse: torch.Tensor,
-    c: torch.Tensor,
-    g_ent: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    setup: _TopkSetup,
-    dh: torch.Tensor | None,
-    dw: torch.Tensor | None,
-) -> None:
-    """The logsumexp and entropy terms: ``dz = -p * (c + g_ent * (log p + H))`` with
-    ``p = softmax(z)``, the tile logits recomputed (3 GEMMs: logits, ``dh``, ``dw``)."""
-    n, local = h.shape[0], w.shape[0]
-    for j0 in range(0, local, setup.vocab_chunk):
-        j1 = min(j0 + setup.vocab_chunk, local)
-        wc = w[j0:j1].to(setup.compute_dtype)
-        for i0 in range(0, n, setup.token_chunk):
-            rows = slice(i0, min(i0 + setup.token_chunk, n))
-            logp = _logits(h[rows], wc, setup, rows).sub_(lse[rows, None])
-            p = torch.exp(logp)
-            coef = c[rows, None]
-            if g_ent is not None and entropy is not None:
-                coef = coef + g_ent[rows, None] * (logp + entropy[rows, None])
-            gz = (-p * coef) * _row_factor(setup, rows)
-            gzc = gz.to(setup.compute_dtype)
-            if dh is not None:
-                dh[rows] += torch.mm(gzc, wc).to(setup.acc_dtype)
-            if dw is not None:
-                dw[j0:j1] += torch.mm(gzc.T, h[rows].to(setup.compute_dtype)).to(dw.dtype)
+    return top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
 
 
 class _TopkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: _TopkSetup) -> tuple[torch.Tensor, ...]:
-        hd, wd = h.detach(), w.detach()
-        out = _forward(hd, wd, setup)
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, k: int, gather: Any, with_entropy: bool
+    ) -> tuple[torch.Tensor, ...]:
+        with no_autocast(h):
+            eng = Engine(h, w, setup)
+            top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
+            stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
+            values, ids = _merge_shards(top_v, top_i, k, gather)
+            values = values - stats.lse[:, None]
         ctx.set_materialize_grads(False)
         ctx.setup = setup
+        ctx.stats, ctx.ids = stats, ids
         ctx.save_for_backward(h, w)
-        ctx.stats = (out["lse"], out["ids"], out.get("entropy"))
-        empty = out["lse"].new_empty(0)
-        label, entropy = out.get("label", empty), out.get("entropy", empty)
-        ctx.mark_non_differentiable(out["ids"])
-        return out["values"], out["ids"], label, entropy
+        entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
+        ctx.mark_non_differentiable(ids)
+        return values, ids, stats.logprobs, entropy
 
     @staticmethod
     def backward(
@@ -326,41 +170,34 @@ class _TopkFunction(torch.autograd.Function):
     ) -> tuple[Any, ...]:
         refuse_double_backward("linear_topk_logprobs")
         h, w = ctx.saved_tensors
-        setup: _TopkSetup = ctx.setup
+        setup: TileSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dh or need_dw):
-            return None, None, None
-        lse, ids, entropy = ctx.stats
+        stats: Stats = ctx.stats
+        if g_ent is not None and (not g_ent.numel() or stats.entropy is None):
+            g_ent = None
+        if not (need_dh or need_dw) or (g_val is None and g_lab is None and g_ent is None):
+            return None, None, None, None, None, None
         acc = setup.acc_dtype
-        n = h.shape[0]
-        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need_dh else None
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_dw else None
-        hd, wd = h.detach(), w.detach()
-        c = torch.zeros(n, dtype=acc, device=h.device)
-        if g_val is not None:
-            local = ids - setup.vocab_start
-            cols = torch.where((local >= 0) & (local < w.shape[0]), local, -1)
-            _sparse_backward(hd, wd, cols, g_val.to(acc), setup, dh, dw)
-            c = c + g_val.to(acc).sum(1)
-        if (
-            g_lab is not None
-            and g_lab.numel()
-            and setup.labels_local is not None
-            and setup.ignored is not None
-        ):
-            gl = torch.where(setup.ignored, 0.0, g_lab.to(acc))
-            _sparse_backward(hd, wd, setup.labels_local[:, None], gl[:, None], setup, dh, dw)
-            c = c + gl
-        ge = g_ent.to(acc) if g_ent is not None and g_ent.numel() and setup.with_entropy else None
-        # A loss of the top-k values' differences (one renormalised over the k) has
-        # c == 0 and no entropy term: its backward needs no logits.
-        if ge is not None or bool((c != 0).any()):
-            _dense_backward(hd, wd, lse, c, ge, entropy, setup, dh, dw)
-        return (
-            dh.to(h.dtype) if dh is not None else None,
-            dw.to(w.dtype) if dw is not None else None,
-            None,
-        )
+        with no_autocast(h):
+            # dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
+            g_lab = (
+                torch.zeros_like(stats.max)
+                if g_lab is None
+                else torch.where(setup.ignored, 0.0, g_lab.to(acc))
+            )
+            total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
+            no_ignore = torch.zeros_like(setup.ignored)
+            coef = logit_grad_coefficients(stats, total, g_ent, no_ignore, acc)
+            coef = Coefficients(coef.a, coef.b, g_lab)
+            sparse = None
+            if g_val is not None:
+                local = ctx.ids - setup.vocab_start
+                here = (local >= 0) & (local < w.shape[0])
+                sparse = (torch.where(here, local, -1), g_val.to(acc))
+            dh, dw = Engine(h, w, setup).backward(
+                stats, coef, need_dh=need_dh, need_dw=need_dw, sparse=sparse
+            )
+        return (dh.to(h.dtype) if dh is not None else None), dw, None, None, None, None
 
 
 def linear_topk_logprobs(
@@ -370,17 +207,9 @@ def linear_topk_logprobs(
     *,
     k: int,
     labels: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    ignore_index: int = IGNORE_INDEX,
+    options: LinearOptions | None = None,
     with_entropy: bool = False,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-    collectives: Collectives | None = None,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-    logit_scale: float = 1.0,
-    check_values: bool = True,
+    **deprecated: Any,
 ) -> TopkResult:
     """The ``k`` largest logprobs of ``hidden @ weight.T`` per row and their global
     ids, vocab-parallel, never materialising the logits. Equal to::
@@ -393,114 +222,45 @@ def linear_topk_logprobs(
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)
 
     ``weight_full`` stacks the shards; ``gather`` is
-    ``collectives.gather_hidden_states``. Each shard keeps a running top-k per
-    row over its tiles and an online logsumexp; the shards' candidates are
-    merged with ``collectives.all_gather`` (spec 1.2; required at ``tp > 1``,
-    else ``ContractError``) and their statistics with one all-reduce max and
-    one all-reduce sum.
+    ``collectives.gather_hidden_states``; ``T``, the shard and the tiles are
+    ``options`` (:class:`LinearOptions`). An epilogue on the engine's vocabulary
+    sweep: each shard keeps a running top-k per row over its tiles and the
+    online logsumexp; the shards' candidates are merged with
+    ``collectives.all_gather`` (spec 1.2; required at ``tp > 1``, else
+    ``ContractError``) and their statistics with one all-reduce max and one
+    all-reduce sum.
 
     Cost, ``n`` rows, ``V_local`` entries, ``h`` hidden: the forward is one GEMM
-    (``2 n V_local h`` flops, the logits tile by tile) plus a ``k``-wide merge
-    per tile. The backward of ``logprobs`` through the selected ids is
-    ``O(n k h)``: the ``k`` rows of ``weight`` each row selected, gathered (no
-    GEMM). Its log-sum-exp term (``-sum_j g_j * softmax(z)``) and the entropy's
-    need the logits again: three GEMMs (recomputed logits, ``dh``, ``dw``),
-    skipped when every row's cotangents sum to zero and the entropy gets none
-    (a loss renormalised over the ``k``, for one).
+    (``2 n V_local h`` flops) plus a ``k``-wide selection per tile. The backward
+    is the recomputing sweep, three GEMMs (logits, ``dh``, ``dW``): the
+    gradient at the ``k`` ids and the label is added to each tile's logit
+    gradient in fp32 before it is rounded.
 
     Args:
         hidden: ``[n_local, h]`` this rank's rows (gathered here).
-        weight: ``[V_local, h]``, rows ``[vocab_start, vocab_start + V_local)``.
-        k: ``1 <= k <= vocab_size``; at ``tp > 1`` a shard with fewer than ``k``
+        weight: ``[V_local, h]``, this rank's shard (``options.vocab``).
+        k: ``1 <= k <= vocab size``; at ``tp > 1`` a shard with fewer than ``k``
             entries contributes all of them.
         labels: ``[n]`` global ids or ``ignore_index``, or ``None``.
-        temperature: ``T > 0``, a number or ``[n]``.
-        collectives: the vocab-parallel group's ``hookspec.Collectives``;
-            ``None`` for one process.
-        vocab_chunk_size, token_chunk_size: the tile (default per device,
-            :data:`TOPK_TILES`).
+        options: :class:`LinearOptions`.
+        deprecated: the previous release's keywords, as for ``linear_logprobs``.
 
     Returns:
         :class:`TopkResult`. NaN or inf in ``hidden`` or ``weight`` gives NaN
         logprobs at the rows they touch (the log-sum-exp is NaN), never a finite
         number.
     """
-    check_floating("hidden", hidden)
-    check_floating("weight", weight)
-    if hidden.dim() != 2:
-        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
+    options = legacy_options("linear_topk_logprobs", options, deprecated, weight)
     check_bool("with_entropy", with_entropy)
-    check_bool("check_values", check_values)
-    check_int("ignore_index", ignore_index, low=-(1 << 62))
-    scale = check_finite_number("logit_scale", logit_scale, low=0.0, low_open=True)
-    if collectives is not None and not isinstance(collectives, Collectives):
-        raise ContractError(
-            "collectives", expected="None or a hookspec.Collectives", actual=type(collectives).__name__
-        )
-    h = collectives.gather_hidden_states(hidden) if collectives is not None else hidden
-    n, hid = h.shape
-    if weight.dim() != 2 or weight.shape[1] != hid:
-        raise ContractError("weight", expected=f"shape [V_local, h={hid}]", actual=format_shape(weight.shape))
-    if weight.device != h.device:
-        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
-    local = int(weight.shape[0])
-    check_int("vocab_start", vocab_start, low=0)
-    vocab_size = vocab_start + local if vocab_size is None else vocab_size
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < vocab_start + local:
-        raise ContractError(
-            "vocab_size",
-            expected=f"an int >= vocab_start + V_local = {vocab_start + local}",
-            actual=repr(vocab_size),
-        )
-    k = check_int("k", k, low=1, high=vocab_size)
-    gather = gather_collective(collectives, split=local < vocab_size)
-    tokens, vocab = TOPK_TILES.get(h.device.type, TOPK_TILES["cuda"])
-    vocab_chunk = (
-        vocab if vocab_chunk_size is None else check_int("vocab_chunk_size", vocab_chunk_size, low=1)
-    )
-    token_chunk = (
-        tokens if token_chunk_size is None else check_int("token_chunk_size", token_chunk_size, low=1)
-    )
-    t = check_temperature(temperature, n, check_values=check_values)
-    cdtype = resolve_compute_dtype(h.device, h.dtype, compute_dtype)
-    acc = torch.float64 if cdtype == torch.float64 else torch.float32
-    inv_t: torch.Tensor | float = (
-        (scale / t).to(device=h.device, dtype=acc) if isinstance(t, torch.Tensor) else scale / t
-    )
-    labels_local = ignored = None
-    if labels is not None:
-        if (
-            not isinstance(labels, torch.Tensor)
-            or labels.dtype.is_floating_point
-            or labels.dtype == torch.bool
-        ):
-            raise ContractError(
-                "labels", expected="an integer tensor [n] or None", actual=type(labels).__name__
-            )
-        if tuple(labels.shape) != (n,):
-            raise ContractError("labels", expected=f"shape [n={n}]", actual=format_shape(labels.shape))
-        if check_values:
-            check_labels_deferred(labels, vocab_size, ignore_index=ignore_index)
-        y = labels.to(device=h.device, dtype=torch.long)
-        ignored = y == ignore_index
-        row = y - vocab_start
-        labels_local = torch.where((row >= 0) & (row < local) & ~ignored, row, -1)
-    setup = _TopkSetup(
-        k=k,
-        k_local=min(k, local),
-        labels_local=labels_local,
-        ignored=ignored,
-        inv_t=inv_t,
-        vocab_start=vocab_start,
-        compute_dtype=cdtype,
-        acc_dtype=acc,
-        token_chunk=token_chunk,
-        vocab_chunk=vocab_chunk,
-        collectives=collectives,
-        gather=gather,
-        with_entropy=with_entropy,
-    )
-    values, ids, label, entropy = _TopkFunction.apply(h, weight, setup)
+    h = gather_rows(hidden, options)
+    if labels is not None and (
+        not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool
+    ):
+        raise ContractError("labels", expected="an integer tensor [n] or None", actual=type(labels).__name__)
+    setup = make_setup(h, weight, labels, options, fold=False)  # ties stay ties
+    k = check_int("k", k, low=1, high=setup.vocab_size)
+    gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
+    values, ids, label, entropy = _TopkFunction.apply(h, weight, setup, k, gather, with_entropy)
     return TopkResult(
         logprobs=values,
         ids=ids,
@@ -534,54 +294,26 @@ def topk_logprobs(
     if temperature is not None:
         check_temperature(temperature, 1)
     check_bool("entropy", entropy)
-    tile = tile_options(vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=None)
+    tile = tile_options(vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        if not isinstance(ctx, OutputContext):
-            raise ContractError(
-                "processor 'topk_logprobs'", expected="a hookspec.OutputContext", actual=type(ctx).__name__
-            )
-        if ctx.vocab_weight is None or ctx.vocab is None:
-            raise ContractError(
-                "vocab_weight", expected="the output weight shard [V_local, h]", actual="None"
-            )
-        hs = check_floating("hidden_states", ctx.hidden_states)
-        validate_context(ctx, check_values=False)
-        if ctx.labels is not None:
-            b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
-        else:
-            s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
-            b = int(hs.shape[1])
-        labels = None if ctx.labels is None else to_tokens(typing.cast(torch.Tensor, ctx.labels))
+        x = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
         res = linear_topk_logprobs(
-            hs.reshape(-1, hs.shape[-1]),
-            ctx.vocab_weight,  # type: ignore[arg-type]
+            x.hidden,
+            x.weight,
             k=k,
-            labels=labels,
-            temperature=resolve_temperature(temperature, ctx, b, s),
-            ignore_index=ctx.ignore_index,
+            labels=x.labels,
+            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
             with_entropy=entropy,
-            vocab_start=ctx.vocab.start,
-            vocab_size=ctx.vocab.size,
-            collectives=ctx.collectives,
-            vocab_chunk_size=tile.vocab_chunk_size,
-            token_chunk_size=tile.token_chunk_size,
-            logit_scale=logit_scale(ctx),
-            check_values=ctx.check_values and not ctx.labels_checked,
         )
         out = {
-            "topk_logprobs": _from_token_rows(res.logprobs, b, s),
-            "topk_ids": _from_token_rows(res.ids, b, s),
+            "topk_logprobs": from_tokens(res.logprobs, x.b, x.s),
+            "topk_ids": from_tokens(res.ids, x.b, x.s),
         }
         if res.label_logprobs is not None:
-            out["logprobs"] = from_tokens(res.label_logprobs, b, s)
+            out["logprobs"] = from_tokens(res.label_logprobs, x.b, x.s)
         if res.entropy is not None:
-            out["entropy"] = from_tokens(res.entropy, b, s)
+            out["entropy"] = from_tokens(res.entropy, x.b, x.s)
         return out
 
     return processor(fn, name="topk_logprobs")
-
-
-def _from_token_rows(v: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """``[n, k] -> [b, s, k]`` (rows ``s``-major, as :func:`from_tokens`)."""
-    return v.view(s, b, -1).transpose(0, 1).contiguous()

@@ -1,13 +1,22 @@
-"""Triton epilogue kernels of the Triton backend: the memory-bound work on one fp32
-logits chunk ``z [rows, cols]`` that cuBLAS has just formed (``torch.mm``). No GEMM
-runs in here.
+"""The Triton forms of the engine's memory-bound epilogues: the work on one fp32 logits
+chunk ``z [rows, cols]`` that cuBLAS has just formed (``torch.mm``). No GEMM runs in
+here; :mod:`._engine` calls these where ``backend="triton"``.
 
-- :func:`chunk_stats_`: one read of the chunk. For each of its rows, the running
+- :func:`chunk_stats_`: one read of the chunk. For each row, the running
   online-logsumexp statistics of this vocab shard (max ``m``, rescaled sum of
-  exponentials ``s``, entropy term ``t``, selected logit ``zy``), updated in place.
-- :func:`logit_grad_`: one read and one write of the chunk. The logits become the
-  gradient of the tempered logits, in place, in the compute dtype; ``dh`` and ``dW``
-  are then cuBLAS GEMMs on it.
+  exponentials ``s``, entropy term ``t``) and the label's logit ``zy``, updated in
+  place. The loop keeps one accumulator per lane (``BLOCK_M x BLOCK_N``: a running
+  max, sum and entropy term per column slot) and reduces across lanes once per
+  row, so each element costs one exponential and no cross-warp reduction.
+- :func:`logit_grad_`: one read and one write. The logits become the gradient of the
+  tempered logits, in the compute dtype, in place (or into another buffer).
+- :func:`exp_rows_`: the fused loss's single pass, for chunks that hold whole rows
+  (the shard's every column): the row statistics relative to a reference ``c`` per
+  row, and ``E = exp(z - c)`` written in the compute dtype with the label's column
+  set to 0, so that the loss's gradient is ``E`` scaled per row (see
+  :mod:`._engine`). ``c`` is the larger of the label's logit and the first block's
+  max (both <= the row max ``M``); a row with ``M - c > EXP_RANGE`` is flagged and
+  redone with ``c = M`` by a second launch that skips the other rows.
 
 A program owns ``BLOCK_M`` whole rows and walks their columns ``BLOCK_N`` at a time,
 so no atomics are needed: the results are the same bit for bit run to run.
@@ -24,9 +33,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._setup import KernelConfig
+from ._geometry import EXP_RANGE, KernelConfig
 
-__all__ = ["chunk_stats_", "grad_launch", "logit_grad_", "stats_launch"]
+__all__ = [
+    "chunk_stats_",
+    "exp_launch",
+    "exp_rows_",
+    "grad_launch",
+    "logit_grad_",
+    "stats_launch",
+]
+
+
+@triton.jit
+def _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M: tl.constexpr, PER_TOKEN_T: tl.constexpr):
+    if PER_TOKEN_T:
+        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
+    else:
+        inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
+    return inv_t
 
 
 @triton.jit
@@ -52,41 +77,52 @@ def _chunk_stats_kernel(
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = row0 + r  # index into the [n] vectors
-    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
-    if PER_TOKEN_T:
-        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
-    else:
-        inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
-    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
-    s = tl.load(s_ptr + token, mask=row_ok, other=0.0)
-    zy = tl.load(zy_ptr + token, mask=row_ok, other=0.0)
-    if WITH_ENTROPY:
-        t = tl.load(t_ptr + token, mask=row_ok, other=0.0)
-    else:
-        t = tl.zeros((BLOCK_M,), tl.float32)
+    inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
+    # the label's logit: one load per row
+    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
+    here = row_ok & (lab >= 0) & (lab < cols)
+    zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
+    zy_new = tl.sum(zy_new, axis=1) * inv_t
+    # per-lane running max, sum of exp(z - max) and sum of exp(z - max) * (z - max)
+    m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+    s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for c0 in range(0, cols, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
-        col_ok = c < cols
-        ok = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(z_rows + c[None, :], mask=ok, other=0.0) * inv_t[:, None]
-        zy += tl.sum(tl.where((c[None, :] == lab[:, None]) & ok, z, 0.0), axis=1)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        started = m > float("-inf")
-        alpha = tl.where(started, tl.exp(m - m_new), 0.0)
-        zc = z - m_new[:, None]
-        e = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
+        ok = row_ok[:, None] & (c < cols)[None, :]
+        z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf")) * inv_t[:, None]
+        bigger = z > m_l
+        live = z != float("-inf")  # NaN is live: it must reach the sums
+        # one exponential: exp(-|z - m|) is the old sum's factor when z is the new
+        # max, else the new element's term; a lane with nothing yet takes exp(z - z)
+        # (1, or NaN for a NaN or infinite z)
+        e = tl.exp(tl.where(m_l > float("-inf"), -tl.abs(z - m_l), z - z))
         if WITH_ENTROPY:
-            shift = tl.where(started, (m - m_new) * s, 0.0)
-            t = alpha * (t + shift) + tl.sum(tl.where(col_ok[None, :], e * zc, 0.0), axis=1)
-        s = s * alpha + tl.sum(e, axis=1)
-        m = m_new
-    tl.store(m_ptr + token, m, mask=row_ok)
-    tl.store(s_ptr + token, s, mask=row_ok)
-    tl.store(zy_ptr + token, zy, mask=row_ok)
+            shift = tl.where(s_l > 0.0, (m_l - z) * s_l, 0.0)
+            t_l = tl.where(bigger, e * (t_l + shift), tl.where(live, t_l + e * (z - m_l), t_l))
+        s_l = tl.where(bigger, e * s_l + 1.0, tl.where(live, s_l + e, s_l))
+        m_l = tl.maximum(m_l, z)
+    # reduce the lanes, then fold into the running statistics of earlier chunks
+    m_c = tl.max(m_l, axis=1)
+    a_l = tl.where(s_l > 0.0, tl.exp(m_l - m_c[:, None]), 0.0)
+    s_c = tl.sum(s_l * a_l, axis=1)
+    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
+    s = tl.load(s_ptr + token, mask=row_ok, other=0.0)
+    m_new = tl.maximum(m, m_c)
+    a_old = tl.where(s > 0.0, tl.exp(m - m_new), 0.0)
+    a_new = tl.where(s_c > 0.0, tl.exp(m_c - m_new), 0.0)
     if WITH_ENTROPY:
+        t_c = tl.sum(a_l * (t_l + tl.where(s_l > 0.0, (m_l - m_c[:, None]) * s_l, 0.0)), axis=1)
+        t = tl.load(t_ptr + token, mask=row_ok, other=0.0)
+        t = a_old * (t + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + a_new * (
+            t_c + tl.where(s_c > 0.0, (m_c - m_new) * s_c, 0.0)
+        )
         tl.store(t_ptr + token, t, mask=row_ok)
+    tl.store(s_ptr + token, s * a_old + s_c * a_new, mask=row_ok)
+    tl.store(m_ptr + token, m_new, mask=row_ok)
+    zy = tl.load(zy_ptr + token, mask=row_ok, other=0.0)
+    tl.store(zy_ptr + token, zy + zy_new, mask=row_ok)
 
 
 @triton.jit
@@ -110,15 +146,13 @@ def _logit_grad_kernel(
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     WITH_B: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = row0 + r
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
-    if PER_TOKEN_T:
-        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
-    else:
-        inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
+    inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
     a = tl.load(a_ptr + token, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
@@ -130,11 +164,12 @@ def _logit_grad_kernel(
         c = c0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (c < cols)[None, :]
         zc = tl.load(z_rows + c[None, :], mask=ok, other=0.0) * inv_t[:, None] - big_m[:, None]
-        # In place: a 2-byte output overwrites the first half of the row's fp32 bytes,
-        # and every byte this step writes was read by this step or an earlier one (an
-        # fp32 output overwrites exactly what it read). The barrier holds every warp's
-        # stores until all of this step's loads are done.
-        tl.debug_barrier()
+        if IN_PLACE:
+            # A 2-byte output overwrites the first half of the row's fp32 bytes, and
+            # every byte this step writes was read by this step or an earlier one (an
+            # fp32 output overwrites exactly what it read). The barrier holds every
+            # warp's stores until all of this step's loads are done.
+            tl.debug_barrier()
         e = tl.exp(zc)
         if WITH_B:
             gz = -e * (a[:, None] + b[:, None] * zc)
@@ -143,6 +178,85 @@ def _logit_grad_kernel(
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         gz = gz * inv_t[:, None]
         tl.store(out_rows + c[None, :], gz.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _exp_rows_kernel(
+    z_ptr,
+    out_ptr,
+    lab_ptr,
+    inv_t_ptr,
+    c_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    zy_ptr,
+    redo_ptr,
+    rows,
+    cols,
+    row0,
+    stride_z,
+    stride_out,
+    inv_t_scalar,
+    exp_range,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PER_TOKEN_T: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    REDO: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    token = row0 + r
+    if REDO:  # only the rows the first launch flagged, with c = their max
+        row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
+    if tl.max(row_ok.to(tl.int32), axis=0) > 0:
+        inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
+        z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
+        out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
+        lab = tl.load(lab_ptr + token, mask=row_ok, other=-1)
+        here = row_ok & (lab >= 0) & (lab < cols)
+        zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
+        zy = tl.sum(zy, axis=1) * inv_t
+        if REDO:
+            ref = tl.load(m_ptr + token, mask=row_ok, other=0.0)
+        else:
+            first = tl.arange(0, BLOCK_N)
+            ok0 = row_ok[:, None] & (first < cols)[None, :]
+            z0 = tl.load(z_rows + first[None, :], mask=ok0, other=float("-inf")) * inv_t[:, None]
+            ref = tl.maximum(tl.max(z0, axis=1), tl.where(here, zy, float("-inf")))
+        ref = tl.where(row_ok, ref, 0.0)
+        m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+        s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for c0 in range(0, cols, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            ok = row_ok[:, None] & (c < cols)[None, :]
+            z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf")) * inv_t[:, None]
+            zc = z - ref[:, None]
+            e = tl.exp(zc)
+            s_l += e
+            if WITH_ENTROPY:
+                t_l += tl.where(ok, e * zc, 0.0)
+            m_l = tl.maximum(m_l, z)
+            e_out = tl.where(c[None, :] == lab[:, None], 0.0, e)
+            tl.store(out_rows + c[None, :], e_out.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(c_ptr + token, ref, mask=row_ok)
+        big_m = tl.max(m_l, axis=1)
+        tl.store(m_ptr + token, big_m, mask=row_ok)
+        tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
+        if WITH_ENTROPY:
+            tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
+        tl.store(zy_ptr + token, zy, mask=row_ok)
+        if not REDO:
+            tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
+
+
+def _inv_t_args(inv_t: Any, fallback: Any) -> tuple[Any, float, bool]:
+    """``(pointer, scalar, PER_TOKEN_T)`` for a per-token tensor or a number."""
+    if isinstance(inv_t, float):
+        return fallback, inv_t, False
+    return inv_t, 1.0, True
 
 
 def stats_launch(
@@ -158,25 +272,13 @@ def stats_launch(
     col0: int,
     cfg: KernelConfig,
 ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-    """``(grid, args, kwargs)`` of one :func:`chunk_stats_` launch (tensors or Triton
-    ``MockTensor``s: the compile test specialises the kernel from these)."""
+    """``(grid, args, kwargs)`` of one :func:`chunk_stats_` launch (tensors or stand-ins
+    with ``dtype``, ``shape``, ``stride`` and ``data_ptr``: the compile test
+    specialises the kernel from these)."""
     rows, cols = int(z.shape[0]), int(z.shape[1])
-    per_token = not isinstance(inv_t, float)
-    args = (
-        z,
-        labels_local,
-        inv_t if per_token else m,
-        m,
-        s,
-        t if t is not None else m,
-        zy,
-        rows,
-        cols,
-        row0,
-        col0,
-        z.stride(0),
-        1.0 if per_token else float(inv_t),
-    )
+    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, m)
+    args: tuple[Any, ...] = (z, labels_local, inv_ptr, m, s, t if t is not None else m, zy)
+    args += (rows, cols, row0, col0, z.stride(0), inv_scalar)
     kwargs = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -230,29 +332,16 @@ def grad_launch(
     """``(grid, args, kwargs)`` of one :func:`logit_grad_` launch (as :func:`stats_launch`)."""
     rows, cols = int(z.shape[0]), int(z.shape[1])
     a, b, g = coef
-    per_token = not isinstance(inv_t, float)
-    args = (
-        z,
-        out,
-        labels_local,
-        inv_t if per_token else big_m,
-        big_m,
-        a,
-        b if b is not None else a,
-        g,
-        rows,
-        cols,
-        row0,
-        col0,
-        z.stride(0),
-        out.stride(0),
-        1.0 if per_token else float(inv_t),
-    )
+    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, big_m)
+    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, big_m, a, b if b is not None else a, g)
+    args += (rows, cols, row0, col0, z.stride(0), out.stride(0), inv_scalar)
+    in_place = out.data_ptr() == z.data_ptr()
     kwargs = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PER_TOKEN_T=per_token,
         WITH_B=b is not None,
+        IN_PLACE=in_place,
         num_warps=cfg.num_warps,
     )
     return (triton.cdiv(rows, cfg.block_m),), args, kwargs
@@ -269,20 +358,79 @@ def logit_grad_(
     row0: int,
     col0: int,
     cfg: KernelConfig,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gradient of the chunk's logits, in place in ``z``'s memory, returned as a
-    ``[rows, cols]`` tensor of ``dtype`` (``z`` itself for fp32; for bf16/fp16 a view of
-    the first half of each row's bytes, row stride ``2 * cols``, which cuBLAS reads as
-    is). With ``coef = (a, b, g)`` of ``logit_grad_coefficients`` (``[n]`` each)::
+    """The gradient of the chunk's logits, returned as a ``[rows, cols]`` tensor of
+    ``dtype``: into ``out`` where given, else in place in ``z``'s memory (``z`` itself
+    for fp32; for bf16/fp16 a view of the first half of each row's bytes, row stride
+    ``2 * cols``, which cuBLAS reads as is). With ``coef = (a, b, g)`` ``[n]`` each::
 
         zc = z * inv_t[rows, None] - M[rows, None]
         gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
     """
-    if dtype == torch.float32:
-        out = z
-    else:
-        rows, cols = z.shape
-        out = z.view(dtype).view(rows, 2 * cols)[:, :cols]
+    if out is None:
+        if dtype == torch.float32:
+            out = z
+        else:
+            rows, cols = z.shape
+            out = z.view(dtype).view(rows, 2 * cols)[:, :cols]
     grid, args, kwargs = grad_launch(z, out, labels_local, inv_t, big_m, coef, row0=row0, col0=col0, cfg=cfg)
     _logit_grad_kernel[grid](*args, **kwargs)
     return out
+
+
+def exp_launch(
+    z: Any,
+    out: Any,
+    labels_local: Any,
+    inv_t: Any,
+    vectors: tuple[Any, Any, Any, Any, Any, Any],
+    *,
+    row0: int,
+    cfg: KernelConfig,
+    redo: bool,
+) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+    """``(grid, args, kwargs)`` of one :func:`exp_rows_` launch (``vectors``: ``c, m, s,
+    t, zy, flags``, ``t`` may be None)."""
+    rows, cols = int(z.shape[0]), int(z.shape[1])
+    c, m, s, t, zy, flags = vectors
+    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, m)
+    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, c, m, s, t if t is not None else s, zy, flags)
+    args += (rows, cols, row0, z.stride(0), out.stride(0), inv_scalar, EXP_RANGE)
+    kwargs = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PER_TOKEN_T=per_token,
+        WITH_ENTROPY=t is not None,
+        REDO=redo,
+        num_warps=cfg.num_warps,
+    )
+    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
+
+
+def exp_rows_(
+    z: torch.Tensor,
+    out: torch.Tensor,
+    labels_local: torch.Tensor,
+    inv_t: torch.Tensor | float,
+    vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    *,
+    row0: int,
+    cfg: KernelConfig,
+) -> None:
+    """Whole rows ``z [rows, V_local]`` (fp32, untempered) of the tokens ``row0 +
+    arange(rows)``: into ``out`` (``[rows, V_local]``, the compute dtype) and the
+    ``[n]`` fp32 vectors ``c, m, s, t, zy`` (int8 ``flags``)::
+
+        zt = z * inv_t[rows, None]
+        c = maximum(zt[:, :BLOCK_N].max(1), zt[i, labels_local[i]])     # <= M
+        out = where(col == labels_local, 0, exp(zt - c))
+        m = zt.max(1);  s = exp(zt - c).sum(1);  t = (exp(zt - c) * (zt - c)).sum(1)
+        zy = zt[i, labels_local[i]]  (0 where the label is in another shard)
+
+    then, for the rows where ``m - c > EXP_RANGE`` (``exp(zt - c)`` could overflow),
+    the same with ``c = m``, in a second launch that reads nothing of the other rows.
+    """
+    for redo in (False, True):
+        grid, args, kwargs = exp_launch(z, out, labels_local, inv_t, vectors, row0=row0, cfg=cfg, redo=redo)
+        _exp_rows_kernel[grid](*args, **kwargs)

@@ -1,0 +1,849 @@
+"""The one tile engine under every processor.
+
+Every processor computes from the logits ``z = h @ W.T * logit_scale / T`` of the
+gathered hidden rows ``h [n, h]`` and this rank's vocabulary shard ``W [V_local, h]``
+without forming them whole. The engine forms them a tile at a time, each tile one
+``torch.mm`` (cuBLAS on a GPU) with an fp32 output (fp64 for fp64 inputs; bf16/fp16
+operands multiply into fp32 through ``torch.mm(..., out_dtype=torch.float32)`` on
+CUDA, :func:`mm_into`), reduces each row over the vocabulary shards, and turns a
+tile's logit gradient into ``dh`` and ``dW`` with two more GEMMs. The processors are
+epilogues on it (:mod:`._logprobs`, :mod:`._fused`, :mod:`._topk`, :mod:`._distill`):
+what they compute from a tile is theirs, the loops and the GEMMs are here.
+
+Two sweeps (tile sizes: :mod:`._geometry`):
+
+- :meth:`Engine.forward_stats` / :meth:`Engine.backward`: the vocabulary sweep. The
+  forward keeps each row's online-logsumexp statistics (:class:`Stats`: max ``M``,
+  sum ``S`` of ``exp(z - M)``, entropy term, the label's logit) and lets an epilogue
+  see each tile (top-k); the backward recomputes each tile and turns it into the
+  logit gradient of the coefficients :func:`logit_grad_coefficients` gives. Four
+  GEMMs in all (logits; logits, ``dh``, ``dW``).
+- :meth:`Engine.row_sweep`: tiles of whole rows, whose statistics are exact, so the
+  gradient is formed in the forward pass: three GEMMs (logits; ``dh``, ``dW`` of a
+  :class:`GradSink` holding many tiles' gradients).
+
+Each memory-bound pass over a tile has a torch form (torch ops: the CPU and the
+reference) and a Triton form (:mod:`._triton_kernels`), chosen by ``backend``: the
+statistics, the logit gradient, and the fused loss's single pass
+(:meth:`Engine.exp_rows`). No pass reads a device value back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+
+from hookspec import Collectives
+
+from ._geometry import KernelConfig
+
+__all__ = [
+    "Coefficients",
+    "Engine",
+    "GradSink",
+    "RowScale",
+    "Stats",
+    "TileSetup",
+    "addmm_into",
+    "gemm_into",
+    "logit_grad_coefficients",
+    "mm_into",
+    "no_autocast",
+    "rowdot",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSetup:
+    """What the sweeps need, checked (built by :mod:`._options`)."""
+
+    labels_local: torch.Tensor  # [n] long: the label's row in this shard, or -1
+    ignored: torch.Tensor  # [n] bool
+    inv_t: torch.Tensor | float  # [n] (acc dtype) or a number: logit_scale / T
+    fold: bool  # inv_t is folded into the hidden rows (torch backend, fp32/fp64 compute)
+    compute_dtype: torch.dtype
+    acc_dtype: torch.dtype
+    vocab_start: int
+    vocab_size: int
+    tile: tuple[int, int]  # (rows, cols) of the vocabulary sweep
+    row_tile: int  # rows of the row sweep's whole-row tiles
+    grad_rows: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
+    collectives: Collectives | None
+    kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
+
+    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_max(x) if self.collectives is not None else x
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_sum(x) if self.collectives is not None else x
+
+    def row_inv_t(self, rows: slice) -> torch.Tensor | float:
+        """``inv_t`` of the rows, ``[r, 1]`` or a number."""
+        return self.inv_t[rows, None] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+
+
+def no_autocast(x: torch.Tensor) -> torch.autocast:
+    """Autocast off on ``x``'s device: the engine chooses every dtype itself (a
+    caller's ``torch.autocast`` would run its GEMMs and row dots in bf16)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+_GEMM_OUT_DTYPE = (
+    "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+)
+
+
+def _out_dtype_gemm(a: torch.Tensor) -> bool:
+    """cuBLAS multiplies bf16/fp16 operands into an fp32 output here
+    (``torch.mm(..., out_dtype=torch.float32)``, CUDA only, torch >= 2.8)."""
+    return _GEMM_OUT_DTYPE and a.is_cuda
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b``: operands of ``out``'s dtype multiply straight into it; bf16/fp16
+    operands into an fp32 ``out`` go through ``torch.mm(a, b, out_dtype=torch.float32,
+    out=out)`` on CUDA (fp32 accumulation, one fp32 result, no copy of either operand),
+    else are upcast first (the products of bf16 numbers are exact in fp32, so the
+    result is the same)."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    if _out_dtype_gemm(a) and a.dtype == b.dtype:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out += a @ b`` in place, dtypes as :func:`mm_into`."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        return out.addmm_(a, b)
+    if _out_dtype_gemm(a) and a.dtype == b.dtype:
+        try:
+            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        except RuntimeError:  # a release whose addmm(out_dtype) takes no fp32 accumulator
+            return out.add_(torch.mm(a, b, out_dtype=out.dtype))
+    return out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
+    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
+    accumulator is written by its first GEMM, never zero-filled."""
+    return mm_into(out, a, b) if first else addmm_into(out, a, b)
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(1)`` without the ``[rows, cols]`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """The global statistics of each row, ``[r]`` each (replicated on every shard)."""
+
+    max: torch.Tensor  # M = max_j z_j
+    sumexp: torch.Tensor  # S = sum_j exp(z_j - M)   (>= 1)
+    logprobs: torch.Tensor  # z_y - M - log S, 0 where ignored
+    entropy: torch.Tensor | None  # log S - sum_j exp(z_j - M) (z_j - M) / S   (>= 0)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """``logsumexp(z) = M + log S``."""
+        return self.max + torch.log(self.sumexp)
+
+
+def combine(
+    m: torch.Tensor,
+    s: torch.Tensor,
+    t: torch.Tensor | None,
+    zy: torch.Tensor,
+    setup: TileSetup,
+    rows: slice = slice(None),
+) -> Stats:
+    """The shards' statistics of the rows ``rows`` (each relative to its own max ``m``)
+    combined: one all-reduce max, one all-reduce sum::
+
+        M = all_reduce_max(m);  a = exp(m - M)
+        S, zyM, T = all_reduce_sum([s * a, zy - M (label here), a * (t + (m - M) * s)])
+    """
+    big_m = setup.reduce_max(m)
+    a = torch.exp(m - big_m)
+    parts = [s * a, torch.where(setup.labels_local[rows] >= 0, zy - big_m, 0.0)]
+    if t is not None:
+        parts.append(a * (t + (m - big_m) * s))
+    summed = setup.reduce_sum(torch.stack(parts))
+    big_s = summed[0]
+    log_s = torch.log(big_s)
+    logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
+    entropy = log_s - summed[2] / big_s if t is not None else None
+    return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
+
+
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+"""Running ``(m, s, t, zy)`` of rows: max, sum of ``exp(z - m)``, entropy term (or
+None), the label's logit."""
+
+
+def _torch_stats_(
+    z: torch.Tensor,
+    e_buf: torch.Tensor,
+    state: _State,
+    labels_local: torch.Tensor,
+    col0: int,
+    *,
+    first: bool,
+) -> None:
+    """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
+    (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
+    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place)."""
+    m, s, t, zy = state
+    hit, col = _target_in_tile(labels_local, col0, z.shape[1])
+    zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
+    cm = z.amax(1)
+    m_new = cm if first else torch.maximum(m, cm)
+    z.sub_(m_new[:, None])
+    e = torch.exp(z, out=e_buf)
+    se = e.sum(1)
+    if first:
+        s.copy_(se)
+        if t is not None:
+            t.copy_(rowdot(e, z))
+    else:
+        a = torch.exp(m - m_new)
+        if t is not None:
+            t.copy_(a * (t + (m - m_new) * s) + rowdot(e, z))
+        s.mul_(a).add_(se)
+    m.copy_(m_new)
+
+
+def _target_in_tile(labels_local: torch.Tensor, col0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hit [r], col [r, 1])``: which rows have their label in columns ``[col0, col0 + cols)``."""
+    col = labels_local - col0
+    hit = (col >= 0) & (col < cols)
+    return hit, col.clamp(0, cols - 1).unsqueeze(1)
+
+
+# ---------------------------------------------------------------- the logit gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Coefficients:
+    """Per-row ``(a, b, g)`` ``[r]`` of a logit gradient::
+
+    dz_j = -exp(z_j - M) * (a + b * (z_j - M)) + g * [j == y]       # b None: 0
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+    g: torch.Tensor
+
+    def take(self, rows: slice) -> Coefficients:
+        return Coefficients(self.a[rows], None if self.b is None else self.b[rows], self.g[rows])
+
+
+def logit_grad_coefficients(
+    stats: Stats,
+    g_lp: torch.Tensor | None,
+    g_h: torch.Tensor | None,
+    ignored: torch.Tensor,
+    acc_dtype: torch.dtype,
+) -> Coefficients:
+    """The coefficients of the gradient of ``sum(g_lp * logprobs + g_h * entropy)``::
+
+    d logprob / dz_j = [j == y] - p_j
+    d entropy / dz_j = -p_j (log p_j + H)        # p_j = exp(z_j - M) / S
+    """
+    n = stats.max.shape[0]
+    g = torch.zeros(n, dtype=acc_dtype, device=stats.max.device) if g_lp is None else g_lp.to(acc_dtype)
+    g = torch.where(ignored, 0.0, g)
+    inv_s = 1.0 / stats.sumexp
+    if g_h is None or stats.entropy is None:
+        return Coefficients(g * inv_s, None, g)
+    gh = g_h.to(acc_dtype)
+    a = (g + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
+    return Coefficients(a, gh * inv_s, g)
+
+
+def _torch_grad_(
+    z: torch.Tensor,
+    e: torch.Tensor,
+    coef: Coefficients,
+    labels_local: torch.Tensor,
+    col0: int,
+    inv_t: torch.Tensor | float | None,
+) -> torch.Tensor:
+    """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
+    holds ``exp(z - M)`` (may be ``z`` itself when ``b`` is None); ``inv_t``: the
+    temperature factor still to apply (None when folded into the hidden rows)."""
+    if coef.b is None:
+        gz = e.mul_(-coef.a[:, None])
+    else:
+        gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
+    hit, col = _target_in_tile(labels_local, col0, z.shape[1])
+    gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
+    if isinstance(inv_t, torch.Tensor):
+        gz.mul_(inv_t)
+    elif inv_t is not None and inv_t != 1.0:
+        gz.mul_(inv_t)
+    return gz
+
+
+# ---------------------------------------------------------------- gradient sink
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScale:
+    """A tile whose gradient is held unscaled (the fused loss's single pass): the
+    rows' logit gradient is ``scale[:, None] * E`` plus ``label`` at the label's
+    column (``label_col``, -1 where the label is in another shard)."""
+
+    scale: torch.Tensor  # [r]
+    label: torch.Tensor  # [r]
+    label_col: torch.Tensor  # [r] long
+
+
+class GradSink:
+    """``dh`` and ``dW`` from the logit gradient of the row sweep's tiles.
+
+    Tiles' gradients go into a buffer ``G`` of ``setup.grad_rows`` rows (the compute
+    dtype); a full buffer, and the last, is multiplied out::
+
+        dh[rows] = G @ W                     # each row once
+        dW (+)= G.T @ h[rows]                # the first product writes
+
+    With one buffer for every row, ``dW`` is written once in ``W``'s dtype by cuBLAS
+    (fp32 accumulation); with several, it accumulates in ``W``'s dtype where that is
+    the compute dtype (one rounding per buffer), else in fp32. ``zeros``: start
+    ``dh`` and ``dW`` at 0 (an epilogue that also adds sparse terms).
+    """
+
+    def __init__(self, engine: Engine, *, need_dh: bool, need_dw: bool, zeros: bool = False) -> None:
+        self.engine = engine
+        setup = engine.setup
+        n, local, hid = engine.n, engine.local, engine.hs.shape[1]
+        dev = engine.hs.device
+        self.rows = setup.grad_rows
+        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
+        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
+        self.dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
+        self.zeros = zeros or n == 0 or local == 0
+        make = torch.zeros if self.zeros else torch.empty
+        self.dh = make((n, hid), dtype=setup.acc_dtype, device=dev) if need_dh else None
+        self.dw = make((local, hid), dtype=self.dw_dtype, device=dev) if need_dw else None
+        self.dw_written = self.zeros
+        self.buf: torch.Tensor | None = None
+        self.aliased = False  # buf is the caller's tile itself (one tile a buffer)
+        self.start = 0  # first row held in the buffer
+        self.held = 0  # rows held
+        self.scales: list[RowScale] = []
+
+    @property
+    def active(self) -> bool:
+        return self.dh is not None or self.dw is not None
+
+    def tile(self, rows: slice) -> torch.Tensor:
+        """The buffer rows for the tile ``rows`` (``[r, V_local]``, compute dtype)."""
+        if self.held == 0:
+            self.start = rows.start
+        eng = self.engine
+        cdt = eng.setup.compute_dtype
+        if self.aliased or self.buf is None or self.buf.dtype != cdt:
+            self.buf = torch.empty((min(self.rows, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
+            self.aliased = False
+        return self.buf[self.held : self.held + rows.stop - rows.start]
+
+    def put(self, rows: slice, gz: torch.Tensor) -> None:
+        """Commit the tile's gradient ``gz`` ``[r, V_local]``: taken as the buffer itself
+        where one tile fills a buffer and ``gz`` is in the compute dtype, else copied."""
+        r = rows.stop - rows.start
+        if self.held == 0 and self.rows <= r and gz.dtype == self.engine.setup.compute_dtype:
+            self.start, self.buf, self.aliased = rows.start, gz, True
+        else:
+            self.tile(rows).copy_(gz)
+        self.commit(rows)
+
+    def commit(self, rows: slice, scale: RowScale | None = None) -> None:
+        """The tile ``rows`` is in the buffer; multiply out when full."""
+        self.held += rows.stop - rows.start
+        if scale is not None:
+            self.scales.append(scale)
+        if self.held >= self.rows or rows.stop >= self.engine.n:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.held == 0 or self.buf is None:
+            return
+        eng, setup = self.engine, self.engine.setup
+        b0, b1 = self.start, self.start + self.held
+        g, x = self.buf[: self.held], eng.hs[b0:b1]
+        w = eng.weight_all()
+        scale = torch.cat([s.scale for s in self.scales]) if self.scales else None
+        if self.dh is not None:
+            dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
+            gemm_into(dh, g, w, first=not self.zeros)
+            if scale is not None:
+                dh.mul_(scale[:, None])
+        if self.dw is not None:
+            xs = x if scale is None else (x.to(setup.acc_dtype) * scale[:, None]).to(setup.compute_dtype)
+            gemm_into(self.dw, g.T, xs, first=not self.dw_written)
+            self.dw_written = True
+        if self.scales:  # the label's column, formed in the accumulation dtype
+            label = torch.cat([s.label for s in self.scales])
+            col = torch.cat([s.label_col for s in self.scales])
+            coef = torch.where(col >= 0, label, 0.0)[:, None]
+            safe = col.clamp(min=0)
+            if self.dh is not None:
+                self.dh[b0:b1] += coef * w[safe].to(setup.acc_dtype)
+            if self.dw is not None:
+                self.dw.index_add_(0, safe, (coef * x.to(setup.acc_dtype)).to(self.dw.dtype))
+        self.held = 0
+        self.scales = []
+        if self.aliased:
+            self.buf, self.aliased = None, False
+
+    def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
+        """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
+        columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
+        without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
+        eng, setup = self.engine, self.engine.setup
+        assert self.zeros, "sparse terms add to a zero-initialised sink"
+        gr = torch.where(cols >= 0, g, 0.0)
+        if not setup.fold:
+            gr = gr * setup.row_inv_t(rows)
+        safe = cols.clamp(min=0)
+        if self.dh is not None:
+            wsel = eng.weight_all()[safe].to(setup.acc_dtype)  # [r, k, h]
+            self.dh[rows] += torch.bmm(gr.unsqueeze(1), wsel).squeeze(1)
+        if self.dw is not None:
+            contrib = gr.unsqueeze(2) * eng.hs[rows].to(setup.acc_dtype).unsqueeze(1)  # [r, k, h]
+            self.dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype))
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
+        ``dW`` in ``W``'s dtype."""
+        self.flush()
+        dw = self.dw
+        if dw is not None and dw.dtype != self.engine.w_dtype:
+            dw = dw.to(self.engine.w_dtype)
+        return self.engine.unfold_dh(self.dh), dw
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+    """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
+    compute dtype (times ``inv_t`` when folded), ``w`` the shard."""
+
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
+        self.setup = setup
+        hs = h.detach().to(setup.compute_dtype)
+        if setup.fold:
+            if isinstance(setup.inv_t, torch.Tensor):
+                hs = hs * setup.inv_t.to(hs.dtype)[:, None]
+            elif setup.inv_t != 1.0:
+                hs = hs * setup.inv_t
+        self.hs = hs
+        self.w = w.detach()
+        self.w_dtype = w.dtype
+        self.n, self.local = int(hs.shape[0]), int(w.shape[0])
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._w_all: torch.Tensor | None = None
+
+    @property
+    def triton(self) -> bool:
+        return self.setup.kernel is not None
+
+    # -- buffers and GEMMs
+
+    def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
+        allocate and page-fault a fresh tile each step."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < r * c or buf.dtype != dtype:
+            buf = torch.empty(r * c, dtype=dtype, device=self.hs.device)
+            self._bufs[name] = buf
+        return buf[: r * c].view(r, c)
+
+    def like(self, name: str, z: torch.Tensor) -> torch.Tensor:
+        """A reused buffer of ``z``'s shape and dtype."""
+        return self.buffer(name, z.shape[0], z.shape[1], z.dtype)
+
+    def weight(self, cols: slice) -> torch.Tensor:
+        """``W[cols]`` in the compute dtype."""
+        if self._w_all is not None:
+            return self._w_all[cols]
+        return self.w[cols].to(self.setup.compute_dtype)
+
+    def weight_all(self) -> torch.Tensor:
+        """The whole shard in the compute dtype (kept for the call)."""
+        if self._w_all is None:
+            self._w_all = self.w.to(self.setup.compute_dtype)
+        return self._w_all
+
+    def logits(self, rows: slice, wc: torch.Tensor, *, name: str = "z") -> torch.Tensor:
+        """The tile ``h[rows] @ wc.T`` ``[r, c]`` in the accumulation dtype: tempered on
+        the torch backend (unless folded), untempered on the Triton backend (its
+        kernels apply ``inv_t``)."""
+        x = self.hs[rows]
+        z = mm_into(self.buffer(name, x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
+        if not self.triton and not self.setup.fold:
+            inv_t = self.setup.row_inv_t(rows)
+            if isinstance(inv_t, torch.Tensor) or inv_t != 1.0:
+                z.mul_(inv_t)
+        return z
+
+    def temper(self, values: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Values taken from a tile of :meth:`logits`, tempered as the torch form's are."""
+        if not self.triton:
+            return values
+        return values * self.setup.row_inv_t(rows)
+
+    def tempered(self, z: torch.Tensor, rows: slice) -> torch.Tensor:
+        """A tile of :meth:`logits` as tempered logits (in place on the Triton backend)."""
+        if not self.triton:
+            return z
+        inv_t = self.setup.row_inv_t(rows)
+        return z.mul_(inv_t) if isinstance(inv_t, torch.Tensor) or inv_t != 1.0 else z
+
+    def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The gradient of tempered logits as the sink takes it: times ``inv_t`` unless
+        the temperature is folded into the hidden rows."""
+        if self.setup.fold:
+            return gz
+        inv_t = self.setup.row_inv_t(rows)
+        return gz * inv_t if isinstance(inv_t, torch.Tensor) or inv_t != 1.0 else gz
+
+    def pick(self, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
+        """The tempered logits of a fresh tile at the local columns ``cols`` ``[r, k]``
+        (0 where -1)."""
+        v = self.temper(z.gather(1, cols.clamp(min=0)), rows)
+        return torch.where(cols >= 0, v, 0.0)
+
+    def row_argmax(self, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(max, argmax)`` of each row of a fresh tile, the max tempered."""
+        local_max, local_arg = z.max(1)  # the first maximal column
+        return self.temper(local_max, rows).reshape(-1), local_arg
+
+    def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
+        """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
+        setup = self.setup
+        if dh is not None and setup.fold:
+            if isinstance(setup.inv_t, torch.Tensor):
+                dh.mul_(setup.inv_t[:, None])
+            elif setup.inv_t != 1.0:
+                dh.mul_(setup.inv_t)
+        return dh
+
+    def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
+        """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
+        rows, cols = self.setup.tile
+        for j0 in range(0, self.local, cols):
+            for i0 in range(0, self.n, rows):
+                yield slice(i0, min(i0 + rows, self.n)), slice(j0, min(j0 + cols, self.local))
+
+    def row_tiles(self) -> Iterator[slice]:
+        rows = self.setup.row_tile
+        for i0 in range(0, self.n, rows):
+            yield slice(i0, min(i0 + rows, self.n))
+
+    # -- the statistics pass
+
+    def fresh_state(self, r: int, *, with_entropy: bool) -> _State:
+        """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy)."""
+        dt, dev = self.setup.acc_dtype, self.hs.device
+        m = torch.full((r,), float("-inf"), dtype=dt, device=dev)
+        s, zy = torch.zeros(r, dtype=dt, device=dev), torch.zeros(r, dtype=dt, device=dev)
+        t = torch.zeros(r, dtype=dt, device=dev) if with_entropy else None
+        return m, s, t, zy
+
+    def stats_pass(
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        state: _State,
+        *,
+        whole: bool,
+    ) -> None:
+        """Fold the tile into the running statistics (``state``: ``[n]`` vectors, or the
+        tile's own ``[r]`` ones when ``whole``). The torch form shifts ``z`` in place."""
+        setup = self.setup
+        m, s, t, zy = state
+        if self.triton:
+            from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
+
+            assert setup.kernel is not None
+            inv_t = setup.inv_t if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
+            row0 = rows.start
+            if whole:  # the tile's own vectors: index them from 0
+                labels, row0 = setup.labels_local[rows], 0
+                inv_t = inv_t[rows] if isinstance(inv_t, torch.Tensor) else inv_t
+            else:
+                labels = setup.labels_local
+            chunk_stats_(z, labels, inv_t, m, s, t, zy, row0=row0, col0=cols.start, cfg=setup.kernel)
+            return
+        part = (m, s, t, zy) if whole else (m[rows], s[rows], None if t is None else t[rows], zy[rows])
+        e_buf = self.like("e", z)
+        _torch_stats_(z, e_buf, part, setup.labels_local[rows], cols.start, first=cols.start == 0)
+
+    def forward_stats(
+        self,
+        *,
+        with_entropy: bool,
+        on_tile: Callable[[torch.Tensor, slice, slice], None] | None = None,
+    ) -> Stats:
+        """The vocabulary sweep's forward: every row's global :class:`Stats`. ``on_tile``
+        sees each logits tile first (untouched; :meth:`temper` its values)."""
+        state = self.fresh_state(self.n, with_entropy=with_entropy)
+        if self.n and self.local:
+            for rows, cols in self.vocab_tiles():
+                if rows.start == 0:
+                    wc = self.weight(cols)
+                z = self.logits(rows, wc)
+                if on_tile is not None:
+                    on_tile(z, rows, cols)
+                self.stats_pass(z, rows, cols, state, whole=False)
+        return combine(*state, self.setup)
+
+    # -- the gradient pass
+
+    def grad_pass(
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        big_m: torch.Tensor,
+        coef: Coefficients,
+        *,
+        sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The vocabulary sweep's gradient pass: the logit gradient of the tile ``z``
+        (fresh from :meth:`logits`) in the compute dtype, in place. ``big_m``, ``coef``:
+        the tile's rows. ``sparse``: ``(cols [r, k], g [r, k])`` more terms at those
+        columns of the shard (-1: elsewhere), added in the accumulation dtype before the
+        gradient is rounded to the compute dtype."""
+        setup = self.setup
+        cdt = setup.compute_dtype
+        if self.triton:
+            wide = sparse is not None and cdt != z.dtype
+            gz = self._kernel_grad(z, rows, cols.start, big_m, coef, out=None, dtype=z.dtype if wide else cdt)
+        else:
+            z.sub_(big_m[:, None])
+            e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
+            inv_t = None if setup.fold else setup.row_inv_t(rows)
+            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], cols.start, inv_t)
+        if sparse is not None:
+            self._scatter_sparse(gz, rows, cols, sparse)
+        return gz.to(cdt)
+
+    def _kernel_grad(
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        col0: int,
+        big_m: torch.Tensor,
+        coef: Coefficients,
+        *,
+        out: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The Triton form of the gradient pass (rows indexed from the tile's first)."""
+        from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
+
+        setup = self.setup
+        assert setup.kernel is not None
+        f32 = torch.float32
+        inv_t = (
+            setup.inv_t[rows].contiguous() if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
+        )
+        return logit_grad_(
+            z,
+            dtype,
+            setup.labels_local[rows].contiguous(),
+            inv_t,
+            big_m.to(f32).contiguous(),
+            (
+                coef.a.to(f32).contiguous(),
+                None if coef.b is None else coef.b.to(f32).contiguous(),
+                coef.g.to(f32).contiguous(),
+            ),
+            row0=0,
+            col0=col0,
+            cfg=setup.kernel,
+            out=out,
+        )
+
+    def _scatter_sparse(
+        self, gz: torch.Tensor, rows: slice, cols: slice, sparse: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """``gz[i, where[i, j] - cols.start] += g[i, j]`` (times ``inv_t`` unless folded)
+        for the columns in this tile."""
+        where, g = sparse
+        local = where - cols.start
+        hit = (where >= 0) & (local >= 0) & (local < gz.shape[1])
+        g = torch.where(hit, g, 0.0)
+        if not self.setup.fold:
+            g = g * self.setup.row_inv_t(rows)
+        gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1), g.to(gz.dtype))
+
+    def backward(
+        self,
+        stats: Stats,
+        coef: Coefficients,
+        *,
+        need_dh: bool,
+        need_dw: bool,
+        sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The vocabulary sweep's backward: ``(dh, dW)`` by recomputing each tile (columns
+        outer, so each ``dW`` tile is finished before the next)::
+
+            gz = grad_pass(logits(rows, cols))
+            dh[rows] (+)= gz @ W[cols]          # + from the second column tile on
+            dW[cols] (+)= gz.T @ h[rows]        # + from the second row tile on
+
+        ``dh`` in the accumulation dtype (unfolded), ``dW`` in ``W``'s dtype. Where one
+        tile holds every row and ``W`` is in the compute dtype, each ``dW`` tile is one
+        GEMM written straight into ``dW`` (fp32 accumulation, one rounding).
+        """
+        setup = self.setup
+        acc = setup.acc_dtype
+        n, local, hid = self.n, self.local, self.hs.shape[1]
+        dev = self.hs.device
+        if n == 0 or local == 0:
+            dh0 = torch.zeros((n, hid), dtype=acc, device=dev) if need_dh else None
+            return dh0, (torch.zeros((local, hid), dtype=self.w_dtype, device=dev) if need_dw else None)
+        direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
+        dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
+        dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
+        for rows, cols in self.vocab_tiles():
+            if rows.start == 0:
+                wc = self.weight(cols)
+            z = self.logits(rows, wc)
+            part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.take(rows), sparse=part)
+            if dh is not None:
+                gemm_into(dh[rows], gz, wc, first=cols.start == 0)
+            if dw is not None:
+                gemm_into(dw[cols], gz.T, self.hs[rows], first=rows.start == 0)
+        if dw is not None and dw.dtype != self.w_dtype:
+            dw = dw.to(self.w_dtype)
+        return self.unfold_dh(dh), dw
+
+    # -- the row sweep
+
+    def row_sweep(
+        self,
+        epilogue: Callable[[torch.Tensor, slice, GradSink], None],
+        *,
+        need_dh: bool,
+        need_dw: bool,
+        zeros: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Tiles of whole rows: ``epilogue(z, rows, sink)`` gets each tile's logits
+        (:meth:`logits` of the whole shard) and puts its gradient into ``sink``
+        (:meth:`GradSink.tile`, :meth:`GradSink.commit`). Returns ``(dh, dW)`` as
+        :meth:`GradSink.result`."""
+        sink = GradSink(self, need_dh=need_dh, need_dw=need_dw, zeros=zeros)
+        if self.n and self.local:
+            wc = self.weight_all()
+            for rows in self.row_tiles():
+                epilogue(self.logits(rows, wc), rows, sink)
+        return sink.result()
+
+    def row_stats(self, z: torch.Tensor, rows: slice, *, with_entropy: bool = True) -> Stats:
+        """The exact :class:`Stats` of a whole-row tile, combined over the shards: one
+        all-reduce max, one all-reduce sum. The torch form leaves ``z - M`` in ``z`` and
+        ``exp(z - M)`` in the ``"e"`` buffer for :meth:`row_grad`; the Triton form
+        leaves ``z`` as it was."""
+        setup = self.setup
+        if self.triton:
+            state = self.fresh_state(rows.stop - rows.start, with_entropy=with_entropy)
+            self.stats_pass(z, rows, slice(0, self.local), state, whole=True)
+            return combine(*state, setup, rows)
+        big_m = setup.reduce_max(z.amax(1))
+        hit, col = _target_in_tile(setup.labels_local[rows], 0, z.shape[1])
+        zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
+        z.sub_(big_m[:, None])
+        e = torch.exp(z, out=self.like("e", z))
+        parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else [])
+        summed = setup.reduce_sum(torch.stack(parts))
+        big_s = summed[0]
+        log_s = torch.log(big_s)
+        logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
+        entropy = log_s - summed[2] / big_s if with_entropy else None
+        return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
+
+    def row_grad(
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        stats: Stats,
+        coef: Coefficients,
+        sink: GradSink,
+        *,
+        sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """The gradient of a whole-row tile after :meth:`row_stats`, into ``sink``; ``sparse``
+        as :meth:`grad_pass`."""
+        setup = self.setup
+        if not self.triton:
+            e = self.like("e", z)
+            inv_t = None if setup.fold else setup.row_inv_t(rows)
+            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], 0, inv_t)
+            if sparse is not None:
+                self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
+            sink.put(rows, gz)
+            return
+        if sparse is not None and setup.compute_dtype != z.dtype:  # add them in fp32, then round
+            gz = self._kernel_grad(z, rows, 0, stats.max, coef, out=None, dtype=z.dtype)
+            self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
+            sink.put(rows, gz)
+            return
+        gz = self._kernel_grad(z, rows, 0, stats.max, coef, out=sink.tile(rows), dtype=setup.compute_dtype)
+        if sparse is not None:
+            self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
+        sink.commit(rows)
+
+    def exp_rows(
+        self, z: torch.Tensor, rows: slice, out: torch.Tensor
+    ) -> tuple[Stats, torch.Tensor, torch.Tensor]:
+        """The fused loss's single pass over a whole-row tile (Triton form only): ``out``
+        gets ``E = exp(z - c)`` (0 at the label's column), and the rows' statistics come
+        back combined, with ``c`` and the label's tempered logit ``zy`` (local)::
+
+            E = exp(z - c)                         # c <= M: no overflow (see EXP_RANGE)
+            dz = -a exp(z - M) + g [j == y]        # b == 0
+               = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
+        """
+        from ._triton_kernels import exp_rows_
+
+        setup = self.setup
+        assert setup.kernel is not None
+        r = rows.stop - rows.start
+        f32, dev = torch.float32, self.hs.device
+        c, m, s, t, zy = (torch.empty(r, dtype=f32, device=dev) for _ in range(5))
+        flags = torch.empty(r, dtype=torch.int8, device=dev)
+        inv_t = (
+            setup.inv_t[rows].contiguous() if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
+        )
+        exp_rows_(
+            z,
+            out,
+            setup.labels_local[rows].contiguous(),
+            inv_t,
+            (c, m, s, t, zy, flags),
+            row0=0,
+            cfg=setup.kernel,
+        )
+        # relative to the local max, as combine() takes them
+        k = torch.exp(c - m)
+        stats = combine(m, s * k, k * (t + (c - m) * s), zy, setup, rows)
+        return stats, c, zy

@@ -1,0 +1,337 @@
+"""The options every tensor function takes (:class:`LinearOptions`), and the one
+prologue that checks a call's tensors against them and builds the engine's
+:class:`~._engine.TileSetup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Literal
+
+import torch
+
+from hookspec import IGNORE_INDEX, Collectives, ContractError, SingleProcessCollectives, VocabShard
+from hookspec.arrays import format_shape
+
+from ._backends import auto_choice, triton_available
+from ._checks import (
+    check_bool,
+    check_finite_number,
+    check_floating,
+    check_int,
+    check_temperature,
+    check_token_labels,
+    resolve_compute_dtype,
+)
+from ._engine import TileSetup
+from ._geometry import grad_rows, interpreting, kernel_config, row_tile, sweep_tile
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "LinearOptions",
+    "gather_rows",
+    "legacy_options",
+    "make_setup",
+    "refuse_double_backward",
+]
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+    """How a tensor function forms, shards and tiles the logits
+    ``z = gather(hidden) @ weight_full.T * logit_scale / temperature``; checked at
+    construction (``ContractError``), the tensors' shapes at the call.
+
+    Attributes:
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered
+            row; not differentiated; its values checked with ``check_values``).
+        logit_scale: a constant factor ``> 0`` on the logits (MuP's output
+            multiplier).
+        ignore_index: the label of rows that count nowhere (logprob 0).
+        vocab: this rank's rows of the vocabulary (``weight`` is rows
+            ``[vocab.start, vocab.end)`` of ``vocab.size``); ``None``: the
+            weight is the whole vocabulary. A shard needs ``collectives``.
+        collectives: the vocab-parallel group's ``hookspec.Collectives``
+            (``gather_hidden_states`` for sequence parallel, the reductions);
+            ``None`` for one process.
+        backend: ``"triton"`` (cuBLAS GEMMs, Triton kernels for the passes over
+            each tile; on a CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
+            (cuBLAS GEMMs, torch ops), or ``"auto"``: the device class's measured
+            choice, else Triton on CUDA where installed, torch on a CPU and for
+            float64.
+        compute_dtype: the GEMM operands' dtype; default float32 on a CPU,
+            float64 where an input is float64, the input dtype elsewhere.
+            Products accumulate in fp32 (fp64) whatever it is.
+        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``:
+            the default per device (:mod:`torch_impl.processors` ``TILE_BYTES``,
+            ``TILES_BY_DEVICE``). Functions whose tiles hold whole rows read
+            ``tile_rows`` only.
+        check_values: read the labels and a tensor temperature to check them
+            (at once on a CPU, deferred without a host read on a GPU).
+    """
+
+    temperature: float | torch.Tensor = 1.0
+    logit_scale: float = 1.0
+    ignore_index: int = IGNORE_INDEX
+    vocab: VocabShard | None = None
+    collectives: Collectives | None = None
+    backend: Backend = "auto"
+    compute_dtype: torch.dtype | None = None
+    tile_rows: int | None = None
+    tile_cols: int | None = None
+    check_values: bool = True
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        if not isinstance(self.temperature, torch.Tensor):
+            check_temperature(self.temperature, 1)
+        elif self.temperature.dim() > 0:
+            check_floating("temperature", self.temperature)
+        put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
+        check_int("ignore_index", self.ignore_index, low=-(1 << 62))
+        if self.vocab is not None and not isinstance(self.vocab, VocabShard):
+            raise ContractError("vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab))
+        if self.collectives is not None and not isinstance(self.collectives, Collectives):
+            raise ContractError(
+                "collectives",
+                expected="None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, "
+                "gather_hidden_states)",
+                actual=type(self.collectives).__name__,
+            )
+        if self.backend not in BACKENDS:
+            raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
+        if self.compute_dtype is not None and self.compute_dtype not in _FLOATS:
+            raise ContractError(
+                "compute_dtype", expected="a floating torch dtype", actual=repr(self.compute_dtype)
+            )
+        for name in ("tile_rows", "tile_cols"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1)
+        check_bool("check_values", self.check_values)
+
+
+_LEGACY = (
+    "temperature",
+    "ignore_index",
+    "vocab_start",
+    "vocab_size",
+    "collectives",
+    "backend",
+    "vocab_chunk_size",
+    "token_chunk_size",
+    "chunk_size",
+    "tile_elements",
+    "compute_dtype",
+    "logit_scale",
+    "check_values",
+)
+
+
+def legacy_options(
+    function: str, options: LinearOptions | None, legacy: dict[str, Any], weight: Any
+) -> LinearOptions:
+    """``options``, or the :class:`LinearOptions` the keywords of the previous release
+    spell (``DeprecationWarning``, one release): ``vocab_start``/``vocab_size`` become
+    ``vocab``, ``vocab_chunk_size``/``chunk_size`` ``tile_cols``,
+    ``token_chunk_size`` ``tile_rows``, ``tile_elements`` ``tile_rows = tile_elements
+    // V_local``."""
+    if not legacy:
+        return LinearOptions() if options is None else options
+    unknown = sorted(set(legacy) - set(_LEGACY))
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+    if options is not None:
+        raise ContractError(
+            "options", expected=f"either options= or the deprecated keywords {sorted(legacy)}", actual="both"
+        )
+    warnings.warn(
+        f"{function}({', '.join(f'{k}=' for k in legacy)}): these keywords are deprecated; pass "
+        f"options=torch_impl.processors.LinearOptions(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    kw = dict(legacy)
+    local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
+    start, size = kw.pop("vocab_start", 0), kw.pop("vocab_size", None)
+    check_int("vocab_start", start, low=0)
+    if size is None:
+        size = start + local
+    if isinstance(size, bool) or not isinstance(size, int) or size < start + local:
+        raise ContractError(
+            "vocab_size", expected=f"an int >= vocab_start + V_local = {start + local}", actual=repr(size)
+        )
+    vocab = (
+        None
+        if (start == 0 and size == local)
+        else VocabShard(start, start + local, check_int("vocab_size", size))
+    )
+    for name in ("vocab_chunk_size", "token_chunk_size", "chunk_size"):
+        if kw.get(name) is not None:
+            check_int(name, kw[name], low=1)  # named as the caller wrote it
+    cols = kw.pop("vocab_chunk_size", None)
+    old = kw.pop("chunk_size", None)
+    if old is not None:
+        if cols is not None:
+            raise ContractError(
+                "chunk_size",
+                expected="unset when vocab_chunk_size is given (it is its old name)",
+                actual=repr(old),
+            )
+        cols = old
+    rows = kw.pop("token_chunk_size", None)
+    elements = kw.pop("tile_elements", None)
+    if elements is not None:
+        rows = max(1, check_int("tile_elements", elements, low=1) // max(1, local))
+    return LinearOptions(vocab=vocab, tile_rows=rows, tile_cols=cols, **kw)
+
+
+def check_hidden(hidden: Any) -> torch.Tensor:
+    check_floating("hidden", hidden)
+    if hidden.dim() != 2:
+        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
+    return hidden
+
+
+def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
+    """The checked ``hidden`` ``[n_local, h]``, gathered to the rows every vocab shard
+    needs (``collectives.gather_hidden_states``, whose backward sums the shards'
+    hidden-state gradients)."""
+    check_hidden(hidden)
+    coll = options.collectives
+    return hidden if coll is None else coll.gather_hidden_states(hidden)
+
+
+def refuse_double_backward(name: str) -> None:
+    """Called first in a custom backward: under ``create_graph=True`` (grad mode on in
+    backward) the gradient would have no graph, and its own gradient (a Hessian-vector
+    product) would read as zero. Refuse by name instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward (create_graph=True) is not supported: its gradient is formed "
+            "by tiles outside autograd, so a second derivative would silently be zero. For Hessian-"
+            "vector products compute the logprobs from materialised logits"
+        )
+
+
+def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton kernels run: ``"auto"`` takes the device class's choice
+    (:mod:`._backends`) for bf16/fp16/fp32, torch for float64."""
+    fp64 = torch.float64 in (h.dtype, weight.dtype)
+    if backend == "auto":
+        return not fp64 and auto_choice(h.device).backend == "triton"
+    if backend == "triton":
+        if fp64:
+            raise ContractError(
+                "backend", expected="'torch' for float64 inputs (the kernels run in fp32)", actual="'triton'"
+            )
+        if not triton_available():
+            raise ContractError(
+                "backend", expected="'torch' or 'auto' (triton is not installed)", actual="'triton'"
+            )
+        if not (h.is_cuda or interpreting()):
+            raise ContractError(
+                "backend",
+                expected=f"'torch' or 'auto' for tensors on {h.device} (or TRITON_INTERPRET=1)",
+                actual="'triton'",
+            )
+        return True
+    return False
+
+
+def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None) -> None:
+    """A weight that is part of the vocabulary needs collectives that reduce over the
+    other parts: with none (``None``, or one rank's ``SingleProcessCollectives``) the
+    logprobs would be normalised over this shard alone."""
+    if vocab.end - vocab.start != local:
+        raise ContractError(
+            "vocab",
+            expected=f"a shard of V_local = {local} rows, the weight's (end - start)",
+            actual=f"start={vocab.start}, end={vocab.end} ({vocab.end - vocab.start} rows)",
+        )
+    if vocab.start == 0 and vocab.end == vocab.size:
+        return
+    if collectives is None or isinstance(collectives, SingleProcessCollectives):
+        raise ContractError(
+            "collectives",
+            expected=(
+                f"the vocab-parallel group's Collectives: the weight holds rows [{vocab.start}, "
+                f"{vocab.end}) of a vocabulary of {vocab.size}, the rest lives on other ranks"
+            ),
+            actual="None" if collectives is None else "SingleProcessCollectives() (one rank)",
+        )
+
+
+def make_setup(
+    h: torch.Tensor, weight: Any, labels: Any, options: LinearOptions, *, fold: bool = True
+) -> TileSetup:
+    """Check one call's tensors (``h`` gathered; ``labels`` ``[n]`` or ``None``)
+    against ``options`` and build its :class:`TileSetup`. ``fold``: the torch backend
+    may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
+    equal logits must stay equal: top-k's ties)."""
+    if not isinstance(options, LinearOptions):
+        raise ContractError(
+            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
+        )
+    check_floating("weight", weight)
+    n, hidden = h.shape
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ContractError(
+            "weight", expected=f"shape [V_local, h={hidden}]", actual=format_shape(weight.shape)
+        )
+    if weight.device != h.device:
+        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
+    local = int(weight.shape[0])
+    vocab = options.vocab
+    if vocab is not None:
+        _check_shard(vocab, local, options.collectives)
+    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
+    triton = _backend(options.backend, h, weight)
+    if labels is None:
+        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
+    else:
+        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
+        y = y.to(device=h.device, dtype=torch.long)
+    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    # float64 if either operand is: a float32 weight with float64 hidden states (or the
+    # reverse) is multiplied exactly in float64, as torch's promotion would
+    wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
+    if triton:
+        cdtype = resolve_compute_dtype(h.device, h.dtype, options.compute_dtype or h.dtype)
+        if cdtype == torch.float64:
+            raise ContractError(
+                "compute_dtype", expected="not float64 with backend 'triton'", actual="float64"
+            )
+    else:
+        cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype)
+    acc = torch.float64 if cdtype == torch.float64 else torch.float32
+    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
+    # an exact float64 quotient of its (float32) values
+    scale = options.logit_scale
+    inv_t: torch.Tensor | float = (
+        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
+    )
+    rows = row_tile(n, local, h.device, rows=options.tile_rows)
+    ignored = y == options.ignore_index
+    local_row = y - start
+    in_shard = (local_row >= 0) & (local_row < local) & ~ignored
+    return TileSetup(
+        labels_local=torch.where(in_shard, local_row, -1),
+        ignored=ignored,
+        inv_t=inv_t,
+        fold=fold and not triton and cdtype in (torch.float32, torch.float64),
+        compute_dtype=cdtype,
+        acc_dtype=acc,
+        vocab_start=start,
+        vocab_size=size,
+        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
+        row_tile=rows,
+        grad_rows=grad_rows(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
+        collectives=options.collectives,
+        kernel=kernel_config(h.device) if triton else None,
+    )

@@ -1,0 +1,211 @@
+"""The teachers of :func:`~torch_impl.processors.distillation_loss`, the user contexts
+of its two forms, each checking its own tensors (``hookspec.conventions`` states the
+rules): :class:`SparseTeacher` (the teacher's top-k per token) and
+:class:`DenseTeacher` (its hidden states and output weight shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from hookspec import Collectives, ContractError, VocabShard
+from hookspec.arrays import format_shape
+
+from ..value_checks import check_condition_deferred, check_indices_deferred
+from ._checks import check_finite_number, check_floating
+
+__all__ = ["DenseTeacher", "SparseTeacher", "TeacherRows", "check_counts"]
+
+
+def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(field, expected=f"a torch.Tensor {expected}", actual=type(value).__name__)
+    if tuple(value.shape) != want:
+        raise ContractError(field, expected=f"shape {expected}", actual=format_shape(value.shape))
+    return value
+
+
+def check_counts(teacher: Any) -> None:
+    """A teacher's ``global_tokens`` / ``global_sequences``: ``None`` or finite ``> 0``."""
+    for name in ("global_tokens", "global_sequences"):
+        value = getattr(teacher, name)
+        if value is not None:
+            check_finite_number(f"context.{name}", value, low=0.0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherRows:
+    """A teacher as rows of the gathered tokens (``s``-major), ready for the engine.
+
+    Sparse: ``ids`` ``[n, k]`` int64 and ``logprobs`` ``[n, k]`` (acc dtype); at a
+    token that does not count, a stand-in (``k`` distinct ids of mass ``1 / (k + 1)``
+    each) that keeps every term and gradient finite. Dense: ``hidden`` ``[n, h_t]`` and
+    ``weight`` ``[V_local, h_t]``, detached, and the teacher's ``logit_scale``.
+    """
+
+    ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    logit_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTeacher:
+    """The user context of the sparse form: the teacher's top-k per token (say,
+    ``topk_logprobs(k)`` of a teacher, cached), ``[b, s, k]`` each.
+
+    ``ids``: distinct global token ids, the first the teacher's top-1;
+    ``logprobs``: its logprobs there, at the distillation temperature: finite,
+    ``<= 0`` and summing (``exp``) to at most 1, up to the rounding of their dtype,
+    the first the largest (``hookspec.conventions``; checked at counted tokens: at
+    once on a CPU, without a host read on a GPU). ``mask``: ``[b, s]`` weights
+    (``None``: the model's ``loss_mask``, else every token; tokens labelled
+    ``ignore_index`` never count). ``global_tokens`` / ``global_sequences``: as
+    :class:`PolicyBatch`'s (counts over the ranks that share the loss). Read at
+    counted tokens only.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor | None = None
+    global_tokens: float | None = None
+    global_sequences: float | None = None
+
+    def rows(
+        self,
+        b: int,
+        s: int,
+        counted: torch.Tensor,
+        vocab_size: int,
+        *,
+        dtype: torch.dtype,
+        check_values: bool,
+    ) -> TeacherRows:
+        """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at."""
+        ids = self.ids
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 3:
+            actual = format_shape(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ContractError("context.ids", expected=f"an integer tensor [b={b}, s={s}, k]", actual=actual)
+        k = int(ids.shape[2])
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise ContractError("context.ids", expected="an integer dtype", actual=str(ids.dtype))
+        _check_shape("context.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
+        if k < 1:
+            raise ContractError("context.ids", expected="k >= 1 ids per token", actual="k = 0")
+        check_floating("context.logprobs", self.logprobs)
+        _check_shape("context.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
+        device = counted.device
+        ids = ids.transpose(0, 1).reshape(-1, k).to(device=device, dtype=torch.long)
+        lp = self.logprobs.detach().transpose(0, 1).reshape(-1, k).to(device=device)
+        if check_values:
+            _check_sparse_values(ids, lp, counted, vocab_size)
+        stand_in = torch.arange(k, device=device) % vocab_size
+        return TeacherRows(
+            ids=torch.where(counted[:, None], ids, stand_in),
+            logprobs=torch.where(counted[:, None], lp.to(dtype), -math.log(k + 1)),
+        )
+
+
+def _check_sparse_values(ids: torch.Tensor, lp: torch.Tensor, counted: torch.Tensor, vocab_size: int) -> None:
+    """The sparse teacher's rules at the counted tokens (``hookspec.conventions``): ids in
+    range and distinct; logprobs finite, ``<= eps``, ``sum(exp) <= 1 + k eps``, the
+    first the largest (``eps``: the logprobs' dtype's machine epsilon)."""
+    k = ids.shape[1]
+    check_indices_deferred(torch.where(counted[:, None], ids, 0), vocab_size, field="context.ids")
+    if k > 1:
+        sorted_ids = torch.sort(ids, dim=1).values
+        dup = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(1) & counted
+        check_condition_deferred(
+            dup, ids[:, 0], field="context.ids", expected="k distinct ids per token", noun="tokens"
+        )
+    eps = torch.finfo(lp.dtype).eps
+    wide = lp.double()
+    total = torch.logsumexp(wide, 1)
+    bad = counted & ~(torch.isfinite(wide).all(1) & (wide.amax(1) <= eps) & (total <= math.log1p(k * eps)))
+    check_condition_deferred(
+        bad,
+        total.exp(),
+        field="context.logprobs",
+        expected=f"finite logprobs <= 0 whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token",
+        noun="tokens (their sum of exp)",
+    )
+    if k > 1:
+        not_first = counted & (lp[:, 1:] > lp[:, :1]).any(1)
+        check_condition_deferred(
+            not_first,
+            lp[:, 0],
+            field="context.logprobs",
+            expected="the first logprob the largest (ids[0] is the teacher's top-1)",
+            noun="tokens (their first logprob)",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTeacher:
+    """The user context of the dense form: the teacher's final hidden states and
+    its output weight shard.
+
+    ``hidden_states``: ``[s, b, h_t]`` in the layout of the student's
+    ``ctx.hidden_states`` (``[s/tp, b, h_t]`` under sequence parallel);
+    ``weight``: ``[V_local, h_t]``; ``vocab``: the vocabulary rows the weight
+    holds, which must be the student's (``ctx.vocab``); required where the
+    student's weight is a shard of the vocabulary (``None``: the whole
+    vocabulary). ``h_t`` may differ from the student's. ``logit_scale``: the
+    teacher model's own factor on its logits (MuP's output multiplier; the
+    student's comes from its model): the teacher's logits are
+    ``hidden_states @ weight.T * logit_scale / T``. No gradient reaches them.
+    ``mask``, ``global_tokens``, ``global_sequences``: as :class:`SparseTeacher`.
+    """
+
+    hidden_states: torch.Tensor
+    weight: torch.Tensor
+    mask: torch.Tensor | None = None
+    global_tokens: float | None = None
+    global_sequences: float | None = None
+    vocab: VocabShard | None = None
+    logit_scale: float = 1.0
+
+    def rows(
+        self, hidden: torch.Tensor, student_vocab: VocabShard, collectives: Collectives | None
+    ) -> TeacherRows:
+        """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local)."""
+        scale = check_finite_number("context.logit_scale", self.logit_scale, low=0.0, low_open=True)
+        th, tw = self.hidden_states, self.weight
+        check_floating("context.hidden_states", th)
+        check_floating("context.weight", tw)
+        if th.dim() != 3 or tuple(th.shape[:2]) != tuple(hidden.shape[:2]):
+            raise ContractError(
+                "context.hidden_states",
+                expected=f"shape [{hidden.shape[0]}, {hidden.shape[1]}, h_t] like ctx.hidden_states",
+                actual=format_shape(th.shape),
+            )
+        local = student_vocab.end - student_vocab.start
+        if tw.dim() != 2 or tw.shape[0] != local or tw.shape[1] != th.shape[2]:
+            raise ContractError(
+                "context.weight",
+                expected=f"shape [V_local={local}, h_t={th.shape[2]}]",
+                actual=format_shape(tw.shape),
+            )
+        whole = student_vocab.start == 0 and student_vocab.end == student_vocab.size
+        if self.vocab is None and not whole:
+            raise ContractError(
+                "context.vocab",
+                expected=f"the VocabShard of the teacher's weight rows: the student's is {student_vocab}",
+                actual="None",
+            )
+        if self.vocab is not None and self.vocab != student_vocab:
+            raise ContractError(
+                "context.vocab", expected=f"the student's {student_vocab}", actual=repr(self.vocab)
+            )
+        t_h = th.detach().to(hidden.device)
+        t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h
+        return TeacherRows(
+            hidden=t_h.reshape(-1, t_h.shape[-1]).detach(),
+            weight=tw.detach().to(hidden.device),
+            logit_scale=scale,
+        )
