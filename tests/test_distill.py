@@ -15,7 +15,17 @@ from typing import Any
 import pytest
 import torch
 
-from hookspec import Aggregation, ContractError, DistillDivergence, OutputContext, TeacherTail, VocabShard
+from hookspec import (
+    TAIL_FLOOR,
+    Aggregation,
+    Collectives,
+    ContractError,
+    DistillDivergence,
+    OutputContext,
+    ParallelLayout,
+    TeacherTail,
+    VocabShard,
+)
 from tests.distributed import GlooSequenceParallel, run_distributed
 from torch_impl.processors import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
 
@@ -102,9 +112,10 @@ def _truth(d: dict[str, Any], cfg: DistillConfig, *, dense: bool, mask: torch.Te
             log_p = d["lp"] - d["lp"].logsumexp(-1, keepdim=True)
             log_q = lq_ids - lq_ids.logsumexp(-1, keepdim=True)
         else:
-            p_tail = (1 - d["lp"].exp().sum(-1)).clamp_min(0)
-            q_tail = 1 - lq_ids.exp().sum(-1)
-            log_p = torch.cat([d["lp"], p_tail.log()[..., None]], -1)
+            # both tails floored alike (hookspec.conventions); float64 sums are exact enough here
+            p_tail = (1 - d["lp"].double().exp().sum(-1)).clamp_min(TAIL_FLOOR)
+            q_tail = (1 - lq_ids.exp().sum(-1)).clamp_min(TAIL_FLOOR)
+            log_p = torch.cat([d["lp"].double(), p_tail.log()[..., None]], -1)
             log_q = torch.cat([lq_ids, q_tail.log()[..., None]], -1)
         top1 = d["ids"][..., 0]
     per_token = _div(log_p, log_q, cfg.divergence, cfg.beta)
@@ -215,28 +226,149 @@ def test_empty_mask_is_zero_with_zero_gradient() -> None:
 
 
 def test_nan_is_visible() -> None:
+    """A NaN in the student's hidden states, even at an uncounted token, or in a dense
+    teacher's hidden states at a counted one: a NaN loss. A NaN in a sparse teacher's
+    logprobs at a counted token, or a negative mask entry: ``ContractError`` (on a CPU
+    at once; on a GPU deferred, the loss NaN until the check reports)."""
     d = _data()
     d["mask"][0, 0] = 0.0
     d["mask"][1, 1] = 1.0
     h_nan = d["h"].clone()
     h_nan[0, 0, 0] = float("nan")  # a student hidden state at an uncounted token
+    th = d["th"].clone()
+    th[1, 1, 0] = float("nan")  # a counted teacher hidden state
     for dense in (True, False):
-        got = _run({**d, "h": h_nan}, DistillConfig(), dense)
-        assert math.isnan(float(got["loss"]))
-        lp = d["lp"].clone()
-        lp[1, 1, 0] = float("nan")  # a counted teacher value
-        th = d["th"].clone()
-        th[1, 1, 0] = float("nan")
-        got = _run({**d, "lp": lp, "th": th}, DistillConfig(), dense)
-        assert math.isnan(float(got["loss"]))
-        bad_mask = d["mask"].clone()
-        bad_mask[2, 6] = -1.0
-        try:  # a negative mask entry: a NaN loss or a named error, never a number
-            got = _run({**d, "mask": bad_mask}, DistillConfig(), dense)
-        except ContractError as exc:
-            assert "mask" in exc.field
-        else:
-            assert math.isnan(float(got["loss"]))
+        assert math.isnan(float(_run({**d, "h": h_nan}, DistillConfig(), dense)["loss"]))
+    assert math.isnan(float(_run({**d, "th": th}, DistillConfig(), True)["loss"]))
+    lp = d["lp"].clone()
+    lp[1, 1, 0] = float("nan")  # a counted sparse teacher value
+    with pytest.raises(ContractError) as info:
+        _run({**d, "lp": lp}, DistillConfig(), False)
+    assert info.value.field == "context.logprobs"
+    bad_mask = d["mask"].clone()
+    bad_mask[2, 6] = -1.0
+    for dense in (True, False):
+        with pytest.raises(ContractError) as info:
+            _run({**d, "mask": bad_mask}, DistillConfig(), dense)
+        assert info.value.field == "context.mask"
+
+
+def _bad_teacher(d: dict[str, Any], what: str) -> dict[str, Any]:
+    ids, lp = d["ids"].clone(), d["lp"].clone()
+    if what == "a duplicated id":
+        ids[1, 1, 3] = ids[1, 1, 1]
+    elif what == "an id out of range":
+        ids[1, 1, 2] = V
+    elif what == "a logprob of +0.5":
+        lp[1, 1, 2] = 0.5
+    elif what == "logprobs summing to 4.5":
+        lp[1, 1] = math.log(4.5 / K)
+    elif what == "+inf":
+        lp[1, 1, 4] = float("inf")
+    elif what == "the first id not the top-1":
+        lp[1, 1, [0, 1]] = lp[1, 1, [1, 0]]
+    return {**d, "ids": ids, "lp": lp}
+
+
+@pytest.mark.parametrize(
+    ("what", "field"),
+    [
+        ("a duplicated id", "context.ids"),
+        ("an id out of range", "context.ids"),
+        ("a logprob of +0.5", "context.logprobs"),
+        ("logprobs summing to 4.5", "context.logprobs"),
+        ("+inf", "context.logprobs"),
+        ("the first id not the top-1", "context.logprobs"),
+    ],
+)
+@pytest.mark.parametrize("tail", list(TeacherTail))
+def test_an_invalid_sparse_teacher_is_refused_where_it_counts(
+    what: str, field: str, tail: TeacherTail
+) -> None:
+    """Each of these gave a loss before (1.922, 2.654, 21.34, inf against 1.908); the
+    rules are ``hookspec.conventions``'. At a token that does not count, the same
+    values are never read."""
+    d = _data()
+    cfg = DistillConfig(tail=tail)
+    with pytest.raises(ContractError) as info:
+        _run(_bad_teacher(d, what), cfg, False)
+    assert info.value.field == field
+    d["mask"][1, 1] = 0.0
+    _close(_run(_bad_teacher(d, what), cfg, False), _truth(d, cfg, dense=False))
+
+
+def test_reverse_kl_with_the_bucket_is_finite_where_the_teacher_lists_its_whole_mass() -> None:
+    """k = V (the teacher's ids are the whole vocabulary): both tails are empty and
+    contribute 0, so the bucket form equals the dense reverse KL; and a teacher whose
+    listed mass rounds to 1 in float32 gives a finite loss, not inf."""
+    d = _data()
+    lp_full = (torch.einsum("sbh,vh->bsv", d["th"], d["tw"])).log_softmax(-1)
+    top = torch.sort(lp_full, dim=-1, descending=True, stable=True)
+    full = {**d, "ids": top.indices.contiguous(), "lp": top.values.contiguous()}
+    cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
+    got = _run(full, cfg, False)
+    _close(got, _truth(d, DistillConfig(divergence=DistillDivergence.REVERSE_KL), dense=True))
+    near = {**d, "lp": (d["lp"] - d["lp"].logsumexp(-1, keepdim=True)).float()}  # its mass rounds to 1
+    assert math.isfinite(float(_run(near, cfg, False)["loss"]))
+
+
+def test_a_small_teacher_tail_in_float32_keeps_its_precision() -> None:
+    """A teacher tail of 1e-4 in float32 logprobs: ``1 - sum(exp)`` in float32 cancels
+    (1.7e-5 relative error in reverse KL); ``-expm1(logsumexp)`` does not."""
+    d = _data(5)
+    lp = d["lp"] - d["lp"].logsumexp(-1, keepdim=True) + math.log1p(-1e-4)  # the listed mass: 1 - 1e-4
+    d32 = {**d, "lp": lp.float()}
+    cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
+    got = _run(d32, cfg, False)
+    want = _truth({**d, "lp": lp.float().double()}, cfg, dense=False)
+    assert abs(float(got["loss"]) - float(want["loss"])) <= 1e-9 * abs(float(want["loss"]))
+
+
+def test_a_dense_teacher_names_its_vocabulary_rows() -> None:
+    """A shard of the vocabulary: the teacher's weight must say which rows it holds
+    (it was taken from the wrong shard without a word, top-1 agreement 0), and they
+    must be the student's."""
+    d = _data()
+    half = V // 2
+    w = d["w"][:half].clone().requires_grad_()
+    for vocab, expected in ((None, "VocabShard of the teacher"), (VocabShard(half, V, V), "the student's")):
+        teacher = DenseTeacher(hidden_states=d["th"], weight=d["tw"][half:], vocab=vocab)
+        ctx = OutputContext(
+            hidden_states=d["h"],
+            labels=d["labels"],
+            vocab_weight=w,
+            vocab=VocabShard(0, half, V),
+            context=teacher,
+            parallel=ParallelLayout(tp_size=2, tp_rank=0),
+            collectives=_TwoRanks(),
+        )
+        with pytest.raises(ContractError, match=expected) as info:
+            distillation_loss()(ctx)
+        assert info.value.field == "context.vocab"
+
+
+def test_a_dense_teachers_logit_scale() -> None:
+    """The teacher's own logit scale (MuP) multiplies its logits: the same as scaling
+    its weight; no T**2 factor anywhere."""
+    d = _data()
+    cfg = DistillConfig(divergence=DistillDivergence.JSD, temperature=0.9)
+    ctx = _ctx(d, DenseTeacher(hidden_states=d["th"], weight=d["tw"], mask=d["mask"], logit_scale=1.7))
+    got = distillation_loss(cfg)(ctx)
+    want = _truth({**d, "tw": d["tw"] * 1.7}, cfg, dense=True)
+    torch.testing.assert_close(got["loss"].detach(), want["loss"], rtol=1e-10, atol=1e-10)
+
+
+class _TwoRanks(Collectives):
+    """Stands for a two-rank group (the checks refuse before any collective runs)."""
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no collective runs before the teacher is checked")
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no collective runs before the teacher is checked")
+
+    def gather_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def test_sparse_teacher_holding_all_its_mass_in_k() -> None:
@@ -291,7 +423,6 @@ def test_context_checks() -> None:
 def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_parallel: bool) -> None:
     from megatron.core import parallel_state
 
-    from hookspec import ParallelLayout
     from torch_impl import TorchCollectives
 
     cfg, dense = _TP_CASES[name]
@@ -305,7 +436,12 @@ def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_p
         coll = GlooSequenceParallel(coll, group)
     teacher = _teacher(d, dense)
     if dense:
-        teacher = DenseTeacher(hidden_states=d["th"][rows], weight=d["tw"][shard], mask=d["mask"])
+        teacher = DenseTeacher(
+            hidden_states=d["th"][rows],
+            weight=d["tw"][shard],
+            mask=d["mask"],
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
+        )
     h = d["h"][rows].clone().requires_grad_()
     w = d["w"][shard].clone().requires_grad_()
     ctx = OutputContext(

@@ -55,6 +55,19 @@ def _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M: tl.constexpr, PE
 
 
 @triton.jit
+def _store_rounded(ptrs, x, mask):
+    """``x`` (fp32) stored in the pointers' dtype, rounded to nearest even. bf16 is
+    rounded here, on its bits: the interpreter's conversion truncates, so the kernels
+    round the same way compiled and interpreted."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptrs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _chunk_stats_kernel(
     z_ptr,
     lab_ptr,
@@ -177,7 +190,7 @@ def _logit_grad_kernel(
             gz = -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         gz = gz * inv_t[:, None]
-        tl.store(out_rows + c[None, :], gz.to(out_ptr.dtype.element_ty), mask=ok)
+        _store_rounded(out_rows + c[None, :], gz, ok)
 
 
 @triton.jit
@@ -240,7 +253,7 @@ def _exp_rows_kernel(
                 t_l += tl.where(ok, e * zc, 0.0)
             m_l = tl.maximum(m_l, z)
             e_out = tl.where(c[None, :] == lab[:, None], 0.0, e)
-            tl.store(out_rows + c[None, :], e_out.to(out_ptr.dtype.element_ty), mask=ok)
+            _store_rounded(out_rows + c[None, :], e_out, ok)
         tl.store(c_ptr + token, ref, mask=row_ok)
         big_m = tl.max(m_l, axis=1)
         tl.store(m_ptr + token, big_m, mask=row_ok)
