@@ -42,12 +42,19 @@ DEVICE = ("NVIDIA H100 80GB HBM3", (9, 0))
 def fake_cuda(device: tuple[str, tuple[int, int]] = DEVICE) -> Iterator[Any]:
     """A fake-tensor mode with CUDA tensors (see the module docstring); yields the mode.
     Inside it ``torch.cuda.get_device_name`` / ``get_device_capability`` report
-    ``device``, and ``torch.autograd.grad`` / ``torch.autograd.backward`` run
-    :func:`backward` (the C++ engine needs a driver)."""
+    ``device``, ``torch.Generator(device="cuda")`` is a CPU generator, and
+    ``torch.autograd.grad`` / ``torch.autograd.backward`` run :func:`backward` (the C++
+    engine needs a driver)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     name, capability = device
+    real_generator = torch.Generator
+
+    def generator(device: Any = None) -> torch.Generator:
+        return real_generator()  # CUDA generators need a driver; fake tensors take no values
+
     patches: dict[tuple[Any, str], Any] = {
+        (torch, "Generator"): generator,
         (torch.cuda, "is_current_stream_capturing"): lambda: True,
         (torch.cuda, "get_device_name"): lambda device=None: name,
         (torch.cuda, "get_device_capability"): lambda device=None: capability,
