@@ -9,6 +9,9 @@ see every Triton launch it makes.
   The deferred value checks record their work with CUDA events and pinned memory,
   which need a driver: inside the mode they take their CUDA-graph form
   (``torch._assert_async``, no host read), so a call with its default checks runs.
+  Where the torch release cannot run ``addmm(..., out_dtype=)`` on meta tensors
+  (torch 2.11), that call is computed as ``acc + mm(a, b, out_dtype=)`` inside the
+  mode: a GEMM, not a kernel launch, so the recorded launches are the same.
 - :func:`backward`: autograd's backward without autograd's C++ engine, which sets
   up a CUDA stream per device and so needs a driver: the graph's nodes are called
   in topological order from Python, under ``no_grad`` as the engine runs them.
@@ -61,6 +64,8 @@ def fake_cuda(device: tuple[str, tuple[int, int]] = DEVICE) -> Iterator[Any]:
         (torch.autograd, "grad"): _grad,
         (torch.autograd, "backward"): _backward_api,
     }
+    if not _addmm_out_dtype_traces():
+        patches[(torch, "addmm")] = _addmm_without_meta_out_dtype(torch.addmm)
     saved = {k: getattr(*k) for k in patches}
     for (obj, attr), value in patches.items():
         setattr(obj, attr, value)
@@ -70,6 +75,36 @@ def fake_cuda(device: tuple[str, tuple[int, int]] = DEVICE) -> Iterator[Any]:
     finally:
         for (obj, attr), value in saved.items():
             setattr(obj, attr, value)
+
+
+def _addmm_out_dtype_traces() -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32)`` runs on meta tensors.
+    torch 2.11's decomposition of ``addmm`` (``torch/_decomp/decompositions.py``) takes
+    ``out_dtype`` for ``beta`` and raises ``TypeError`` there (so under fake tensors and
+    ``torch.compile``); on CUDA the eager kernel runs instead."""
+    a = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+    acc = torch.empty(2, 2, dtype=torch.float32, device="meta")
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32)
+    except TypeError:
+        return False
+    return True
+
+
+def _addmm_without_meta_out_dtype(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.addmm`` with ``out_dtype`` computed as ``acc + mm(a, b, out_dtype)`` (the
+    same shapes and dtypes; only the meta path differs), where the release's meta
+    decomposition cannot run it."""
+
+    def addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out_dtype = kwargs.pop("out_dtype", None)
+        if out_dtype is None or args or set(kwargs) - {"out"}:
+            return real(acc, a, b, *args, **({"out_dtype": out_dtype} if out_dtype else {}), **kwargs)
+        res = acc + torch.mm(a, b, out_dtype=out_dtype)
+        out = kwargs.get("out")
+        return res if out is None else out.copy_(res)
+
+    return addmm
 
 
 def _as_list(x: Any) -> list[Any]:
