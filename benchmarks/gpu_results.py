@@ -415,6 +415,7 @@ def measure_lines(mrows: list[dict[str, Any]], rows: list[dict[str, Any]], env: 
     by_case = {r["case"]: r for r in mrows}
     kernels = [r["case"] for r in mrows if r.get("what") == "kernel"]
     order = [*MEASURE_ORDER[:7], *(kernels or ["kernel (each Triton kernel)"]), *MEASURE_ORDER[7:]]
+    order += [c for c in by_case if c not in order]  # a run's other rows (a CPU dry run's names)
     for case in order:
         r = by_case.get(case)
         if r is None or r.get("error") or "time_ms" not in r:
