@@ -28,8 +28,10 @@ Methods (a method that cannot run reports why, and the run goes on):
 - ``liger``: Liger-Kernel's fused linear cross entropy (Triton, or its CuTe-DSL inner
   cross entropy when ``nvidia-cutlass-dsl`` is importable; the row's note says which).
 - ``liger-sm90``: Liger-Kernel's SM90 fused scaled cross entropy (CUTLASS Python DSL,
-  logprobs + entropy): needs ``nvidia-cutlass-dsl``, whose libraries wheel (about
-  92 MB) is more than one GPU call carries (64 MiB); reported as not carried then.
+  logprobs + entropy): needs ``nvidia-cutlass-dsl``. ``scripts/gpu_tests.sh`` installs
+  only the wheels ``scripts/gpu_wheels.sh`` puts in ``.whl/`` (at most 64 MiB with the
+  working tree), and that package's libraries wheel (about 92 MB) is not among them: the
+  row says "not measured" and why, unless the package is already installed.
 - ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` with its defaults (it skips
   gradient tiles below a threshold: inexact by design).
 """
@@ -66,8 +68,9 @@ VERL_WHEEL_ENV = "HOOKSPEC_VERL_WHEEL"
 """Path of the veRL 0.9.1 wheel (``scripts/gpu_wheels.sh`` downloads it to ``.whl/``)."""
 
 CUTLASS_NOT_CARRIED = (
-    "not carried: Liger's SM90 path needs nvidia-cutlass-dsl, whose libraries wheel "
-    "(about 92 MB) is more than one GPU call carries (64 MiB)"
+    "not measured: Liger's SM90 path needs nvidia-cutlass-dsl, which is not installed here; "
+    "scripts/gpu_wheels.sh does not put its libraries wheel (about 92 MB) in .whl/, "
+    "which holds at most 64 MiB with the working tree"
 )
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
@@ -75,7 +78,7 @@ FAMILIES = ("floor", "lp+ent", "lp", "loss")
 
 
 class NotAvailable(RuntimeError):
-    """A method that cannot run here (a package not carried, a device it does not support)."""
+    """A method that cannot run here (a package not installed, a device it does not support)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +233,7 @@ def liger_note() -> str:
     """Which inner cross entropy Liger's fused linear cross entropy dispatches to here."""
     if importlib.util.find_spec("cutlass") is not None:
         return "Liger picks its CuTe-DSL inner cross entropy (nvidia-cutlass-dsl importable)"
-    return "Triton (nvidia-cutlass-dsl not carried)"
+    return "Triton (nvidia-cutlass-dsl not installed)"
 
 
 def liger(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:

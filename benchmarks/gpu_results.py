@@ -7,8 +7,14 @@
     python -m benchmarks.gpu_results render --empty --write docs/gpu-results.md   # "not measured"
 
 ``DIR`` holds what the run wrote: ``env.json`` (device, versions, commit, date),
+``gpu_measure.jsonl`` (what is measured first, :mod:`benchmarks.gpu_measure`),
 ``tests-<release>.log`` (``pytest -v -m gpu`` per megatron-core release) and
 ``gpu_logprobs.jsonl`` (one row per size and method, :mod:`benchmarks.gpu_logprobs`).
+Where ``benchmarks.gpu_model`` exists and offers ``predicted_ms(device_class) ->
+{pass: ms}`` (and optionally ``DEVICE_CLASSES``), each pass's predicted time is put
+beside the measured one (pass names: :func:`benchmarks.gpu_measure.measured_passes`,
+and the benchmark's method names at the targets' size); without it that column is
+left out.
 ``--write`` replaces, in the page, the text between the ``<!-- gpu-results:run -->``
 and ``<!-- gpu-results:targets -->`` markers and their ends; nothing else. ``render``
 also prints, per device class, which backend measured faster on each path: the rows
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import math
 import re
@@ -31,6 +38,8 @@ from typing import Any
 
 from ._harness import ROOT
 from .gpu_logprobs import RESULTS, SIZE_KEYS, SIZES, TARGET_SIZE, device_class_here
+from .gpu_measure import RESULTS as MEASURE_RESULTS
+from .gpu_measure import measured_passes
 from .gpu_methods import METHODS
 
 __all__ = [
@@ -39,6 +48,8 @@ __all__ = [
     "class_choice",
     "gpu_test_files",
     "main",
+    "measure_lines",
+    "model_predictions",
     "render",
     "targets",
     "write_page",
@@ -345,15 +356,114 @@ def class_choice(rows: list[dict[str, Any]]) -> dict[str, tuple[str, float, floa
     return {k: ("torch" if a < b else "triton", a, b, int(n)) for k, (a, b, n) in totals.items()}
 
 
+MEASURE_WHAT = {
+    "mm": "achieved TFLOP/s",
+    "copy": "GB/s (read + written)",
+    "kernel": "GB/s, and the fraction of the copy bandwidth",
+    "floor": "",
+}
+MEASURE_ORDER = (
+    "mm bf16->bf16",
+    "mm bf16->fp32",
+    "dh gemm strided",
+    "dh gemm contiguous",
+    "dW gemm strided",
+    "dW gemm contiguous",
+    "copy 1024 MiB",
+    "floor3",
+    "floor4",
+)
+"""The rows ``benchmarks.gpu_measure`` writes on a GPU, in its order (the kernels' rows,
+named by the run, go between the copy and the floors)."""
+
+
+def model_predictions(device_class: str | None) -> dict[str, dict[str, float]]:
+    """``{device class: {pass: predicted ms}}`` from ``benchmarks.gpu_model`` when it
+    exists (imported here, on use), for ``device_class`` or every class it offers; ``{}``
+    without it."""
+    try:
+        model = importlib.import_module("benchmarks.gpu_model")
+    except ImportError:
+        return {}
+    predict = getattr(model, "predicted_ms", None)
+    if not callable(predict):
+        return {}
+    classes = [device_class] if device_class else list(getattr(model, "DEVICE_CLASSES", ("H100", "H200")))
+    out = {}
+    for cls in classes:
+        try:
+            got = predict(cls)
+        except (KeyError, ValueError):  # a class the model has no figures for
+            continue
+        out[cls] = {str(k): float(v) for k, v in dict(got).items()}
+    return out
+
+
+def measure_lines(mrows: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
+    """The tables of what the command measures first, and, where ``benchmarks.gpu_model``
+    predicts them, each pass's measured and predicted time side by side."""
+    lines = [
+        "",
+        "Measured first (`benchmarks.gpu_measure`, before the tests: median of 10 after 3 warm-ups, "
+        "CUDA events): `torch.mm` at the Triton backend's logits chunk of the targets' size "
+        "(bf16 and fp32 out; the gradient GEMMs on the in-place gradient's doubled-stride view "
+        "and on a contiguous copy), the copy bandwidth, each Triton kernel alone, the floors:",
+        "",
+        "| measurement | shape | time ms | rate | note |",
+        "|---|---|---|---|---|",
+    ]
+    by_case = {r["case"]: r for r in mrows}
+    kernels = [r["case"] for r in mrows if r.get("what") == "kernel"]
+    order = [*MEASURE_ORDER[:7], *(kernels or ["kernel (each Triton kernel)"]), *MEASURE_ORDER[7:]]
+    order += [c for c in by_case if c not in order]  # a run's other rows (a CPU dry run's names)
+    for case in order:
+        r = by_case.get(case)
+        if r is None or r.get("error") or "time_ms" not in r:
+            note = (r or {}).get("error", "")
+            lines.append(f"| {case} | {(r or {}).get('shape', '')} | {NOT} | | {note.replace('|', '/')} |")
+            continue
+        if "tflops" in r:
+            rate = f"{r['tflops']:.0f} TFLOP/s"
+        elif "gbps" in r:
+            rate = f"{r['gbps']:.0f} GB/s" + (f" = {r['of_copy']:.2f} of copy" if "of_copy" in r else "")
+        else:
+            rate = ""
+        note = f"stride {tuple(r['stride'])}" if "stride" in r else ""
+        lines.append(f"| {case} | {r.get('shape', '')} | {r['time_ms']:.3f} | {rate} | {note} |")
+    predicted = model_predictions(env.get("device_class"))
+    if predicted:
+        measured = measured_passes(mrows)
+        for m in METHODS:
+            t = _num(_row(rows, TARGET_SIZE, m), "time_ms")
+            if not math.isnan(t):
+                measured[m] = t
+        for cls, passes in predicted.items():
+            lines += [
+                "",
+                f"Measured against `benchmarks.gpu_model`'s prediction for {cls} (docs/gpu-design.md), "
+                f"per pass, at {_shape(TARGET_SIZE)}:",
+                "",
+                "| pass | measured ms | predicted ms | measured / predicted |",
+                "|---|---|---|---|",
+            ]
+            for name, p in passes.items():
+                t = measured.get(name, math.nan)
+                ratio = _fmt(t / p if p else math.nan, ".2f")
+                lines.append(f"| {name} | {_fmt(t, '.3f')} | {p:.3f} | {ratio} |")
+    return lines
+
+
 def render(directory: Path | None) -> dict[str, str]:
     """The two generated regions of the page, ``{"run": ..., "targets": ...}``."""
     env: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     logs: dict[str, dict[str, str]] = {}
+    mrows: list[dict[str, Any]] = []
     if directory is not None:
         if (directory / "env.json").exists():
             env = json.loads((directory / "env.json").read_text())
         rows = read_rows(directory / RESULTS)
+        mrows = read_rows(directory / MEASURE_RESULTS)
         logs = {rel: read_tests(directory / f"tests-{rel}.log") for rel in RELEASES}
     pk = env.get("packages", {})
 
@@ -364,7 +474,7 @@ def render(directory: Path | None) -> dict[str, str]:
     if env.get("device_class"):
         device += f" (class {env['device_class']}, {env.get('capability', '?')}, "
         device += f"{env.get('device_memory_gb', '?')} GB, driver {env.get('driver', '?')})"
-    lines = [] if env or rows else [f"No run is recorded yet: every row says {NOT}.", ""]
+    lines = [] if env or rows or mrows else [f"No run is recorded yet: every row says {NOT}.", ""]
     lines += [
         "| run | |",
         "|---|---|",
@@ -378,6 +488,9 @@ def render(directory: Path | None) -> dict[str, str]:
         + (f" ({env['commit_note']})" if env.get("commit_note") else "")
         + " |",
         f"| date (UTC) | {env.get('date_utc', NOT)} |",
+    ]
+    lines += measure_lines(mrows, rows, env)
+    lines += [
         "",
         "GPU tests (`pytest -v -m gpu`, one run per megatron-core release; the files that test "
         "no Megatron code run on the first release only):",

@@ -2,27 +2,37 @@
 # The GPU checks and the GPU benchmark as one prepared command, for one H100 or H200 that
 # reaches no package index (the wheels come carried in .whl/, put there by
 # scripts/gpu_wheels.sh): megatron-core 0.19.2 and 0.16.1 installed --no-deps each into its
-# own folder, the environment recorded, `pytest -v -m gpu` on each release, then
+# own folder, the environment recorded, then first what decides the design
+# (benchmarks.gpu_measure: torch.mm at the logits chunk's shape, bf16 and fp32 out, the
+# gradient GEMMs on the doubled-stride view; the copy bandwidth; each Triton kernel alone
+# against it; the 3- and 4-GEMM floors), then `pytest -v -m gpu` on each release, then
 # scripts/gpu_bench.sh (the benchmark, its rows appended as they are measured, and the
-# fragment of docs/gpu-results.md). Everything goes to $OUT/gpu (the folder a GPU call brings
-# back) or benchmarks/results/gpu: env.json, install.log, tests-0.19.2.log,
-# tests-0.16.1.log, bench.log, gpu_logprobs.jsonl, gpu-results.md.
+# fragment of docs/gpu-results.md). Everything goes to $OUT/gpu (the folder that comes back
+# from the GPU machine) or benchmarks/results/gpu: env.json, install.log, measure.log,
+# gpu_measure.jsonl, tests-0.19.2.log, tests-0.16.1.log, bench.log, gpu_logprobs.jsonl,
+# gpu-results.md.
 #   bash scripts/gpu_tests.sh              # tests on both releases, then the benchmark
 #   bash scripts/gpu_tests.sh --no-bench   # the tests only
+#   bash scripts/gpu_tests.sh --dry        # every step on a CPU: tiny measurements, the GPU
+#                                          # tests collected and skipped, a tiny benchmark
 #
 # Time budget: every step runs under `timeout -k 3 LIMIT`; the limits plus the 3 s of each
 # kill add up to at most 480 s (8 minutes), installs included. tests/test_gpu_bench.py reads
 # this table and the `timeout` calls of this script and of gpu_bench.sh, and checks both.
+# The environment step's limit covers the first cold `import torch` of a fresh machine
+# (10.6 s seen on a loaded CPU); the benchmark gave it the time (it stops starting methods
+# at its own budget).
 #   step                                          limit s
 #   install megatron-core 0.19.2, 0.16.1, Liger, CCE   15
-#   record the environment (env.json)                  15
-#   pytest -m gpu, megatron-core 0.19.2               140
-#   pytest -m gpu, megatron-core 0.16.1                80
+#   record the environment (env.json)                  25
+#   measure first (benchmarks.gpu_measure)             55
+#   pytest -m gpu, megatron-core 0.19.2               130
+#   pytest -m gpu, megatron-core 0.16.1                75
 #   gpu_bench.sh: install Liger, CCE; unpack veRL      12
-#   gpu_bench.sh: the benchmark                       170
+#   gpu_bench.sh: the benchmark                       130
 #   gpu_bench.sh: the results fragment                 12
-#   kill grace, 3 s for each of the 7 steps            21
-#   total                                             465
+#   kill grace, 3 s for each of the 8 steps            24
+#   total                                             478
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -51,8 +61,25 @@ timeout -k 3 15 bash -c '
   "$py" -c "import pytest_timeout" 2>/dev/null && touch "$root/.site-mcore-0.19.2/.pytest-timeout"
   true' _ "$py" "$root" >"$out/install.log" 2>&1 || { status=1; cat "$out/install.log"; }
 
-PYTHONPATH=$root/.site-mcore-0.19.2:$root timeout -k 3 15 "$py" -m benchmarks.gpu_results env "$out" ||
+dry=0 bench=1
+for arg in "$@"; do
+  case $arg in
+    --dry) dry=1 ;;
+    --no-bench) bench=0 ;;
+    *) echo "gpu_tests.sh: unknown argument $arg (--dry, --no-bench)" >&2; exit 2 ;;
+  esac
+done
+
+[ $dry -eq 1 ] && export TRITON_INTERPRET=1  # no GPU: the kernels run under Triton's interpreter
+PYTHONPATH=$root/.site-mcore-0.19.2:$root timeout -k 3 25 "$py" -m benchmarks.gpu_results env "$out" ||
   status=1
+
+# What decides the design, first: each row lands in gpu_measure.jsonl as it is measured.
+measure_args=(--out "$out")
+[ $dry -eq 1 ] && measure_args+=(--dry)
+PYTHONPATH=$root/.site-mcore-0.19.2:$root timeout -k 3 55 "$py" -m benchmarks.gpu_measure "${measure_args[@]}" \
+  >"$out/measure.log" 2>&1 || { status=1; tail -n 20 "$out/measure.log"; }
+grep -e "what=" "$out/measure.log" | cut -c1-160
 
 # The files with gpu-marked tests, the two that test no Megatron code first; those two run on the
 # first release only (benchmarks.gpu_results.PROCESSOR_ONLY, kept equal by a test).
@@ -76,11 +103,13 @@ run_tests() {  # run_tests RELEASE LIMIT FILE...
     -m gpu -rs "${per_test[@]}" "$@" 2>&1 | tee -a "$out/tests-$release.log" | grep -v -e ' PASSED' -e ' SKIPPED'
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
-run_tests 0.19.2 140 "${files[@]}"
-run_tests 0.16.1 80 "${megatron_files[@]}"
+run_tests 0.19.2 130 "${files[@]}"
+run_tests 0.16.1 75 "${megatron_files[@]}"
 
-if [ "${1:-}" != "--no-bench" ]; then
-  OUT=$(dirname "$out") bash scripts/gpu_bench.sh || status=1
+if [ $bench -eq 1 ]; then
+  bench_args=()
+  [ $dry -eq 1 ] && bench_args=(--device cpu --quick --runs 2 --warmup 1)
+  OUT=$(dirname "$out") bash scripts/gpu_bench.sh "${bench_args[@]}" || status=1
 fi
 echo "gpu_tests.sh: exit $status; results in $out"
 exit $status

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run here, on a machine with PyPI, before a GPU run: put in .whl/ (ignored by git) every
 # wheel the GPU machine lacks and cannot fetch (it reaches no package index), and check that
-# the working tree plus .whl/ stays under the 64 MiB a GPU call carries.
+# the working tree plus .whl/ stays under 64 MiB, the most the GPU command's copy of the
+# tree may take.
 #   .whl/           megatron-core 0.19.2, liger-kernel 0.8.5, cut-cross-entropy 25.1.1, verl 0.9.1
 #   .whl/mcore016/  megatron-core 0.16.1 (one version of a package per folder: pip refuses two)
 #   .whl/commit.txt the commit and the count of uncommitted paths (the GPU copy has no .git)
-# Not carried: Liger-Kernel's SM90 CUTLASS-DSL path needs nvidia-cutlass-dsl and its
-# -libs-cu12/-libs-cu13 wheel (about 92 MB), more than one call carries; the benchmark
-# reports that method as not carried.
+# Not in .whl/: Liger-Kernel's SM90 CUTLASS-DSL path needs nvidia-cutlass-dsl and its
+# -libs-cu12/-libs-cu13 wheel (about 92 MB), more than the 64 MiB; the benchmark reports
+# that method as not measured, and why.
 # Then, on the GPU machine, with .whl carried beside the working tree:
 #   bash scripts/gpu_tests.sh
 set -euo pipefail
@@ -44,7 +45,7 @@ done
   echo "written: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$dest/commit.txt"
 
-# What one GPU call carries: the tracked and untracked-not-ignored files, plus .whl/.
+# What the GPU command's copy of the tree holds: the tracked and untracked-not-ignored files, plus .whl/.
 wheels_bytes=$(du -sb "$dest" | cut -f1)
 tree_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)
 total=$((wheels_bytes + tree_bytes))
@@ -52,7 +53,7 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 echo "gpu_wheels.sh: wheels $(mib "$wheels_bytes"), working tree $(mib "$tree_bytes"), together $(mib "$total") (limit $limit_mib MiB)"
 (cd "$dest" && ls -l ./*.whl mcore016/*.whl | awk '{ printf "  %10d  %s\n", $5, $9 }')
 if [ "$total" -gt $((limit_mib * 1048576)) ]; then
-  echo "gpu_wheels.sh: FAILED: $(mib "$total") is over the $limit_mib MiB one GPU call carries;" \
+  echo "gpu_wheels.sh: FAILED: $(mib "$total") is over the $limit_mib MiB the GPU command's copy of the tree may take;" \
     "remove wheels from .whl/ or files from the tree" >&2
   exit 1
 fi

@@ -8,6 +8,7 @@ rows), and that each GPU check the design asks for exists as a ``gpu``-marked te
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -358,3 +359,115 @@ def test_env_reads_the_commit_from_the_wheels_folder_without_git(tmp_path: Path)
     assert env["commit"] == "abc123" and "commit.txt" in env["commit_note"]
     assert env["packages"]["megatron-core"] == ["0.16.1"]
     assert env["torch"] == torch.__version__
+
+
+# ---------------------------------------------------------------- what the command measures first
+
+
+def test_measure_first_runs_before_the_tests_and_the_benchmark() -> None:
+    text = TESTS_SH.read_text()
+    body = text[text.index("set -uo pipefail") :]
+    order = [
+        body.index(s)
+        for s in (
+            "-m benchmarks.gpu_results env",
+            "-m benchmarks.gpu_measure",
+            "\nrun_tests 0.19.2",
+            "bash scripts/gpu_bench.sh",
+        )
+    ]
+    assert order == sorted(order)
+
+
+def test_measure_dry_run_writes_each_row_as_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU at a tiny size: the GEMMs, the copy, every Triton kernel found by running
+    the Triton backend (no list of kernels here), the floors; each row in the file when
+    the next starts."""
+    from benchmarks import gpu_measure
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed here (py311's CPU torch wheel has none)")
+    seen: list[int] = []
+    real = gpu_measure._append
+    out = tmp_path / gpu_measure.RESULTS
+
+    def spy(path: Path | None, row: dict[str, Any]) -> dict[str, Any]:
+        seen.append(len(out.read_text().splitlines()) if out.exists() else 0)
+        return real(path, row)
+
+    monkeypatch.setattr(gpu_measure, "_append", spy)
+    size = {"tokens": 24, "hidden": 16, "vocab": 200, "dtype": "fp32"}
+    rows = gpu_measure.measure(size, device="cpu", runs=1, warmup=0, out=tmp_path)
+    assert seen == list(range(len(rows)))
+    assert gpu_results.read_rows(out) == rows
+    whats = [r["what"] for r in rows]
+    assert whats == sorted(whats, key=["mm", "copy", "kernel", "floor"].index)
+    cases = [r["case"] for r in rows]
+    assert cases[:2] == ["mm fp32->fp32", "mm fp32->fp32 (out_dtype)"]
+    assert "error" in rows[1] and "mm.dtype" in rows[1]["error"]  # out_dtype: CUDA only
+    assert {"dh gemm strided", "dW gemm contiguous", "floor3", "floor4"} <= set(cases)
+    strided = next(r for r in rows if r["case"] == "dh gemm strided")
+    assert strided["stride"] == [2 * 200, 1] and strided["tflops"] > 0
+    kernels = [r for r in rows if r["what"] == "kernel"]
+    names = {r["case"].split("(")[0] for r in kernels}
+    assert len(names) >= 2, names  # the statistics and the gradient kernels, found by running them
+    assert all(0 < r["of_copy"] and r["bytes"] >= 24 * 200 * 4 for r in kernels), kernels
+    assert any("WITH_ENTROPY=False" in r["case"] for r in kernels)
+
+
+def test_measure_takes_a_registered_kernel_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch_impl.processors.kernel_cases(device)``, where it exists, replaces the recording."""
+    import torch_impl.processors as processors
+    from benchmarks import gpu_measure
+
+    calls: list[int] = []
+    monkeypatch.setattr(
+        processors,
+        "kernel_cases",
+        lambda device: [("copy kernel", lambda: calls.append(1), 1000)],
+        raising=False,
+    )
+    size = {"tokens": 8, "hidden": 8, "vocab": 64, "dtype": "fp32"}
+    rows = gpu_measure.measure(size, device="cpu", runs=2, warmup=1, out=None)
+    (k,) = [r for r in rows if r["what"] == "kernel"]
+    assert k["case"] == "kernel copy kernel" and k["bytes"] == 1000 and k["source"].endswith("kernel_cases")
+    assert len(calls) == 3
+
+
+def test_chunk_shape_is_the_triton_backends() -> None:
+    from benchmarks.gpu_measure import chunk_shape
+
+    assert chunk_shape(8192, 151936, "cuda") == (8192, 32768)
+    assert chunk_shape(32768, 151936, "cuda") == (32768, 8192)
+
+
+def test_render_measurements_and_the_model_beside_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    from benchmarks import gpu_measure
+
+    rows = [
+        {"what": "mm", "case": "mm bf16->fp32", "time_ms": 1.5, "tflops": 733.0, "shape": "8192x32768x4096"},
+        {"what": "copy", "case": "copy 1024 MiB", "time_ms": 0.5, "gbps": 4294.0},
+        {"what": "kernel", "case": "kernel k(F=True)", "time_ms": 0.4, "gbps": 2684.0, "of_copy": 0.63},
+        {"what": "mm", "case": "dh gemm strided", "error": "RuntimeError: no"},
+    ]
+    (tmp_path / gpu_measure.RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "device_class": "H200"}))
+    monkeypatch.delitem(sys.modules, "benchmarks.gpu_model", raising=False)
+    run = gpu_results.render(tmp_path)["run"]
+    assert "| mm bf16->fp32 | 8192x32768x4096 | 1.500 | 733 TFLOP/s |" in run
+    assert "| kernel k(F=True) |  | 0.400 | 2684 GB/s = 0.63 of copy |" in run
+    assert "| dh gemm strided |  | not measured | | RuntimeError: no |" in run
+    assert "| floor3 |  | not measured |" in run
+    assert "predicted" not in run  # no model module: no column
+    model = types.ModuleType("benchmarks.gpu_model")
+    model.predicted_ms = lambda cls: {"mm bf16->fp32": 1.2, "kernel k(F=True)": 0.5, "floor3": 40.0}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "benchmarks.gpu_model", model)
+    run = gpu_results.render(tmp_path)["run"]
+    assert "prediction for H200" in run
+    assert "| mm bf16->fp32 | 1.500 | 1.200 | 1.25 |" in run
+    assert "| floor3 | not measured | 40.000 | not measured |" in run

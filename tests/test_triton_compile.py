@@ -1,123 +1,172 @@
-"""The Triton kernels compile for the GPUs users train on, without a GPU, in the
-specialisation that runs.
+"""Every Triton kernel launch the GPU command makes compiles for the GPUs users train
+on, in the specialisation that launches, without a GPU.
 
-The interpreter checks less than the compiler (block shapes, loop-carried types). Here
-each launch the Triton backend makes on CUDA is built by the same host code that makes
-it (``_triton_kernels.stats_launch`` / ``grad_launch``, from the chunk shape the
-``LOGITS_CHUNK_BYTES`` budget gives at 8192 tokens x V 151936, and a fused-loss tile),
-and specialised as Triton's launcher specialises it: its binder reads the arguments
-(pointers 16-byte aligned, as fresh CUDA allocations are; integers divisible by 16 or
-equal to 1) into the same signature, constexprs and ``tt.divisibility`` attributes a
-launch compiles. Then it is compiled ahead of time through Triton's NVIDIA backend and
-``ptxas`` (both ship in the triton wheel) for Hopper (sm_90; bf16 also for Ampere,
-sm_80), and its shared memory is checked against the smaller of those parts' per-block
-limits. A few seconds a kernel on a 2-core CPU.
+The interpreter checks less than the compiler (block shapes, ``tl.dot`` sizes,
+loop-carried types). Here the launches are not written by hand: each call of the GPU
+benchmark and of the GPU tests runs on a fake CUDA device at its real size
+(``tests/launch_scenarios.py``), and every launch of any ``@triton.jit`` kernel is
+recorded with the arguments the launcher specialises on: pointer dtypes and 16-byte
+alignment, integers (1, multiples of 16, width), constexprs and ``num_warps``. Each
+distinct specialisation is then compiled through Triton's NVIDIA backend and
+``ptxas`` (``tests/compile_launches.py``) for Hopper (sm_90) and Ampere (sm_80), and
+its shared memory checked against the part's per-block limit. A new kernel, flag or
+launch shape is picked up by the recording, with no change here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
+import inspect
 import json
 import os
+import pkgutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed here (py311's CPU torch wheel has none)", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip(
+        "records launches under TRITON_INTERPRET=1 (a GPU runs them for real)", allow_module_level=True
+    )
 
-SCRIPT = textwrap.dedent(
-    """
-    import json, torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-    from torch_impl.processors import _setup, _triton_kernels as tk
+from .compile_launches import small_dot_kernel
+from .launch_scenarios import SCENARIOS, STOPPED_BY_A_HOST_READ, record_all, unique
 
-    SHARED_LIMIT = 166912  # bytes a block may use on an A100 (sm_80); an H100 allows 232448
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
 
-    class Arg:
-        '''A CUDA tensor as the launcher sees it: dtype, shape, strides, an aligned address.'''
-        def __init__(self, dtype, shape, strides=None):
-            self.dtype, self.shape = dtype, tuple(shape)
-            self._strides = strides or torch.empty(shape, device="meta").stride()
-        def stride(self, d):
-            return self._strides[d]
-        def data_ptr(self):
-            return 1 << 20  # the caching allocator's blocks are 512-byte aligned
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = (90, 80)
+SEEN_BOTH_WAYS = ("PER_TOKEN_T", "WITH_ENTROPY", "WITH_B")
+"""Flags a kernel launches both ways in the GPU command (where the kernel has them)."""
 
-    def chunk(rows, cols, n):
-        z = Arg(torch.float32, (rows, cols))
-        vec = {k: Arg(torch.float32, (n,)) for k in ("inv_t", "m", "s", "t", "zy", "a", "b", "g")}
-        return z, Arg(torch.int64, (n,)), vec
 
-    def specialise_and_compile(fn, launch, arch):
-        grid, args, kwargs = launch
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        src = ASTSource(fn, signature, constexprs, attrs)
-        k = triton.compile(src, target=target, options=options.__dict__)
-        divisible = sorted(fn.arg_names[p[0]] for p, a in attrs.items() if ["tt.divisibility", 16] in a)
-        return k, dict(constexprs={fn.arg_names[p[0]]: v for p, v in constexprs.items()}, divisible=divisible)
+def _compile(
+    launches: list[dict[str, Any]], tmp: Path, archs: tuple[int, ...] = ARCHS
+) -> list[dict[str, Any]]:
+    path = tmp / "launches.json"
+    path.write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # compile for real, not from a cache
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "tests.compile_launches", str(path), ",".join(map(str, archs))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    cfg = _setup.kernel_config(torch.device("cuda"))
-    n, vocab = 8192, 151936
-    budget = _setup.LOGITS_CHUNK_BYTES["cuda"] // 4
-    shapes = {
-        "linear_logprobs": _setup.cublas_chunks(n, vocab, budget, None, None),
-        "fused tile": (budget // vocab, vocab),
-    }
-    out = []
-    for where, (rows, cols) in shapes.items():
-        z, labels, v = chunk(rows, cols, n)
-        vs = [v[k] for k in ("inv_t", "m", "s", "t", "zy")]
-        stats = tk.stats_launch(z, labels, *vs, row0=0, col0=0, cfg=cfg)
-        launches = [("stats", tk._chunk_stats_kernel, torch.float32, stats)]
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            # the gradient's output: z itself (fp32) or the first half of each row's bytes
-            o = z if dtype == torch.float32 else Arg(dtype, (rows, cols), (2 * cols, 1))
-            launches.append(("grad", tk._logit_grad_kernel, dtype,
-                             tk.grad_launch(z, o, labels, v["inv_t"], v["m"], (v["a"], v["b"], v["g"]),
-                                            row0=0, col0=0, cfg=cfg)))
-        for name, fn, dtype, launch in launches:
-            for arch in (90, 80) if dtype == torch.bfloat16 or name == "stats" else (90,):
-                k, spec = specialise_and_compile(fn, launch, arch)
-                out.append(dict(kernel=name, where=where, rows=rows, cols=cols, arch=arch, dtype=str(dtype),
-                                shared=k.metadata.shared, ok=k.metadata.shared <= SHARED_LIMIT,
-                                barrier="bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"], **spec))
-    print(json.dumps(out))
-    """
-)
+
+@pytest.fixture(scope="module")
+def recorded() -> list[Any]:
+    return record_all()
+
+
+@pytest.fixture(scope="module")
+def compiled(recorded: list[Any], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    launches = [dict(dataclasses.asdict(launch), count=n) for launch, n in unique(recorded)]
+    return _compile(launches, tmp_path_factory.mktemp("compile"))
+
+
+def _project_kernels() -> dict[str, Any]:
+    """Every ``@triton.jit`` kernel defined in ``torch_impl`` (``module:qualname``)."""
+    import torch_impl
+
+    found = {}
+    for info in pkgutil.walk_packages(torch_impl.__path__, "torch_impl."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            fn = obj
+            while fn is not None and not hasattr(fn, "arg_names") and hasattr(fn, "fn"):
+                fn = fn.fn  # autotune / heuristics wrappers
+            inner = getattr(fn, "fn", None)
+            if inner is not None and hasattr(fn, "arg_names") and inner.__module__ == info.name:
+                found[f"{info.name}:{inner.__qualname__}"] = inner
+    return found
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_and_sm80_as_launched(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
-    cmd = [sys.executable, "-c", SCRIPT]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * (2 + 4)  # two chunk shapes x (stats at sm_90/80; grad bf16 x2, fp16, fp32)
-    too_big = [r for r in rows if not r["ok"]]
+def test_every_launched_specialisation_compiles_for_sm90_and_sm80(compiled: list[dict[str, Any]]) -> None:
+    errors = [r for r in compiled if "error" in r]
+    assert not errors, errors[:3]
+    assert {r["arch"] for r in compiled} == set(ARCHS)
+    too_big = [r for r in compiled if not r["shared_ok"]]
     assert not too_big, too_big
-    for r in rows:
-        # the launch's specialisation: the pointers 16-byte aligned, the constexprs the launch's own
-        assert {"z_ptr", "lab_ptr", "inv_t_ptr"} <= set(r["divisible"]), r
-        assert r["constexprs"]["BLOCK_M"] == 4 and r["constexprs"]["BLOCK_N"] == 1024, r
-        assert r["constexprs"]["PER_TOKEN_T"] is True, r
-    grads = [r for r in rows if r["kernel"] == "grad"]
-    assert all("out_ptr" in r["divisible"] and r["constexprs"]["WITH_B"] is True for r in grads)
-    # the in-place gradient holds its stores behind a barrier (see _logit_grad_kernel)
-    assert all(r["barrier"] for r in grads), grads
-    # an 8192-row chunk and a 1766-row fused tile specialise differently: rows % 16
-    main = next(r for r in rows if r["where"] == "linear_logprobs")
-    fused = next(r for r in rows if r["where"] == "fused tile")
-    assert (main["rows"], main["cols"]) == (8192, 32768) and "rows" in main["divisible"]
-    assert fused["rows"] == 1766 and "rows" not in fused["divisible"]
+    kernels = _project_kernels()
+    for r in compiled:
+        # a kernel that orders its stores behind tl.debug_barrier keeps the barrier compiled
+        source = inspect.getsource(kernels[r["kernel"]]) if r["kernel"] in kernels else ""
+        if "debug_barrier" in source:
+            assert r["barrier"], r
+
+
+@pytest.mark.slow
+def test_every_kernel_and_every_gpu_call_is_recorded(recorded: list[Any]) -> None:
+    """Each kernel of the project is launched by the GPU command's calls; each of the
+    benchmark's Triton methods and each GPU-test call launches something."""
+    from benchmarks.gpu_logprobs import SIZES
+    from benchmarks.gpu_methods import METHODS
+
+    launched = {launch.kernel for launch in recorded}
+    assert set(_project_kernels()) <= launched, sorted(set(_project_kernels()) - launched)
+    bench = [f"bench:{m}:" for m, method in METHODS.items() if method.backend == "triton"]
+    assert len([s for s in SCENARIOS if s.startswith("bench:")]) == len(bench) * len(SIZES)
+    silent = {s for s in SCENARIOS if s.startswith(("bench:", "gpu-test:"))} - {x.scenario for x in recorded}
+    assert not silent, sorted(silent)
+    # a host read ends a call on fake tensors: only where the host-read test knows one
+    from .test_host_reads import FUSED_BACKWARD
+
+    assert "g_loss" in FUSED_BACKWARD or not STOPPED_BY_A_HOST_READ
+
+
+@pytest.mark.slow
+def test_the_launches_cover_what_runs(recorded: list[Any]) -> None:
+    """What the earlier hand-written compile test missed is launched and so compiled: a
+    scalar temperature (``PER_TOKEN_T=False``) and a per-token one, logprobs without the
+    entropy (``WITH_ENTROPY=False``, ``WITH_B=False``), and the fused tiles' row offsets
+    (an integer argument not divisible by 16 where another launch's is)."""
+    by_kernel: dict[str, list[Any]] = {}
+    for launch in recorded:
+        by_kernel.setdefault(launch.kernel, []).append(launch)
+    for kernel, launches in by_kernel.items():
+        for flag in SEEN_BOTH_WAYS:
+            values = {launch.constexprs.get(flag) for launch in launches} - {None}
+            if values:
+                assert values == {True, False}, (kernel, flag, values)
+        patterns = {
+            tuple(isinstance(a, dict) and "int" in a and a["int"] % 16 == 0 for a in launch.args)
+            for launch in launches
+        }
+        assert len(patterns) >= 2, (kernel, patterns)
+    # the benchmark's own size: the 8192-row chunk, and the fused loss's 1766-row tiles
+    rows = {a["int"] for x in recorded if x.scenario.startswith("bench:") for a in x.args[7:9] if "int" in a}
+    assert 1766 in rows and 8192 in rows, sorted(rows)
+
+
+# ---------------------------------------------------------------- the recorder and the compiler can fail
+
+
+@pytest.mark.slow
+def test_a_launch_the_interpreter_runs_can_fail_to_compile(tmp_path: Path) -> None:
+    import torch
+
+    from .fake_cuda import record_launches
+
+    a = torch.randn(8, 8)
+    out = torch.empty(65)[1:]  # 4 bytes in: not 16-byte aligned
+    with record_launches() as got:
+        small_dot_kernel[(1,)](a, out, 8, BLOCK=8)
+    assert torch.allclose(out.view(8, 8), a @ a, atol=1e-5)  # the interpreter ran it
+    (launch,) = got
+    assert launch.kernel == "tests.compile_launches:small_dot_kernel"
+    assert launch.args[:2] == [
+        {"tensor": "float32", "aligned16": True},
+        {"tensor": "float32", "aligned16": False},
+    ]
+    assert launch.args[2] == {"int": 8}
+    (row,) = _compile([dataclasses.asdict(launch)], tmp_path, archs=(90,))
+    assert "error" in row and "16" in row["error"], row

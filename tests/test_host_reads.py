@@ -1,0 +1,433 @@
+"""No processor reads a device value on the host: proven on a CPU, for every processor
+and tensor function of ``torch_impl.processors``, forward and backward.
+
+On a GPU, a host read (``bool(t)``, ``t.item()``, ``int(t)``, ``float(t)``,
+``t.tolist()``, ``if t:``, a boolean-mask index, ``nonzero``) waits for the device:
+a synchronisation in the training step, and an error under
+``torch.cuda.set_sync_debug_mode("error")`` (``tests/test_gpu_checks.py``) and in
+CUDA graph capture. :class:`HostReads` fails on each, wherever it happens:
+
+- a ``TorchDispatchMode`` sees every aten op: ``_local_scalar_dense`` (what ``bool``,
+  ``int``, ``float``, ``.item()`` and ``if t`` run) and the ops whose output shape
+  depends on the values (``nonzero``, ``masked_select``, ``unique``, an index by a
+  boolean mask, ...);
+- a ``TorchFunctionMode`` sees what never reaches aten on a CPU tensor:
+  ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``.
+
+Inside a Triton launch the mode steps aside: under ``TRITON_INTERPRET=1`` the
+interpreter copies the arguments to numpy, which on a GPU is a kernel launch.
+
+Two ways to run each call, both through the public API only, value checks off
+(the deferred label check is ``tests/test_value_checks.py``'s):
+
+- ``cpu``: real tensors on the CPU: the processors on the CPU's backend (torch),
+  the tensor functions on both backends (Triton interpreted, py312);
+- ``cuda``: fake CUDA tensors (``tests/fake_cuda.py``): every call takes its CUDA
+  branches: ``backend="auto"`` is Triton there, so each processor's Triton path runs
+  its host code (the kernels are recorded, not run), backward included.
+
+A known host read is ``xfail(strict=True)`` naming its site; when it is removed the
+xfail passes, fails strictly, and its mark goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hookspec import OutputContext, VocabShard
+from torch_impl import processors as P
+from torch_impl.mtp import detached_head, scaled_mtp_gradient
+from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
+    PolicyBatch,
+    PolicyLossConfig,
+    RatioLevel,
+    SparseTeacher,
+)
+
+from .fake_cuda import backward, fake_cuda, record_launches
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    # a fake tensor's data_ptr (the torch path compares two buffers' addresses): not a read
+    pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning"),
+]
+
+aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------- the detector
+
+SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default}
+SHAPE_FROM_VALUES = {
+    aten.nonzero,
+    aten.masked_select,
+    aten.unique_consecutive,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.repeat_interleave,  # without output_size: reads the repeats
+    aten.bincount,
+    aten.histc,
+}
+VALUE_CHECKS = os.path.join("torch_impl", "value_checks.py")
+HOST_METHODS = {"tolist", "numpy", "cpu", "__array__", "item"}
+
+
+class HostRead(AssertionError):
+    """A device value read on the host: the op, and the first frame in the project."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.site = _site()
+        super().__init__(f"host read: {what} at {self.site}")
+
+
+def _site() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = Path(frame.filename)
+        if ROOT in path.parents and path.parent.name != "tests":
+            return f"{path.relative_to(ROOT)}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return "outside the project"
+
+
+def _bool_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else []
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or [])
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, owner: HostReads) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.owner.paused:
+            packet = func.overloadpacket
+            if func in SCALAR_READS:
+                self.owner.found(f"aten.{packet.__name__} (bool/int/float/.item()/if of a tensor)")
+            elif packet in SHAPE_FROM_VALUES and not (
+                packet is aten.repeat_interleave and (kwargs or {}).get("output_size") is not None
+            ):
+                self.owner.found(f"aten.{packet.__name__} (output shape from the values)")
+            elif packet in (aten.index, aten.index_put, aten.index_put_) and _bool_index(args):
+                self.owner.found(f"aten.{packet.__name__} with a boolean mask (output shape from the values)")
+        return func(*args, **(kwargs or {}))
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, owner: HostReads) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.owner.paused:
+            name = getattr(func, "__name__", "")
+            if name in HOST_METHODS:
+                self.owner.found(f"Tensor.{name}()")
+            elif name == "to" and any(self.owner.is_host(a) for a in (*args[1:], kwargs.get("device"))):
+                self.owner.found("Tensor.to(cpu)")
+        return func(*args, **kwargs)
+
+
+class HostReads:
+    """Fail on the first host read inside the block (see the module docstring).
+    ``device``: where the inputs live; on ``"cpu"`` a ``.to(x.device)`` is no copy,
+    so only a literal ``"cpu"`` target counts there."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.paused = False
+        self.device = device
+
+    def is_host(self, target: Any) -> bool:
+        if isinstance(target, str):
+            return target.startswith("cpu")
+        return self.device != "cpu" and isinstance(target, torch.device) and target.type == "cpu"
+
+    def found(self, what: str) -> None:
+        if self.device == "cpu" and any(f.filename.endswith(VALUE_CHECKS) for f in traceback.extract_stack()):
+            return  # a value check reads on a CPU by design (it raises at once); deferred on CUDA
+        self.paused = True  # the traceback's own formatting must not trip the mode
+        raise HostRead(what)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[HostReads]:
+        patched = None
+        if HAS_TRITON:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            real = InterpretedFunction.run
+            owner = self
+
+            def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                was, owner.paused = owner.paused, True  # the interpreter's copies to numpy
+                try:
+                    return real(fn, *args, **kwargs)
+                finally:
+                    owner.paused = was
+
+            patched = (InterpretedFunction, real)
+            InterpretedFunction.run = run  # type: ignore[method-assign]
+        try:
+            with _Function(self), _Dispatch(self):
+                yield self
+        finally:
+            if patched is not None:
+                patched[0].run = patched[1]  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------- the calls
+
+B, S, H, V, K = 3, 7, 16, 100, 4  # 21 tokens
+IGNORE = -100
+
+
+def _data(device: str) -> dict[str, Any]:
+    if device == "cuda":  # fake tensors: shapes and dtypes only
+
+        def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device="cuda")
+
+        ids = torch.zeros(B, S, K, dtype=torch.long, device="cuda")
+        labels = torch.zeros(B, S, dtype=torch.long, device="cuda")
+    else:
+        g = torch.Generator().manual_seed(0)
+
+        def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        labels = torch.randint(0, V, (B, S), generator=g)
+        labels[0, ::3] = IGNORE
+        ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    mask = rand(B, S).abs()
+    return {
+        "h": rand(S, B, H),  # Megatron's layout [s, b, h]
+        "w": rand(V, H) * 0.3,
+        "y": labels,
+        "batch": PolicyBatch(
+            old_logprobs=-rand(B, S).abs(), advantages=rand(B, S), mask=mask, ref_logprobs=-rand(B, S).abs()
+        ),
+        "sparse": SparseTeacher(ids=ids, logprobs=-rand(B, S, K).abs(), mask=mask),
+        "dense": DenseTeacher(hidden_states=rand(S, B, 12), weight=rand(V, 12), mask=mask),
+    }
+
+
+def _ctx(d: dict[str, Any], context: Any = None, **kw: Any) -> OutputContext:
+    return OutputContext(
+        hidden_states=d["h_leaf"],
+        labels=d["y"],
+        vocab_weight=d["w_leaf"],
+        vocab=VocabShard(0, V, V),
+        context=context,
+        check_values=False,
+        **kw,
+    )
+
+
+def _rows(d: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return d["h_leaf"].reshape(-1, H), d["w_leaf"], d["y"].T.reshape(-1)
+
+
+def _token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+    return (0.3 * lp - ent**2).sum()
+
+
+Call = Callable[[dict[str, Any], str], Any]
+
+# name -> call(d, backend); backend is None for a processor (its device's "auto")
+PROCESSORS: dict[str, Call] = {
+    "selected_logprobs": lambda d, b: P.selected_logprobs(entropy=True)(_ctx(d, d["batch"])),
+    "cross_entropy_loss(none)": lambda d, b: P.cross_entropy_loss()(_ctx(d)),
+    "cross_entropy_loss(sum)": lambda d, b: P.cross_entropy_loss(reduction="sum")(_ctx(d)),
+    "cross_entropy_loss(mean)": lambda d, b: P.cross_entropy_loss(reduction="mean")(
+        _ctx(d, loss_mask=d["batch"].mask)
+    ),
+    "policy_loss(GRPO, fused)": lambda d, b: P.policy_loss(PolicyLossConfig.grpo())(_ctx(d, d["batch"])),
+    "policy_loss(PPO, autograd)": lambda d, b: P.policy_loss(
+        PolicyLossConfig(fused=False, entropy_coef=0.01)
+    )(_ctx(d, d["batch"])),
+    "policy_loss(GSPO, sequence ratio)": lambda d, b: P.policy_loss(PolicyLossConfig.gspo())(
+        _ctx(d, d["batch"])
+    ),
+    "policy_loss(token ratio, sequence mean, dual clip)": lambda d, b: P.policy_loss(
+        PolicyLossConfig(ratio=RatioLevel.TOKEN, dual_clip=3.0, aggregation="seq-mean-token-mean")
+    )(_ctx(d, d["batch"])),
+    "topk_logprobs": lambda d, b: P.topk_logprobs(K, entropy=True)(_ctx(d)),
+    "distillation_loss(sparse, renormalize)": lambda d, b: P.distillation_loss(DistillConfig())(
+        _ctx(d, d["sparse"])
+    ),
+    "distillation_loss(sparse, bucket)": lambda d, b: P.distillation_loss(DistillConfig(tail="bucket"))(
+        _ctx(d, d["sparse"])
+    ),
+    "distillation_loss(dense, jsd)": lambda d, b: P.distillation_loss(DistillConfig(divergence="jsd"))(
+        _ctx(d, d["dense"])
+    ),
+    "cross_entropy_loss as an MTP processor": lambda d, b: scaled_mtp_gradient(
+        detached_head(P.cross_entropy_loss()), 0.5
+    )(_ctx(d)),
+}
+
+TENSOR_FUNCTIONS: dict[str, Call] = {
+    "linear_logprobs": lambda d, b: P.linear_logprobs(*_rows(d), backend=b, check_values=False),
+    "linear_logprobs(entropy, per-token temperature)": lambda d, b: P.linear_logprobs(
+        *_rows(d),
+        with_entropy=True,
+        temperature=d["batch"].mask.T.reshape(-1) + 0.5,
+        backend=b,
+        check_values=False,
+    ),
+    "fused_token_loss": lambda d, b: P.fused_token_loss(
+        *_rows(d), _token_loss, backend=b, check_values=False
+    ),
+    "linear_topk_logprobs": lambda d, b: P.linear_topk_logprobs(
+        _rows(d)[0], d["w_leaf"], k=K, labels=_rows(d)[2], with_entropy=True, check_values=False
+    ),
+}
+WITH_BACKEND = {"linear_logprobs", "linear_logprobs(entropy, per-token temperature)", "fused_token_loss"}
+
+FUSED_BACKWARD = "`bool(g_loss == 1)` in fused_token_loss's backward (_fused.py)"
+TOPK_TILE = "`bool(tied.any())` in every top-k tile (_topk.py `_tile_topk`, the tie rule)"
+KNOWN: dict[str, tuple[str, str]] = {
+    # case -> (a phrase of the site, the reason)
+    "cross_entropy_loss(sum)": ("bool(g_loss == 1)", FUSED_BACKWARD),
+    "cross_entropy_loss(mean)": ("bool(g_loss == 1)", FUSED_BACKWARD),
+    "policy_loss(GRPO, fused)": ("bool(g_loss == 1)", FUSED_BACKWARD),
+    "policy_loss(token ratio, sequence mean, dual clip)": ("bool(g_loss == 1)", FUSED_BACKWARD),
+    "fused_token_loss": ("bool(g_loss == 1)", FUSED_BACKWARD),
+    "topk_logprobs": ("bool(tied.any())", TOPK_TILE),
+    "linear_topk_logprobs": ("bool(tied.any())", TOPK_TILE),
+}
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """Every floating output of a call, summed into one scalar (so backward reaches all)."""
+    if isinstance(out, torch.Tensor):
+        return out.sum()
+    if isinstance(out, dict):
+        parts = [v.sum() for v in out.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    else:
+        parts = [
+            getattr(out, f).sum()
+            for f in ("loss", "logprobs", "entropy", "label_logprobs")
+            if isinstance(getattr(out, f, None), torch.Tensor) and getattr(out, f).requires_grad
+        ]
+    assert parts, f"no output carries a gradient: {type(out).__name__}"
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def run_watched(call: Call, device: str, backend: str | None) -> None:
+    """Forward and backward of ``call`` under :class:`HostReads` on ``device``."""
+    outer = fake_cuda() if device == "cuda" else contextlib.nullcontext()
+    with outer, record_launches(run=device != "cuda") if HAS_TRITON else contextlib.nullcontext():
+        d = _data(device)
+        d["h_leaf"] = d["h"].clone().requires_grad_()
+        d["w_leaf"] = d["w"].clone().requires_grad_()
+        with HostReads(device).watching():
+            loss = _loss(call(d, backend))  # type: ignore[arg-type]
+            if device == "cuda":
+                grads = backward([(loss, torch.ones((), device="cuda"))])
+                got = [grads.get(id(d["h_leaf"])), grads.get(id(d["w_leaf"]))]
+            else:
+                loss.backward()
+                got = [d["h_leaf"].grad, d["w_leaf"].grad]
+        assert any(g is not None for g in got), "no gradient reached the hidden states or the weight"
+
+
+def _cases() -> list[Any]:
+    out = []
+    for device in ("cpu", "cuda"):
+        for name in PROCESSORS:
+            out.append((name, device, None))
+        for name in TENSOR_FUNCTIONS:
+            for backend in ("torch", "triton") if name in WITH_BACKEND else (None,):
+                out.append((name, device, backend))
+    params = []
+    for name, device, backend in out:
+        marks = []
+        if name in KNOWN:
+            marks.append(pytest.mark.xfail(strict=True, raises=HostRead, reason=KNOWN[name][1]))
+        needs_triton = device == "cuda" or backend == "triton"
+        if needs_triton and not HAS_TRITON:
+            marks.append(pytest.mark.skip(reason="triton is not installed here (py311's CPU torch wheel)"))
+        params.append(
+            pytest.param(name, device, backend, marks=marks, id=f"{device}-{backend or 'auto'}-{name}")
+        )
+    return params
+
+
+@pytest.mark.parametrize(("name", "device", "backend"), _cases())
+def test_no_host_read_forward_and_backward(name: str, device: str, backend: str | None) -> None:
+    call = PROCESSORS.get(name) or TENSOR_FUNCTIONS[name]
+    try:
+        run_watched(call, device, backend)
+    except HostRead as exc:
+        if name in KNOWN:
+            phrase = KNOWN[name][0]
+            assert phrase in exc.site, f"a host read other than the known one ({phrase}): {exc}"
+        raise
+
+
+def test_every_public_function_is_covered() -> None:
+    """Each processor and tensor function of ``torch_impl.processors.__all__`` has a case."""
+    covered = {n.split("(")[0] for n in (*PROCESSORS, *TENSOR_FUNCTIONS)}
+    helpers = {"auto_choice", "device_class", "aggregation_weights", "kl_penalty"}  # no logits, no tiles
+    functions = {n for n in P.__all__ if callable(getattr(P, n)) and n[0].islower()} - helpers
+    assert functions <= covered, sorted(functions - covered)
+
+
+# ---------------------------------------------------------------- the detector can fail
+
+
+@pytest.mark.parametrize(
+    ("what", "read"),
+    [
+        ("bool", lambda t: bool(t.sum() > 0)),
+        ("if", lambda t: 1 if t.any() else 0),
+        ("item", lambda t: t.sum().item()),
+        ("int", lambda t: int(t.argmax())),
+        ("float", lambda t: float(t.max())),
+        ("tolist", lambda t: t.tolist()),
+        ("numpy", lambda t: t.numpy()),
+        ("cpu", lambda t: t.cpu()),
+        ("to cpu", lambda t: t.to("cpu")),
+        ("nonzero", lambda t: (t > 0).nonzero()),
+        ("mask index", lambda t: t[t > 0]),
+        ("mask assign", lambda t: t.clone().__setitem__(t > 0, torch.zeros(1))),
+        ("unique", lambda t: t.unique()),
+    ],
+)
+def test_detector_finds_each_kind_of_read(what: str, read: Callable[[torch.Tensor], Any]) -> None:
+    t = torch.randn(5)
+    with pytest.raises(HostRead), HostReads().watching():
+        read(t)
+
+
+def test_detector_passes_device_side_work_and_names_the_site() -> None:
+    t = torch.randn(6, 4)
+    with HostReads().watching():
+        torch.where(t > 0, t, 0.0).logsumexp(1)
+        t.masked_fill(t > 0, 0.0)
+        t.to(torch.float64)
+        t.shape[0] * 2
+    err = HostRead("x")
+    assert err.site == "outside the project"
