@@ -7,8 +7,8 @@ design uses, and what each Triton kernel reaches against them. Each row is appen
 
 In order (``what`` of each row):
 
-- ``mm``: the achieved throughput of ``torch.mm`` at the logits chunk's shape of the
-  Triton backend (8192 x 4096 x 151936 bf16: ``[8192, 4096] @ [4096, 32768]``):
+- ``mm``: the achieved throughput of ``torch.mm`` at the logits tile's shape of the
+  Triton backend (8192 x 4096 x 151936 bf16: ``[8192, 4096] @ [4096, 8192]``):
   bf16 -> bf16 against bf16 -> fp32 (``out_dtype=torch.float32``); then the two
   gradient GEMMs (``dh = gz @ W``, ``dW = gz.T @ h``) with ``gz`` the doubled-stride
   bf16 view the in-place gradient leaves (row stride ``2 * cols``) against a
@@ -82,17 +82,11 @@ class KernelCase:
 
 
 def chunk_shape(n: int, vocab: int, device: str) -> tuple[int, int]:
-    """``(rows, cols)`` of the Triton backend's fp32 logits chunk: the processors'
-    ``LOGITS_CHUNK_BYTES`` budget, every row while at least 1024 columns fit, columns a
-    multiple of 128 (the rule ``linear_logprobs`` documents)."""
-    from torch_impl.processors import LOGITS_CHUNK_BYTES
+    """``(rows, cols)`` of the Triton backend's fp32 logits tile in the vocabulary sweep,
+    as the engine sizes it (``TILE_BYTES``; ``torch_impl.processors._geometry``)."""
+    from torch_impl.processors._geometry import sweep_tile
 
-    budget = LOGITS_CHUNK_BYTES.get(device, LOGITS_CHUNK_BYTES["cuda"]) // 4
-    rows = n if n * min(vocab, 1024) <= budget else max(1, budget // 1024)
-    cols = max(1, budget // rows)
-    if cols > 128:
-        cols -= cols % 128
-    return rows, min(vocab, cols)
+    return sweep_tile(n, vocab, torch.device(device), triton=True, rows=None, cols=None)
 
 
 def time_ms(fn: Callable[[], Any], *, device: str, runs: int, warmup: int) -> float:

@@ -7,8 +7,8 @@ Every method belongs to one *family*, the quantity whose gradient it forms:
   ``sum(logprobs) + sum(entropy)``.
 - ``lp``: selected-token logprobs only (Liger's and CCE's cross entropy is
   ``-logprobs``); objective ``sum(logprobs)``.
-- ``loss``: the fused GRPO/PPO scalar loss (:func:`grpo_token_loss` of the
-  logprobs and entropy), returned as the first element; objective the loss.
+- ``loss``: the fused GRPO scalar loss (:func:`grpo_token_loss` of the logprobs;
+  no entropy term), returned as the first element; objective the loss.
 - ``floor``: bare GEMMs, no objective.
 
 Methods (a method that cannot run reports why, and the run goes on):
@@ -19,7 +19,8 @@ Methods (a method that cannot run reports why, and the run goes on):
   logsumexp, gather, softmax.
 - ``ours-{torch,triton}``, ``ours-ce-{torch,triton}``: ``linear_logprobs`` with
   and without the entropy; ``ours-loss-{torch,triton}``: ``fused_token_loss`` (the
-  path ``policy_loss`` takes) with :func:`grpo_token_loss`; each on the backend named.
+  path ``policy_loss`` takes) with :func:`grpo_token_loss` and ``entropy_grad=False``
+  (one pass over each tile on the Triton backend); each on the backend named.
 - ``verl-triton``: veRL 0.9.1's Triton ``linear_cross_entropy``
   (``verl/utils/kernel/{kernels,linear_cross_entropy}.py``), loaded by path from the
   carried wheel as a package of its own, with a stand-in ``verl.utils.device`` for
@@ -112,11 +113,12 @@ def loss_batch(n: int, device: torch.device | str) -> dict[str, torch.Tensor]:
 def grpo_token_loss(
     lp: torch.Tensor, ent: torch.Tensor, batch: dict[str, torch.Tensor], rows: slice = slice(None)
 ) -> torch.Tensor:
-    """``sum(weight * (max(-A r, -A clip(r, 0.8, 1.2)) - 0.01 H))`` over ``rows``,
-    ``r = exp(lp - old)``: PPO's clipped objective with an entropy bonus, token-mean
-    weights (``benchmarks.methods.ppo_terms``). Runs in the dtype of ``lp``."""
+    """``sum(weight * max(-A r, -A clip(r, 0.8, 1.2)))`` over ``rows``, ``r = exp(lp -
+    old)``: GRPO's clipped objective (no entropy term, as ``PolicyLossConfig.grpo``),
+    token-mean weights (``benchmarks.methods.ppo_terms`` without its entropy bonus).
+    Runs in the dtype of ``lp``; ``ent`` is not read."""
     old, adv, weight = (batch[k][rows].to(lp.dtype) for k in ("old", "adv", "weight"))
-    return (ppo_terms(lp, ent, old, adv) * weight).sum()
+    return (ppo_terms(lp, torch.zeros_like(lp), old, adv) * weight).sum()
 
 
 def objective(
@@ -139,9 +141,10 @@ def objective(
 
 def _ours(backend: str, entropy: bool) -> Callable[..., Result]:
     def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
-        from torch_impl.processors import linear_logprobs
+        from torch_impl.processors import LinearOptions, linear_logprobs
 
-        r = linear_logprobs(h, w, y, with_entropy=entropy, backend=backend)  # type: ignore[arg-type]
+        options = LinearOptions(backend=backend)  # type: ignore[arg-type]
+        r = linear_logprobs(h, w, y, with_entropy=entropy, options=options)
         return r.logprobs, r.entropy
 
     return run
@@ -149,14 +152,16 @@ def _ours(backend: str, entropy: bool) -> Callable[..., Result]:
 
 def _ours_loss(backend: str) -> Callable[..., Result]:
     def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
-        from torch_impl.processors import fused_token_loss
+        from torch_impl.processors import LinearOptions, fused_token_loss
 
         batch = loss_batch(h.shape[0], h.device)
 
         def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
             return grpo_token_loss(lp, ent, batch, rows)
 
-        return fused_token_loss(h, w, y, token_loss, backend=backend).loss, None  # type: ignore[arg-type]
+        options = LinearOptions(backend=backend)  # type: ignore[arg-type]
+        # no entropy term: one pass over each tile on the Triton backend
+        return fused_token_loss(h, w, y, token_loss, options=options, entropy_grad=False).loss, None
 
     return run
 

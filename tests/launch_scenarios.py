@@ -63,27 +63,31 @@ def _bench(method: str, size: dict[str, Any]) -> Scenario:
 
 def _logprobs(n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, grad: bool = True) -> Scenario:
     def run() -> None:
-        from torch_impl.processors import linear_logprobs
+        from torch_impl.processors import LinearOptions, linear_logprobs
 
         hid, w, y = _inputs(n, h, v, dtype)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            r = linear_logprobs(hid, w, y, with_entropy=True, backend=backend)  # type: ignore[arg-type]
+            r = linear_logprobs(hid, w, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
         if grad:
             _backward(r.logprobs, r.entropy)
 
     return run
 
 
-def _fused(n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, per_token_t: bool) -> Scenario:
+def _fused(
+    n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, per_token_t: bool, entropy_grad: bool = True
+) -> Scenario:
     def run() -> None:
-        from torch_impl.processors import fused_token_loss
+        from torch_impl.processors import LinearOptions, fused_token_loss
 
         hid, w, y = _inputs(n, h, v, dtype)
         t: Any = torch.ones(n, device="cuda") if per_token_t else 1.0
-        f = fused_token_loss(
-            hid, w, y, lambda lp, ent, rows: (lp - 0.1 * ent**2).sum(), temperature=t, backend=backend
-        )  # type: ignore[arg-type]
-        _backward(f.loss)
+
+        def loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+            return (lp - 0.1 * ent**2).sum() if entropy_grad else lp.sum()
+
+        options = LinearOptions(temperature=t, backend=backend)  # type: ignore[arg-type]
+        _backward(fused_token_loss(hid, w, y, loss, options=options, entropy_grad=entropy_grad).loss)
 
     return run
 
@@ -129,6 +133,10 @@ def _scenarios() -> dict[str, Scenario]:
         out[f"gpu-test:triton fused per-token T 4099x1000x32771 {dt}"] = _fused(
             4099, 1000, 32771, dt, "triton", per_token_t=True
         )
+        for per_token_t in (False, True):  # the single pass (no entropy gradient)
+            out[f"gpu-test:fused single pass T per token {per_token_t} 4099x1000x32771 {dt}"] = _fused(
+                4099, 1000, 32771, dt, "triton", per_token_t=per_token_t, entropy_grad=False
+            )
     for n, h, v, dt in ((4099, 1000, 32771, bf16), (8192, 4096, 151936, bf16), (2048, 1024, 65536, fp16),
                         (1021, 512, 20011, fp32)):  # fmt: skip
         out[f"gpu-test:triton three-way {n}x{h}x{v} {dt}"] = _logprobs(n, h, v, dt, "auto")

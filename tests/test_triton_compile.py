@@ -85,7 +85,8 @@ def _project_kernels() -> dict[str, Any]:
                 fn = fn.fn  # autotune / heuristics wrappers
             inner = getattr(fn, "fn", None)
             if inner is not None and hasattr(fn, "arg_names") and inner.__module__ == info.name:
-                found[f"{info.name}:{inner.__qualname__}"] = inner
+                if "tl.program_id" in inspect.getsource(inner):  # a kernel, not a helper it inlines
+                    found[f"{info.name}:{inner.__qualname__}"] = inner
     return found
 
 
@@ -100,7 +101,7 @@ def test_every_launched_specialisation_compiles_for_sm90_and_sm80(compiled: list
     for r in compiled:
         # a kernel that orders its stores behind tl.debug_barrier keeps the barrier compiled
         source = inspect.getsource(kernels[r["kernel"]]) if r["kernel"] in kernels else ""
-        if "debug_barrier" in source:
+        if "debug_barrier" in source and r["constexprs"].get("IN_PLACE", True):
             assert r["barrier"], r
 
 
@@ -117,10 +118,8 @@ def test_every_kernel_and_every_gpu_call_is_recorded(recorded: list[Any]) -> Non
     assert len([s for s in SCENARIOS if s.startswith("bench:")]) == len(bench) * len(SIZES)
     silent = {s for s in SCENARIOS if s.startswith(("bench:", "gpu-test:"))} - {x.scenario for x in recorded}
     assert not silent, sorted(silent)
-    # a host read ends a call on fake tensors: only where the host-read test knows one
-    from .test_host_reads import FUSED_BACKWARD
-
-    assert "g_loss" in FUSED_BACKWARD or not STOPPED_BY_A_HOST_READ
+    # a host read would end a call on fake tensors (tests/test_host_reads.py finds none)
+    assert not STOPPED_BY_A_HOST_READ
 
 
 @pytest.mark.slow
@@ -142,9 +141,14 @@ def test_the_launches_cover_what_runs(recorded: list[Any]) -> None:
             for launch in launches
         }
         assert len(patterns) >= 2, (kernel, patterns)
-    # the benchmark's own size: the 8192-row chunk, and the fused loss's 1766-row tiles
-    rows = {a["int"] for x in recorded if x.scenario.startswith("bench:") for a in x.args[7:9] if "int" in a}
-    assert 1766 in rows and 8192 in rows, sorted(rows)
+    # the benchmark's own size: the 8192-row vocabulary-sweep tile, and the row sweep's tiles
+    import torch
+
+    from torch_impl.processors._geometry import row_tile
+
+    fused_rows = row_tile(8192, 151936, torch.device("cuda"), rows=None)
+    rows = {a["int"] for x in recorded if x.scenario.startswith("bench:") for a in x.args if "int" in a}
+    assert fused_rows in rows and 8192 in rows, (fused_rows, sorted(rows))
 
 
 # ---------------------------------------------------------------- the recorder and the compiler can fail

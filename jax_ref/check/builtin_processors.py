@@ -177,5 +177,6 @@ def dense_teacher_context(ctx: OutputContext) -> CheckedDenseTeacher:
     return CheckedDenseTeacher(
         hidden_states=th.float(),
         weight=tw[ctx.vocab.start : ctx.vocab.end].float(),
+        vocab=ctx.vocab,
         full_weight=tw.float(),
     )

@@ -215,7 +215,6 @@ def _exp_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
     REDO: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -249,8 +248,7 @@ def _exp_rows_kernel(
             zc = z - ref[:, None]
             e = tl.exp(zc)
             s_l += e
-            if WITH_ENTROPY:
-                t_l += tl.where(ok, e * zc, 0.0)
+            t_l += tl.where(ok, e * zc, 0.0)
             m_l = tl.maximum(m_l, z)
             e_out = tl.where(c[None, :] == lab[:, None], 0.0, e)
             _store_rounded(out_rows + c[None, :], e_out, ok)
@@ -258,8 +256,7 @@ def _exp_rows_kernel(
         big_m = tl.max(m_l, axis=1)
         tl.store(m_ptr + token, big_m, mask=row_ok)
         tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
-        if WITH_ENTROPY:
-            tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
+        tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
         tl.store(zy_ptr + token, zy, mask=row_ok)
         if not REDO:
             tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
@@ -404,17 +401,16 @@ def exp_launch(
     redo: bool,
 ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
     """``(grid, args, kwargs)`` of one :func:`exp_rows_` launch (``vectors``: ``c, m, s,
-    t, zy, flags``, ``t`` may be None)."""
+    t, zy, flags``)."""
     rows, cols = int(z.shape[0]), int(z.shape[1])
     c, m, s, t, zy, flags = vectors
     inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, m)
-    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, c, m, s, t if t is not None else s, zy, flags)
+    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags)
     args += (rows, cols, row0, z.stride(0), out.stride(0), inv_scalar, EXP_RANGE)
     kwargs = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PER_TOKEN_T=per_token,
-        WITH_ENTROPY=t is not None,
         REDO=redo,
         num_warps=cfg.num_warps,
     )
@@ -426,7 +422,7 @@ def exp_rows_(
     out: torch.Tensor,
     labels_local: torch.Tensor,
     inv_t: torch.Tensor | float,
-    vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     row0: int,
     cfg: KernelConfig,
