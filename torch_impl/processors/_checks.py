@@ -25,6 +25,7 @@ from ..value_checks import check_labels_deferred, check_positive_deferred
 __all__ = [
     "UNSUPPORTED_LOGIT_OPTIONS",
     "check_bool",
+    "check_enum",
     "check_finite_number",
     "check_floating",
     "check_int",
@@ -101,6 +102,14 @@ def check_int(field: str, value: Any, *, low: int | None = None, high: int | Non
         hi = "2**63 - 1" if high is None else _number(high)
         raise ContractError(field, expected=f"an int in [{lo}, {hi}] (int64)", actual=repr(n))
     return n
+
+
+def check_enum(field: str, kind: Any, value: Any) -> Any:
+    """``kind(value)``: a member of the enum ``kind`` or its value."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
 
 
 def check_bool(field: str, value: Any) -> bool:

@@ -42,25 +42,16 @@ from hookspec import (
     TeacherTail,
     processor,
 )
-from hookspec.arrays import format_shape
 
-from ..value_checks import check_finite_deferred
-from ._checks import check_finite_number, check_int
+from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast
-from ._inputs import HookInputs, Tile, hook_inputs, to_tokens
+from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
 from ._options import make_setup, refuse_double_backward
 from ._policy import sequence_ids
 from ._policy_math import aggregation_weights
 from ._teachers import DenseTeacher, SparseTeacher, TeacherRows, check_counts
 
 __all__ = ["DenseTeacher", "DistillConfig", "SparseTeacher", "distillation_loss", "sparse_divergence"]
-
-
-def _enum(field: str, kind: Any, value: Any) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +76,9 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "divergence", _enum("divergence", DistillDivergence, self.divergence))
-        put(self, "tail", _enum("tail", TeacherTail, self.tail))
-        put(self, "aggregation", _enum("aggregation", Aggregation, self.aggregation))
+        put(self, "divergence", check_enum("divergence", DistillDivergence, self.divergence))
+        put(self, "tail", check_enum("tail", TeacherTail, self.tail))
+        put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
         put(
             self,
             "beta",
@@ -229,7 +220,7 @@ def _dense_epilogue(
     t_inv = teacher.logit_scale / cfg.temperature
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        zs = eng.tempered(z, rows)
+        zs = eng.temper(z, rows, inplace=True)
         zt = mm_into(
             eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
         )
@@ -375,30 +366,6 @@ def _check_cp(teacher: SparseTeacher | DenseTeacher, how: Aggregation, cp: int) 
         )
 
 
-def _mask(
-    ctx: OutputContext, x: HookInputs, teacher: SparseTeacher | DenseTeacher, dtype: torch.dtype
-) -> torch.Tensor:
-    """``M`` ``[b, s]``: the teacher's ``mask``, else the model's ``loss_mask``, else ones;
-    0 where the label is the ignore index; checked finite and ``>= 0``."""
-    device = x.hidden.device
-    given = teacher.mask if teacher.mask is not None else ctx.loss_mask
-    if given is None:
-        mask = torch.ones(x.b, x.s, dtype=dtype, device=device)
-    else:
-        field = "context.mask" if teacher.mask is not None else "loss_mask"
-        if not isinstance(given, torch.Tensor) or tuple(given.shape) != (x.b, x.s):
-            actual = format_shape(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
-            raise ContractError(field, expected=f"a tensor [b={x.b}, s={x.s}]", actual=actual)
-        if ctx.check_values:
-            check_finite_deferred(given, field=field, nonnegative=True)
-        mask = given.detach().to(device=device, dtype=dtype)
-        mask = torch.where(torch.isfinite(mask) & (mask >= 0), mask, float("nan"))
-    if ctx.labels is not None:
-        labels = typing.cast(torch.Tensor, ctx.labels).to(device)
-        mask = torch.where(labels == ctx.ignore_index, mask * 0.0, mask)
-    return mask
-
-
 def distillation_loss(
     config: DistillConfig | None = None,
     /,
@@ -445,7 +412,10 @@ def distillation_loss(
         )
         h = ctx.collectives.gather_hidden_states(x.hidden) if ctx.collectives is not None else x.hidden
         setup = make_setup(h, x.weight, x.labels, options)
-        mask = _mask(ctx, x, teacher, setup.acc_dtype)
+        given, field = (
+            (teacher.mask, "context.mask") if teacher.mask is not None else (ctx.loss_mask, "loss_mask")
+        )
+        mask = counted_mask(ctx, x, given, field).to(setup.acc_dtype)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
         weights = to_tokens(
             aggregation_weights(

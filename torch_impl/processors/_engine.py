@@ -1,31 +1,15 @@
-"""The one tile engine under every processor.
+"""The one tile engine under every processor (``docs/architecture.md``).
 
-Every processor computes from the logits ``z = h @ W.T * logit_scale / T`` of the
-gathered hidden rows ``h [n, h]`` and this rank's vocabulary shard ``W [V_local, h]``
-without forming them whole. The engine forms them a tile at a time, each tile one
-``torch.mm`` (cuBLAS on a GPU) with an fp32 output (fp64 for fp64 inputs; bf16/fp16
-operands multiply into fp32 through ``torch.mm(..., out_dtype=torch.float32)`` on
-CUDA, :func:`mm_into`), reduces each row over the vocabulary shards, and turns a
-tile's logit gradient into ``dh`` and ``dW`` with two more GEMMs. The processors are
-epilogues on it (:mod:`._logprobs`, :mod:`._fused`, :mod:`._topk`, :mod:`._distill`):
-what they compute from a tile is theirs, the loops and the GEMMs are here.
-
-Two sweeps (tile sizes: :mod:`._geometry`):
-
-- :meth:`Engine.forward_stats` / :meth:`Engine.backward`: the vocabulary sweep. The
-  forward keeps each row's online-logsumexp statistics (:class:`Stats`: max ``M``,
-  sum ``S`` of ``exp(z - M)``, entropy term, the label's logit) and lets an epilogue
-  see each tile (top-k); the backward recomputes each tile and turns it into the
-  logit gradient of the coefficients :func:`logit_grad_coefficients` gives. Four
-  GEMMs in all (logits; logits, ``dh``, ``dW``).
-- :meth:`Engine.row_sweep`: tiles of whole rows, whose statistics are exact, so the
-  gradient is formed in the forward pass: three GEMMs (logits; ``dh``, ``dW`` of a
-  :class:`GradSink` holding many tiles' gradients).
-
-Each memory-bound pass over a tile has a torch form (torch ops: the CPU and the
-reference) and a Triton form (:mod:`._triton_kernels`), chosen by ``backend``: the
-statistics, the logit gradient, and the fused loss's single pass
-(:meth:`Engine.exp_rows`). No pass reads a device value back to the host.
+It forms the logits ``z = h @ W.T * logit_scale / T`` of the gathered rows and this
+rank's vocabulary shard a tile at a time, each tile one ``torch.mm`` with an fp32
+output (:func:`mm_into`), reduces each row over the shards, and turns a tile's logit
+gradient into ``dh`` and ``dW`` with two more GEMMs. Two sweeps (tile sizes:
+:mod:`._geometry`): the vocabulary sweep (:meth:`Engine.forward_stats`, the online
+statistics; :meth:`Engine.backward`, the tiles recomputed: four GEMMs in all) and the
+row sweep (:meth:`Engine.row_sweep`: whole rows, exact statistics, the gradient formed
+in the forward pass into a :class:`GradSink`: three GEMMs). Each memory-bound pass has
+a torch form and a Triton form (:mod:`._triton_kernels`), chosen by ``backend``; no
+pass reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -52,6 +36,7 @@ __all__ = [
     "mm_into",
     "no_autocast",
     "rowdot",
+    "scaled_",
 ]
 
 
@@ -79,9 +64,16 @@ class TileSetup:
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_sum(x) if self.collectives is not None else x
 
-    def row_inv_t(self, rows: slice) -> torch.Tensor | float:
-        """``inv_t`` of the rows, ``[r, 1]`` or a number."""
-        return self.inv_t[rows, None] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+    def row_inv_t(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
+        """``inv_t`` of the rows: ``[r, 1]`` (``[r]`` without ``column``) or a number."""
+        if not isinstance(self.inv_t, torch.Tensor):
+            return self.inv_t
+        return self.inv_t[rows, None] if column else self.inv_t[rows]
+
+
+def scaled_(x: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
+    """``x *= factor`` in place (nothing for a factor of 1)."""
+    return x.mul_(factor) if isinstance(factor, torch.Tensor) or factor != 1.0 else x
 
 
 def no_autocast(x: torch.Tensor) -> torch.autocast:
@@ -287,11 +279,7 @@ def _torch_grad_(
         gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
     hit, col = _target_in_tile(labels_local, col0, z.shape[1])
     gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
-    if isinstance(inv_t, torch.Tensor):
-        gz.mul_(inv_t)
-    elif inv_t is not None and inv_t != 1.0:
-        gz.mul_(inv_t)
-    return gz
+    return gz if inv_t is None else scaled_(gz, inv_t)
 
 
 # ---------------------------------------------------------------- gradient sink
@@ -394,14 +382,8 @@ class GradSink:
             gemm_into(self.dw, g.T, xs, first=not self.dw_written)
             self.dw_written = True
         if self.scales:  # the label's column, formed in the accumulation dtype
-            label = torch.cat([s.label for s in self.scales])
-            col = torch.cat([s.label_col for s in self.scales])
-            coef = torch.where(col >= 0, label, 0.0)[:, None]
-            safe = col.clamp(min=0)
-            if self.dh is not None:
-                self.dh[b0:b1] += coef * w[safe].to(setup.acc_dtype)
-            if self.dw is not None:
-                self.dw.index_add_(0, safe, (coef * x.to(setup.acc_dtype)).to(self.dw.dtype))
+            label = torch.cat([s.label for s in self.scales])[:, None]
+            self._sparse(slice(b0, b1), torch.cat([s.label_col for s in self.scales])[:, None], label)
         self.held = 0
         self.scales = []
         if self.aliased:
@@ -411,17 +393,18 @@ class GradSink:
         """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
         columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
         without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
-        eng, setup = self.engine, self.engine.setup
         assert self.zeros, "sparse terms add to a zero-initialised sink"
-        gr = torch.where(cols >= 0, g, 0.0)
-        if not setup.fold:
-            gr = gr * setup.row_inv_t(rows)
-        safe = cols.clamp(min=0)
+        self._sparse(rows, cols, self.engine.untempered_grad(g, rows))
+
+    def _sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
+        """``dh[rows] += sum_j g[:, j] W[cols[:, j]]`` and ``dW[cols[i, j]] += g[i, j] h[i]``
+        (elementwise, no GEMM; -1 columns count nothing)."""
+        eng, acc = self.engine, self.engine.setup.acc_dtype
+        g, safe = torch.where(cols >= 0, g, 0.0), cols.clamp(min=0)
         if self.dh is not None:
-            wsel = eng.weight_all()[safe].to(setup.acc_dtype)  # [r, k, h]
-            self.dh[rows] += torch.bmm(gr.unsqueeze(1), wsel).squeeze(1)
+            self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(1)  # [r, k, h] -> [r, h]
         if self.dw is not None:
-            contrib = gr.unsqueeze(2) * eng.hs[rows].to(setup.acc_dtype).unsqueeze(1)  # [r, k, h]
+            contrib = g.unsqueeze(2) * eng.hs[rows].to(acc).unsqueeze(1)  # [r, k, h]
             self.dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype))
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -444,11 +427,10 @@ class Engine:
     def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
-        if setup.fold:
-            if isinstance(setup.inv_t, torch.Tensor):
-                hs = hs * setup.inv_t.to(hs.dtype)[:, None]
-            elif setup.inv_t != 1.0:
-                hs = hs * setup.inv_t
+        if setup.fold:  # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile
+            hs = hs * (
+                setup.inv_t.to(hs.dtype)[:, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
+            )
         self.hs = hs
         self.w = w.detach()
         self.w_dtype = w.dtype
@@ -487,59 +469,41 @@ class Engine:
             self._w_all = self.w.to(self.setup.compute_dtype)
         return self._w_all
 
-    def logits(self, rows: slice, wc: torch.Tensor, *, name: str = "z") -> torch.Tensor:
+    def logits(self, rows: slice, wc: torch.Tensor) -> torch.Tensor:
         """The tile ``h[rows] @ wc.T`` ``[r, c]`` in the accumulation dtype: tempered on
         the torch backend (unless folded), untempered on the Triton backend (its
         kernels apply ``inv_t``)."""
         x = self.hs[rows]
-        z = mm_into(self.buffer(name, x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
-        if not self.triton and not self.setup.fold:
-            inv_t = self.setup.row_inv_t(rows)
-            if isinstance(inv_t, torch.Tensor) or inv_t != 1.0:
-                z.mul_(inv_t)
-        return z
+        z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
+        return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
 
-    def temper(self, values: torch.Tensor, rows: slice) -> torch.Tensor:
-        """Values taken from a tile of :meth:`logits`, tempered as the torch form's are."""
+    def temper(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
+        """Values of a tile of :meth:`logits` (``[r, k]``, or ``[r]``) as tempered logits."""
         if not self.triton:
             return values
-        return values * self.setup.row_inv_t(rows)
-
-    def tempered(self, z: torch.Tensor, rows: slice) -> torch.Tensor:
-        """A tile of :meth:`logits` as tempered logits (in place on the Triton backend)."""
-        if not self.triton:
-            return z
-        inv_t = self.setup.row_inv_t(rows)
-        return z.mul_(inv_t) if isinstance(inv_t, torch.Tensor) or inv_t != 1.0 else z
+        factor = self.setup.row_inv_t(rows, column=values.dim() == 2)
+        return scaled_(values if inplace else values.clone(), factor)
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """The gradient of tempered logits as the sink takes it: times ``inv_t`` unless
         the temperature is folded into the hidden rows."""
-        if self.setup.fold:
-            return gz
-        inv_t = self.setup.row_inv_t(rows)
-        return gz * inv_t if isinstance(inv_t, torch.Tensor) or inv_t != 1.0 else gz
+        return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
 
     def pick(self, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
         """The tempered logits of a fresh tile at the local columns ``cols`` ``[r, k]``
         (0 where -1)."""
-        v = self.temper(z.gather(1, cols.clamp(min=0)), rows)
-        return torch.where(cols >= 0, v, 0.0)
+        return torch.where(cols >= 0, self.temper(z.gather(1, cols.clamp(min=0)), rows), 0.0)
 
     def row_argmax(self, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(max, argmax)`` of each row of a fresh tile, the max tempered."""
         local_max, local_arg = z.max(1)  # the first maximal column
-        return self.temper(local_max, rows).reshape(-1), local_arg
+        return self.temper(local_max, rows), local_arg
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
-        setup = self.setup
-        if dh is not None and setup.fold:
-            if isinstance(setup.inv_t, torch.Tensor):
-                dh.mul_(setup.inv_t[:, None])
-            elif setup.inv_t != 1.0:
-                dh.mul_(setup.inv_t)
-        return dh
+        if dh is None or not self.setup.fold:
+            return dh
+        return scaled_(dh, self.setup.row_inv_t(slice(None)))
 
     def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
         """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
@@ -563,35 +527,19 @@ class Engine:
         t = torch.zeros(r, dtype=dt, device=dev) if with_entropy else None
         return m, s, t, zy
 
-    def stats_pass(
-        self,
-        z: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        state: _State,
-        *,
-        whole: bool,
-    ) -> None:
-        """Fold the tile into the running statistics (``state``: ``[n]`` vectors, or the
-        tile's own ``[r]`` ones when ``whole``). The torch form shifts ``z`` in place."""
+    def stats_pass(self, z: torch.Tensor, rows: slice, cols: slice, state: _State) -> None:
+        """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,
+        updated in place). The torch form shifts ``z`` in place."""
         setup = self.setup
-        m, s, t, zy = state
         if self.triton:
             from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
 
             assert setup.kernel is not None
-            inv_t = setup.inv_t if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
-            row0 = rows.start
-            if whole:  # the tile's own vectors: index them from 0
-                labels, row0 = setup.labels_local[rows], 0
-                inv_t = inv_t[rows] if isinstance(inv_t, torch.Tensor) else inv_t
-            else:
-                labels = setup.labels_local
-            chunk_stats_(z, labels, inv_t, m, s, t, zy, row0=row0, col0=cols.start, cfg=setup.kernel)
+            inv_t = setup.row_inv_t(rows, column=False)
+            chunk_stats_(z, setup.labels_local[rows], inv_t, state, col0=cols.start, cfg=setup.kernel)
             return
-        part = (m, s, t, zy) if whole else (m[rows], s[rows], None if t is None else t[rows], zy[rows])
         e_buf = self.like("e", z)
-        _torch_stats_(z, e_buf, part, setup.labels_local[rows], cols.start, first=cols.start == 0)
+        _torch_stats_(z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0)
 
     def forward_stats(
         self,
@@ -609,7 +557,8 @@ class Engine:
                 z = self.logits(rows, wc)
                 if on_tile is not None:
                     on_tile(z, rows, cols)
-                self.stats_pass(z, rows, cols, state, whole=False)
+                m, s, t, zy = state
+                self.stats_pass(z, rows, cols, (m[rows], s[rows], None if t is None else t[rows], zy[rows]))
         return combine(*state, self.setup)
 
     # -- the gradient pass
@@ -658,27 +607,10 @@ class Engine:
         from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
 
         setup = self.setup
-        assert setup.kernel is not None
-        f32 = torch.float32
-        inv_t = (
-            setup.inv_t[rows].contiguous() if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
-        )
-        return logit_grad_(
-            z,
-            dtype,
-            setup.labels_local[rows].contiguous(),
-            inv_t,
-            big_m.to(f32).contiguous(),
-            (
-                coef.a.to(f32).contiguous(),
-                None if coef.b is None else coef.b.to(f32).contiguous(),
-                coef.g.to(f32).contiguous(),
-            ),
-            row0=0,
-            col0=col0,
-            cfg=setup.kernel,
-            out=out,
-        )
+        assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
+        labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
+        coefs = (coef.a, coef.b, coef.g)
+        return logit_grad_(z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out)
 
     def _scatter_sparse(
         self, gz: torch.Tensor, rows: slice, cols: slice, sparse: tuple[torch.Tensor, torch.Tensor]
@@ -687,10 +619,9 @@ class Engine:
         for the columns in this tile."""
         where, g = sparse
         local = where - cols.start
-        hit = (where >= 0) & (local >= 0) & (local < gz.shape[1])
-        g = torch.where(hit, g, 0.0)
-        if not self.setup.fold:
-            g = g * self.setup.row_inv_t(rows)
+        g = self.untempered_grad(
+            torch.where((where >= 0) & (local >= 0) & (local < gz.shape[1]), g, 0.0), rows
+        )
         gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1), g.to(gz.dtype))
 
     def backward(
@@ -766,7 +697,7 @@ class Engine:
         setup = self.setup
         if self.triton:
             state = self.fresh_state(rows.stop - rows.start, with_entropy=with_entropy)
-            self.stats_pass(z, rows, slice(0, self.local), state, whole=True)
+            self.stats_pass(z, rows, slice(0, self.local), state)
             return combine(*state, setup, rows)
         big_m = setup.reduce_max(z.amax(1))
         hit, col = _target_in_tile(setup.labels_local[rows], 0, z.shape[1])
@@ -831,18 +762,8 @@ class Engine:
         f32, dev = torch.float32, self.hs.device
         c, m, s, t, zy = (torch.empty(r, dtype=f32, device=dev) for _ in range(5))
         flags = torch.empty(r, dtype=torch.int8, device=dev)
-        inv_t = (
-            setup.inv_t[rows].contiguous() if isinstance(setup.inv_t, torch.Tensor) else float(setup.inv_t)
-        )
-        exp_rows_(
-            z,
-            out,
-            setup.labels_local[rows].contiguous(),
-            inv_t,
-            (c, m, s, t, zy, flags),
-            row0=0,
-            cfg=setup.kernel,
-        )
+        inv_t = setup.row_inv_t(rows, column=False)
+        exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
         # relative to the local max, as combine() takes them
         k = torch.exp(c - m)
         stats = combine(m, s * k, k * (t + (c - m) * s), zy, setup, rows)

@@ -1,29 +1,16 @@
-"""A scalar loss of per-token logprobs and entropies whose gradients are formed in
-the forward pass: :func:`fused_token_loss`, the engine's row sweep with a token-loss
-epilogue.
-
-It applies to losses that are sums of per-token terms with weights known in
-advance (every aggregation of ``hookspec.conventions`` is one)::
+"""A scalar loss of per-token logprobs and entropies whose gradients are formed in the
+forward pass: :func:`fused_token_loss`, the engine's row sweep with a token-loss
+epilogue. It fits losses that are sums of per-token terms with weights known in
+advance (every aggregation of ``hookspec.conventions``)::
 
     loss = sum_i token_loss_i(logprob_i, entropy_i)
 
-Each tile holds ``rows`` tokens by the whole local vocabulary, so its statistics
-are exact (one all-reduce max and one all-reduce sum per tile under tensor
-parallel); ``d loss / d logprob_i`` and ``d loss / d entropy_i`` come from autograd
-on those few numbers, hence the tile's logit gradient, which the engine multiplies
-into ``dh`` and ``dW``. Three GEMMs in all, instead of the four of a forward pass
-followed by a recomputing backward::
-
-    z = h[rows] @ w.T                 # fp32 [rows, V_local]
-    gz = d loss / d z                 # into the gradient buffer G (compute dtype)
-    dh[rows] = G @ w                  # once G is full
-    dw (+)= G.T @ h[rows]
-
-With ``entropy_grad=False`` on the Triton backend the statistics and the gradient
-take one pass over each tile instead of two: the kernel writes ``E = exp(z - c)``
-while it sums, and the gradient ``-a exp(z - M)`` is ``E`` scaled per row, a factor
-the GEMMs apply (:meth:`~._engine.Engine.exp_rows`). ``backward`` scales the stored
-gradients by the incoming one.
+A tile holds whole rows, so its statistics are exact; ``d loss / d logprob_i`` and
+``d loss / d entropy_i`` come from autograd on those few numbers, hence the tile's
+logit gradient, which the engine multiplies into ``dh`` and ``dW``: three GEMMs, not
+the four of a forward pass and a recomputing backward. Without a gradient through
+the entropy (``entropy_grad=False``) the Triton backend reads each tile once
+(:meth:`~._engine.Engine.exp_rows`; ``docs/gpu-design.md``).
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from hookspec.arrays import format_shape
 
 from ._checks import check_bool
 from ._engine import Engine, GradSink, RowScale, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, legacy_options, make_setup, refuse_double_backward
+from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 
@@ -167,7 +154,7 @@ def fused_token_loss(
     *,
     options: LinearOptions | None = None,
     entropy_grad: bool = True,
-    **deprecated: Any,
+    **unexpected: Any,
 ) -> FusedLossResult:
     """``loss = sum over row tiles of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring); ``logprobs``
@@ -184,7 +171,7 @@ def fused_token_loss(
     backward: ``dW`` and ``dh``. Cost: three GEMM-equivalents ``2 n h V_local``.
     Differentiable once (``create_graph=True`` raises).
     """
-    options = legacy_options("fused_token_loss", options, deprecated, weight)
+    options = resolve_options("fused_token_loss", options, unexpected)
     if not callable(token_loss):
         raise ContractError(
             "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)

@@ -1,20 +1,11 @@
-"""The engine's tile sizes per device, and the launch shape of its Triton kernels.
+"""The engine's tile sizes per device and its Triton kernels' launch shape.
 
-A *tile* is the block of logits the engine forms with one GEMM: ``rows`` tokens by
-``cols`` vocabulary entries of this rank's shard, fp32 (fp64 for fp64 inputs). Two
-sweeps use tiles:
-
-- the vocabulary sweep (logprobs, entropy, top-k; their recomputing backward):
-  columns outer, rows inner; on the Triton backend a tile of :data:`TILE_BYTES`
-  holds every row while at least :data:`MIN_TILE_COLS` columns fit;
-- the row sweep (the fused loss, distillation): each tile holds whole rows (every
-  column of the shard), so that its statistics are exact; ``rows`` from
-  :data:`TILE_BYTES`, a multiple of :data:`ROW_ALIGN` on CUDA. The logit gradient
-  of :data:`GRAD_BUFFER_BYTES` worth of rows is kept, then multiplied into ``dh``
-  and ``dW`` by one GEMM each.
-
-``docs/gpu-design.md`` derives these numbers from a byte and flop model of each
-pass; ``benchmarks/gpu_model.py`` recomputes that model from the constants here.
+A *tile* is the block of logits the engine forms with one GEMM, ``rows`` tokens by
+``cols`` vocabulary entries, fp32 (fp64 for fp64 inputs): in the vocabulary sweep
+(columns outer) or, holding whole rows, in the row sweep, whose logit gradients
+:data:`GRAD_BUFFER_BYTES` keeps for a few large ``dh``/``dW`` GEMMs.
+``docs/gpu-design.md`` derives the sizes from a byte and flop model that
+``benchmarks/gpu_model.py`` recomputes from the constants here.
 """
 
 from __future__ import annotations

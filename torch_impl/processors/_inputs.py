@@ -19,7 +19,7 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_labels_deferred
+from ..value_checks import check_finite_deferred, check_labels_deferred
 from ._checks import (
     check_floating,
     check_int,
@@ -32,6 +32,7 @@ from ._options import LinearOptions
 
 __all__ = [
     "HookInputs",
+    "counted_mask",
     "Tile",
     "from_tokens",
     "hook_inputs",
@@ -99,6 +100,12 @@ class HookInputs:
     options: LinearOptions  # vocab, collectives, ignore_index, logit_scale; values checked here
 
     @property
+    def acc_dtype(self) -> torch.dtype:
+        """float64 where the hidden states or the weight are, else float32: the dtype of
+        per-token weights and masks (as torch would promote)."""
+        return torch.float64 if torch.float64 in (self.hidden.dtype, self.weight.dtype) else torch.float32
+
+    @property
     def token_labels(self) -> torch.Tensor:
         """The labels ``[n]``, for a processor that required them."""
         assert self.labels is not None, "hook_inputs(needs_labels=True) checked them"
@@ -116,6 +123,28 @@ class HookInputs:
             if tile.tile_elements is not None:
                 rows = max(1, tile.tile_elements // max(1, int(self.weight.shape[0])))
         return dataclasses.replace(self.options, temperature=temperature, tile_rows=rows, tile_cols=cols)
+
+
+def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:
+    """The mask ``M`` ``[b, s]`` of the tokens a loss counts: ``given`` (every token when
+    ``None``; a tensor ``[b, s]``), 0 where the label is the ignore index. Its values are
+    checked finite and ``>= 0`` when ``ctx.check_values`` (at once on a CPU, deferred
+    on a GPU); an entry that is not becomes NaN wherever it is, so the loss shows it."""
+    device, dtype = x.hidden.device, x.acc_dtype
+    if given is None:
+        mask = torch.ones(x.b, x.s, dtype=dtype, device=device)
+    else:
+        if not isinstance(given, torch.Tensor) or tuple(given.shape) != (x.b, x.s):
+            actual = format_shape(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+            raise ContractError(field, expected=f"a tensor [b={x.b}, s={x.s}] like labels", actual=actual)
+        if ctx.check_values:
+            check_finite_deferred(given, field=field, nonnegative=True)
+        mask = given.detach().to(device=device, dtype=dtype)
+        mask = torch.where(torch.isfinite(mask) & (mask >= 0), mask, float("nan"))
+    if ctx.labels is not None:
+        labels = typing.cast(torch.Tensor, ctx.labels).to(device)
+        mask = torch.where(labels == ctx.ignore_index, mask * 0.0, mask)
+    return mask
 
 
 def logit_scale(ctx: OutputContext, processor: str = "built-in") -> float:

@@ -11,7 +11,7 @@ import torch
 
 from ._checks import check_bool
 from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, legacy_options, make_setup, refuse_double_backward
+from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -68,7 +68,7 @@ def linear_logprobs(
     *,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **deprecated: Any,
+    **unexpected: Any,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
     never materialising the logits. Equal to::
@@ -82,9 +82,8 @@ def linear_logprobs(
     ``logit_scale``, the shard and the tiles are ``options``
     (:class:`LinearOptions`).
 
-    Cost: four GEMM-equivalents ``2 n h V_local``: the logits tile by tile in the
-    forward pass (online logsumexp), and in the backward the logits again, ``dh``
-    and ``dW``; memory, one tile of fp32 logits and the gradients.
+    Cost: four GEMM-equivalents ``2 n h V_local`` (the engine's vocabulary sweep: the
+    logits, then the logits again, ``dh`` and ``dW``); one tile of fp32 logits.
 
     Args:
         hidden: ``[n_local, h]``: this rank's rows (``n / tp`` under sequence
@@ -93,16 +92,13 @@ def linear_logprobs(
         labels: ``[n]`` global token ids of the gathered rows, or ``ignore_index``.
         options: :class:`LinearOptions` (default: ``LinearOptions()``).
         with_entropy: also return the entropy of ``softmax(z)``.
-        deprecated: the previous release's keywords (``temperature=``,
-            ``vocab_start=``, ...), mapped to ``options`` with a
-            ``DeprecationWarning``.
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
         ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
         number. Differentiable once: a backward with ``create_graph=True`` raises.
     """
-    options = legacy_options("linear_logprobs", options, deprecated, weight)
+    options = resolve_options("linear_logprobs", options, unexpected)
     h = gather_rows(hidden, options)
     check_bool("with_entropy", with_entropy)
     setup = make_setup(h, weight, labels, options)

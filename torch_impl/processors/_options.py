@@ -6,7 +6,6 @@ prologue that checks a call's tensors against them and builds the engine's
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Literal
 
 import torch
@@ -32,7 +31,7 @@ __all__ = [
     "Backend",
     "LinearOptions",
     "gather_rows",
-    "legacy_options",
+    "resolve_options",
     "make_setup",
     "refuse_double_backward",
 ]
@@ -116,79 +115,32 @@ class LinearOptions:
         check_bool("check_values", self.check_values)
 
 
-_LEGACY = (
-    "temperature",
-    "ignore_index",
-    "vocab_start",
-    "vocab_size",
-    "collectives",
-    "backend",
-    "vocab_chunk_size",
-    "token_chunk_size",
-    "chunk_size",
-    "tile_elements",
-    "compute_dtype",
-    "logit_scale",
-    "check_values",
-)
+_MOVED = {
+    "temperature": "temperature",
+    "ignore_index": "ignore_index",
+    "collectives": "collectives",
+    "backend": "backend",
+    "compute_dtype": "compute_dtype",
+    "logit_scale": "logit_scale",
+    "check_values": "check_values",
+    "vocab_start": "vocab=VocabShard(start, end, size)",
+    "vocab_size": "vocab=VocabShard(start, end, size)",
+    "vocab_chunk_size": "tile_cols",
+    "chunk_size": "tile_cols",
+    "token_chunk_size": "tile_rows",
+    "tile_elements": "tile_rows (= tile_elements // V_local)",
+}
 
 
-def legacy_options(
-    function: str, options: LinearOptions | None, legacy: dict[str, Any], weight: Any
-) -> LinearOptions:
-    """``options``, or the :class:`LinearOptions` the keywords of the previous release
-    spell (``DeprecationWarning``, one release): ``vocab_start``/``vocab_size`` become
-    ``vocab``, ``vocab_chunk_size``/``chunk_size`` ``tile_cols``,
-    ``token_chunk_size`` ``tile_rows``, ``tile_elements`` ``tile_rows = tile_elements
-    // V_local``."""
-    if not legacy:
-        return LinearOptions() if options is None else options
-    unknown = sorted(set(legacy) - set(_LEGACY))
-    if unknown:
-        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
-    if options is not None:
-        raise ContractError(
-            "options", expected=f"either options= or the deprecated keywords {sorted(legacy)}", actual="both"
-        )
-    warnings.warn(
-        f"{function}({', '.join(f'{k}=' for k in legacy)}): these keywords are deprecated; pass "
-        f"options=torch_impl.processors.LinearOptions(...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    kw = dict(legacy)
-    local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
-    start, size = kw.pop("vocab_start", 0), kw.pop("vocab_size", None)
-    check_int("vocab_start", start, low=0)
-    if size is None:
-        size = start + local
-    if isinstance(size, bool) or not isinstance(size, int) or size < start + local:
-        raise ContractError(
-            "vocab_size", expected=f"an int >= vocab_start + V_local = {start + local}", actual=repr(size)
-        )
-    vocab = (
-        None
-        if (start == 0 and size == local)
-        else VocabShard(start, start + local, check_int("vocab_size", size))
-    )
-    for name in ("vocab_chunk_size", "token_chunk_size", "chunk_size"):
-        if kw.get(name) is not None:
-            check_int(name, kw[name], low=1)  # named as the caller wrote it
-    cols = kw.pop("vocab_chunk_size", None)
-    old = kw.pop("chunk_size", None)
-    if old is not None:
-        if cols is not None:
-            raise ContractError(
-                "chunk_size",
-                expected="unset when vocab_chunk_size is given (it is its old name)",
-                actual=repr(old),
-            )
-        cols = old
-    rows = kw.pop("token_chunk_size", None)
-    elements = kw.pop("tile_elements", None)
-    if elements is not None:
-        rows = max(1, check_int("tile_elements", elements, low=1) // max(1, local))
-    return LinearOptions(vocab=vocab, tile_rows=rows, tile_cols=cols, **kw)
+def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
+    """``options`` (default ``LinearOptions()``); a keyword of the earlier signature
+    (``temperature=``, ``vocab_start=``, ...) raises ``TypeError`` naming its field of
+    :class:`LinearOptions`."""
+    if extra:
+        moved = [f"{k}= -> LinearOptions({_MOVED[k]})" for k in extra if k in _MOVED]
+        hint = f": the options moved into options=LinearOptions(...): {'; '.join(moved)}" if moved else ""
+        raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
+    return LinearOptions() if options is None else options
 
 
 def check_hidden(hidden: Any) -> torch.Tensor:

@@ -47,7 +47,16 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_finite_deferred, check_multiple_deferred
 from ._checks import check_finite_number, check_floating
 from ._fused import fused_token_loss
-from ._inputs import HookInputs, Tile, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
+from ._inputs import (
+    HookInputs,
+    Tile,
+    counted_mask,
+    from_tokens,
+    hook_inputs,
+    resolve_temperature,
+    tile_options,
+    to_tokens,
+)
 from ._logprobs import linear_logprobs
 from ._policy_math import (
     PolicyLossConfig,
@@ -246,20 +255,6 @@ def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: Outp
     )
 
 
-def _counted(
-    given: torch.Tensor | None, labels: torch.Tensor, ignore_index: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The mask ``M`` ``[b, s]``: ``given`` (every token when ``None``), 0 where the
-    label is the ignore index. An entry that is not a finite number ``>= 0`` becomes
-    NaN, wherever it is (also at an ignored label), so that the loss shows it."""
-    if given is None:
-        ones = torch.ones(labels.shape, dtype=dtype, device=labels.device)
-        return torch.where(labels == ignore_index, 0.0, ones)
-    m = given.to(device=labels.device, dtype=dtype)
-    m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
-    return torch.where(labels == ignore_index, m * 0.0, m)
-
-
 # ---------------------------------------------------------------- per-token terms
 
 
@@ -378,13 +373,9 @@ class _Sequences:
 def _checked_mask(ctx: OutputContext, x: HookInputs, batch: PolicyBatch) -> torch.Tensor:
     """``M`` ``[b, s]``; with ``ctx.check_values``, the mask's values at every
     token and the batch's at the counted ones checked (deferred on a GPU)."""
-    device = x.hidden.device
     from_batch = batch.mask is not None
-    given = batch.mask if from_batch else typing.cast("torch.Tensor | None", ctx.loss_mask)
-    if ctx.check_values and given is not None:
-        check_finite_deferred(given, field="context.mask" if from_batch else "loss_mask", nonnegative=True)
-    acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
-    mask = _counted(given, typing.cast(torch.Tensor, ctx.labels).to(device), ctx.ignore_index, acc)
+    given = batch.mask if from_batch else ctx.loss_mask
+    mask = counted_mask(ctx, x, given, "context.mask" if from_batch else "loss_mask")
     if ctx.check_values:
         counted = mask > 0
         for name in ("old_logprobs", "advantages", "ref_logprobs"):

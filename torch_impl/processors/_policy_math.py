@@ -18,7 +18,7 @@ from hookspec import Aggregation, ContractError, KLEstimator
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred
-from ._checks import check_bool, check_finite_number, check_floating, check_int
+from ._checks import check_bool, check_enum, check_finite_number, check_floating, check_int
 
 __all__ = [
     "PolicyLossConfig",
@@ -34,13 +34,6 @@ __all__ = [
     "sequence_sums",
     "weights_of",
 ]
-
-
-def _enum(field: str, kind: Any, value: Any) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
 
 
 class RatioLevel(enum.StrEnum):
@@ -125,8 +118,8 @@ class PolicyLossConfig:
                 check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True),
             )
         check_bool("fused", self.fused)
-        put("kl_estimator", _enum("kl_estimator", KLEstimator, self.kl_estimator))
-        put("aggregation", _enum("aggregation", Aggregation, self.aggregation))
+        put("kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
+        put("aggregation", check_enum("aggregation", Aggregation, self.aggregation))
 
     @property
     def effective_clip_high(self) -> float:
@@ -174,7 +167,7 @@ def kl_penalty(
     """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``
     with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``; ``clamp`` a finite
     number > 0, or ``None``: no clamp). Elementwise, any shape."""
-    estimator = _enum("estimator", KLEstimator, estimator)
+    estimator = check_enum("estimator", KLEstimator, estimator)
     if clamp is not None:
         clamp = check_finite_number("clamp", clamp, low=0.0, low_open=True)
     check_floating("logp", logp)
@@ -307,7 +300,7 @@ def aggregation_weights(
     then it makes the weights it reaches NaN (all of them for token-mean, its
     sequence's otherwise), never 0.
     """
-    how = _enum("aggregation", Aggregation, how)
+    how = check_enum("aggregation", Aggregation, how)
     for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
         if value is not None:
             check_finite_number(name, value, low=0.0, low_open=True)

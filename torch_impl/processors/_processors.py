@@ -13,10 +13,18 @@ import torch
 
 from hookspec import Aggregation, ContractError, OutputContext, Processor, processor
 
-from ..value_checks import check_finite_deferred
 from ._checks import check_bool, check_finite_number, check_temperature, context_field
 from ._fused import fused_token_loss
-from ._inputs import HookInputs, from_tokens, hook_inputs, resolve_temperature, tile_options, to_tokens
+from ._inputs import (
+    HookInputs,
+    Tile,
+    counted_mask,
+    from_tokens,
+    hook_inputs,
+    resolve_temperature,
+    tile_options,
+    to_tokens,
+)
 from ._logprobs import linear_logprobs
 from ._policy_math import weights_of
 
@@ -101,17 +109,7 @@ def _token_weights(
     ignored label; ``w = M`` (sum) or the token mean's ``M / count`` of
     :func:`~torch_impl.processors.aggregation_weights`, ``count`` the context's
     ``global_tokens`` else ``sum(M)`` (an exactly-0 ``sum(M)`` gives ``w = 0``)."""
-    acc = torch.float64 if x.hidden.dtype == torch.float64 else torch.float32
-    device = x.hidden.device
-    given = typing.cast("torch.Tensor | None", ctx.loss_mask)
-    if given is None:
-        m = torch.ones(x.token_labels.shape, dtype=acc, device=device)
-    else:
-        if ctx.check_values:
-            check_finite_deferred(given, field="loss_mask", nonnegative=True)
-        m = to_tokens(given.detach()).to(device=device, dtype=acc)
-        m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))  # unchecked: NaN shows
-    m = torch.where(x.token_labels.to(device) == ctx.ignore_index, m * 0.0, m)
+    m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
     count = _global_tokens(ctx, reduction)
     if reduction == "sum":
         return m, m
@@ -123,8 +121,27 @@ def _token_weights(
             actual="None",
             hint="or use reduction='sum' and divide by the count yourself",
         )
-    segments = torch.zeros(m.shape, dtype=torch.long, device=device)
+    segments = torch.zeros(m.shape, dtype=torch.long, device=m.device)
     return weights_of(m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None), m
+
+
+def _reduced(
+    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: Tile
+) -> dict[str, torch.Tensor]:
+    """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
+    x = hook_inputs(ctx, "cross_entropy_loss")
+    temp = resolve_temperature(temperature, ctx, x.b, x.s)
+    w, m = _token_weights(ctx, x, reduction)
+
+    def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        wr = w[rows].to(lp.dtype)
+        return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
+
+    options = x.tensor_options(tile, temp, whole_rows=True)
+    res = fused_token_loss(x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=False)
+    # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
+    # even at an uncounted token (its gradient would be NaN anyway)
+    return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
 
 
 def cross_entropy_loss(
@@ -147,8 +164,8 @@ def cross_entropy_loss(
     One difference: where ``labels == ctx.ignore_index`` the loss is ``0`` with a
     zero gradient (Megatron returns the logsumexp there, which the loss mask
     then removes). ``T`` is ``temperature`` (default 1); a user context holding
-    a ``temperature`` that is not ``None`` raises rather than being ignored
-    (Megatron's loss has none). Logits recomputed in backward
+    a ``temperature`` or ``global_tokens`` that is not ``None`` raises rather than
+    being ignored (Megatron's loss has neither). Logits recomputed in backward
     (:func:`linear_logprobs`, tile ``vocab_chunk_size`` x ``token_chunk_size``):
     four GEMM-equivalents ``2 n h V`` forward plus backward.
 
@@ -185,14 +202,15 @@ def cross_entropy_loss(
 
     def fn(ctx: OutputContext) -> torch.Tensor:
         x = hook_inputs(ctx, "cross_entropy_loss")
-        t = context_field(ctx.context, "temperature")
-        if t is not None:
-            raise ContractError(
-                "context.temperature",
-                expected="none (cross_entropy_loss is Megatron's loss, which takes no temperature; "
-                "use selected_logprobs for tempered logprobs, or a reduction)",
-                actual=f"a {type(t).__name__}",
-            )
+        for name in ("temperature", "global_tokens"):  # read by a reduction only: refused, not ignored
+            value = context_field(ctx.context, name)
+            if value is not None:
+                raise ContractError(
+                    f"context.{name}",
+                    expected="none: cross_entropy_loss() is Megatron's per-token loss, which takes no "
+                    f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
+                    actual=f"a {type(value).__name__}",
+                )
         res = linear_logprobs(
             x.hidden,
             x.weight,
@@ -202,25 +220,7 @@ def cross_entropy_loss(
         return from_tokens(-res.logprobs, x.b, x.s)
 
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "cross_entropy_loss")
-        temp = resolve_temperature(temperature, ctx, x.b, x.s)
-        w, m = _token_weights(ctx, x, reduction)
-
-        def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
-            wr = w[rows].to(lp.dtype)
-            return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
-
-        res = fused_token_loss(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            tile_loss,
-            options=x.tensor_options(tile, temp, whole_rows=True),
-            entropy_grad=False,
-        )
-        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
-        # even at an uncounted token (its gradient would be NaN anyway)
-        return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
+        return _reduced(ctx, reduction, temperature, tile)
 
     if reduction == "none":
         return processor(fn, name="cross_entropy_loss")

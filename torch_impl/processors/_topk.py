@@ -1,11 +1,7 @@
-"""Top-k logprobs from the hidden states and a vocab shard, never materialising the
-``[n, V]`` logits: :func:`linear_topk_logprobs` (the tensor function, vocab
-parallel) and :func:`topk_logprobs` (the processor).
-
-An epilogue on the engine's vocabulary sweep (:mod:`._engine`): it keeps each row's
-running top-k over the tiles the sweep forms, beside the sweep's statistics; the
-candidates of the vocab shards are merged with ``Collectives.all_gather`` (spec
-1.2). The selection is ``torch.topk`` on each tile on both backends.
+"""Top-k logprobs without the ``[n, V]`` logits: :func:`linear_topk_logprobs` (vocab
+parallel) and its processor :func:`topk_logprobs`, an epilogue on the engine's
+vocabulary sweep keeping each row's running top-k (``torch.topk`` on each tile, on
+both backends); the shards' candidates merged with ``Collectives.all_gather``.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
 from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
-from ._options import LinearOptions, gather_rows, legacy_options, make_setup, refuse_double_backward
+from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
 
 __all__ = [
     "TopkResult",
@@ -209,7 +205,7 @@ def linear_topk_logprobs(
     labels: torch.Tensor | None = None,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **deprecated: Any,
+    **unexpected: Any,
 ) -> TopkResult:
     """The ``k`` largest logprobs of ``hidden @ weight.T`` per row and their global
     ids, vocab-parallel, never materialising the logits. Equal to::
@@ -243,14 +239,13 @@ def linear_topk_logprobs(
             entries contributes all of them.
         labels: ``[n]`` global ids or ``ignore_index``, or ``None``.
         options: :class:`LinearOptions`.
-        deprecated: the previous release's keywords, as for ``linear_logprobs``.
 
     Returns:
         :class:`TopkResult`. NaN or inf in ``hidden`` or ``weight`` gives NaN
         logprobs at the rows they touch (the log-sum-exp is NaN), never a finite
         number.
     """
-    options = legacy_options("linear_topk_logprobs", options, deprecated, weight)
+    options = resolve_options("linear_topk_logprobs", options, unexpected)
     check_bool("with_entropy", with_entropy)
     h = gather_rows(hidden, options)
     if labels is not None and (

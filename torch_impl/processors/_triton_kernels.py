@@ -1,28 +1,11 @@
-"""The Triton forms of the engine's memory-bound epilogues: the work on one fp32 logits
-chunk ``z [rows, cols]`` that cuBLAS has just formed (``torch.mm``). No GEMM runs in
-here; :mod:`._engine` calls these where ``backend="triton"``.
-
-- :func:`chunk_stats_`: one read of the chunk. For each row, the running
-  online-logsumexp statistics of this vocab shard (max ``m``, rescaled sum of
-  exponentials ``s``, entropy term ``t``) and the label's logit ``zy``, updated in
-  place. The loop keeps one accumulator per lane (``BLOCK_M x BLOCK_N``: a running
-  max, sum and entropy term per column slot) and reduces across lanes once per
-  row, so each element costs one exponential and no cross-warp reduction.
-- :func:`logit_grad_`: one read and one write. The logits become the gradient of the
-  tempered logits, in the compute dtype, in place (or into another buffer).
-- :func:`exp_rows_`: the fused loss's single pass, for chunks that hold whole rows
-  (the shard's every column): the row statistics relative to a reference ``c`` per
-  row, and ``E = exp(z - c)`` written in the compute dtype with the label's column
-  set to 0, so that the loss's gradient is ``E`` scaled per row (see
-  :mod:`._engine`). ``c`` is the larger of the label's logit and the first block's
-  max (both <= the row max ``M``); a row with ``M - c > EXP_RANGE`` is flagged and
-  redone with ``c = M`` by a second launch that skips the other rows.
-
-A program owns ``BLOCK_M`` whole rows and walks their columns ``BLOCK_N`` at a time,
-so no atomics are needed: the results are the same bit for bit run to run.
-
-Import this module only where Triton is wanted: ``triton.jit`` decides at import
-whether the kernels run compiled or under ``TRITON_INTERPRET=1`` (numpy, no GPU).
+"""The Triton forms of the engine's memory-bound passes over one fp32 logits tile
+``z [rows, cols]`` that cuBLAS has just formed; no GEMM runs in here. The statistics
+(:func:`chunk_stats_`: one read; a running max, sum and entropy term per lane, reduced
+across lanes once per row: one exponential an element, no cross-warp reduction in the
+loop), the logit gradient (:func:`logit_grad_`: one read, one write), and the fused
+loss's single pass over whole rows (:func:`exp_rows_`). A program owns ``BLOCK_M``
+whole rows: no atomics, the same bits run to run. Imported on first use, so that
+``TRITON_INTERPRET`` is read when the kernels are made.
 """
 
 from __future__ import annotations
@@ -35,14 +18,7 @@ import triton.language as tl
 
 from ._geometry import EXP_RANGE, KernelConfig
 
-__all__ = [
-    "chunk_stats_",
-    "exp_launch",
-    "exp_rows_",
-    "grad_launch",
-    "logit_grad_",
-    "stats_launch",
-]
+__all__ = ["chunk_stats_", "exp_rows_", "logit_grad_"]
 
 
 @triton.jit
@@ -78,7 +54,6 @@ def _chunk_stats_kernel(
     zy_ptr,
     rows,
     cols,
-    row0,
     col0,
     stride_z,
     inv_t_scalar,
@@ -89,7 +64,7 @@ def _chunk_stats_kernel(
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = row0 + r  # index into the [n] vectors
+    token = r  # index into the tile's rows' vectors
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     # the label's logit: one load per row
@@ -150,7 +125,6 @@ def _logit_grad_kernel(
     g_ptr,
     rows,
     cols,
-    row0,
     col0,
     stride_z,
     stride_out,
@@ -163,7 +137,7 @@ def _logit_grad_kernel(
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = row0 + r
+    token = r
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
@@ -207,11 +181,10 @@ def _exp_rows_kernel(
     redo_ptr,
     rows,
     cols,
-    row0,
     stride_z,
     stride_out,
-    inv_t_scalar,
     exp_range,
+    inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
@@ -219,7 +192,7 @@ def _exp_rows_kernel(
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = row0 + r
+    token = r
     if REDO:  # only the rows the first launch flagged, with c = their max
         row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
     if tl.max(row_ok.to(tl.int32), axis=0) > 0:
@@ -262,99 +235,48 @@ def _exp_rows_kernel(
             tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
-def _inv_t_args(inv_t: Any, fallback: Any) -> tuple[Any, float, bool]:
-    """``(pointer, scalar, PER_TOKEN_T)`` for a per-token tensor or a number."""
-    if isinstance(inv_t, float):
-        return fallback, inv_t, False
-    return inv_t, 1.0, True
-
-
-def stats_launch(
-    z: Any,
-    labels_local: Any,
-    inv_t: Any,
-    m: Any,
-    s: Any,
-    t: Any,
-    zy: Any,
-    *,
-    row0: int,
-    col0: int,
-    cfg: KernelConfig,
-) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-    """``(grid, args, kwargs)`` of one :func:`chunk_stats_` launch (tensors or stand-ins
-    with ``dtype``, ``shape``, ``stride`` and ``data_ptr``: the compile test
-    specialises the kernel from these)."""
-    rows, cols = int(z.shape[0]), int(z.shape[1])
-    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, m)
-    args: tuple[Any, ...] = (z, labels_local, inv_ptr, m, s, t if t is not None else m, zy)
-    args += (rows, cols, row0, col0, z.stride(0), inv_scalar)
-    kwargs = dict(
+def _launch(
+    kernel: Any, cfg: KernelConfig, rows: int, args: tuple[Any, ...], inv_t: Any, **flags: Any
+) -> None:
+    """One launch over ``rows`` rows: ``inv_t`` a per-row fp32 tensor or a number."""
+    per_token = isinstance(inv_t, torch.Tensor)
+    grid = (triton.cdiv(rows, cfg.block_m),)
+    kernel[grid](
+        *args,
+        1.0 if per_token else float(inv_t),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PER_TOKEN_T=per_token,
-        WITH_ENTROPY=t is not None,
         num_warps=cfg.num_warps,
+        **flags,
     )
-    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
 
 
 def chunk_stats_(
     z: torch.Tensor,
     labels_local: torch.Tensor,
     inv_t: torch.Tensor | float,
-    m: torch.Tensor,
-    s: torch.Tensor,
-    t: torch.Tensor | None,
-    zy: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor],
     *,
-    row0: int,
     col0: int,
     cfg: KernelConfig,
 ) -> None:
-    """Update, in place, the running statistics (``[n]`` fp32 each) of the tokens
-    ``row0 + arange(rows)`` with the chunk ``z`` ``[rows, cols]`` (fp32, untempered)
-    of vocabulary entries ``col0 + arange(cols)`` of the shard::
+    """Update, in place, the tile's rows' running ``state = (m, s, t, zy)`` (``[rows]``
+    fp32 each; ``t`` None without entropy) with the tile ``z`` ``[rows, cols]`` (fp32,
+    untempered) of vocabulary entries ``col0 + arange(cols)``::
 
         zt = z * inv_t[rows, None]
         m_new = maximum(m, zt.max(1))
         s = s * exp(m - m_new) + exp(zt - m_new).sum(1)
         t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
-        zy += zt[i, labels_local[i] - col0]  (where that column is in the chunk)
+        zy += zt[i, labels_local[i] - col0]  (where that column is in the tile)
         m = m_new
     """
-    grid, args, kwargs = stats_launch(z, labels_local, inv_t, m, s, t, zy, row0=row0, col0=col0, cfg=cfg)
-    _chunk_stats_kernel[grid](*args, **kwargs)
-
-
-def grad_launch(
-    z: Any,
-    out: Any,
-    labels_local: Any,
-    inv_t: Any,
-    big_m: Any,
-    coef: tuple[Any, Any, Any],
-    *,
-    row0: int,
-    col0: int,
-    cfg: KernelConfig,
-) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-    """``(grid, args, kwargs)`` of one :func:`logit_grad_` launch (as :func:`stats_launch`)."""
-    rows, cols = int(z.shape[0]), int(z.shape[1])
-    a, b, g = coef
-    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, big_m)
-    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, big_m, a, b if b is not None else a, g)
-    args += (rows, cols, row0, col0, z.stride(0), out.stride(0), inv_scalar)
-    in_place = out.data_ptr() == z.data_ptr()
-    kwargs = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PER_TOKEN_T=per_token,
-        WITH_B=b is not None,
-        IN_PLACE=in_place,
-        num_warps=cfg.num_warps,
-    )
-    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
+    m, s, t, zy = state
+    rows, cols = z.shape
+    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
+    args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
+    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, WITH_ENTROPY=t is not None)
 
 
 def logit_grad_(
@@ -365,56 +287,36 @@ def logit_grad_(
     big_m: torch.Tensor,
     coef: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
     *,
-    row0: int,
     col0: int,
     cfg: KernelConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gradient of the chunk's logits, returned as a ``[rows, cols]`` tensor of
-    ``dtype``: into ``out`` where given, else in place in ``z``'s memory (``z`` itself
-    for fp32; for bf16/fp16 a view of the first half of each row's bytes, row stride
-    ``2 * cols``, which cuBLAS reads as is). With ``coef = (a, b, g)`` ``[n]`` each::
+    """The gradient of the tile's logits (its rows' ``[r]`` vectors), returned as a
+    ``[rows, cols]`` tensor of ``dtype``: into ``out`` where given, else in place in
+    ``z``'s memory (``z`` itself for fp32; for bf16/fp16 a view of the first half of
+    each row's bytes, row stride ``2 * cols``, which cuBLAS reads as is). With ``coef =
+    (a, b, g)``::
 
-        zc = z * inv_t[rows, None] - M[rows, None]
+        zc = z * inv_t[:, None] - M[:, None]
         gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
     """
+    rows, cols = z.shape
     if out is None:
-        if dtype == torch.float32:
-            out = z
-        else:
-            rows, cols = z.shape
-            out = z.view(dtype).view(rows, 2 * cols)[:, :cols]
-    grid, args, kwargs = grad_launch(z, out, labels_local, inv_t, big_m, coef, row0=row0, col0=col0, cfg=cfg)
-    _logit_grad_kernel[grid](*args, **kwargs)
-    return out
-
-
-def exp_launch(
-    z: Any,
-    out: Any,
-    labels_local: Any,
-    inv_t: Any,
-    vectors: tuple[Any, Any, Any, Any, Any, Any],
-    *,
-    row0: int,
-    cfg: KernelConfig,
-    redo: bool,
-) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-    """``(grid, args, kwargs)`` of one :func:`exp_rows_` launch (``vectors``: ``c, m, s,
-    t, zy, flags``)."""
-    rows, cols = int(z.shape[0]), int(z.shape[1])
-    c, m, s, t, zy, flags = vectors
-    inv_ptr, inv_scalar, per_token = _inv_t_args(inv_t, m)
-    args: tuple[Any, ...] = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags)
-    args += (rows, cols, row0, z.stride(0), out.stride(0), inv_scalar, EXP_RANGE)
-    kwargs = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PER_TOKEN_T=per_token,
-        REDO=redo,
-        num_warps=cfg.num_warps,
+        out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
+    a, b, g = coef
+    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else big_m
+    b_ptr = a if b is None else b
+    args = (z, out, labels_local, inv_ptr, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
+    _launch(
+        _logit_grad_kernel,
+        cfg,
+        rows,
+        args,
+        inv_t,
+        WITH_B=b is not None,
+        IN_PLACE=out.data_ptr() == z.data_ptr(),
     )
-    return (triton.cdiv(rows, cfg.block_m),), args, kwargs
+    return out
 
 
 def exp_rows_(
@@ -424,14 +326,13 @@ def exp_rows_(
     inv_t: torch.Tensor | float,
     vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     *,
-    row0: int,
     cfg: KernelConfig,
 ) -> None:
-    """Whole rows ``z [rows, V_local]`` (fp32, untempered) of the tokens ``row0 +
-    arange(rows)``: into ``out`` (``[rows, V_local]``, the compute dtype) and the
-    ``[n]`` fp32 vectors ``c, m, s, t, zy`` (int8 ``flags``)::
+    """Whole rows ``z [rows, V_local]`` (fp32, untempered): into ``out`` (``[rows,
+    V_local]``, the compute dtype) and the rows' fp32 vectors ``c, m, s, t, zy`` (int8
+    ``flags``)::
 
-        zt = z * inv_t[rows, None]
+        zt = z * inv_t[:, None]
         c = maximum(zt[:, :BLOCK_N].max(1), zt[i, labels_local[i]])     # <= M
         out = where(col == labels_local, 0, exp(zt - c))
         m = zt.max(1);  s = exp(zt - c).sum(1);  t = (exp(zt - c) * (zt - c)).sum(1)
@@ -440,6 +341,9 @@ def exp_rows_(
     then, for the rows where ``m - c > EXP_RANGE`` (``exp(zt - c)`` could overflow),
     the same with ``c = m``, in a second launch that reads nothing of the other rows.
     """
+    rows, cols = z.shape
+    c, m, s, t, zy, flags = vectors
+    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
+    args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
     for redo in (False, True):
-        grid, args, kwargs = exp_launch(z, out, labels_local, inv_t, vectors, row0=row0, cfg=cfg, redo=redo)
-        _exp_rows_kernel[grid](*args, **kwargs)
+        _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, REDO=redo)
