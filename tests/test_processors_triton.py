@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are made, on first use
 
-from hookspec import ContractError, SingleProcessCollectives, VocabShard
+from hookspec import ContractError, VocabShard
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 from .distributed import run_distributed
@@ -330,25 +331,18 @@ def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert auto_choice(torch.device("cuda")) is measured
 
 
-def test_the_previous_keywords_are_deprecated_and_mean_the_same() -> None:
-    """The keywords of the previous release map onto ``LinearOptions`` (one release,
-    ``DeprecationWarning``), with the same results; both forms at once are refused."""
+@pytest.mark.parametrize(
+    ("keyword", "field"),
+    [("temperature", "LinearOptions(temperature)"), ("chunk_size", "LinearOptions(tile_cols)"),
+     ("vocab_start", "LinearOptions(vocab=VocabShard"), ("tile_elements", "LinearOptions(tile_rows")],
+)  # fmt: skip
+def test_a_keyword_of_the_earlier_signature_names_its_option(keyword: str, field: str) -> None:
+    """The options moved into ``LinearOptions``: an old keyword raises ``TypeError``
+    naming where it went, not a bare "unexpected keyword"."""
     p = inputs(n=6, v=40)
-    w = p["w"][10:30]
-    coll = SingleProcessCollectives()
-    with pytest.warns(DeprecationWarning, match="LinearOptions"):
-        a = linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, temperature=0.7, backend="torch").logprobs
-    b = linear_logprobs(
-        p["h"], p["w"], p["y"], options=LinearOptions(tile_cols=7, temperature=0.7, backend="torch")
-    ).logprobs
-    assert torch.equal(a, b)
-    with pytest.warns(DeprecationWarning), pytest.raises(ContractError, match="collectives"):
-        linear_logprobs(p["h"], w, p["y"], vocab_start=10, vocab_size=40, collectives=coll)
-    with pytest.raises(ContractError, match="chunk_size"), pytest.warns(DeprecationWarning):
-        linear_logprobs(p["h"], p["w"], p["y"], chunk_size=7, vocab_chunk_size=7)
-    with pytest.raises(ContractError, match="options"):
-        linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(), temperature=2.0)
-    with pytest.raises(TypeError, match="unexpected keyword"):
+    with pytest.raises(TypeError, match=re.escape(field)):
+        linear_logprobs(p["h"], p["w"], p["y"], **{keyword: 1})
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['temprature'\]$"):
         linear_logprobs(p["h"], p["w"], p["y"], temprature=2.0)
 
 

@@ -6,7 +6,6 @@ enters, and every number option against the float range: ``2**70`` or
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +17,7 @@ from hookspec import ContractError
 from torch_impl.processors import (
     LinearOptions,
     PolicyLossConfig,
-    TokenLoss,
     cross_entropy_loss,
-    fused_token_loss,
     linear_logprobs,
     policy_loss,
     selected_logprobs,
@@ -39,20 +36,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
-def _sum_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, rows: slice) -> torch.Tensor:
-    return logprobs.sum()
-
-
 _OPTION_INTS = ("ignore_index", "tile_rows", "tile_cols")
-_LEGACY_INTS = (
-    "ignore_index",
-    "vocab_start",
-    "vocab_size",
-    "vocab_chunk_size",
-    "token_chunk_size",
-    "chunk_size",
-)
-_FUSED_LEGACY_INTS = ("ignore_index", "vocab_start", "vocab_size", "tile_elements")
 
 
 @pytest.mark.parametrize("value", HUGE)
@@ -62,24 +46,6 @@ def test_linear_options_integer_fields(option: str, value: int) -> None:
         LinearOptions(**{option: value})
     assert info.value.field == option, info.value
     assert "int" in str(info.value.expected)
-
-
-@pytest.mark.parametrize("value", HUGE)
-@pytest.mark.parametrize(("function", "option"), [
-    *(("linear_logprobs", o) for o in _LEGACY_INTS),
-    *(("fused_token_loss", o) for o in _FUSED_LEGACY_INTS),
-])  # fmt: skip
-def test_deprecated_integer_keywords(function: str, option: str, value: int) -> None:
-    """The previous release's keywords are checked under the names the caller wrote."""
-    h, w, y = _inputs()
-    loss: TokenLoss = _sum_loss
-    with warnings.catch_warnings(), pytest.raises(ContractError) as info:
-        warnings.simplefilter("ignore", DeprecationWarning)
-        if function == "linear_logprobs":
-            linear_logprobs(h, w, y, **{option: value})
-        else:
-            fused_token_loss(h, w, y, loss, **{option: value})
-    assert info.value.field == option, info.value
 
 
 _FACTORIES: list[tuple[str, Callable[..., Any], str]] = [
