@@ -115,6 +115,32 @@ def test_no_private_name_crosses_a_module(path: pathlib.Path) -> None:
     assert not crossing, f"{path.name} imports private names {crossing}"
 
 
+LIBRARY = sorted(
+    p
+    for package in ("hookspec", "torch_impl", "jax_ref")
+    for p in (ROOT / package).rglob("*.py")
+    if "testing" not in p.relative_to(ROOT).parts  # test support is not library code
+)
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_crosses_a_module_in_the_library(path: pathlib.Path) -> None:
+    """The same rule for every library module, the processors and ``jax_ref`` included: a
+    module imports another's public names (a package's private modules, ``._engine``,
+    are its own structure; their private names are not)."""
+    crossing = [
+        f"{t}.{n}"
+        for t, names, _ in _imports(path)
+        if t.split(".")[0] in ("hookspec", "torch_impl", "jax_ref")
+        for n in names
+        if n.startswith("_") and f"{t}.{n}".replace(".", "/") + ".py" not in _MODULE_FILES
+    ]
+    assert not crossing, f"{path.name} imports private names {crossing}"
+
+
+_MODULE_FILES = {str(p.relative_to(ROOT).with_suffix(".py")) for p in LIBRARY}
+
+
 def _hookspec_attributes(path: pathlib.Path) -> set[str]:
     """The ``_hookspec_*`` attribute names a module reads or sets (attributes and strings)."""
     tree = ast.parse(path.read_text())
