@@ -7,7 +7,8 @@
    shard. Every pairing of shard and collectives of the tensor functions.
 3. float64 inputs with a lower-precision operand (a float32 temperature, weight or
    cotangent): every promotion on the float64 path is exact, checked against float64
-   at 1e-12.
+   at 1e-12; every processor with a float32 and a float64 operand works in float64;
+   a caller's ``torch.autocast`` changes no processor.
 4. One meaning per name: "plan" is the 1F1B schedule plan's word only.
 """
 
@@ -24,8 +25,23 @@ from typing import Any
 import pytest
 import torch
 
-from hookspec import ContractError, OutputContext, SingleProcessCollectives, VocabShard
-from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs, selected_logprobs
+from hookspec import ContractError, OutputContext, SingleProcessCollectives, TeacherTail, VocabShard
+from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
+    LinearOptions,
+    PolicyBatch,
+    PolicyLossConfig,
+    SparseTeacher,
+    cross_entropy_loss,
+    distillation_loss,
+    fused_token_loss,
+    linear_logprobs,
+    linear_topk_logprobs,
+    policy_loss,
+    selected_logprobs,
+    topk_logprobs,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not torch.cuda.is_available():
@@ -178,29 +194,32 @@ SHARDS = {  # (vocab_start, vocab_size) for a weight of V rows
 NO_REDUCTION = {"None": None, "SingleProcessCollectives": SingleProcessCollectives()}
 
 
-def _call(fn: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, **kw: Any) -> Any:
+def _call(fn: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, options: LinearOptions) -> Any:
     if fn == "linear_logprobs":
-        return linear_logprobs(h, w, y, **kw).logprobs
-    return fused_token_loss(h, w, y, lambda lp, ent, rows: lp.sum(), **kw).loss
+        return linear_logprobs(h, w, y, options=options).logprobs
+    if fn == "linear_topk_logprobs":  # once normalised over one shard (error 0.86) without a word
+        return linear_topk_logprobs(h, w, k=3, labels=y, options=options).logprobs
+    return fused_token_loss(h, w, y, lambda lp, ent, rows: lp.sum(), options=options).loss
 
 
-@pytest.mark.parametrize("fn", ["linear_logprobs", "fused_token_loss"])
+@pytest.mark.parametrize("fn", ["linear_logprobs", "fused_token_loss", "linear_topk_logprobs"])
 @pytest.mark.parametrize("coll", list(NO_REDUCTION))
 @pytest.mark.parametrize("shard", list(SHARDS))
 def test_a_partial_shard_needs_collectives_that_reduce(fn: str, coll: str, shard: str) -> None:
     """With no collectives (or one rank's), only a weight holding the whole vocabulary is
     accepted; a shard raises ``ContractError`` naming ``collectives`` (it used to return
-    finite logprobs normalised over the shard alone)."""
+    finite logprobs normalised over the shard alone), for every tensor function."""
     h, w, y = _inputs()
     start, size = SHARDS[shard]
     y = torch.where(y == IGNORE, y, y + start)  # labels inside this shard
-    kw = dict(vocab_start=start, vocab_size=size, collectives=NO_REDUCTION[coll])
+    vocab = None if size is None else VocabShard(start, start + V, size)
+    options = LinearOptions(vocab=vocab, collectives=NO_REDUCTION[coll])
     if start == 0 and size in (None, V):
-        out = _call(fn, h, w, y, **kw)
+        out = _call(fn, h, w, y, options)
         assert bool(torch.isfinite(out).all())
         return
     with pytest.raises(ContractError) as err:
-        _call(fn, h, w, y, **kw)
+        _call(fn, h, w, y, options)
     e = err.value
     assert e.field == "collectives"
     assert f"rows [{start}, {start + V}) of a vocabulary of {size}" in str(e.expected)
@@ -291,6 +310,86 @@ def test_fused_loss_and_processor_with_float32_temperature_are_float64_accurate(
     )
     out = selected_logprobs()(ctx)
     torch.testing.assert_close(out["logprobs"].reshape(N), lp_truth, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- 3b. every processor: promotion, autocast
+
+
+def _processor_cases() -> dict[str, tuple[Any, Any]]:
+    """name -> (processor, user context of (b, s, h_t, weight rows))."""
+    g = torch.Generator().manual_seed(3)
+    b, s = 1, N
+    batch = PolicyBatch(
+        old_logprobs=-torch.rand(b, s, generator=g, dtype=torch.float64) * 3,
+        advantages=torch.randn(b, s, generator=g, dtype=torch.float64),
+        ref_logprobs=-torch.rand(b, s, generator=g, dtype=torch.float64) * 3,
+    )
+    th, tw = (
+        torch.randn(s, b, H, generator=g, dtype=torch.float64),
+        torch.randn(V, H, generator=g, dtype=torch.float64),
+    )
+    top = torch.sort(torch.einsum("sbh,vh->bsv", th, tw).log_softmax(-1), -1, descending=True)
+    sparse = SparseTeacher(ids=top.indices[..., :4].contiguous(), logprobs=top.values[..., :4].contiguous())
+    return {
+        "selected_logprobs": (selected_logprobs(entropy=True), None),
+        "cross_entropy_loss": (cross_entropy_loss(), None),
+        "cross_entropy_loss(mean)": (cross_entropy_loss(reduction="mean"), None),
+        "policy_loss(GRPO)": (policy_loss(PolicyLossConfig.grpo()), batch),
+        "policy_loss(PPO, autograd)": (policy_loss(PolicyLossConfig(fused=False, entropy_coef=0.1)), batch),
+        "topk_logprobs": (topk_logprobs(3, entropy=True), None),
+        "distillation_loss(dense)": (distillation_loss(), DenseTeacher(hidden_states=th, weight=tw)),
+        "distillation_loss(sparse)": (distillation_loss(DistillConfig(tail=TeacherTail.BUCKET)), sparse),
+    }
+
+
+def _outputs(
+    proc: Any, context: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=hh.reshape(N, 1, H),
+        labels=y.reshape(1, N),
+        vocab_weight=ww,
+        vocab=VocabShard(0, V, V),
+        context=context,
+    )
+    out = proc(ctx)
+    out = {"loss": out} if isinstance(out, torch.Tensor) else dict(out)
+    total = sum(v.double().sum() for v in out.values() if v.dtype.is_floating_point and v.requires_grad)
+    dh, dw = torch.autograd.grad(total, (hh, ww))
+    return {**{k: v.detach() for k, v in out.items()}, "dh": dh, "dw": dw}
+
+
+@pytest.mark.parametrize("name", list(_processor_cases()))
+def test_every_processor_promotes_a_float64_operand(name: str) -> None:
+    """float32 hidden states with a float64 weight (and the reverse): each processor works
+    in float64, as on the promoted inputs, to 1e-12 (top-k returned float32, error
+    4.6e-7; the reduced cross entropy's weights were float32, 2.1e-7)."""
+    proc, context = _processor_cases()[name]
+    h, w, y = _inputs()
+    for hd, wd in ((torch.float32, torch.float64), (torch.float64, torch.float32)):
+        got = _outputs(proc, context, h.to(hd).double().to(hd), w.to(wd).double().to(wd), y)
+        want = _outputs(proc, context, h.to(hd).double(), w.to(wd).double(), y)
+        for key, v in want.items():
+            if key in ("dh", "dw"):  # in their operand's dtype: the float64 gradient rounded once
+                continue
+            assert got[key].dtype == v.dtype, (name, key, got[key].dtype)
+            torch.testing.assert_close(
+                got[key], v, rtol=1e-12, atol=1e-12, msg=lambda m, k=key: f"{name} {k}: {m}"
+            )
+
+
+@pytest.mark.parametrize("name", list(_processor_cases()))
+def test_a_callers_autocast_changes_no_processor(name: str) -> None:
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` each processor gives what it
+    gives without (top-k was off by 6e-3: its GEMMs ran in bf16)."""
+    proc, context = _processor_cases()[name]
+    h, w, y = _inputs(torch.float32)
+    want = _outputs(proc, context, h, w, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _outputs(proc, context, h, w, y)
+    for key, v in want.items():
+        torch.testing.assert_close(got[key], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=key: f"{name} {k}: {m}")
 
 
 # ---------------------------------------------------------------- 4. one meaning per name
