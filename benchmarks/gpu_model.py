@@ -149,7 +149,7 @@ def logprobs_entropy(w: Workload = WORKLOAD) -> Prediction:
 
 def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: str) -> Prediction:
     rows = geometry.row_tile(w.n, w.v, _CUDA, rows=None)
-    buffer = geometry.grad_rows(w.n, w.v, rows, w.elt, _CUDA)
+    buffer = geometry.grad_capacity(w.n, w.v, rows, w.elt, _CUDA)
     passes: list[Pass] = []
     for r, k in _tiles(w.n, rows):
         passes.append(_gemm("logits", r, w.h, w.v, out=4, elt=w.elt, count=k))

@@ -49,7 +49,7 @@ from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
 from ._options import make_setup, refuse_double_backward
 from ._policy import sequence_ids
 from ._policy_math import aggregation_weights
-from ._teachers import DenseTeacher, SparseTeacher, TeacherRows, check_counts
+from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
 __all__ = ["DenseTeacher", "DistillConfig", "SparseTeacher", "distillation_loss", "sparse_divergence"]
 
@@ -211,7 +211,7 @@ Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
 def _dense_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: TeacherRows, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
     assert teacher.hidden is not None and teacher.weight is not None
@@ -236,7 +236,7 @@ def _dense_epilogue(
 
 
 def _sparse_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: TeacherRows, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
     assert teacher.ids is not None and teacher.logprobs is not None
@@ -298,7 +298,7 @@ class _FusedDistill(torch.autograd.Function):
         w: torch.Tensor,
         setup: TileSetup,
         cfg: DistillConfig,
-        teacher: TeacherRows,
+        teacher: PreparedTeacher,
         weights: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         acc = setup.acc_dtype
@@ -429,12 +429,14 @@ def distillation_loss(
         )
         assert ctx.vocab is not None  # hook_inputs checked it
         if isinstance(teacher, SparseTeacher):
-            rows = teacher.rows(
+            prepared = teacher.prepare(
                 x.b, x.s, weights != 0, ctx.vocab.size, dtype=setup.acc_dtype, check_values=ctx.check_values
             )
         else:
-            rows = teacher.rows(typing.cast(torch.Tensor, ctx.hidden_states), ctx.vocab, ctx.collectives)
-        loss, kl, agree, lse = _FusedDistill.apply(h, x.weight, setup, config, rows, weights)
+            prepared = teacher.prepare(
+                typing.cast(torch.Tensor, ctx.hidden_states), ctx.vocab, ctx.collectives
+            )
+        loss, kl, agree, lse = _FusedDistill.apply(h, x.weight, setup, config, prepared, weights)
         m_rows = to_tokens(mask)
         denom = torch.where(m_rows.sum() == 0, 1.0, m_rows.sum())
         return {

@@ -54,7 +54,7 @@ class TileSetup:
     vocab_size: int
     tile: tuple[int, int]  # (rows, cols) of the vocabulary sweep
     row_tile: int  # rows of the row sweep's whole-row tiles
-    grad_rows: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
+    grad_capacity: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
     collectives: Collectives | None
     kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
 
@@ -299,7 +299,7 @@ class RowScale:
 class GradSink:
     """``dh`` and ``dW`` from the logit gradient of the row sweep's tiles.
 
-    Tiles' gradients go into a buffer ``G`` of ``setup.grad_rows`` rows (the compute
+    Tiles' gradients go into a buffer ``G`` of ``setup.grad_capacity`` rows (the compute
     dtype); a full buffer, and the last, is multiplied out::
 
         dh[rows] = G @ W                     # each row once
@@ -316,7 +316,7 @@ class GradSink:
         setup = engine.setup
         n, local, hid = engine.n, engine.local, engine.hs.shape[1]
         dev = engine.hs.device
-        self.rows = setup.grad_rows
+        self.capacity = setup.grad_capacity
         # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
         # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
         self.dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
@@ -342,7 +342,7 @@ class GradSink:
         eng = self.engine
         cdt = eng.setup.compute_dtype
         if self.aliased or self.buf is None or self.buf.dtype != cdt:
-            self.buf = torch.empty((min(self.rows, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
+            self.buf = torch.empty((min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
             self.aliased = False
         return self.buf[self.held : self.held + rows.stop - rows.start]
 
@@ -350,7 +350,7 @@ class GradSink:
         """Commit the tile's gradient ``gz`` ``[r, V_local]``: taken as the buffer itself
         where one tile fills a buffer and ``gz`` is in the compute dtype, else copied."""
         r = rows.stop - rows.start
-        if self.held == 0 and self.rows <= r and gz.dtype == self.engine.setup.compute_dtype:
+        if self.held == 0 and self.capacity <= r and gz.dtype == self.engine.setup.compute_dtype:
             self.start, self.buf, self.aliased = rows.start, gz, True
         else:
             self.tile(rows).copy_(gz)
@@ -361,7 +361,7 @@ class GradSink:
         self.held += rows.stop - rows.start
         if scale is not None:
             self.scales.append(scale)
-        if self.held >= self.rows or rows.stop >= self.engine.n:
+        if self.held >= self.capacity or rows.stop >= self.engine.n:
             self.flush()
 
     def flush(self) -> None:
@@ -513,9 +513,9 @@ class Engine:
                 yield slice(i0, min(i0 + rows, self.n)), slice(j0, min(j0 + cols, self.local))
 
     def row_tiles(self) -> Iterator[slice]:
-        rows = self.setup.row_tile
-        for i0 in range(0, self.n, rows):
-            yield slice(i0, min(i0 + rows, self.n))
+        height = self.setup.row_tile
+        for i0 in range(0, self.n, height):
+            yield slice(i0, min(i0 + height, self.n))
 
     # -- the statistics pass
 

@@ -23,7 +23,7 @@ __all__ = [
     "TILES_BY_DEVICE",
     "TILE_BYTES",
     "KernelConfig",
-    "grad_rows",
+    "grad_capacity",
     "interpreting",
     "kernel_config",
     "row_tile",
@@ -119,7 +119,7 @@ def row_tile(n: int, local: int, device: torch.device, *, rows: int | None) -> i
     return max(1, min(max(n, 1), rows))
 
 
-def grad_rows(n: int, local: int, tile_rows: int, itemsize: int, device: torch.device) -> int:
+def grad_capacity(n: int, local: int, tile_rows: int, itemsize: int, device: torch.device) -> int:
     """Rows of the row sweep's gradient buffer: a multiple of ``tile_rows`` within
     :data:`GRAD_BUFFER_BYTES`, at least one tile, at most every row."""
     fit = _budget(GRAD_BUFFER_BYTES, device, itemsize) // max(1, local)

@@ -24,7 +24,7 @@ from ._checks import (
     resolve_compute_dtype,
 )
 from ._engine import TileSetup
-from ._geometry import grad_rows, interpreting, kernel_config, row_tile, sweep_tile
+from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile
 
 __all__ = [
     "BACKENDS",
@@ -283,7 +283,7 @@ def make_setup(
         vocab_size=size,
         tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
         row_tile=rows,
-        grad_rows=grad_rows(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
+        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
         collectives=options.collectives,
         kernel=kernel_config(h.device) if triton else None,
     )

@@ -18,7 +18,7 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_condition_deferred, check_indices_deferred
 from ._checks import check_finite_number, check_floating
 
-__all__ = ["DenseTeacher", "SparseTeacher", "TeacherRows", "check_counts"]
+__all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher", "check_counts"]
 
 
 def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
@@ -38,7 +38,7 @@ def check_counts(teacher: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class TeacherRows:
+class PreparedTeacher:
     """A teacher as rows of the gathered tokens (``s``-major), ready for the engine.
 
     Sparse: ``ids`` ``[n, k]`` int64 and ``logprobs`` ``[n, k]`` (acc dtype); at a
@@ -76,7 +76,7 @@ class SparseTeacher:
     global_tokens: float | None = None
     global_sequences: float | None = None
 
-    def rows(
+    def prepare(
         self,
         b: int,
         s: int,
@@ -85,7 +85,7 @@ class SparseTeacher:
         *,
         dtype: torch.dtype,
         check_values: bool,
-    ) -> TeacherRows:
+    ) -> PreparedTeacher:
         """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at."""
         ids = self.ids
         if not isinstance(ids, torch.Tensor) or ids.dim() != 3:
@@ -105,7 +105,7 @@ class SparseTeacher:
         if check_values:
             _check_sparse_values(ids, lp, counted, vocab_size)
         stand_in = torch.arange(k, device=device) % vocab_size
-        return TeacherRows(
+        return PreparedTeacher(
             ids=torch.where(counted[:, None], ids, stand_in),
             logprobs=torch.where(counted[:, None], lp.to(dtype), -math.log(k + 1)),
         )
@@ -170,9 +170,9 @@ class DenseTeacher:
     vocab: VocabShard | None = None
     logit_scale: float = 1.0
 
-    def rows(
+    def prepare(
         self, hidden: torch.Tensor, student_vocab: VocabShard, collectives: Collectives | None
-    ) -> TeacherRows:
+    ) -> PreparedTeacher:
         """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local)."""
         scale = check_finite_number("context.logit_scale", self.logit_scale, low=0.0, low_open=True)
         th, tw = self.hidden_states, self.weight
@@ -204,7 +204,7 @@ class DenseTeacher:
             )
         t_h = th.detach().to(hidden.device)
         t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h
-        return TeacherRows(
+        return PreparedTeacher(
             hidden=t_h.reshape(-1, t_h.shape[-1]).detach(),
             weight=tw.detach().to(hidden.device),
             logit_scale=scale,
