@@ -202,7 +202,9 @@ def check_collective_result(
     field = f"collectives.{method}"
     if not is_array(result) or framework_of(result) != framework:
         kind = type(result).__name__
-        shown = f"{framework_of(result)} {kind} {format_shape(shape_of(result))}" if is_array(result) else kind
+        shown = (
+            f"{framework_of(result)} {kind} {format_shape(shape_of(result))}" if is_array(result) else kind
+        )
         raise ContractError(field, expected=expected, actual=shown)
     rs = shape_of(result)
     if rs not in allowed:

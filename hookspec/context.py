@@ -58,7 +58,9 @@ class ParallelLayout:
         _check_rank("parallel.cp", self.cp_rank, self.cp_size)
         _check_rank("parallel.pp", self.pp_rank, self.pp_size)
         if not isinstance(self.sequence_parallel, bool):
-            raise ContractError("parallel.sequence_parallel", expected="a bool", actual=_shown(self.sequence_parallel))
+            raise ContractError(
+                "parallel.sequence_parallel", expected="a bool", actual=_shown(self.sequence_parallel)
+            )
         for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "pp_size", "pp_rank"):
             object.__setattr__(self, name, int(getattr(self, name)))  # a NumPy int becomes an int
 

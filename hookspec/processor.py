@@ -48,7 +48,9 @@ class Processor:
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise ContractError("processor", expected="a callable (ctx) -> result", actual=type(self.fn).__name__)
+            raise ContractError(
+                "processor", expected="a callable (ctx) -> result", actual=type(self.fn).__name__
+            )
         if not isinstance(self.name, str):
             raise ContractError("processor name", expected="a str", actual=repr(self.name))
 

@@ -94,7 +94,9 @@ WRONG_GATHERS: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
 @pytest.mark.parametrize("name", list(WRONG_GATHERS))
 def test_a_wrong_all_gather_is_named_in_the_topk_processor(name: str) -> None:
     gather, actual = WRONG_GATHERS[name]
-    with pytest.raises(ContractError, match=r"collectives\.all_gather: expected a torch array of shape \[2, ") as e:
+    with pytest.raises(
+        ContractError, match=r"collectives\.all_gather: expected a torch array of shape \[2, "
+    ) as e:
         topk_logprobs(3)(_tp2_context(_Custom(all_gather=gather)))
     assert e.value.field == "collectives.all_gather"
     assert actual in str(e.value.actual)
@@ -150,7 +152,13 @@ def test_a_right_context_parallel_sum_passes_the_check() -> None:
 
 # ------------------------------------------------------------------ the wrapper itself
 
-METHODS = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states", "all_reduce_sum_context_parallel", "all_gather")
+METHODS = (
+    "all_reduce_sum",
+    "all_reduce_max",
+    "gather_hidden_states",
+    "all_reduce_sum_context_parallel",
+    "all_gather",
+)
 
 
 def _want_shape(method: str, shape: tuple[int, ...], tp: int, sp: bool) -> tuple[int, ...]:
@@ -186,7 +194,9 @@ class _Echo:
 @pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
 @pytest.mark.parametrize("module", [np, torch], ids=["numpy", "torch"])
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_right_passes_and_each_wrong_property_is_named(method: str, module: Any, sp: bool) -> None:
+def test_every_method_right_passes_and_each_wrong_property_is_named(
+    method: str, module: Any, sp: bool
+) -> None:
     tp = 2
     x = module.zeros((4, 3, 5), dtype=module.float32)
 
@@ -313,7 +323,9 @@ def test_collectives_without_a_context_parallel_group_still_validate_at_cp2() ->
         ({"group": None, "sequence_parallel": 0}, "sequence_parallel", "0"),
     ],
 )
-def test_torch_collectives_names_a_wrong_constructor_argument(kwargs: dict[str, Any], field: str, actual: str) -> None:
+def test_torch_collectives_names_a_wrong_constructor_argument(
+    kwargs: dict[str, Any], field: str, actual: str
+) -> None:
     group = kwargs.pop("group")
     with pytest.raises(ContractError) as e:
         TorchCollectives(group, **kwargs)
@@ -357,7 +369,12 @@ def test_parallel_layout_and_vocab_shard_take_numpy_ints_as_ints() -> None:
 
 @pytest.mark.parametrize(
     ("args", "field"),
-    [((0.0, 4, 8), "vocab.start"), ((0, "4", 8), "vocab.end"), ((0, 4, True), "vocab.size"), ((0, 4, Fraction(8)), "vocab.size")],
+    [
+        ((0.0, 4, 8), "vocab.start"),
+        ((0, "4", 8), "vocab.end"),
+        ((0, 4, True), "vocab.size"),
+        ((0, 4, Fraction(8)), "vocab.size"),
+    ],
 )
 def test_vocab_shard_names_a_wrong_constructor_argument(args: tuple[Any, ...], field: str) -> None:
     with pytest.raises(ContractError) as e:
@@ -387,7 +404,14 @@ def test_a_wrong_all_gather_is_named_in_the_tensor_function() -> None:
     ctx = _tp2_context(_Custom(all_gather=lambda x: x[None]))
     hidden = ctx.hidden_states.reshape(-1, H)  # type: ignore[union-attr]
     try:
-        linear_topk_logprobs(hidden, ctx.vocab_weight, k=3, vocab_start=0, vocab_size=V, collectives=_Custom(all_gather=lambda x: x[None]))  # type: ignore[arg-type]
+        linear_topk_logprobs(
+            hidden,
+            ctx.vocab_weight,
+            k=3,
+            vocab_start=0,
+            vocab_size=V,
+            collectives=_Custom(all_gather=lambda x: x[None]),
+        )  # type: ignore[arg-type]
     except ContractError as e:
         assert e.field == "collectives.all_gather"
     else:
