@@ -1,5 +1,5 @@
-"""A tiny Megatron GPT that runs on a CPU, for tests, ``hookcheck``, notebooks and
-benchmarks.
+"""A tiny Megatron GPT that runs on a CPU, for the doctor, ``hookcheck``, tests,
+notebooks and benchmarks.
 
 Built through Megatron's own spec system: ``get_gpt_layer_local_spec()`` with its
 core attention swapped for :class:`CPUCoreAttention` (the stock local attention
@@ -9,11 +9,8 @@ takes its scratch buffer from a CUDA memory pool), learned absolute positions
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import socket
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +19,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .process_state import free_port, megatron_parallel
 
 __all__ = [
     "CPUCoreAttention",
@@ -186,77 +185,3 @@ def tiny_batch(
         "labels": tokens[:, 1:].contiguous(),
         "loss_mask": torch.ones(batch, seq),
     }
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def megatron_parallel(
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    rank: int = 0,
-    world_size: int | None = None,
-    port: int | None = None,
-    backend: str = "gloo",
-    vpp: int | None = None,
-) -> Iterator[None]:
-    """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
-    model parallel groups; tear both down on exit. One process per rank.
-    ``vpp``: the virtual pipeline size (model chunks per pipeline rank).
-
-    The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
-    ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
-    torchrun or Slurm, a tool such as ``hookcheck`` makes its own group without
-    colliding with the caller's.
-
-    The caller's state is left as found: a process group the caller initialised
-    (of ``world_size`` ranks) is used and kept; Megatron's groups the caller
-    initialised (of the same ``tp`` and ``pp``) are used and kept; only what this
-    call made is torn down. A caller's group or Megatron groups of other sizes
-    raise ``RuntimeError`` (one process cannot hold two).
-    """
-    world_size = world_size or tp * pp
-    made_group = not torch.distributed.is_initialized()
-    if made_group:
-        port = free_port() if port is None else port
-        torch.distributed.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
-    elif torch.distributed.get_world_size() != world_size:
-        raise RuntimeError(
-            f"megatron_parallel: the caller's process group has {torch.distributed.get_world_size()} "
-            f"ranks, {world_size} asked; run this in a process of its own"
-        )
-    made_state = not parallel_state.model_parallel_is_initialized()
-    if not made_state:
-        if made_group:  # Megatron groups without a process group: stale, not the caller's
-            parallel_state.destroy_model_parallel()
-            made_state = True
-        elif (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        ) != (tp, pp):
-            raise RuntimeError(
-                "megatron_parallel: the caller's Megatron groups are "
-                f"tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}; tp={tp}, pp={pp} asked"
-            )
-    try:
-        if made_state:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-                virtual_pipeline_model_parallel_size=vpp,
-            )
-        yield
-    finally:
-        if made_state:
-            parallel_state.destroy_model_parallel()
-        if made_group:
-            torch.distributed.destroy_process_group()

@@ -3,7 +3,7 @@
 The shipped hybrid stack specs use Transformer Engine modules throughout, and
 ``HybridStack`` builds its final norm with Transformer Engine. This spec keeps
 to what runs on a CPU: attention (``*``) and MLP (``-``) layers assembled from
-the local GPT layer spec of :func:`torch_impl.testing.tiny.cpu_layer_spec`, no final
+the local GPT layer spec of :func:`torch_impl.tiny.cpu_layer_spec`, no final
 norm (``post_layer_norm=False``), and an MTP block of local modules when the
 pattern asks for one (``"*-*-/*-"``: one MTP depth of an attention and an MLP
 layer). No Mamba layer (``M``) is supported: its kernels need CUDA.
