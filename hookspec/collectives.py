@@ -258,8 +258,7 @@ class CheckedCollectives:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CheckedCollectives):
             return NotImplemented
-        return (self.inner, self.tp_size, self.sequence_parallel_checked) == (
-            other.inner,
+        return self.inner is other.inner and (self.tp_size, self.sequence_parallel_checked) == (
             other.tp_size,
             other.sequence_parallel_checked,
         )

@@ -232,9 +232,7 @@ def test_detached_head_trains_mtp_layers_but_not_the_head() -> None:
     assert mtp_names
     for which in ("detached", "fused detached"):
         detached = results[which]
-        assert "output_layer.weight" not in detached or torch.equal(
-            detached["output_layer.weight"], torch.zeros_like(attached["output_layer.weight"])
-        )
+        assert "output_layer.weight" not in detached  # no gradient reaches the head at all
         for name in mtp_names:
             if which == "detached":
                 assert torch.equal(detached[name], attached[name]), name

@@ -4,7 +4,7 @@ and two gloo ranks (the vocabulary split), through the hook on the tiny GPT."""
 
 from __future__ import annotations
 
-import math
+import re
 from typing import Any
 
 import pytest
@@ -159,8 +159,15 @@ def test_bad_k(k: Any, field: str) -> None:
     with pytest.raises(ContractError) as info:
         linear_topk_logprobs(p["h"], p["w"], k=k)
     assert info.value.field == field
-    with pytest.raises(ContractError):
-        topk_logprobs(0)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, "3"])
+def test_bad_k_in_the_processor_factory(k: Any) -> None:
+    """The factory does not know the vocabulary (``k > V`` is refused at the call):
+    it refuses what is not an int >= 1."""
+    with pytest.raises(ContractError) as info:
+        topk_logprobs(k)
+    assert info.value.field == "k"
 
 
 def test_processor_layout_without_labels() -> None:
@@ -290,8 +297,21 @@ def test_tp2_equals_float64() -> None:
     run_distributed(_tp2, p, cases, (p_sp, cot, _truth(p_sp, 3, cot)), tp=2)
 
 
-def test_spec_version_and_gather_of_one_rank() -> None:
-    assert hookspec.SPEC_VERSION >= (1, 2)
+def test_every_optional_collective_is_no_newer_than_the_spec() -> None:
+    """Each method a ``Collectives`` may lack says the minor it was added in
+    (``.. versionadded::``), and ``SPEC_VERSION`` is at least that: a method added
+    without a bump of the minor fails here."""
+    from hookspec.collectives import OPTIONAL_COLLECTIVES, REQUIRED_COLLECTIVES
+
+    methods = {n for n in vars(hookspec.Collectives) if not n.startswith("_")}
+    assert methods == set(REQUIRED_COLLECTIVES) | set(OPTIONAL_COLLECTIVES)
+    for name in OPTIONAL_COLLECTIVES:
+        found = re.search(r"\.\. versionadded:: (\d+)\.(\d+)", getattr(hookspec.Collectives, name).__doc__)
+        assert found is not None, name
+        assert (int(found[1]), int(found[2])) <= hookspec.SPEC_VERSION, name
+
+
+def test_gather_of_one_rank_is_the_input_on_a_new_leading_dim() -> None:
     x = torch.arange(6.0).view(2, 3)
-    assert torch.equal(hookspec.SingleProcessCollectives().all_gather(x), x[None])
-    assert math.isfinite(float(x.sum()))
+    got = hookspec.SingleProcessCollectives().all_gather(x)
+    assert got.shape == (1, 2, 3) and torch.equal(got[0], x)

@@ -122,7 +122,7 @@ def process_groups_kept() -> Iterator[None]:
     group and left it, ``destroy_process_group()`` ends it and every group with it.
     """
     had_default = torch.distributed.is_available() and torch.distributed.is_initialized()
-    before = {id(g) for g in registered_process_groups()}
+    before = registered_process_groups()
     try:
         yield
     finally:
@@ -131,7 +131,7 @@ def process_groups_kept() -> Iterator[None]:
                 torch.distributed.destroy_process_group()
         else:
             for group in registered_process_groups():
-                if id(group) not in before:
+                if not any(group is kept for kept in before):
                     torch.distributed.destroy_process_group(group)
 
 
@@ -170,6 +170,7 @@ def megatron_parallel(
     *,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     rank: int = 0,
     world_size: int | None = None,
     port: int | None = None,
@@ -177,7 +178,8 @@ def megatron_parallel(
     vpp: int | None = None,
 ) -> Iterator[None]:
     """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
-    model parallel groups; tear both down on exit. One process per rank.
+    model parallel groups (``tp`` x ``cp`` x ``pp`` ranks: tensor, context and
+    pipeline parallel); tear both down on exit. One process per rank.
     ``vpp``: the virtual pipeline size (model chunks per pipeline rank).
 
     The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
@@ -194,7 +196,7 @@ def megatron_parallel(
     """
     from megatron.core import parallel_state
 
-    world_size = world_size or tp * pp
+    world_size = world_size or tp * pp * cp
     made_group = not torch.distributed.is_initialized()
     if made_group:
         port = free_port() if port is None else port
@@ -214,11 +216,13 @@ def megatron_parallel(
         elif (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
-        ) != (tp, pp):
+            parallel_state.get_context_parallel_world_size(),
+        ) != (tp, pp, cp):
             raise RuntimeError(
                 "megatron_parallel: the caller's Megatron groups are "
                 f"tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}; tp={tp}, pp={pp} asked"
+                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, "
+                f"cp={parallel_state.get_context_parallel_world_size()}; tp={tp}, pp={pp}, cp={cp} asked"
             )
     try:
         with process_groups_kept():
@@ -228,6 +232,7 @@ def megatron_parallel(
                         tensor_model_parallel_size=tp,
                         pipeline_model_parallel_size=pp,
                         virtual_pipeline_model_parallel_size=vpp,
+                        context_parallel_size=cp,
                     )
                 yield
             finally:

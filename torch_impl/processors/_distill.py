@@ -12,7 +12,9 @@ into the tile's logit gradient and dropped. ``backward`` scales the stored
 gradients by the incoming one.
 
 Bad values, one rule per kind (as ``policy_loss``): the mask is read at every
-token (NaN, inf or negative: NaN loss); the teacher's tensors are read at
+token (NaN, inf or negative: ``ContractError`` naming the mask, at once on a
+CPU; on a GPU from a later check without a host read, the loss NaN until
+then); the teacher's tensors are read at
 counted tokens only; the student's hidden states and weight at every token (a
 NaN anywhere makes the loss NaN).
 """
