@@ -58,10 +58,9 @@ from torch_impl.processors import (
 )
 
 from .fake_cuda import backward, fake_cuda, record_launches
+from .host_read_sites import FUSED_BACKWARD, TOPK_TILE
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # interpreted on a CPU: conftest.py
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
@@ -302,8 +301,6 @@ TENSOR_FUNCTIONS: dict[str, Call] = {
 }
 WITH_BACKEND = {"linear_logprobs", "linear_logprobs(entropy, per-token temperature)", "fused_token_loss"}
 
-FUSED_BACKWARD = "`bool(g_loss == 1)` in fused_token_loss's backward (_fused.py)"
-TOPK_TILE = "`bool(tied.any())` in every top-k tile (_topk.py `_tile_topk`, the tie rule)"
 KNOWN: dict[str, tuple[str, str]] = {
     # case -> (a phrase of the site, the reason)
     "cross_entropy_loss(sum)": ("bool(g_loss == 1)", FUSED_BACKWARD),

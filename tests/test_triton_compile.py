@@ -118,7 +118,7 @@ def test_every_kernel_and_every_gpu_call_is_recorded(recorded: list[Any]) -> Non
     silent = {s for s in SCENARIOS if s.startswith(("bench:", "gpu-test:"))} - {x.scenario for x in recorded}
     assert not silent, sorted(silent)
     # a host read ends a call on fake tensors: only where the host-read test knows one
-    from .test_host_reads import FUSED_BACKWARD
+    from .host_read_sites import FUSED_BACKWARD
 
     assert "g_loss" in FUSED_BACKWARD or not STOPPED_BY_A_HOST_READ
 
