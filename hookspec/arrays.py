@@ -15,6 +15,7 @@ __all__ = [
     "Array",
     "dtype_name",
     "format_shape",
+    "framework_of",
     "is_array",
     "is_floating",
     "is_integer",
@@ -75,3 +76,11 @@ def is_integer(x: Array) -> bool:
 
 def format_shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def framework_of(x: object) -> str:
+    """The framework an array belongs to, by the top-level module of its type:
+    ``"torch"``, ``"numpy"``, ``"jax"`` (``jaxlib``'s arrays and jax's tracers
+    alike). Read through the type's ``__module__``, importing nothing."""
+    root = type(x).__module__.partition(".")[0]
+    return "jax" if root == "jaxlib" else root

@@ -41,12 +41,19 @@ does the same with torch and ``ctx.collectives``::
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+from .arrays import dtype_name, format_shape, framework_of, is_array, shape_of
+from .errors import ContractError
 
 __all__ = [
+    "OPTIONAL_COLLECTIVES",
     "REQUIRED_COLLECTIVES",
+    "CheckedCollectives",
     "Collectives",
     "SingleProcessCollectives",
+    "check_collective_result",
+    "checked_collectives",
 ]
 
 A = TypeVar("A")
@@ -131,8 +138,16 @@ class Collectives(Protocol):
         ...
 
 
+OPTIONAL_COLLECTIVES: tuple[str, ...] = ("all_reduce_sum_context_parallel", "all_gather")
+"""The methods added in minor versions (spec 1.2): looked up where they are needed."""
+
+
 class SingleProcessCollectives:
     """The collectives of a group of one rank: every operation is the identity."""
+
+    checked_results: ClassVar[bool] = True
+    """Its results follow the contract by construction: :func:`checked_collectives`
+    leaves it as it is."""
 
     def all_reduce_sum(self, x: A, /) -> A:
         return x
@@ -151,3 +166,131 @@ class SingleProcessCollectives:
 
     def __repr__(self) -> str:
         return "SingleProcessCollectives()"
+
+
+def check_collective_result(
+    method: str, x: Any, result: Any, /, *, tp_size: int, sequence_parallel: bool | None
+) -> None:
+    """``result = collectives.<method>(x)`` has the type, shape and dtype the
+    contract declares, or raise ``ContractError("collectives.<method>", ...)``.
+
+    Each result is an array of ``x``'s framework and dtype, of shape::
+
+        all_reduce_sum, all_reduce_max, all_reduce_sum_context_parallel: x.shape
+        gather_hidden_states: [s * tp_size, b, h] under sequence parallel, else x.shape   (x: [s, b, h])
+        all_gather:           [tp_size, *x.shape]
+
+    ``sequence_parallel=None`` (not known to the caller) takes either form of
+    ``gather_hidden_states``. Reads metadata only (no device synchronisation).
+    An ``x`` that is not an array is not checked.
+    """
+    if not is_array(x):
+        return
+    xs, dtype, framework = shape_of(x), dtype_name(x), framework_of(x)
+    if method == "all_gather":
+        allowed = [(tp_size, *xs)]
+        why = f"; the {tp_size} ranks' inputs stacked in rank order"
+    elif method == "gather_hidden_states" and len(xs) >= 1 and tp_size > 1 and sequence_parallel is not False:
+        gathered = (xs[0] * tp_size, *xs[1:])
+        allowed = [gathered] if sequence_parallel else [xs, gathered]
+        why = f"; gathered over the {tp_size} ranks along dim 0 under sequence parallel"
+    else:
+        allowed = [xs]
+        why = ""
+    want = " or ".join(format_shape(a) for a in allowed)
+    expected = f"a {framework} array of shape {want} and dtype {dtype} (its input: {format_shape(xs)}{why})"
+    field = f"collectives.{method}"
+    if not is_array(result) or framework_of(result) != framework:
+        kind = type(result).__name__
+        shown = (
+            f"{framework_of(result)} {kind} {format_shape(shape_of(result))}" if is_array(result) else kind
+        )
+        raise ContractError(field, expected=expected, actual=shown)
+    rs = shape_of(result)
+    if rs not in allowed:
+        raise ContractError(field, expected=expected, actual=f"shape {format_shape(rs)}")
+    if dtype_name(result) != dtype:
+        raise ContractError(field, expected=expected, actual=f"dtype {dtype_name(result)}")
+
+
+class CheckedCollectives:
+    """``inner``, a :class:`Collectives`, with every result checked by
+    :func:`check_collective_result` against a tensor-parallel group of
+    ``tp_size`` ranks. Made by :func:`checked_collectives`.
+
+    It has ``inner``'s methods, optional ones included only where ``inner``
+    has them, so a processor's look-up of a newer method sees what ``inner``
+    offers; other attributes (``size``, ``cp_size``, ``sequence_parallel``) and
+    the ``repr`` are ``inner``'s.
+    """
+
+    checked_results: ClassVar[bool] = True
+
+    def __init__(self, inner: Any, /, *, tp_size: int, sequence_parallel: bool | None) -> None:
+        self.inner = inner
+        self.tp_size = tp_size
+        self.sequence_parallel_checked = sequence_parallel
+
+    def _call(self, method: str, fn: Any, x: Any) -> Any:
+        result = fn(x)
+        check_collective_result(
+            method, x, result, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel_checked
+        )
+        return result
+
+    def all_reduce_sum(self, x: A, /) -> A:
+        return self._call("all_reduce_sum", self.inner.all_reduce_sum, x)  # type: ignore[no-any-return]
+
+    def all_reduce_max(self, x: A, /) -> A:
+        return self._call("all_reduce_max", self.inner.all_reduce_max, x)  # type: ignore[no-any-return]
+
+    def gather_hidden_states(self, x: A, /) -> A:
+        return self._call("gather_hidden_states", self.inner.gather_hidden_states, x)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "tp_size", "sequence_parallel_checked"):  # not set yet (copy, pickle)
+            raise AttributeError(name)
+        value = getattr(self.inner, name)
+        if name in OPTIONAL_COLLECTIVES and callable(value):
+            return lambda x, /: self._call(name, value, x)
+        return value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CheckedCollectives):
+            return NotImplemented
+        return self.inner is other.inner and (self.tp_size, self.sequence_parallel_checked) == (
+            other.tp_size,
+            other.sequence_parallel_checked,
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.inner), self.tp_size, self.sequence_parallel_checked))
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+
+def checked_collectives(collectives: Any, /, *, tp_size: int, sequence_parallel: bool | None = None) -> Any:
+    """``collectives`` whose every result is checked for type, shape and dtype
+    (:func:`check_collective_result`) over a tensor-parallel group of ``tp_size``
+    ranks: a custom ``all_gather`` that returns ``x[None]`` while ``tp_size`` is
+    2, or a list, raises ``ContractError("collectives.all_gather", ...)`` where
+    it returns, not as a wrong answer or an error deep in a processor.
+
+    Returned as it is: ``None``, an object that is not a :class:`Collectives`
+    (validation names it), and an implementation whose class says
+    ``checked_results = True`` (:class:`SingleProcessCollectives`,
+    ``torch_impl.TorchCollectives``, an already checked one rewrapped only where
+    ``tp_size`` or ``sequence_parallel`` differ). :class:`OutputContext` holds
+    its ``collectives`` so; a function that takes ``collectives`` directly
+    calls this where they enter.
+    """
+    if isinstance(collectives, CheckedCollectives):
+        if (collectives.tp_size, collectives.sequence_parallel_checked) == (tp_size, sequence_parallel):
+            return collectives
+        collectives = collectives.inner
+    if collectives is None or getattr(type(collectives), "checked_results", False) is True:
+        return collectives
+    if not isinstance(collectives, Collectives):
+        return collectives
+    return CheckedCollectives(collectives, tp_size=tp_size, sequence_parallel=sequence_parallel)

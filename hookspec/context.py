@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 from .arrays import Array, shape_of
-from .collectives import Collectives, SingleProcessCollectives
+from .collectives import Collectives, SingleProcessCollectives, checked_collectives
 from .conventions import IGNORE_INDEX
 from .errors import ContractError
 
@@ -18,11 +19,20 @@ __all__ = [
 ]
 
 
+def _is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    return repr(value) if isinstance(value, (str, int, float)) or value is None else type(value).__name__
+
+
 def _check_rank(field: str, rank: int, size: int) -> None:
-    if not (isinstance(size, int) and size >= 1):
-        raise ContractError(f"{field}_size", expected="an int >= 1", actual=repr(size))
-    if not (isinstance(rank, int) and 0 <= rank < size):
-        raise ContractError(f"{field}_rank", expected=f"an int in [0, {size})", actual=repr(rank))
+    if not (_is_int(size) and size >= 1):
+        raise ContractError(f"{field}_size", expected="an int >= 1", actual=_shown(size))
+    if not (_is_int(rank) and 0 <= rank < size):
+        raise ContractError(f"{field}_rank", expected=f"an int in [0, {size})", actual=_shown(rank))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,12 @@ class ParallelLayout:
         _check_rank("parallel.tp", self.tp_rank, self.tp_size)
         _check_rank("parallel.cp", self.cp_rank, self.cp_size)
         _check_rank("parallel.pp", self.pp_rank, self.pp_size)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ContractError(
+                "parallel.sequence_parallel", expected="a bool", actual=_shown(self.sequence_parallel)
+            )
+        for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "pp_size", "pp_rank"):
+            object.__setattr__(self, name, int(getattr(self, name)))  # a NumPy int becomes an int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +78,11 @@ class VocabShard:
     size: int
 
     def __post_init__(self) -> None:
+        for name in ("start", "end", "size"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ContractError(f"vocab.{name}", expected="an int", actual=_shown(value))
+            object.__setattr__(self, name, int(value))
         if not (0 <= self.start < self.end <= self.size):
             raise ContractError(
                 "vocab",
@@ -140,7 +161,12 @@ class OutputContext:
             token ``t + k + 1`` (labels and mask already rolled for it).
         ignore_index: the label that selects no token.
         collectives: the :class:`Collectives` over the vocab-parallel group
-            (and its sum over the context-parallel group, spec 1.2).
+            (and its sum over the context-parallel group, spec 1.2), held
+            checked: a custom implementation is wrapped by
+            :func:`~hookspec.collectives.checked_collectives`, so each result's
+            type, shape and dtype are checked where it returns (the object
+            given is ``collectives.inner``; ``SingleProcessCollectives`` and
+            ``torch_impl.TorchCollectives`` are held as given).
         check_values: whether a processor checks the values it reads (a
             per-token temperature's sign, the label range unless
             ``labels_checked``). ``False`` only where the model was enabled
@@ -179,6 +205,14 @@ class OutputContext:
     collectives: Collectives = dataclasses.field(default_factory=SingleProcessCollectives)
     check_values: bool = True
     labels_checked: bool = False
+
+    def __post_init__(self) -> None:
+        layout = self.parallel
+        if isinstance(layout, ParallelLayout):  # else validate_context names it
+            checked = checked_collectives(
+                self.collectives, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel
+            )
+            object.__setattr__(self, "collectives", checked)
 
     @property
     def batch_size(self) -> int:

@@ -46,6 +46,14 @@ class Processor:
     fn: Callable[[OutputContext], Any]
     name: str
 
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ContractError(
+                "processor", expected="a callable (ctx) -> result", actual=type(self.fn).__name__
+            )
+        if not isinstance(self.name, str):
+            raise ContractError("processor name", expected="a str", actual=repr(self.name))
+
     def __call__(self, ctx: OutputContext | None = None, /, **upstream_kwargs: Any) -> Any:
         if upstream_kwargs or not isinstance(ctx, OutputContext):
             given = sorted(upstream_kwargs)[:4]

@@ -97,8 +97,11 @@ def validate_collectives(ctx: OutputContext) -> None:
       ``tp_size > 1`` it is not :class:`SingleProcessCollectives` (whose
       reductions are identities: each rank would normalise over its own shard);
       where it says its group ``size`` (an int attribute, as
-      ``torch_impl.TorchCollectives`` does) that is ``tp_size``, and where it
-      says ``sequence_parallel`` (a bool) that is ``parallel.sequence_parallel``.
+      ``torch_impl.TorchCollectives`` does) that is ``tp_size``, where it
+      says ``sequence_parallel`` (a bool) that is ``parallel.sequence_parallel``,
+      and where it says ``cp_size`` (an int) that is ``parallel.cp_size`` or 1
+      (collectives without a context-parallel group, which a loss that needs
+      its sum refuses by name).
     """
     layout = ctx.parallel
     if not isinstance(layout, ParallelLayout):
@@ -153,6 +156,13 @@ def validate_collectives(ctx: OutputContext) -> None:
             "collectives",
             expected=f"a group of parallel.tp_size={tp} ranks",
             actual=f"{coll!r} over {size} ranks",
+        )
+    cp_size = getattr(coll, "cp_size", None)
+    if isinstance(cp_size, int) and not isinstance(cp_size, bool) and cp_size not in (1, layout.cp_size):
+        raise ContractError(
+            "collectives",
+            expected=f"a context-parallel group of parallel.cp_size={layout.cp_size} ranks (or none)",
+            actual=f"{coll!r} over {cp_size} context-parallel ranks",
         )
     sp = getattr(coll, "sequence_parallel", None)
     if isinstance(sp, bool) and tp > 1 and sp != layout.sequence_parallel:

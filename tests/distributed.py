@@ -1,7 +1,8 @@
 """Run a test body in several processes over gloo (one per rank), on loopback.
 
-``run_distributed(fn, tp=2)`` spawns ``tp * pp`` processes (``vpp``: model chunks
-per pipeline rank, for the interleaved schedule); each initialises
+``run_distributed(fn, tp=2)`` spawns ``tp * cp * pp`` processes (tensor, context and
+pipeline parallel; ``vpp``: model chunks per pipeline rank, for the interleaved
+schedule); each initialises
 ``torch.distributed`` and Megatron's parallel groups, calls ``fn(rank, *args)``
 and reports an exception back to the parent, which re-raises it with the rank.
 ``fn`` must be a module-level function (it is pickled).
@@ -27,12 +28,13 @@ def _worker(
     args: tuple,
     errors: Any,
     vpp: int | None = None,
+    cp: int = 1,
 ) -> None:
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
         with megatron_parallel(
-            tp=tp, pp=pp, rank=rank, world_size=tp * pp, port=port, backend=backend, vpp=vpp
+            tp=tp, pp=pp, cp=cp, rank=rank, world_size=tp * pp * cp, port=port, backend=backend, vpp=vpp
         ):
             fn(rank, *args)
     except BaseException:  # reported to the parent, which fails the test
@@ -47,6 +49,7 @@ def run_distributed(
     pp: int = 1,
     backend: str = "gloo",
     vpp: int | None = None,
+    cp: int = 1,
 ) -> None:
     from torch_impl.testing.tiny import free_port
 
@@ -56,8 +59,8 @@ def run_distributed(
     try:
         mp.start_processes(
             _worker,
-            args=(fn, tp, pp, port, backend, args, errors, vpp),
-            nprocs=tp * pp,
+            args=(fn, tp, pp, port, backend, args, errors, vpp, cp),
+            nprocs=tp * pp * cp,
             join=True,
             start_method="spawn",
         )

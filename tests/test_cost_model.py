@@ -21,7 +21,6 @@ rise above it; both fail (see the self-tests at the end). No timing is asserted.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,8 +51,6 @@ from torch_impl.processors import (
 )
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 # numpy under the interpreter evaluates both sides of tl.where (masked lanes warn)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")

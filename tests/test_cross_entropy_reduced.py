@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import typing
 from typing import Any
 
@@ -21,8 +20,6 @@ from tests.distributed import run_distributed
 from torch_impl.processors import BackendChoice, cross_entropy_loss
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 

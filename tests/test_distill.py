@@ -245,12 +245,37 @@ def test_nan_is_visible() -> None:
     with pytest.raises(ContractError) as info:
         _run({**d, "lp": lp}, DistillConfig(), False)
     assert info.value.field == "context.logprobs"
+
+
+def _negative_mask(d: dict[str, Any]) -> dict[str, Any]:
     bad_mask = d["mask"].clone()
     bad_mask[2, 6] = -1.0
-    for dense in (True, False):
-        with pytest.raises(ContractError) as info:
-            _run({**d, "mask": bad_mask}, DistillConfig(), dense)
-        assert info.value.field == "context.mask"
+    return {**d, "mask": bad_mask}
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_a_negative_mask_entry_is_refused_at_once_on_a_cpu(dense: bool) -> None:
+    """One behaviour per device (the test accepted a NaN loss or the error): on a
+    CPU the mask is read at once, and the call raises naming it."""
+    with pytest.raises(ContractError) as e:
+        _run(_negative_mask(_data()), DistillConfig(), dense)
+    assert e.value.field == "context.mask"
+    assert e.value.expected == "finite values >= 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_a_negative_mask_entry_is_nan_then_refused_on_a_gpu(dense: bool) -> None:
+    """On a GPU the check makes no host read: the loss is NaN (token-mean: every
+    weight), and the deferred check raises naming the mask at the next look."""
+    from torch_impl.value_checks import raise_pending_errors
+
+    d = {k: v.cuda() for k, v in _negative_mask(_data()).items()}
+    got = _run(d, DistillConfig(), dense)
+    assert math.isnan(float(got["loss"]))
+    with pytest.raises(ContractError) as e:
+        raise_pending_errors(wait=True)
+    assert e.value.field == "context.mask"
 
 
 def _bad_teacher(d: dict[str, Any], what: str) -> dict[str, Any]:

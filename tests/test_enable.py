@@ -111,7 +111,7 @@ def test_hookspec_context_is_filled_from_the_model() -> None:
     assert ctx.config is model.config
     assert isinstance(ctx.collectives, hookspec.Collectives)
     x = torch.randn(3)
-    assert ctx.scale_logits(x) is x or torch.equal(ctx.scale_logits(x), x)
+    assert torch.equal(ctx.scale_logits(x), x)  # no MuP: the logits unchanged
 
 
 def test_context_reads_the_groups_once_per_model() -> None:
@@ -243,7 +243,7 @@ def test_labels_outside_the_vocabulary(processor: Any, bad_label: int) -> None:
         _run(model, batch, processor)
     assert info.value.field == "labels"
     assert "[0, 64) or ignore_index=-100" in str(info.value.expected)
-    assert f"in [{bad_label}, " in str(info.value.actual) or f", {bad_label}]" in str(info.value.actual)
+    assert str(info.value.actual).endswith(f"in [{bad_label}, {bad_label}]")  # the one bad label
     batch["labels"][1, 2] = hookspec.IGNORE_INDEX  # the ignore index itself is allowed
     _run(model, batch, cases.vocab_parallel_logprobs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,72 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     assert proc.returncode == 2
     assert "hookcheck: error: --processor: expected an importable module 'no_such_package'" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "stream", "text"),
+    [
+        (["--bogus"], 2, "err", "hookcheck: error: unrecognized arguments: --bogus"),
+        (["--seed", "x"], 2, "err", "argument --seed: invalid int value: 'x'"),
+        (["--help"], 0, "out", "usage: hookcheck"),
+    ],
+    ids=["unknown-option", "bad-int", "help"],
+)
+def test_argparse_exits_become_a_return_code_in_process(
+    argv: list[str], code: int, stream: str, text: str
+) -> None:
+    """``main(["--bogus"])`` used to raise ``SystemExit`` at its caller; argparse's
+    own message still goes to the stream the caller gave."""
+    out, err = io.StringIO(), io.StringIO()
+    assert main(argv, out=out, err=err) == code
+    assert text in (out if stream == "out" else err).getvalue()
+
+
+PROCESSOR_MODULE = """
+from jax_ref.check.examples import logprobs_entropy_reference as ref
+from jax_ref.check.examples import vocab_parallel_logprobs as proc
+"""
+
+
+def test_a_processor_in_the_current_directory_imports_as_under_python_m(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``hookcheck`` console script starts with its ``bin`` directory first on
+    ``sys.path``, not the current directory as ``python -m`` does: ``--processor
+    myproc:proc`` failed with "No module named 'myproc'" and no hint."""
+    from jax_ref.check._spec import resolve
+
+    (tmp_path / "cwd_myproc.py").write_text(PROCESSOR_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    path = list(sys.path)
+    monkeypatch.delitem(sys.modules, "cwd_myproc", raising=False)
+    assert resolve("cwd_myproc:proc").name == "vocab_parallel_logprobs"
+    assert sys.path == path, "the caller's sys.path changed"
+    with pytest.raises(hookspec.ContractError) as e:
+        resolve("cwd_missing_module:proc")
+    assert str(e.value).endswith(f"looked in the current directory {tmp_path} and on sys.path (PYTHONPATH)")
+    assert sys.path == path
+
+
+@pytest.mark.slow
+def test_the_console_script_runs_a_processor_from_the_current_directory(tmp_path: Path) -> None:
+    """As a user runs it: a script outside the current directory (as the console
+    script lives in ``bin``), a processor module in the current directory."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "work" / "cwd_myproc.py").write_text(PROCESSOR_MODULE)
+    script = tmp_path / "bin" / "hookcheck"
+    script.write_text("import sys\nfrom jax_ref.check.hookcheck import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [
+        sys.executable,
+        str(script),
+        *FAST,
+        "--processor",
+        "cwd_myproc:proc",
+        "--reference",
+        "cwd_myproc:ref",
+    ]
+    proc = subprocess.run(argv, cwd=tmp_path / "work", capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

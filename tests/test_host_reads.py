@@ -61,9 +61,7 @@ from torch_impl.processors import (
 
 from .fake_cuda import backward, fake_cuda, record_launches
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # interpreted on a CPU: conftest.py
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),

@@ -30,7 +30,6 @@ from jax_ref.check.cases import synthetic_context
 from jax_ref.check.comparison import cross_check
 from torch_impl.processors import DenseTeacher, DistillConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 
 # module-level references, for hookcheck's --reference module:attr

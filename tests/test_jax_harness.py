@@ -83,6 +83,25 @@ def test_non_finite_values_fail_with_a_note():
     assert "non-finite: 4 of 24 values" in report.table()
 
 
+def test_a_non_finite_reference_is_named_in_the_note():
+    """A NaN from the reference used to read "finite where the reference is not",
+    naming neither the reference nor what was wrong with it."""
+
+    def nan_reference(hidden, weight, inputs):
+        out = dict(REF(hidden, weight, inputs))
+        out["logprobs"] = out["logprobs"].at[0, :2].set(jnp.nan)
+        return out
+
+    report = cross_check(E.vocab_parallel_logprobs, nan_reference, synthetic_context("random"))
+    row = next(r for r in report.failures() if r.quantity == "value")
+    assert row.output == "logprobs"
+    assert row.note == (
+        "the reference 'nan_reference' is NaN at 2 of 24 values where the processor is finite "
+        "(a defect of the reference, or of the inputs it reads)"
+    )
+    assert "the reference 'nan_reference' is NaN at 2 of 24 values" in report.table()
+
+
 def test_a_reference_of_another_structure_is_a_contract_error():
     def only_logprobs(hidden, weight, inputs):
         return {"logprobs": REF(hidden, weight, inputs)["logprobs"]}

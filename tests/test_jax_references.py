@@ -13,8 +13,6 @@ import jax_ref
 from hookspec import ContractError
 from jax_ref import references as R
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 
 @pytest.fixture(autouse=True)
 def _x64():

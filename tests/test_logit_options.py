@@ -137,22 +137,43 @@ def test_the_config_multiplier_is_used_for_a_hand_built_context_without_scale_lo
     ("fn", "why"),
     [
         (lambda z: 30.0 * torch.tanh(z / 30.0), "softcapping"),
+        (lambda z: 1e4 * torch.tanh(z / 1e4), "softcapping with a wide cap"),
+        (lambda z: z.clamp(-5, 5), "a clamp whose cap the logits exceed"),
+        (lambda z: 2.0 * z.clamp(-1e6, 1e6), "a scaled clamp at a large cap"),
+        (lambda z: torch.where(z.abs() < 1e-20, 0.0, z), "small logits flushed to zero"),
         (lambda z: z + 1.0, "an offset"),
         (lambda z: -z, "a negative factor"),
-        (lambda z: z.float(), "not a scaling? (identity in another dtype passes)"),
         (lambda z: "logits", "not a tensor"),
         (lambda z: z[..., :1], "another shape"),
     ],
-    ids=["softcap", "offset", "negative", "dtype", "not-tensor", "shape"],
+    ids=[
+        "softcap",
+        "wide-softcap",
+        "clamp",
+        "large-clamp",
+        "flush",
+        "offset",
+        "negative",
+        "not-tensor",
+        "shape",
+    ],
 )
 def test_a_scale_logits_that_is_not_a_positive_scaling_is_refused(fn: Any, why: str) -> None:
+    """A clamp (``z.clamp(-5, 5)``) used to pass: the probe's values sat inside its
+    cap, the processors then ignored the cap and the logprob was off by 30. The
+    probe spans 1e-30 to 1e30 in size, so any map that is not ``c * z`` on it is
+    refused."""
     ctx = _ctx(scale_logits=fn)
-    if why.startswith("not a scaling?"):
-        assert context_logit_scale(ctx, processor="p") == 1.0
-        return
     with pytest.raises(ContractError) as info:
         selected_logprobs()(ctx)
     assert info.value.field == "scale_logits", why
+
+
+def test_a_scale_logits_in_another_dtype_is_taken_as_its_factor() -> None:
+    """The probe is float64; a scaling that computes in float32 rounds it to 1e-7
+    relative, within the probe's tolerance: its factor is taken."""
+    assert context_logit_scale(_ctx(scale_logits=lambda z: z.float()), processor="p") == 1.0
+    assert context_logit_scale(_ctx(scale_logits=lambda z: z.float() * 0.5), processor="p") == 0.5
 
 
 def test_megatron_mup_model_through_the_hook(megatron_single: None) -> None:

@@ -99,7 +99,7 @@ def _cp_rank(rank: int, from_packed: bool) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import hookspec
-    from tests.test_mtp import build_mtp_gpt
+    from tests.mtp_support import build_mtp_gpt
     from torch_impl import enable_output_processor
     from torch_impl.mtp import MTPOptions, default_mtp_loss
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,6 @@ from torch_impl.processors import (
 )
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 BACKENDS = [
     "torch",
     pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton here")),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_impl
+from hookspec import ContractError
 from torch_impl.processors import (
     PolicyBatch,
     PolicyLossConfig,
@@ -78,7 +79,7 @@ def test_selected_logprobs_equal_stock_logits_with_context_temperature() -> None
     expected = logp.gather(2, batch["labels"][..., None]).squeeze(-1)
     torch.testing.assert_close(out["logprobs"].double(), expected, rtol=0, atol=2e-6)
     torch.testing.assert_close(out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=0, atol=2e-6)
-    with pytest.raises(Exception, match="temperature: expected one source"):
+    with pytest.raises(ContractError, match=r"^temperature: expected one source"):
         model(
             *_args(batch),
             labels=batch["labels"],

@@ -25,10 +25,10 @@ import hookspec
 from hookspec import ContractError, OutputContext
 from tests.distributed import run_distributed
 from tests.hook_cases import grads, stock_loss, stock_loss_upstream
-from tests.test_mtp import build_mtp_gpt
-from torch_impl import _compat, enable_output_processor
+from tests.mtp_support import build_mtp_gpt
+from torch_impl import _compat, enable_output_processor, installed_megatron
 from torch_impl._postprocess import as_inner_stage
-from torch_impl.doctor import MATRIX_RELEASES, TABLE_HEADER, installed_release, release_facts
+from torch_impl.doctor import MATRIX_RELEASES, TABLE_HEADER, facts_row
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
@@ -69,12 +69,12 @@ def assert_bitwise(got: tuple[Any, dict[str, Any]], want: tuple[Any, dict[str, A
 
 
 def test_readme_row_is_what_the_installed_code_says() -> None:
-    release = installed_release().release
+    release = installed_megatron().release
     if release not in MATRIX_RELEASES:
         pytest.skip(f"megatron-core {release} is not in the release matrix")
     rows = readme_release_rows()
     assert release in rows, f"docs/releases.md's release table has no row for {release}"
-    assert rows[release] == release_facts().row()
+    assert rows[release] == facts_row()
 
 
 def test_readme_table_and_matrix_script_list_the_matrix() -> None:
@@ -89,7 +89,7 @@ def test_installed_megatron_is_the_one_imported() -> None:
     """Under the matrix, the release folder on PYTHONPATH shadows the environment's own."""
     import megatron.core
 
-    installed = installed_release()
+    installed = installed_megatron()
     assert not installed.shadowed
     assert pathlib.Path(megatron.core.__file__).resolve().parent == pathlib.Path(installed.package)
 
@@ -228,7 +228,7 @@ def test_schedule_plan_post_process_node_runs_the_hook_like_forward(processor: A
     after it otherwise; decided by counting the norm's calls in the node."""
     if not hasattr(GPTModel, "build_schedule_plan"):
         pytest.skip("GPTModel has no build_schedule_plan in this release")
-    from tests.test_schedule_plan import post_node
+    from tests.plan_support import post_node
 
     model = enable_output_processor(build_tiny_gpt()).eval()
     batch = tiny_batch()

@@ -51,6 +51,13 @@ CLIP = 0.2  # PolicyLossConfig.grpo's default clip range, both sides
 KL_COEF = 0.1
 TEMPERATURE = 0.8
 NO_GPU = not torch.cuda.is_available()
+NO_CUDA_ERROR: tuple[type[Exception], str] = (
+    (AssertionError, "Torch not compiled with CUDA enabled")
+    if torch.version.cuda is None
+    else (RuntimeError, "Found no NVIDIA driver")
+)
+"""What a CUDA request raises on a CPU machine: a CPU build of torch asserts, a CUDA
+build finds no driver."""
 
 
 # ---- the shim ----------------------------------------------------------------------------
@@ -89,8 +96,47 @@ def test_cpu_schedule_patches_torch_only_while_entered() -> None:
         raise KeyError("undone on the way out")
     assert [getattr(torch.cuda, n) for n in names] == originals
     if NO_GPU:  # outside, a CUDA request is refused again
-        with pytest.raises((RuntimeError, AssertionError)):
+        with pytest.raises(NO_CUDA_ERROR[0], match=NO_CUDA_ERROR[1]):
             torch.zeros(1, device="cuda")
+
+
+def test_cpu_schedule_from_two_threads_with_interleaved_exits_undoes_every_patch() -> None:
+    """Thread A enters, thread B enters, A exits, B exits: ``torch.cuda`` used to
+    stay patched (B restored A's stand-ins). Now the patches hold while either is
+    inside, each thread has its own mode, and the last exit undoes them."""
+    import threading
+
+    names = ("current_device", "synchronize", "current_stream")
+    originals = [getattr(torch.cuda, n) for n in names]
+    a_in, b_in, a_out, b_out = (threading.Event() for _ in range(4))
+    seen: dict[str, Any] = {}
+
+    def thread_a() -> None:
+        with cpu_schedule():
+            a_in.set()
+            b_in.wait(10)
+            seen["a inside"] = torch.empty(1, device="cuda").device.type
+        a_out.set()
+
+    def thread_b() -> None:
+        a_in.wait(10)
+        with cpu_schedule():
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a left"] = (torch.cuda.current_device(), torch.empty(1, device="cuda").device.type)
+        b_out.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert b_out.is_set(), "a thread did not finish"
+    assert seen == {"a inside": "cpu", "b after a left": (0, "cpu")}
+    assert [getattr(torch.cuda, n) for n in names] == originals, "torch.cuda left patched"
+    with cpu_schedule(), cpu_schedule():  # nested in one thread
+        assert torch.cuda.current_device() == 0
+    assert [getattr(torch.cuda, n) for n in names] == originals
 
 
 @pytest.mark.skipif(not NO_GPU, reason="shows what fails without a GPU")
@@ -105,7 +151,7 @@ def test_a_schedule_needs_the_shim_on_a_cpu() -> None:
         return model(*cases.model_inputs(batch), labels=batch["labels"]), lambda x: (x.sum(), {})
 
     # the token counter, torch.zeros([], dtype=torch.int, device="cuda"), in schedules.py
-    with pytest.raises((RuntimeError, AssertionError)):
+    with pytest.raises(NO_CUDA_ERROR[0], match=NO_CUDA_ERROR[1]):
         get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter([None]),

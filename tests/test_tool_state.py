@@ -1,13 +1,22 @@
 """A tool run in process leaves the caller's state as it found it: the process
 group, Megatron's ``parallel_state``, the RNG states, the default dtype, grad
-mode, environment variables, warning filters and loggers.
+mode, environment variables, warning filters and loggers; and everything it
+creates, it destroys: process groups, and with them file descriptors and threads.
+Its checks run under their own state, whatever the caller's.
 
 ``doctor.run_checks`` and an in-process ``hookcheck.main`` used to destroy the
 caller's process group (``torch.distributed.is_initialized()`` was False after).
+Inside a caller's gloo group, one ``doctor.main([])`` then took the caller from 1
+to 161 registered process groups (38 to 665 open file descriptors, 14 to 490
+threads) and one ``hookcheck.main()`` added 20 groups: Megatron's
+``destroy_model_parallel`` forgets its groups but leaves them registered. Under
+``torch.no_grad()``, ``torch.inference_mode()`` or a float64 default dtype the
+doctor reported the hook broken and hookcheck blamed a correct processor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -22,8 +31,7 @@ import torch
 from megatron.core import parallel_state
 
 from torch_impl import doctor
-from torch_impl.testing.caller_state import CallerState
-from torch_impl.testing.tiny import free_port, megatron_parallel
+from torch_impl.process_state import CallerState, free_port, megatron_parallel, registered_process_groups
 
 
 @pytest.fixture
@@ -145,3 +153,92 @@ def test_caller_state_restores_what_it_saved() -> None:
     _meddling_check()
     state.restore()
     _assert_same(before, _snapshot())
+
+
+def _resources() -> dict[str, int]:
+    """What a leak grows: registered process groups, open file descriptors, threads."""
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+    return {"groups": len(registered_process_groups()), "fds": fds, "threads": threads}
+
+
+def test_megatron_parallel_destroys_the_groups_it_registers_in_a_callers_group(callers_group: Any) -> None:
+    before = _resources()
+    for _ in range(3):
+        with megatron_parallel():
+            assert len(registered_process_groups()) > before["groups"]
+    assert _resources()["groups"] == before["groups"] == 1
+
+
+def test_doctor_destroys_every_group_it_creates_in_a_callers_group(callers_group: Any) -> None:
+    checks = [next(iter(doctor.default_checks()))]
+    groups = _resources()["groups"]
+    assert [r.status for r in doctor.run_checks(checks)] == ["pass"]
+    warm = _resources()  # after one run: imports, torch's thread pools, made once per process
+    assert warm["groups"] == groups == 1
+    assert [r.status for r in doctor.run_checks(checks)] == ["pass"]
+    assert _resources() == warm
+
+
+@contextlib.contextmanager
+def _caller_float64() -> Iterator[None]:
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+CALLER_STATES = {
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+    "float64_default": _caller_float64,
+    "bf16_autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("state", list(CALLER_STATES))
+def test_doctor_checks_run_under_their_own_state(state: str) -> None:
+    """The caller's grad mode, inference mode, default dtype or autocast used to
+    fail every check ("0 passed, 6 failed")."""
+    checks = [c for c in doctor.default_checks() if not c[0].startswith("GPU:")][:3]
+    with CALLER_STATES[state]():
+        inside = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype())
+        results = doctor.run_checks(checks)
+        assert (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.get_default_dtype(),
+        ) == inside
+    assert [r.status for r in results] == ["pass"] * 3, results
+
+
+HOOKCHECK_ARGV = [
+    "--quiet", "--dtype", "float32", "--no-synthetic",
+    "--processor", "jax_ref.check.examples:token_mean_loss",
+    "--reference", "jax_ref.check.examples:token_mean_loss_reference",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("state", ["inference_mode", "float64_default"])
+def test_hookcheck_runs_under_its_own_state(state: str) -> None:
+    """Under a float64 default dtype or inside ``torch.inference_mode()`` hookcheck
+    returned 2 and blamed a correct built-in processor."""
+    from jax_ref.check.hookcheck import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with CALLER_STATES[state]():
+        code = main(HOOKCHECK_ARGV, out=out, err=err)
+    assert code == 0, out.getvalue() + err.getvalue()
+
+
+def test_hookcheck_destroys_every_group_it_creates_in_a_callers_group(callers_group: Any) -> None:
+    from jax_ref.check.hookcheck import main
+
+    groups = _resources()["groups"]
+    out, err = io.StringIO(), io.StringIO()
+    assert main(HOOKCHECK_ARGV, out=out, err=err) == 0, out.getvalue() + err.getvalue()
+    warm = _resources()
+    assert warm["groups"] == groups == 1
+    assert main(HOOKCHECK_ARGV, out=out, err=err) == 0, out.getvalue() + err.getvalue()
+    assert _resources() == warm

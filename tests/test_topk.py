@@ -4,7 +4,7 @@ and two gloo ranks (the vocabulary split), through the hook on the tiny GPT."""
 
 from __future__ import annotations
 
-import math
+import re
 from typing import Any
 
 import pytest
@@ -81,7 +81,8 @@ def _ours(
 ) -> dict[str, torch.Tensor]:
     h = p["h"].clone().requires_grad_()
     w = kw.pop("w", p["w"]).clone().requires_grad_()
-    r = linear_topk_logprobs(h, w, k=k, labels=p["y"], temperature=p["t"], with_entropy=True, **kw)
+    options = LinearOptions(temperature=p["t"], **kw)
+    r = linear_topk_logprobs(h, w, k=k, labels=p["y"], with_entropy=True, options=options)
     assert r.label_logprobs is not None and r.entropy is not None
     loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
     loss.backward()
@@ -105,7 +106,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], t
 @pytest.mark.parametrize(("vocab_chunk", "token_chunk"), [(7, 5), (V, N), (1, 1)])
 def test_against_float64(k: int, vocab_chunk: int, token_chunk: int) -> None:
     p, cot = _problem(), _cot(k)
-    got = _ours(p, k, cot, vocab_chunk_size=vocab_chunk, token_chunk_size=token_chunk)
+    got = _ours(p, k, cot, tile_cols=vocab_chunk, tile_rows=token_chunk)
     _assert_equal(got, _truth(p, k, cot))
     assert bool((got["values"][:, :-1] >= got["values"][:, 1:]).all())
 
@@ -114,7 +115,7 @@ def test_against_float64(k: int, vocab_chunk: int, token_chunk: int) -> None:
 def test_ties_go_to_the_smaller_id(vocab_chunk: int) -> None:
     p = _problem(2, ties=True)  # token 0's best ids: 2, 5, 30, all equal
     cot = _cot(6)
-    got = _ours(p, 6, cot, vocab_chunk_size=vocab_chunk, token_chunk_size=4)
+    got = _ours(p, 6, cot, tile_cols=vocab_chunk, tile_rows=4)
     assert got["ids"][0, :3].tolist() == [2, 5, 30]
     _assert_equal(got, _truth(p, 6, cot))
 
@@ -138,7 +139,7 @@ def test_a_loss_renormalised_over_the_k_needs_no_logits_in_backward() -> None:
 
 def test_float32_within_float32_error() -> None:
     p, cot = _problem(5), _cot(3)
-    got = _ours({**p, "h": p["h"].float(), "w": p["w"].float()}, 3, cot, vocab_chunk_size=8)
+    got = _ours({**p, "h": p["h"].float(), "w": p["w"].float()}, 3, cot, tile_cols=8)
     want = _truth(p, 3, cot)
     _assert_equal({k: v.double() if v.is_floating_point() else v for k, v in got.items()}, want, tol=2e-5)
 
@@ -159,8 +160,15 @@ def test_bad_k(k: Any, field: str) -> None:
     with pytest.raises(ContractError) as info:
         linear_topk_logprobs(p["h"], p["w"], k=k)
     assert info.value.field == field
-    with pytest.raises(ContractError):
-        topk_logprobs(0)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, "3"])
+def test_bad_k_in_the_processor_factory(k: Any) -> None:
+    """The factory does not know the vocabulary (``k > V`` is refused at the call):
+    it refuses what is not an int >= 1."""
+    with pytest.raises(ContractError) as info:
+        topk_logprobs(k)
+    assert info.value.field == "k"
 
 
 def test_processor_layout_without_labels() -> None:
@@ -243,8 +251,8 @@ def _tp2(
     shard = slice(rank * half, (rank + 1) * half)
     for k, cot, want in cases:
         got = _ours(
-            p, k, cot, w=p["w"][shard], vocab_start=rank * half, vocab_size=V, collectives=coll,
-            vocab_chunk_size=6, token_chunk_size=5,
+            p, k, cot, w=p["w"][shard], vocab=VocabShard(rank * half, (rank + 1) * half, V),
+            collectives=coll, tile_cols=6, tile_rows=5,
         )  # fmt: skip
         want = {**want, "dw": want["dw"][shard]}
         _assert_equal(got, want)
@@ -304,8 +312,21 @@ def test_tp2_equals_float64() -> None:
     run_distributed(_tp2, p, cases, (p_sp, cot, _truth(p_sp, 3, cot)), tp=2)
 
 
-def test_spec_version_and_gather_of_one_rank() -> None:
-    assert hookspec.SPEC_VERSION >= (1, 2)
+def test_every_optional_collective_is_no_newer_than_the_spec() -> None:
+    """Each method a ``Collectives`` may lack says the minor it was added in
+    (``.. versionadded::``), and ``SPEC_VERSION`` is at least that: a method added
+    without a bump of the minor fails here."""
+    from hookspec.collectives import OPTIONAL_COLLECTIVES, REQUIRED_COLLECTIVES
+
+    methods = {n for n in vars(hookspec.Collectives) if not n.startswith("_")}
+    assert methods == set(REQUIRED_COLLECTIVES) | set(OPTIONAL_COLLECTIVES)
+    for name in OPTIONAL_COLLECTIVES:
+        found = re.search(r"\.\. versionadded:: (\d+)\.(\d+)", getattr(hookspec.Collectives, name).__doc__)
+        assert found is not None, name
+        assert (int(found[1]), int(found[2])) <= hookspec.SPEC_VERSION, name
+
+
+def test_gather_of_one_rank_is_the_input_on_a_new_leading_dim() -> None:
     x = torch.arange(6.0).view(2, 3)
-    assert torch.equal(hookspec.SingleProcessCollectives().all_gather(x), x[None])
-    assert math.isfinite(float(x.sum()))
+    got = hookspec.SingleProcessCollectives().all_gather(x)
+    assert got.shape == (1, 2, 3) and torch.equal(got[0], x)

@@ -41,7 +41,14 @@ from hookspec import (
 from .context import build_output_context
 from .value_checks import check_labels_deferred
 
-__all__ = ["ForwardCall", "HookOptions", "MTPOptions", "default_output", "stashed_call"]
+__all__ = [
+    "ForwardCall",
+    "HookOptions",
+    "MTPOptions",
+    "check_mtp_callable",
+    "default_output",
+    "stashed_call",
+]
 
 _STASH = "_hookspec_call"  # the instance attribute set by ForwardCall.stashed, read by stashed_call
 
@@ -177,6 +184,22 @@ def _check_upstream_keywords(fn: Callable[..., Any]) -> None:
     check_upstream_processor(fn, field="output_processor")
 
 
+def check_mtp_callable(fn: Any, /) -> None:
+    """An MTP processor as the forward takes it: a hookspec processor, or a callable
+    that can be called with the typed context alone. Anything else (not callable,
+    or keyword-style like the upstream hook's processors) raises ``ContractError``
+    naming ``mtp_processor``, before the model runs; the MTP wrappers
+    (``detached_head``, ``scaled_mtp_gradient``) check what they wrap with it."""
+    if not callable(fn):
+        raise ContractError(
+            "mtp_processor",
+            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
+            actual=type(fn).__name__,
+        )
+    if not is_hookspec_processor(fn):
+        _check_once(_check_takes_the_context, fn)
+
+
 def _check_takes_the_context(fn: Callable[..., Any]) -> None:
     """An MTP processor is called with the typed context alone: one whose parameters
     cannot take it (the upstream hook's keywords, say) is refused before the model runs."""
@@ -228,14 +251,8 @@ class ForwardCall:
                 )
             if not is_hookspec_processor(processor):
                 _check_once(_check_upstream_keywords, processor)
-        if mtp_processor is not None and not callable(mtp_processor):
-            raise ContractError(
-                "mtp_processor",
-                expected="a hookspec processor or a callable (ctx) -> loss [b, s]",
-                actual=type(mtp_processor).__name__,
-            )
-        if mtp_processor is not None and not is_hookspec_processor(mtp_processor):
-            _check_once(_check_takes_the_context, mtp_processor)
+        if mtp_processor is not None:
+            check_mtp_callable(mtp_processor)
         self.model = model
         self.options = options
         self.processor = processor

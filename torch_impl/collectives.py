@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.nn.functional
@@ -11,6 +11,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+
+from hookspec import ContractError
 
 __all__ = ["TorchCollectives"]
 
@@ -36,6 +38,15 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _check_group(field: str, group: Any) -> None:
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise ContractError(
+            field,
+            expected="a torch.distributed.ProcessGroup (Megatron's parallel_state groups) or None (one rank)",
+            actual=repr(group) if isinstance(group, (str, int, float)) else type(group).__name__,
+        )
+
+
 class TorchCollectives:
     """The contract's collectives over ``group``, Megatron's own autograd mappings.
 
@@ -56,10 +67,23 @@ class TorchCollectives:
       all-reduce: each rank's loss is its own share); the identity where
       ``cp_group`` is ``None`` or has one rank.
     - ``all_gather``: ``torch.distributed.all_gather`` of a detached copy,
-      stacked on a new leading dim in rank order; no gradient.
+      stacked on a new leading dim in rank order; no gradient. A new tensor
+      on every group size (at one rank too, never a view of ``x``).
+
+    ``group`` and ``cp_group`` are ``torch.distributed`` process groups or
+    ``None`` (one rank); ``sequence_parallel`` is a bool. Anything else raises
+    ``ContractError`` naming the argument. Its results follow the contract by
+    construction (``checked_results``: ``hookspec.checked_collectives`` leaves
+    it unwrapped).
     """
 
+    checked_results: ClassVar[bool] = True
+
     def __init__(self, group: Any, *, sequence_parallel: bool, cp_group: Any = None) -> None:
+        _check_group("group", group)
+        _check_group("cp_group", cp_group)
+        if not isinstance(sequence_parallel, bool):
+            raise ContractError("sequence_parallel", expected="a bool", actual=repr(sequence_parallel))
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.size = torch.distributed.get_world_size(group) if group is not None else 1
@@ -93,7 +117,7 @@ class TorchCollectives:
     def all_gather(self, x: torch.Tensor, /) -> torch.Tensor:
         """``[tp, *x.shape]``: every rank's ``x`` in rank order; no gradient."""
         if self.size == 1:
-            return x.detach()[None]
+            return x.detach().clone()[None]
         parts = [torch.empty_like(x) for _ in range(self.size)]
         torch.distributed.all_gather(parts, x.detach().contiguous(), group=self.group)
         return torch.stack(parts)

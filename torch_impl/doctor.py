@@ -7,7 +7,7 @@ device; which backend ``backend="auto"`` picks there and whether that choice was
 measured on this device class (:func:`environment`). Then the installed release
 (from the distribution metadata, checked
 against the ``megatron.core`` package actually imported), the adapter path it
-takes, the release's facts as read from its code (:func:`release_facts`, the
+takes, the release's facts as read from its code (:func:`facts_row`, the
 row of the release table in docs/releases.md), whether the release is in the CI matrix
 (:data:`MATRIX_RELEASES`), and then runs the checks on a tiny CPU model
 (:func:`run_checks`, a few seconds): bitwise stock without a processor, tied and
@@ -31,30 +31,31 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
-import logging
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._compat import installed_megatron
+from .process_state import free_port, known_noise_silenced, megatron_parallel, tool_state
+
+if TYPE_CHECKING:
+    from ._compat import InstalledMegatron
 
 __all__ = [
     "MATRIX_RELEASES",
+    "TABLE_HEADER",
     "CheckResult",
     "Environment",
-    "ReleaseFacts",
     "SkipCheck",
     "adapter_path",
     "default_checks",
     "environment",
-    "installed_release",
+    "facts_row",
     "main",
-    "release_facts",
     "run_checks",
 ]
 
@@ -76,77 +77,37 @@ TABLE_HEADER = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Installed:
-    """The installed ``megatron-core``: ``release`` from its distribution
-    metadata, ``package`` the directory of the imported ``megatron.core``,
-    ``shadowed``: the metadata belongs to another copy than the imported one."""
+def _installed() -> InstalledMegatron:
+    """``torch_impl._compat.installed_megatron()``, the one object where every fact
+    read from the installed Megatron Core lives (imported here, not at the
+    doctor's import, so that Megatron's import-time notices fall inside
+    :func:`~torch_impl.process_state.known_noise_silenced`)."""
+    from ._compat import installed_megatron
 
-    release: str
-    package: str
-    shadowed: bool
-
-
-def installed_release() -> Installed:
-    """The release of the ``megatron.core`` that imports, read from
-    ``torch_impl._compat.installed_megatron()``."""
-    m = installed_megatron()
-    return Installed(release=m.release, package=m.package, shadowed=m.shadowed)
+    return installed_megatron()
 
 
-@dataclasses.dataclass(frozen=True)
-class ReleaseFacts:
-    """What the installed Megatron Core does where the adapter meets it, each
-    field read from its code (signatures, attributes, syntax trees).
+def facts_row(facts: InstalledMegatron | None = None) -> str:
+    """The release-table row of docs/releases.md for ``facts`` (default: the
+    installed release's ``torch_impl.installed_megatron()``): release, native
+    hook, where the MTP losses are computed, MTP labels from ``input_ids``,
+    ``HybridModel``, the schedule plan's stream, the Megatron defects the adapter
+    works around."""
+    m = _installed() if facts is None else facts
 
-    ``native_hook``: ``GPTModel.forward`` takes ``output_processor``.
-    ``mtp_loss``: where the MTP losses are computed. ``mtp_labels_from_input_ids``:
-    MTP labels are derived from ``input_ids`` when ``labels`` is None.
-    ``hybrid_model``: ``megatron.core.models.hybrid`` exists. ``schedule_plan``:
-    ``GPTModel.build_schedule_plan`` and the form of its nodes' ``stream``.
-    ``workarounds``: the Megatron defects present there that the adapter works
-    around, or refuses with a ``ContractError``.
-    """
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
 
-    release: str
-    native_hook: bool
-    mtp_loss: str
-    mtp_labels_from_input_ids: bool
-    hybrid_model: bool
-    schedule_plan: str
-    workarounds: tuple[str, ...]
-
-    def row(self) -> str:
-        """The release-table row of docs/releases.md."""
-
-        def yes(flag: bool) -> str:
-            return "yes" if flag else "no"
-
-        cells = [
-            self.release,
-            yes(self.native_hook),
-            self.mtp_loss,
-            yes(self.mtp_labels_from_input_ids),
-            yes(self.hybrid_model),
-            self.schedule_plan,
-            "; ".join(self.workarounds) or "none",
-        ]
-        return "| " + " | ".join(cells) + " |"
-
-
-def release_facts() -> ReleaseFacts:
-    """The :class:`ReleaseFacts` of the installed Megatron Core: a view of
-    ``torch_impl._compat.installed_megatron()``, where every fact is read once."""
-    m = installed_megatron()
-    return ReleaseFacts(
-        release=m.release,
-        native_hook=m.native_hook,
-        mtp_loss=m.mtp_loss_site,
-        mtp_labels_from_input_ids=m.mtp_labels_from_input_ids,
-        hybrid_model=m.hybrid_model,
-        schedule_plan=m.schedule_plan,
-        workarounds=m.workarounds(),
-    )
+    cells = [
+        m.release,
+        yes(m.native_hook),
+        m.mtp_loss_site,
+        yes(m.mtp_labels_from_input_ids),
+        yes(m.hybrid_model),
+        m.schedule_plan,
+        "; ".join(m.workarounds()) or "none",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,16 +129,19 @@ class Environment:
     auto_source: str
 
     def lines(self) -> list[str]:
-        measured = (
-            "measured on this device class" if self.auto_measured else "not measured on this device class"
-        )
+        if self.device_class is None:  # the CPU: the rule, no measurement to speak of
+            why = self.auto_source
+        elif self.auto_measured:
+            why = f"measured on this device class: {self.auto_source}"
+        else:
+            why = f"not measured on this device class: {self.auto_source}"
         return [
             f"mcore-hookspec {self.project}, contract SPEC_VERSION {self.spec_version}",
             f"Python {self.python}; torch {self.torch}; megatron-core {self.megatron_core}; "
             f"triton {self.triton}; transformer-engine {self.transformer_engine}",
             f"CUDA device: {self.cuda_device}"
             + (f" (device class {self.device_class})" if self.device_class else ""),
-            f'backend "auto": {self.auto_backend} ({measured}: {self.auto_source})',
+            f'backend "auto": {self.auto_backend} ({why})',
         ]
 
 
@@ -229,7 +193,7 @@ def environment() -> Environment:
     )
 
 
-def adapter_path(facts: ReleaseFacts) -> str:
+def adapter_path(facts: InstalledMegatron) -> str:
     """Which way the adapter runs a processor on this release, in words."""
     if facts.native_hook:
         main = "native hook: the adapter hands Megatron's `output_processor=` a bridge to the typed context"
@@ -263,22 +227,9 @@ class SkipCheck(Exception):
     """Raised by a check that does not apply to the installed release (the message says why)."""
 
 
-def _stock_loss_upstream(
-    *,
-    hidden_states: Any,
-    output_layer: Any,
-    output_weight: Any,
-    labels: Any,
-    runtime_gather_output: Any,
-    compute_language_model_loss: Any,
-    scale_logits: Any,
-    **_: Any,
-) -> torch.Tensor:
-    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-    return compute_language_model_loss(labels, scale_logits(logits))
-
-
 def _stock_loss(ctx: Any) -> torch.Tensor:
+    """The stock head as a hookspec processor, through the output layer (the
+    upstream-style one is ``torch_impl._call.default_output``)."""
     logits, _ = ctx.output_layer(
         ctx.hidden_states, weight=ctx.output_weight, runtime_gather_output=ctx.runtime_gather_output
     )
@@ -313,8 +264,9 @@ def _same(
 def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     import hookspec
 
+    from ._call import default_output
     from .enable import enable_output_processor
-    from .testing.tiny import build_tiny_gpt, tiny_batch
+    from .tiny import build_tiny_gpt, tiny_batch
 
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
@@ -347,14 +299,15 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     )
     yield (
         "GPT, upstream-style processor (16 keywords): bitwise the stock loss and gradients",
-        through(_stock_loss_upstream),
+        through(default_output),
     )
 
 
 def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+    from ._call import default_output
     from .enable import enable_output_processor
     from .mtp import default_mtp_loss
-    from .testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+    from .tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
 
     def build() -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -373,10 +326,10 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     def main_processor() -> None:
         want = _run(build(), batch, **kw)
         model = enable_output_processor(build())
-        _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "main processor")
+        _same(_run(model, batch, **kw, output_processor=default_output), want, "main processor")
 
     def mtp_processor() -> None:
-        if installed_megatron().mtp_loss_in_block:
+        if _installed().mtp_loss_in_block:
             raise SkipCheck(
                 "MultiTokenPredictionBlock.forward computes the MTP losses on this release "
                 "(it takes compute_language_model_loss): no per-depth processor"
@@ -391,18 +344,19 @@ def _mtp_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 
 def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     def check() -> None:
-        if not installed_megatron().hybrid_model:
+        if not _installed().hybrid_model:
             raise SkipCheck("no megatron.core.models.hybrid in this release")
+        from ._call import default_output
         from .enable import enable_output_processor
-        from .testing.tiny import tiny_batch
-        from .testing.tiny_hybrid import build_tiny_hybrid
+        from .tiny import tiny_batch
+        from .tiny_hybrid import build_tiny_hybrid
 
         batch = tiny_batch()
         kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
         want = _run(build_tiny_hybrid("*-*-"), batch, **kw)
         model = enable_output_processor(build_tiny_hybrid("*-*-"))
         _same(_run(model, batch, **kw), want, "no processor")
-        _same(_run(model, batch, **kw, output_processor=_stock_loss_upstream), want, "processor")
+        _same(_run(model, batch, **kw, output_processor=default_output), want, "processor")
 
     yield "HybridModel (*-*-), without and with a processor: bitwise stock", check
 
@@ -518,38 +472,18 @@ def run_checks(checks: Iterable[tuple[str, Callable[[], None]]] | None = None) -
     over gloo (world size 1). A check that raises is a failure carrying the
     exception and where it was raised, never a crash; ``SkipCheck`` a skip.
 
-    The caller's state is left as found: a process group and Megatron groups it
-    initialised (world size 1) are used and kept, and the RNG states, default
-    dtype, grad mode and environment variables are restored afterwards."""
-    from .testing.caller_state import callers_state_kept
-    from .testing.tiny import free_port, megatron_parallel
-
-    # The tiny models are GPTModels on purpose (the adapter's subject); 0.19's notice
-    # that GPTModel is deprecated would print once per model built.
-    gpt_log = logging.getLogger("megatron.core.models.gpt.gpt_model")
-    notice = _DropMessage("GPTModel IS DEPRECATED")
-    gpt_log.addFilter(notice)
-    try:
-        # the caller's process group, Megatron groups, RNG, default dtype and environment
-        # are as they were afterwards (megatron_parallel reuses and keeps a caller's groups)
-        with callers_state_kept():
-            return _run_checks(default_checks() if checks is None else checks, megatron_parallel, free_port)
-    finally:
-        gpt_log.removeFilter(notice)
+    The checks run under their own state, whatever the caller's
+    (:func:`torch_impl.process_state.tool_state`: float32 default dtype, grad
+    mode on, inference mode and autocast off), and leave the caller's as found:
+    a process group and Megatron groups it initialised (world size 1) are used
+    and kept, every group the checks made is destroyed, and the RNG states,
+    default dtype, grad mode and environment variables are restored. Megatron's
+    known notices on a CPU are silenced (``known_noise_silenced``)."""
+    with known_noise_silenced(), tool_state():
+        return _run_checks(default_checks() if checks is None else checks)
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-def _run_checks(
-    checks: Iterable[tuple[str, Callable[[], None]]], megatron_parallel: Any, free_port: Any
-) -> list[CheckResult]:
+def _run_checks(checks: Iterable[tuple[str, Callable[[], None]]]) -> list[CheckResult]:
     results: list[CheckResult] = []
     for name, check in checks:
         start = time.perf_counter()
@@ -574,19 +508,25 @@ def main(argv: list[str] | None = None) -> int:
         "--facts-row", action="store_true", help="print only the release-table row of docs/releases.md"
     )
     parser.add_argument("--no-checks", action="store_true", help="print the facts, run no checks")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0), or a bad option (2; argparse printed why)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    with known_noise_silenced():
+        return _main(args)
 
-    installed = installed_release()
-    facts = release_facts()
+
+def _main(args: argparse.Namespace) -> int:
+    installed = _installed()
     if args.facts_row:
-        print(facts.row())
+        print(facts_row(installed))
         return 0
     for line in environment().lines():
         print(line)
     print(f"megatron-core {installed.release} at {installed.package}")
     if installed.shadowed:
         print("warning: the megatron-core metadata found first is not that of the imported package")
-    print(f"adapter path: {adapter_path(facts)}")
+    print(f"adapter path: {adapter_path(installed)}")
     python = MATRIX_RELEASES.get(installed.release)
     if python is not None:
         print(f"covered: yes, {installed.release} is in the CI release matrix (on Python {python})")
@@ -597,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("facts (read from the installed code):")
     print(f"  {TABLE_HEADER}")
-    print(f"  {facts.row()}")
+    print(f"  {facts_row(installed)}")
     if args.no_checks:
         return 0
     print("checks (tiny CPU model; the GPU checks on a CUDA device):")

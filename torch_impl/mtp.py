@@ -45,6 +45,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import numbers
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -53,7 +56,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 
 from hookspec import ContractError, OutputContext, Processor, processor
 
-from ._call import ForwardCall, MTPOptions
+from ._call import ForwardCall, MTPOptions, check_mtp_callable
 from ._compat import installed_megatron, mtp_cp_group, roll_tensor
 
 __all__ = [
@@ -161,13 +164,9 @@ def detached_head(mtp_processor: Any, /) -> Processor:
     ``ctx.vocab_weight.detach()`` as both ``vocab_weight`` and ``output_weight``,
     so the MTP loss trains the MTP layers but not the shared output weight (or
     tied embedding). Works with any MTP processor and on any release (0.19's
-    ``config.mtp_detach_heads`` does the same for every processor)."""
-    if not callable(mtp_processor):  # as the forward checks an mtp_processor
-        raise ContractError(
-            "mtp_processor",
-            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
-            actual=type(mtp_processor).__name__,
-        )
+    ``config.mtp_detach_heads`` does the same for every processor).
+    ``mtp_processor`` is checked here as the forward checks an unwrapped one."""
+    check_mtp_callable(mtp_processor)
 
     def fn(ctx: OutputContext) -> Any:
         if ctx.vocab_weight is None:
@@ -208,31 +207,38 @@ def scaled_mtp_gradient(mtp_processor: Any, /, factor: float) -> Processor:
     when Megatron's ``finalize_model_grads`` divides by a count other than the
     loss tokens (``mtp_loss_scaling_factor * routed_tokens / batch_tokens``, set
     on ``packed_seq_params``): make one such processor per micro-batch. ``factor``
-    is a finite number > 0."""
-    if not callable(mtp_processor):
-        raise ContractError(
-            "mtp_processor",
-            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
-            actual=type(mtp_processor).__name__,
-        )
-    if (
-        isinstance(factor, bool)
-        or not isinstance(factor, (int, float))
-        or not 0 < float(factor) < float("inf")
-    ):
-        raise ContractError("factor", expected="a finite number > 0", actual=repr(factor))
-    scale = float(factor)
+    is a real number (``int``, ``float``, NumPy's, ``Fraction``; not ``bool``),
+    finite as a float and > 0. ``mtp_processor`` is checked here as the forward
+    checks an unwrapped one; its result may be any ``Mapping`` with a ``"loss"``
+    (as ``hookspec.validate_mtp_result`` takes), returned as a ``dict``."""
+    check_mtp_callable(mtp_processor)
+    scale = _positive_factor(factor)
 
     def fn(ctx: OutputContext) -> Any:
         out = mtp_processor(ctx)
         if isinstance(out, torch.Tensor):
             return scale_gradient(out, scale)
-        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
             return {**out, "loss": scale_gradient(out["loss"], scale)}
         return out  # the forward's result check names what is wrong
 
     name = getattr(mtp_processor, "name", getattr(mtp_processor, "__name__", "mtp_processor"))
     return processor(fn, name=f"scaled_mtp_gradient({name}, {scale:g})")
+
+
+def _positive_factor(factor: Any) -> float:
+    expected = "a finite number > 0"
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise ContractError("factor", expected=expected, actual=repr(factor))
+    try:
+        scale = float(factor)
+    except OverflowError:  # an int or Fraction beyond the float range (10**400)
+        raise ContractError(
+            "factor", expected=expected, actual=f"{factor!r:.40} (beyond the float range)"
+        ) from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ContractError("factor", expected=expected, actual=repr(factor))
+    return scale
 
 
 # ---------------------------------------------------------------------------

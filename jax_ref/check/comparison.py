@@ -182,8 +182,12 @@ def _np64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def compare(actual: Any, expected: Any, tol: Tolerance) -> tuple[float, float, bool, str]:
-    """``(max_abs, max_rel, passed, note)`` for two arrays of one shape."""
+def compare(
+    actual: Any, expected: Any, tol: Tolerance, *, reference: str = ""
+) -> tuple[float, float, bool, str]:
+    """``(max_abs, max_rel, passed, note)`` for two arrays of one shape.
+    ``reference``: the reference function's name, for the note where it is the
+    reference that is not finite."""
     a, e = _np64(actual), _np64(expected)
     if a.shape != e.shape:
         return math.inf, math.inf, False, f"shape {list(a.shape)} vs reference {list(e.shape)}"
@@ -194,7 +198,17 @@ def compare(actual: Any, expected: Any, tol: Tolerance) -> tuple[float, float, b
     diff = np.abs(a - e)[both]
     max_abs = float(diff.max()) if diff.size else 0.0
     if not np.array_equal(np.isfinite(e), np.isfinite(a)):
-        return max_abs, math.inf, False, "finite where the reference is not"
+        n = int((np.isfinite(a) & ~np.isfinite(e)).sum())
+        who = f"the reference {reference!r}" if reference else "the reference"
+        nans = int(np.isnan(e).sum())
+        kind = "NaN" if nans == int((~np.isfinite(e)).sum()) else "NaN or infinite" if nans else "infinite"
+        return (
+            max_abs,
+            math.inf,
+            False,
+            f"{who} is {kind} at {n} of {a.size} values where the processor is finite "
+            "(a defect of the reference, or of the inputs it reads)",
+        )
     scale = float(np.abs(e[both]).max()) if diff.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     return max_abs, max_rel, tol.allows(max_abs, scale), ""
@@ -278,7 +292,7 @@ def compare_run(
         h = _f64(ctx.hidden_states, "hidden_states")
         w = _f64(ctx.vocab_weight if reference_weight is None else reference_weight, "vocab_weight")
         want = _pullbacks(apply, h, w, inputs, run, name, weight_rows, check=True)
-        results = {k: compare(got[k], want[k], tol) for k in got}
+        results = {k: compare(got[k], want[k], tol, reference=name) for k in got}
         floors: dict[tuple[str, str], float] = {}
         if any(not ok and not note for (_, _, ok, note) in results.values()):
             with computing_in(jnp.float32):

@@ -1,6 +1,6 @@
 """Cases from a real tiny Megatron GPT on a CPU, on one process or tensor parallel.
 
-:func:`build_case_model` is ``torch_impl.testing.tiny.build_tiny_gpt`` (wider init, so
+:func:`build_case_model` is ``torch_impl.tiny.build_tiny_gpt`` (wider init, so
 logits spread over a few units rather than sitting near uniform), wrapped in
 Megatron's ``Float16Module`` for bf16 and fp16 (the hidden states then reach
 the hook in that dtype) and enabled for output processors.
@@ -63,7 +63,7 @@ def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 
     from megatron.core.transformer.module import Float16Module
 
     from torch_impl import enable_output_processor
-    from torch_impl.testing.tiny import build_tiny_gpt
+    from torch_impl.tiny import build_tiny_gpt
 
     flags: dict[str, Any] = {"bfloat16": {"bf16": True}, "float16": {"fp16": True}}.get(dtype, {})
     model: torch.nn.Module = build_tiny_gpt(
@@ -75,8 +75,8 @@ def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 
 
 
 def case_batch(batch: int = 3, seq: int = 8, *, seed: int = 0) -> dict[str, Any]:
-    """``torch_impl.testing.tiny.tiny_batch`` with two ignored labels and a partly masked sequence."""
-    from torch_impl.testing.tiny import tiny_batch
+    """``torch_impl.tiny.tiny_batch`` with two ignored labels and a partly masked sequence."""
+    from torch_impl.tiny import tiny_batch
 
     data: dict[str, Any] = tiny_batch(batch, seq, seed=seed)
     data["labels"][0, 1] = data["labels"][-1, -1] = -100
@@ -186,7 +186,7 @@ def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
 def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], results: Any) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     try:
-        from torch_impl.testing.tiny import megatron_parallel
+        from torch_impl.process_state import megatron_parallel
 
         with megatron_parallel(tp=tp, rank=rank, world_size=tp, port=port):
             wires = [_run_to_wire(run_gpt_case(case)) for case in cases]
@@ -207,7 +207,7 @@ def run_tensor_parallel(
     exception becomes a ``RuntimeError`` naming the rank."""
     import torch.multiprocessing as mp
 
-    from torch_impl.testing.tiny import free_port
+    from torch_impl.process_state import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -29,11 +29,9 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
@@ -506,7 +504,7 @@ def _case_failed(case: str, exc: Exception) -> ContractError:
 def _run_gpt(
     jobs: list[_Job], model_cases: list[tuple[str, bool]], args: argparse.Namespace, progress: _Progress
 ) -> list[Any]:
-    from torch_impl.testing.tiny import megatron_parallel
+    from torch_impl.process_state import megatron_parallel
 
     from .comparison import compare_run
     from .gpt_cases import build_case_model, case_batch
@@ -600,7 +598,11 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     """Run ``hookcheck`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
-    args = _parser().parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0), or a bad option (2: argparse printed why)
+        return exit_.code if isinstance(exit_.code, int) else 2
     if args.tp < 1:
         return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
     if not 0 <= args.seed <= SEED_MAX:
@@ -609,9 +611,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         return _error(
             f"--case: expected no --no-synthetic beside it, got --case {' --case '.join(args.case)}", err
         )
-    with _known_noise_silenced():
-        from torch_impl.testing.caller_state import callers_state_kept
-        from torch_impl.testing.tiny import TinyGPTShape  # torch and Megatron: not for --help
+    from torch_impl.process_state import known_noise_silenced, tool_state  # torch: not for --help
+
+    with known_noise_silenced():
+        from torch_impl.tiny import TinyGPTShape  # Megatron: not for --help
 
     heads = TinyGPTShape().num_attention_heads
     if heads % args.tp:
@@ -623,9 +626,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         # virtual CPU devices for the sharded reference; read when JAX starts its backend
         os.environ["XLA_FLAGS"] = f"{saved_flags or ''} {_DEVICE_COUNT_FLAG}={args.tp}".strip()
     try:
-        # run in process (a notebook, a test), it leaves the caller's process group,
-        # Megatron groups, RNG, default dtype and environment as it found them
-        with callers_state_kept():
+        # run in process (a notebook, a test), the checks run under their own state (float32,
+        # grad mode on, no inference mode or autocast) and leave the caller's process group,
+        # Megatron groups, RNG, default dtype, grad mode and environment as they were
+        with tool_state():
             return _main(args, out, err)
     finally:
         if saved_flags is None:
@@ -638,9 +642,11 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    with _known_noise_silenced():
+    from torch_impl.process_state import NOISE_NOTE, known_noise_silenced
+
+    with known_noise_silenced():
         if not args.quiet:
-            print(f"hookcheck: {_NOISE_NOTE}", file=err, flush=True)
+            print(f"hookcheck: {NOISE_NOTE}", file=err, flush=True)
         try:
             return _run(args, out, err)
         except ContractError as exc:
@@ -651,53 +657,6 @@ def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             return _error(
                 f"{type(exc).__name__}: {exc} (run with --traceback for details)".replace("\n", " "), err
             )
-
-
-_KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # megatron.core at import, where neither is installed; the CPU cases use neither
-    (r"Transformer Engine and Apex are not installed", UserWarning),
-    (r"Apex is not installed", UserWarning),
-)
-"""The warnings hookcheck silences, by message: nothing else."""
-
-_KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
-    # torch, when it looks for CUDA on a CPU-only machine
-    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
-    # megatron-core 0.19 logs this once per GPTModel built: the case model is one on purpose
-    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
-)
-"""The log records hookcheck drops, by logger and message start: nothing else."""
-
-_NOISE_NOTE = (
-    "Megatron Core's notices that Transformer Engine and Apex are absent (the CPU cases use "
-    "neither), its GPTModel deprecation notice and torch's 'No CUDA runtime' line are silenced"
-)
-
-
-class _DropRecords(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-@contextlib.contextmanager
-def _known_noise_silenced() -> Iterator[None]:
-    """Silence :data:`_KNOWN_WARNINGS` and :data:`_KNOWN_LOG_RECORDS` inside; the
-    warning filters and loggers are as they were afterwards."""
-    filters = [(logging.getLogger(name), _DropRecords(prefix)) for name, prefix in _KNOWN_LOG_RECORDS]
-    with warnings.catch_warnings():
-        for message, category in _KNOWN_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=category)
-        for logger, f in filters:
-            logger.addFilter(f)
-        try:
-            yield
-        finally:
-            for logger, f in filters:
-                logger.removeFilter(f)
 
 
 if __name__ == "__main__":

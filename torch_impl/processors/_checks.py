@@ -247,7 +247,10 @@ processors do not follow (output logits in another dtype, softcapping). None is
 read by the output path of megatron-core 0.13.1 to 0.19.2; a release that adds
 one gets a ``ContractError`` naming it when it is set, not a silent difference."""
 
-_PROBE = (1.0, -2.0, 0.5, 3.0)
+_PROBE = (1.0, -2.0, 0.5, 3.0, 1e4, -1e6, 1e30, -1e-30)
+"""The values ``ctx.scale_logits`` is probed on, float64: from 1e-30 to 1e30 in
+size, both signs, so that a map that is ``c * z`` only on part of the range (a
+clamp or a softcap at any cap below 1e30, a flush of small values) is refused."""
 
 
 def context_logit_scale(ctx: Any, *, processor: str) -> float:
@@ -258,8 +261,10 @@ def context_logit_scale(ctx: Any, *, processor: str) -> float:
 
     - ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``, MuP's
       ``config.mup_output_mult`` where ``config.use_mup``; the identity before
-      MuP) is probed on a few CPU values: it must be ``x -> c * x`` with one
-      finite ``c > 0``; anything else (softcapping, an offset) is refused.
+      MuP) is probed on CPU values from 1e-30 to 1e30 in size (:data:`_PROBE`):
+      it must be ``x -> c * x`` with one finite ``c > 0`` on all of them, to
+      ``rtol=1e-6`` (float32 rounding passes); anything else (a clamp, a
+      softcap, an offset) is refused.
     - With no ``scale_logits`` (a context built by hand), ``c`` is the config's
       MuP multiplier (``use_mup``, ``mup_output_mult``), else 1.
     - A set field of :data:`UNSUPPORTED_LOGIT_OPTIONS` on ``ctx.config`` is refused.
@@ -300,6 +305,6 @@ def context_logit_scale(ctx: Any, *, processor: str) -> float:
         raise ContractError(
             "scale_logits",
             expected=f"{expected}: processor {processor!r} scales its own logits by c",
-            actual=f"{_PROBE} -> {tuple(round(v, 6) for v in y.flatten().tolist())}",
+            actual=f"{_PROBE} -> {tuple(float(f'{v:.6g}') for v in y.flatten().tolist())}",
         )
     return c

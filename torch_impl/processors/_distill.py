@@ -16,10 +16,11 @@ the teacher's tile of the same rows), reduced over the vocab shards:
   the student's three and the teacher's logits).
 
 Bad values, one rule per kind (as ``policy_loss``): the mask is read at every
-token (NaN, inf or negative raises ``ContractError``, deferred on a GPU, and the
-loss is NaN until then); the teacher's tensors are read at counted tokens only and
-checked there (``hookspec.conventions``); the student's hidden states and weight at
-every token (a NaN anywhere makes the loss NaN).
+token (NaN, inf or negative: ``ContractError`` naming the mask, at once on a CPU;
+on a GPU from a later check without a host read, the loss NaN until then); the
+teacher's tensors are read at counted tokens only and checked there
+(``hookspec.conventions``); the student's hidden states and weight at every token (a
+NaN anywhere makes the loss NaN).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch
 
 from hookspec import IGNORE_INDEX, Collectives, ContractError, SingleProcessCollectives, VocabShard
 from hookspec.arrays import format_shape
+from hookspec.collectives import checked_collectives
 
 from ._backends import auto_choice, triton_available
 from ._checks import (
@@ -133,14 +134,23 @@ _MOVED = {
 
 
 def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
-    """``options`` (default ``LinearOptions()``); a keyword of the earlier signature
+    """``options`` (default ``LinearOptions()``) with its collectives' results checked
+    (``hookspec.collectives.checked_collectives``); a keyword of the earlier signature
     (``temperature=``, ``vocab_start=``, ...) raises ``TypeError`` naming its field of
     :class:`LinearOptions`."""
     if extra:
         moved = [f"{k}= -> LinearOptions({_MOVED[k]})" for k in extra if k in _MOVED]
         hint = f": the options moved into options=LinearOptions(...): {'; '.join(moved)}" if moved else ""
         raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
-    return LinearOptions() if options is None else options
+    options = LinearOptions() if options is None else options
+    if not isinstance(options, LinearOptions):
+        raise ContractError(
+            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
+        )
+    vocab = options.vocab
+    tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
+    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
+    return options if checked is options.collectives else dataclasses.replace(options, collectives=checked)
 
 
 def check_hidden(hidden: Any) -> torch.Tensor:
@@ -226,10 +236,6 @@ def make_setup(
     against ``options`` and build its :class:`TileSetup`. ``fold``: the torch backend
     may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
     equal logits must stay equal: top-k's ties)."""
-    if not isinstance(options, LinearOptions):
-        raise ContractError(
-            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
-        )
     check_floating("weight", weight)
     n, hidden = h.shape
     if weight.dim() != 2 or weight.shape[1] != hidden:

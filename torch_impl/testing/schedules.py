@@ -61,6 +61,7 @@ Nothing in the library imports this module.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from unittest import mock
@@ -118,18 +119,57 @@ class CPUDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Patches:
+    """The three ``torch.cuda`` patches, shared by every thread inside
+    :func:`cpu_schedule`: made by the first entry, undone by the last exit.
+
+    A patch is process-wide (a module attribute) while :class:`CPUDeviceMode` is
+    per thread (torch's mode stack is thread-local). Patched once per entry, two
+    threads with interleaved exits left ``torch.cuda`` patched: the second entry
+    saved the first one's stand-ins as the "originals" and put them back last.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries = 0
+        self.stack: contextlib.ExitStack | None = None
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.entries == 0:
+                stream = mock.NonCallableMock(spec=["wait_event", "wait_stream", "synchronize"])
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
+                    stack.enter_context(mock.patch("torch.cuda.synchronize"))
+                    stack.enter_context(mock.patch("torch.cuda.current_stream", return_value=stream))
+                    self.stack = stack.pop_all()
+            self.entries += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.entries -= 1
+            if self.entries == 0 and self.stack is not None:
+                stack, self.stack = self.stack, None
+                stack.close()
+
+
+_PATCHES = _Patches()
+
+
 @contextlib.contextmanager
 def cpu_schedule() -> Iterator[None]:
     """Enter :class:`CPUDeviceMode` and patch ``torch.cuda.current_device`` (returns
     0), ``torch.cuda.synchronize`` (does nothing) and ``torch.cuda.current_stream``
     (a stream whose waits do nothing); all are undone on exit, also when the body
     raises. See the module docstring for the CUDA calls this covers.
+
+    Reentrant, in one thread and across threads: the patches are made by the first
+    entry and undone by the last exit, whatever the order of the exits; the mode
+    is each entering thread's own.
     """
-    stream = mock.NonCallableMock(spec=["wait_event", "wait_stream", "synchronize"])
-    with (
-        mock.patch("torch.cuda.current_device", return_value=0),
-        mock.patch("torch.cuda.synchronize"),
-        mock.patch("torch.cuda.current_stream", return_value=stream),
-        CPUDeviceMode(),
-    ):
-        yield
+    _PATCHES.enter()
+    try:
+        with CPUDeviceMode():
+            yield
+    finally:
+        _PATCHES.exit()

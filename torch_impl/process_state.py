@@ -1,0 +1,294 @@
+"""The process state a tool (``python -m torch_impl.doctor``, ``hookcheck``) runs
+under, and leaves as it found it when a caller runs it in process (a notebook, a
+test, a training script under torchrun).
+
+- :func:`tool_state`: the tool's own state inside (float32 default dtype, grad
+  mode on, inference mode and autocast off, the CPU as default device), the
+  caller's :class:`CallerState` put back afterwards, and every process group
+  registered inside destroyed (:func:`process_groups_kept`);
+- :func:`megatron_parallel`: ``torch.distributed`` (gloo on loopback) and
+  Megatron's model-parallel groups for the length of a block, reusing a caller's
+  and tearing down only what it made, the groups included;
+- :func:`known_noise_silenced`: the known import-time notices of Megatron Core
+  and torch on a CPU, silenced by message, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KNOWN_LOG_RECORDS",
+    "KNOWN_WARNINGS",
+    "NOISE_NOTE",
+    "CallerState",
+    "callers_state_kept",
+    "free_port",
+    "known_noise_silenced",
+    "megatron_parallel",
+    "process_groups_kept",
+    "registered_process_groups",
+    "tool_state",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallerState:
+    """A snapshot of what :func:`callers_state_kept` restores: the random number
+    generators (torch CPU and initialised CUDA devices, Python's ``random``,
+    NumPy's global one), torch's default dtype, default device and grad mode, and
+    the environment variables (``MASTER_PORT`` and friends)."""
+
+    torch_rng: torch.Tensor
+    cuda_rng: tuple[torch.Tensor, ...]
+    python_rng: Any
+    numpy_rng: Any
+    default_dtype: torch.dtype
+    default_device: torch.device
+    grad_enabled: bool
+    environ: dict[str, str]
+
+    @classmethod
+    def now(cls) -> CallerState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        numpy = sys.modules.get("numpy")
+        return cls(
+            torch_rng=torch.random.get_rng_state(),
+            cuda_rng=tuple(cuda),
+            python_rng=random.getstate(),
+            numpy_rng=numpy.random.get_state() if numpy is not None else None,
+            default_dtype=torch.get_default_dtype(),
+            default_device=torch.get_default_device(),
+            grad_enabled=torch.is_grad_enabled(),
+            environ=dict(os.environ),
+        )
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.torch_rng)
+        if self.cuda_rng:
+            torch.cuda.set_rng_state_all(list(self.cuda_rng))
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        torch.set_default_dtype(self.default_dtype)
+        if torch.get_default_device() != self.default_device:
+            torch.set_default_device(self.default_device)
+        torch.set_grad_enabled(self.grad_enabled)
+        for name in set(os.environ) - set(self.environ):
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def callers_state_kept() -> Iterator[CallerState]:
+    """Run the body, then put back the state of :class:`CallerState` as it was."""
+    state = CallerState.now()
+    try:
+        yield state
+    finally:
+        state.restore()
+
+
+def registered_process_groups() -> list[Any]:
+    """Every process group ``torch.distributed`` holds now (none where it is not
+    initialised). Read from ``distributed_c10d._world.pg_map``, torch's registry,
+    which has no public listing (torch 2.13)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return []
+    return list(torch.distributed.distributed_c10d._world.pg_map)
+
+
+@contextlib.contextmanager
+def process_groups_kept() -> Iterator[None]:
+    """Run the body; afterwards destroy every process group registered inside it.
+
+    Megatron's ``destroy_model_parallel`` forgets its groups but leaves them
+    registered, each with its sockets and threads: twenty-odd groups per
+    ``initialize_model_parallel`` inside a caller's gloo group. Here a caller's
+    default group and its other groups are kept; where the body made the default
+    group and left it, ``destroy_process_group()`` ends it and every group with it.
+    """
+    had_default = torch.distributed.is_available() and torch.distributed.is_initialized()
+    before = registered_process_groups()
+    try:
+        yield
+    finally:
+        if not had_default:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        else:
+            for group in registered_process_groups():
+                if not any(group is kept for kept in before):
+                    torch.distributed.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def tool_state() -> Iterator[CallerState]:
+    """Run a tool's checks under the tool's own state, and leave the caller's as found.
+
+    Inside: default dtype float32, grad mode on, inference mode off, autocast off
+    (CPU, and CUDA where there is one), default device the CPU, so that a caller
+    inside ``torch.no_grad()``, ``torch.inference_mode()`` or with a float64
+    default dtype gets the same verdict as any other. Afterwards: the caller's
+    :class:`CallerState` and process groups (:func:`process_groups_kept`).
+    Yields the caller's state, as found.
+    """
+    with callers_state_kept() as state, process_groups_kept(), contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        torch.set_default_dtype(torch.float32)
+        if torch.get_default_device().type != "cpu":
+            torch.set_default_device("cpu")
+        yield state
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def megatron_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    rank: int = 0,
+    world_size: int | None = None,
+    port: int | None = None,
+    backend: str = "gloo",
+    vpp: int | None = None,
+) -> Iterator[None]:
+    """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
+    model parallel groups (``tp`` x ``cp`` x ``pp`` ranks: tensor, context and
+    pipeline parallel); tear both down on exit. One process per rank.
+    ``vpp``: the virtual pipeline size (model chunks per pipeline rank).
+
+    The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
+    ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
+    torchrun or Slurm, a tool such as ``hookcheck`` makes its own group without
+    colliding with the caller's.
+
+    The caller's state is left as found: a process group the caller initialised
+    (of ``world_size`` ranks) is used and kept; Megatron's groups the caller
+    initialised (of the same ``tp`` and ``pp``) are used and kept; only what this
+    call made is torn down, the process groups Megatron registered for it
+    included (:func:`process_groups_kept`). A caller's group or Megatron groups of
+    other sizes raise ``RuntimeError`` (one process cannot hold two).
+    """
+    from megatron.core import parallel_state
+
+    world_size = world_size or tp * pp * cp
+    made_group = not torch.distributed.is_initialized()
+    if made_group:
+        port = free_port() if port is None else port
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    elif torch.distributed.get_world_size() != world_size:
+        raise RuntimeError(
+            f"megatron_parallel: the caller's process group has {torch.distributed.get_world_size()} "
+            f"ranks, {world_size} asked; run this in a process of its own"
+        )
+    made_state = not parallel_state.model_parallel_is_initialized()
+    if not made_state:
+        if made_group:  # Megatron groups without a process group: stale, not the caller's
+            parallel_state.destroy_model_parallel()
+            made_state = True
+        elif (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+        ) != (tp, pp, cp):
+            raise RuntimeError(
+                "megatron_parallel: the caller's Megatron groups are "
+                f"tp={parallel_state.get_tensor_model_parallel_world_size()}, "
+                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, "
+                f"cp={parallel_state.get_context_parallel_world_size()}; tp={tp}, pp={pp}, cp={cp} asked"
+            )
+    try:
+        with process_groups_kept():
+            try:
+                if made_state:
+                    parallel_state.initialize_model_parallel(
+                        tensor_model_parallel_size=tp,
+                        pipeline_model_parallel_size=pp,
+                        virtual_pipeline_model_parallel_size=vpp,
+                        context_parallel_size=cp,
+                    )
+                yield
+            finally:
+                if made_state:
+                    parallel_state.destroy_model_parallel()
+    finally:
+        if made_group:
+            torch.distributed.destroy_process_group()
+
+
+KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # megatron.core at import, where neither is installed; the CPU checks use neither
+    (r"Transformer Engine and Apex are not installed", UserWarning),
+    (r"Apex is not installed", UserWarning),
+    # megatron-core 0.19.2, every TransformerConfig: its own default cuda_graph_scope is the deprecated one
+    (r"full scope is deprecated", UserWarning),
+)
+"""The warnings the tools silence, by message: nothing else."""
+
+KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
+    # torch, when it looks for CUDA on a CPU-only machine
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+    # megatron-core 0.19 logs this once per GPTModel built: the tools' models are GPTModels on purpose
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+"""The log records the tools drop, by logger and message start: nothing else."""
+
+NOISE_NOTE = (
+    "Megatron Core's notices that Transformer Engine and Apex are absent (the CPU checks use "
+    "neither), its GPTModel and CUDA-graph-scope deprecation notices and torch's 'No CUDA runtime' "
+    "line are silenced"
+)
+"""What :func:`known_noise_silenced` silences, in words, for a tool to print."""
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def known_noise_silenced() -> Iterator[None]:
+    """Silence :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_RECORDS` inside; the
+    warning filters and loggers are as they were afterwards."""
+    filters = [(logging.getLogger(name), _DropRecords(prefix)) for name, prefix in KNOWN_LOG_RECORDS]
+    with warnings.catch_warnings():
+        for message, category in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for logger, f in filters:
+            logger.addFilter(f)
+        try:
+            yield
+        finally:
+            for logger, f in filters:
+                logger.removeFilter(f)

@@ -1,0 +1,187 @@
+"""A tiny Megatron GPT that runs on a CPU, for the doctor, ``hookcheck``, tests,
+notebooks and benchmarks.
+
+Built through Megatron's own spec system: ``get_gpt_layer_local_spec()`` with its
+core attention swapped for :class:`CPUCoreAttention` (the stock local attention
+takes its scratch buffer from a CUDA memory pool), learned absolute positions
+(rotary kernels need CUDA), fusions off and dropout 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .process_state import free_port, megatron_parallel
+
+__all__ = [
+    "CPUCoreAttention",
+    "TinyGPTShape",
+    "build_tiny_gpt",
+    "cpu_layer_spec",
+    "free_port",
+    "megatron_parallel",
+    "tiny_batch",
+    "tiny_config",
+]
+
+
+class CPUCoreAttention(MegatronModule):
+    """Causal softmax attention through ``F.scaled_dot_product_attention``.
+
+    Takes Megatron's core-attention arguments: query ``[sq, b, np, hn]``, key
+    and value ``[sk, b, ng, hn]``; returns ``[sq, b, np * hn]``. With packed
+    (THD) ``packed_seq_params`` the mask is causal within each sequence.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        thd = query.dim() == 3  # packed input arrives as [t, np, hn]
+        if thd:
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+        sq, b, n_heads, hn = query.shape
+        groups = key.shape[2]
+        if groups != n_heads:
+            key = key.repeat_interleave(n_heads // groups, dim=2)
+            value = value.repeat_interleave(n_heads // groups, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, np, s, hn]
+        mask = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q.to(q.device)
+            seq_id = torch.bucketize(torch.arange(sq, device=q.device), cu[1:], right=True)
+            mask = mask & (seq_id[:, None] == seq_id[None, :])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.softmax_scale
+        )
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * hn)
+        return out.squeeze(1) if thd else out
+
+
+def cpu_layer_spec() -> Any:
+    """Megatron's local GPT layer spec with :class:`CPUCoreAttention`."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyGPTShape:
+    """Sizes of the tiny model."""
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    vocab_size: int = 64
+    max_sequence_length: int = 64
+
+
+def tiny_config(shape: TinyGPTShape = TinyGPTShape(), **overrides: Any) -> TransformerConfig:
+    """A CPU-safe ``TransformerConfig``: fp32, dropout 0, fusions off."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_tiny_gpt(
+    shape: TinyGPTShape = TinyGPTShape(),
+    *,
+    seed: int = 1234,
+    share_embeddings_and_output_weights: bool = False,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    mtp_block_spec: Any = None,
+    transformer_layer_spec: Any = None,
+    vp_stage: int | None = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """A tiny ``GPTModel`` on the CPU; the same ``seed`` gives the same weights on
+    every rank and every call (Megatron's CPU init splits one master weight).
+    ``transformer_layer_spec``: a layer or block spec instead of :func:`cpu_layer_spec`.
+    ``vp_stage``: this model chunk's virtual pipeline stage (interleaved schedule;
+    pass ``virtual_pipeline_model_parallel_size=`` too), which sets its layers and
+    whether it holds the embedding and the output layer."""
+    config = tiny_config(shape, **config_overrides)
+    virtual = vp_stage is not None
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+        mtp_block_spec=mtp_block_spec,
+        vp_stage=vp_stage,
+    )
+
+
+def tiny_batch(
+    batch: int = 2, seq: int = 8, vocab_size: int = 64, *, seed: int = 0
+) -> dict[str, torch.Tensor | None]:
+    """``input_ids``, ``position_ids``, ``attention_mask`` (None: causal inside the
+    attention), ``labels`` (inputs shifted by one) and ``loss_mask``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=g)
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
+        "attention_mask": None,
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(batch, seq),
+    }
