@@ -116,8 +116,8 @@ def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     if _out_dtype_gemm(a) and a.dtype == b.dtype:
         try:
             return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        except RuntimeError:  # a release whose addmm(out_dtype) takes no fp32 accumulator
-            return out.add_(torch.mm(a, b, out_dtype=out.dtype))
+        except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
+            return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
     return out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
