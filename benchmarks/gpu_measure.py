@@ -144,20 +144,27 @@ def _bytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 def recorded_kernel_cases(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> list[KernelCase]:
     """The Triton backend's kernels, found by running it once (see the module docstring):
     per kernel and constexprs, the first launch on a full chunk, replayable."""
-    from torch_impl.processors import fused_token_loss, linear_logprobs
+    from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
+    triton = LinearOptions(backend="triton")
     with _recording() as got:
         for entropy in (True, False):
             hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-            r = linear_logprobs(hh, ww, y, with_entropy=entropy, backend="triton")
+            r = linear_logprobs(hh, ww, y, with_entropy=entropy, options=triton)
             (r.logprobs.sum() + (r.entropy.sum() if r.entropy is not None else 0.0)).backward()
-        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        fused_token_loss(
-            hh, ww, y, lambda lp, ent, rows: (lp - 0.01 * ent).sum(), backend="triton"
-        ).loss.backward()
+        for entropy_grad in (True, False):  # two passes a tile, and the single pass
+            hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            loss = (
+                (lambda lp, ent, rows: (lp - 0.01 * ent).sum())
+                if entropy_grad
+                else (lambda lp, ent, rows: lp.sum())
+            )
+            fused_token_loss(hh, ww, y, loss, options=triton, entropy_grad=entropy_grad).loss.backward()
     cases: dict[str, KernelCase] = {}
     biggest: dict[str, int] = {}
     for fn, grid, args, kwargs in got:
+        if kwargs.get("REDO"):  # the single pass's second launch reads only flagged rows: none here
+            continue
         flags = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if isinstance(v, bool))
         name = f"{fn.__name__}({flags})" if flags else fn.__name__
         size = _bytes_of(args, kwargs)

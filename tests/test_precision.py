@@ -24,7 +24,6 @@ norms.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +49,7 @@ from torch_impl.processors import (
     topk_logprobs,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # the interpreter: conftest sets it
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 

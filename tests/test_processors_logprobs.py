@@ -66,7 +66,8 @@ def three_way(
     naive = run(lambda a, b: reference(a, b, y, temperature, h.dtype))
 
     def ours_fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        r = linear_logprobs(a, b, y, temperature=temperature, with_entropy=with_entropy, **kwargs)
+        options = LinearOptions(temperature=temperature, **kwargs)  # type: ignore[arg-type]
+        r = linear_logprobs(a, b, y, with_entropy=with_entropy, options=options)
         return r.logprobs, r.entropy
 
     ours = run(ours_fn)
@@ -115,7 +116,7 @@ def test_three_way_shapes(
     dtype: torch.dtype, n: int, hidden: int, vocab: int, chunks: tuple[int, int]
 ) -> None:
     h, w, y = _inputs(n, hidden, vocab, dtype, scale=3.0)
-    errors = three_way(h, w, y, vocab_chunk_size=chunks[0], token_chunk_size=chunks[1])
+    errors = three_way(h, w, y, tile_cols=chunks[0], tile_rows=chunks[1])
     assert_no_worse(errors, dtype)
 
 
@@ -124,9 +125,9 @@ def test_three_way_temperature_per_token_and_ignored(dtype: torch.dtype) -> None
     h, w, y = _inputs(45, 17, 301, dtype, seed=1, scale=4.0)
     y[::5] = IGNORE
     t = (torch.rand(45, generator=torch.Generator().manual_seed(3)) + 0.3).to(dtype)
-    errors = three_way(h, w, y, temperature=t, vocab_chunk_size=64, token_chunk_size=16)
+    errors = three_way(h, w, y, temperature=t, tile_cols=64, tile_rows=16)
     assert_no_worse(errors, dtype)
-    errors = three_way(h, w, y, temperature=0.7, vocab_chunk_size=64, token_chunk_size=16)
+    errors = three_way(h, w, y, temperature=0.7, tile_cols=64, tile_rows=16)
     assert_no_worse(errors, dtype)
 
 
@@ -136,7 +137,7 @@ def test_three_way_on_gpu(dtype: torch.dtype) -> None:
     """On a GPU the matmuls run in the input dtype (fp32 out where cuBLAS allows)."""
     h, w, y = _inputs(300, 64, 5000, dtype, seed=12, scale=3.0)
     y[::7] = IGNORE
-    errors = three_way(h.cuda(), w.cuda(), y.cuda(), vocab_chunk_size=1024, token_chunk_size=128)
+    errors = three_way(h.cuda(), w.cuda(), y.cuda(), tile_cols=1024, tile_rows=128)
     assert_no_worse(errors, dtype)
 
 
@@ -214,7 +215,7 @@ def test_logits_up_to_1e4_and_peaked(dtype: torch.dtype) -> None:
     h, w, y = _inputs(30, 8, 400, torch.float64, seed=7)
     w = w * (1e4 / float((h @ w.T).abs().max()))  # |logit| up to 1e4
     h[:10] = w[y[:10]] / w[y[:10]].norm(dim=1, keepdim=True) * 5.0  # planted peaks at the label
-    errors = three_way(h.to(dtype), w.to(dtype), y, vocab_chunk_size=96, token_chunk_size=8)
+    errors = three_way(h.to(dtype), w.to(dtype), y, tile_cols=96, tile_rows=8)
     assert_no_worse(errors, dtype)
 
 

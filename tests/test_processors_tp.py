@@ -68,12 +68,13 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     half = V // 2
     shard = slice(rank * half, (rank + 1) * half)
     tol = {"rtol": 0.0, "atol": 1e-10}
-    kw = {"vocab_start": rank * half, "vocab_size": V, "chunk_size": 16, "token_chunk_size": 5}
+    shard_rows = VocabShard(rank * half, (rank + 1) * half, V)
+    kw = {"temperature": p["t"], "vocab": shard_rows, "tile_cols": 16, "tile_rows": 5}
 
     # 1. logprobs and entropy, autograd through the recomputing backward
     h = p["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
-    r = linear_logprobs(h, w, p["y"], temperature=p["t"], with_entropy=True, collectives=coll, **kw)
+    r = linear_logprobs(h, w, p["y"], with_entropy=True, options=LinearOptions(collectives=coll, **kw))
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy**2).sum().backward()
     torch.testing.assert_close(r.logprobs, truth["lp"], **tol)
@@ -106,7 +107,7 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     h_local = p["h"][rows].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
     sp = GlooSequenceParallel(coll, group)
-    r = linear_logprobs(h_local, w, p["y"], temperature=p["t"], with_entropy=True, collectives=sp, **kw)
+    r = linear_logprobs(h_local, w, p["y"], with_entropy=True, options=LinearOptions(collectives=sp, **kw))
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy**2).sum().backward()
     torch.testing.assert_close(r.logprobs, truth["lp"], **tol)

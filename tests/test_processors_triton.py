@@ -92,7 +92,8 @@ def ours(
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
     t = p["t"] if temperature == "per-token" else temperature
-    r = linear_logprobs(h, w, p["y"], temperature=t, with_entropy=True, backend=backend, **kw)  # type: ignore[arg-type]
+    options = LinearOptions(temperature=t, backend=backend, **kw)  # type: ignore[arg-type]
+    r = linear_logprobs(h, w, p["y"], with_entropy=True, options=options)
     assert r.entropy is not None
     c_lp, c_ent = p["c_lp"].float(), p["c_ent"].float()
     if grad_out_strided:  # cotangents that are views with stride 2
@@ -138,7 +139,7 @@ def test_chunks_against_the_torch_path(dtype: torch.dtype, token_chunk: int, voc
     gradient written in place over several kernel steps (64 columns a step here),
     2-byte outputs included. Against float64."""
     p = inputs(dtype=dtype, seed=11)
-    kw = dict(token_chunk_size=token_chunk, vocab_chunk_size=vocab_chunk)
+    kw = dict(tile_rows=token_chunk, tile_cols=vocab_chunk)
     tri = ours(p, "triton", "per-token", **kw)
     exact = truth(p, "per-token")
     big = scale_of(exact)

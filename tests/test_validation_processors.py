@@ -354,18 +354,21 @@ def test_a_context_without_a_temperature_means_t_equal_1() -> None:
         assert torch.equal(got, want), context
 
 
-@pytest.mark.parametrize(
-    "context", [{"temperature": 0.5}, _Sampling(0.5), "batch"], ids=["mapping", "attribute", "PolicyBatch"]
-)
-def test_cross_entropy_refuses_a_context_temperature(context: Any) -> None:
-    """Megatron's loss takes no temperature: a context that holds one is refused,
-    not ignored."""
+@pytest.mark.parametrize("name", ["temperature", "global_tokens"])
+@pytest.mark.parametrize("form", ["mapping", "PolicyBatch"])
+def test_cross_entropy_refuses_a_context_temperature(name: str, form: str) -> None:
+    """Megatron's per-token loss takes no temperature and divides by no count: a context
+    that holds either is refused, not ignored (``global_tokens`` was ignored without a
+    word while ``reduction="sum"`` refused it)."""
     d = _data()
-    if context == "batch":
-        context = dataclasses.replace(d["batch"], temperature=0.5)
-    with pytest.raises(ContractError, match=r"^context\.temperature: expected none \(cross_entropy_loss"):
+    context: Any = {name: 0.5}
+    if form == "PolicyBatch":
+        context = dataclasses.replace(d["batch"], **{name: 0.5})
+    with pytest.raises(ContractError, match=rf"^context\.{name}: expected none: cross_entropy_loss\(\)"):
         cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], context))
-    cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], {"temperature": None}))
+    cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], {name: None}))
+    with pytest.raises(ContractError, match=r"^context\.temperature"):
+        cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], _Sampling(0.5)))  # an attribute
 
 
 def test_policy_batch_given_as_a_mapping_is_refused_with_the_fix() -> None:
