@@ -330,19 +330,32 @@ PAIR = [
 def test_example_pair_passes_hookcheck(tp: int) -> None:
     """``python -m jax_ref.check.hookcheck`` on the README's pair, as the README
     shows it: every comparison passes (tp=1: fp32, bf16, fp16, tied, synthetic
-    cases; tp=2: two gloo ranks against the reference sharded over two devices)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_ref.check.hookcheck", *PAIR, "--tp", str(tp), "--quiet"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    cases; tp=2: two gloo ranks against the reference sharded over two devices).
+    tp=1 runs the command's ``main`` in this process (the same arguments, without
+    a second interpreter's imports); tp=2 needs its own (JAX's device count is set
+    before JAX starts)."""
+    argv = [*PAIR, "--tp", str(tp), "--quiet"]
+    if tp == 1:
+        import io
+
+        from jax_ref.check.hookcheck import main
+
+        stdout, stderr = io.StringIO(), io.StringIO()
+        code = main(argv, out=stdout, err=stderr)
+        out = stdout.getvalue() + stderr.getvalue()
+    else:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        env.pop("MASTER_PORT", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jax_ref.check.hookcheck", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    assert code == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
     if tp == 2:  # the README shows this run's table: its header and rows are what hookcheck prints

@@ -16,6 +16,7 @@ import pathlib
 import pytest
 import torch
 
+import torch_impl.process_state as process_state
 import torch_impl.testing.tiny as support
 import torch_impl.tiny as tiny
 
@@ -53,3 +54,18 @@ def test_same_seed_same_weights_and_the_callers_rng_left_as_found() -> None:
     assert not torch.equal(
         sa["decoder.layers.0.mlp.linear_fc1.weight"], sc["decoder.layers.0.mlp.linear_fc1.weight"]
     )
+
+
+def test_one_process_takes_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process group meets over an in-memory store: nothing to collide on when
+    test workers start side by side (it took a free TCP port and could lose it)."""
+
+    def no_port() -> int:
+        raise AssertionError("a one-process group asked for a port")
+
+    monkeypatch.setattr(process_state, "free_port", no_port)
+    with tiny.megatron_parallel():
+        x = torch.ones(2)
+        torch.distributed.all_reduce(x)
+        assert torch.distributed.get_world_size() == 1 and torch.equal(x, torch.ones(2))
+    assert not torch.distributed.is_initialized()
