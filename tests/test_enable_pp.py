@@ -55,7 +55,8 @@ def _pp2_rank(
     held = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
     want = _stage_state(full_state, model, offset=rank)
     assert held.keys() == want.keys()
-    assert all(torch.equal(held[k], want[k]) for k in want), [k for k in want if not torch.equal(held[k], want[k])]
+    differ = [k for k in want if not torch.equal(held[k], want[k])]
+    assert not differ, f"stage tensors other than the pp=1 model's: {differ}"
     inputs = cases.model_inputs(batch)
     processor = hookspec.processor(_counting_logprobs)
     if rank == 0:
