@@ -94,7 +94,7 @@ def per_call_cost(model: Any, hook_kwargs: dict[str, Any], result: torch.Tensor,
 
 def run(size: dict[str, int]) -> list[dict[str, Any]]:
     import torch_impl
-    from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, megatron_parallel, tiny_batch
+    from torch_impl.tiny import TinyGPTShape, build_tiny_gpt, megatron_parallel, tiny_batch
 
     shape = TinyGPTShape(
         num_layers=size["layers"],

@@ -106,6 +106,22 @@ class OutputContext:
     global vocabulary, ``V_local = vocab.end - vocab.start`` this rank's rows
     of it (``V / tp`` under tensor parallel).
 
+    Which fields may be ``None``, and when: through an enabled model,
+    ``labels``, ``loss_mask``, ``context``, ``position_ids``, ``attention_mask``,
+    ``padding_mask``, ``decoder_input``, ``inference_context``,
+    ``packed_seq_params`` and ``runtime_gather_output`` are ``None`` wherever the
+    forward got none (Megatron's forward takes each as optional: a plain
+    ``model(input_ids, position_ids, attention_mask, labels=labels,
+    output_processor=...)`` passes no ``loss_mask`` and no user ``context``);
+    ``input_ids`` on a pipeline stage that did not receive them;
+    ``output_weight`` unless the embeddings are tied. ``output_layer``,
+    ``compute_language_model_loss``, ``scale_logits``, ``config``,
+    ``vocab_weight`` and ``vocab`` are set by an enabled model and ``None`` only
+    in a context built by hand. A processor handles ``None`` in each field it
+    reads, or refuses it with a :class:`~hookspec.ContractError` naming the
+    field, as the built-in processors do (a ``None`` ``loss_mask``: every token
+    counts; a user ``context`` of another type than the one read: refused).
+
     Attributes:
         hidden_states: ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence
             parallel; after the final layernorm (and, for ``mtp_depth = k``,
@@ -114,16 +130,20 @@ class OutputContext:
         output_layer: the model's output layer, a ``ColumnParallelLinear``
             called as ``output_layer(h, weight=..., runtime_gather_output=...)
             -> (logits [s, b, V_local], bias)``; its ``weight`` is absent with
-            tied embeddings.
+            tied embeddings. ``None`` only in a context built by hand.
         output_weight: upstream's value: the tied embedding weight
             ``[V_local, h]`` when the embeddings are tied, else ``None``. Prefer
             ``vocab_weight``, which is always the weight in use.
-        labels: ``[b, s]`` global token ids, or ``None`` (RL and inference:
-            the processor derives what it needs from ``input_ids``).
-        loss_mask: ``[b, s]``, 1 where a token counts, or ``None``.
+        labels: ``[b, s]`` global token ids, or ``None`` where the forward
+            got no ``labels=`` (RL rollouts and inference: the processor
+            derives what it needs from ``input_ids``, or refuses).
+        loss_mask: ``[b, s]``, 1 where a token counts, or ``None`` where the
+            forward got no ``loss_mask=`` (the usual plain call; a schedule
+            recipe may carry its mask in the user context): then every token
+            counts but those labelled ``ignore_index``.
         input_ids: ``[b, s]`` the token ids the model was given, or ``None``
             on a pipeline stage that did not receive them.
-        position_ids: ``[b, s]``, or ``None``.
+        position_ids: ``[b, s]``, or ``None`` where the forward got none.
         attention_mask: Megatron's mask as the model received it (``[b, 1, s,
             s]`` bool, True masks out), or ``None`` for causal kernels.
         decoder_input: the embedded input ``[s, b, h]`` when the caller passed
@@ -134,9 +154,14 @@ class OutputContext:
             sequences (``cu_seqlens_q`` and friends), else ``None``.
         runtime_gather_output: the caller's request to all-gather the logits
             over tensor parallel (``None``: the output layer's own setting).
-        context: the caller's ``output_processor_context``, untouched.
+        context: the caller's ``output_processor_context``, untouched;
+            ``None`` where the caller passed none. A processor that reads one
+            checks its type and raises ``ContractError("context", ...)``
+            otherwise, as ``policy_loss`` (a ``PolicyBatch``) and
+            ``distillation_loss`` (a teacher) do.
         compute_language_model_loss: Megatron's ``(labels [b, s], logits
             [s, b, V_local]) -> loss [b, s]`` (vocab-parallel cross entropy).
+            ``None`` only in a context built by hand.
         scale_logits: the model's logit scaling, ``logits -> logits``,
             elementwise: ``logits * config.mup_output_mult`` where the model
             uses MuP (``config.use_mup``), else the identity (also where the
@@ -144,14 +169,17 @@ class OutputContext:
             ``vocab_weight`` applies it to them, before any temperature, as
             the stock head does before its loss; otherwise its logits differ
             from the model's under MuP. (The built-in processors apply the
-            same factor as ``logit_scale``.)
-        config: the model's ``TransformerConfig``.
+            same factor as ``logit_scale``.) ``None`` only in a context
+            built by hand (no scaling).
+        config: the model's ``TransformerConfig``; ``None`` only in a context
+            built by hand.
         vocab_weight: ``[V_local, h]``, this rank's rows of the vocabulary
             (row ``r`` is token ``vocab.start + r``): ``output_weight`` when
             the embeddings are tied, else the output layer's weight. An enabled model always
             sets it; ``None`` only in a context built by hand without a
             weight, and a processor that multiplies by it must then refuse.
-        padding_mask: ``[b, s]``, True at padding, or ``None``.
+        padding_mask: ``[b, s]``, True at padding, or ``None`` where the
+            forward got none.
         parallel: the :class:`ParallelLayout` of this rank.
         vocab: the :class:`VocabShard` of this rank. An enabled model always
             sets it; ``None`` only in a context built by hand without a vocab

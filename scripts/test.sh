@@ -24,9 +24,13 @@ step "types: mypy (strict on hookspec; checked bodies in torch_impl, jax_ref)"
 "$venvs/py312/bin/mypy" || status=1
 
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+# Two pytest-xdist workers, a test file each at a time; the tests marked release_independent
+# run once, in py312; the 25 slowest tests are printed (docs/testing.md: what runs where, why).
 for name in py311 py312; do
+  once=(); [ "$name" = py311 ] && once=(-m "not release_independent")
   step "pytest on $name ($("$venvs/$name/bin/python" -c 'import importlib.metadata as md, sys; v = md.version("megatron-core"); print(f"Python {sys.version.split()[0]}, megatron-core {v}")'))"
-  "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=1
+  "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 \
+    ${once[@]+"${once[@]}"} "$@" || status=1
 done
 # The GPU machine's torch and Triton: the tests whose outcome depends on them. Left out: the
 # tp=2 runs (gloo, the same kernels as tp=1) and the 262144-entry vocabulary (size, not

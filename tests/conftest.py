@@ -8,6 +8,11 @@ import pytest
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("megatron") is not None
 
+# One intra-op thread per process unless asked otherwise, set before torch loads: the tests'
+# tensors are tiny, and on a small CPU the spinning threads of two processes (pytest-xdist
+# workers, gloo ranks, which inherit it) cost more than they give (docs/testing.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Triton decides interpreted or compiled when it is first imported, and any test module
 # (or Megatron, or a benchmark) may import it during collection: without a GPU, its
 # interpreter is switched on here, before any of them.

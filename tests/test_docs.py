@@ -11,6 +11,10 @@ written, in a fresh namespace):
   :func:`test_example_pair_passes_hookcheck` below).
 - ``<!-- runs-with: SETUP -->``: run after the names of a setup are defined
   (:data:`SETUPS`: a tiny Megatron GPT and its batch, built on the CPU).
+- ``<!-- runs-as: FILE -->``: a whole program, as a reader saves it (the README's
+  quickstart): written to ``FILE`` in a temporary folder and run there as
+  ``python FILE`` in a fresh process, which must import no test support
+  (``torch_impl.testing``); where a ```text block follows it, that is its output.
 - ``<!-- not-run: REASON -->``: a fragment by design (pseudocode, the body of a
   function shown in place); skipped with the reason. There are few
   (:data:`MAX_NOT_RUN`).
@@ -40,7 +44,7 @@ HAS_JAX = importlib.util.find_spec("jax") is not None and importlib.util.find_sp
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
-_MARKER = re.compile(r"^<!--\s*(include|runs-with|not-run):\s*(.*?)\s*-->\s*$")
+_MARKER = re.compile(r"^<!--\s*(include|runs-with|runs-as|not-run):\s*(.*?)\s*-->\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +54,9 @@ class Block:
     path: Path
     line: int  # 1-based line of the opening fence
     code: str
-    kind: str  # "run", "include", "runs-with" or "not-run"
+    kind: str  # "run", "include", "runs-with", "runs-as" or "not-run"
     arg: str
+    output: str | None = None  # the ```text block right after the block's fence, if any
 
     @property
     def id(self) -> str:
@@ -74,9 +79,23 @@ def python_blocks(path: Path) -> list[Block]:
         if fence.group(1) == "python":
             marker = _MARKER.match(lines[i - 1]) if i > 0 else None
             kind, arg = (marker.group(1), marker.group(2)) if marker else ("run", "")
-            blocks.append(Block(path, i + 1, "\n".join(lines[i + 1 : end]) + "\n", kind, arg))
+            code = "\n".join(lines[i + 1 : end]) + "\n"
+            blocks.append(Block(path, i + 1, code, kind, arg, _text_block_after(lines, end)))
         i = end + 1
     return blocks
+
+
+def _text_block_after(lines: list[str], close: int) -> str | None:
+    """The body of a ```text block opening after blank lines only past line ``close``."""
+    i = close + 1
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    if i >= len(lines) or lines[i].strip() != "```text":
+        return None
+    end = i + 1
+    while end < len(lines) and not lines[end].startswith("```"):
+        end += 1
+    return "\n".join(lines[i + 1 : end]) + "\n"
 
 
 BLOCKS = [b for path in DOCS if path.exists() for b in python_blocks(path)]
@@ -229,8 +248,37 @@ def test_block(setup_names: dict[str, Any], request: pytest.FixtureRequest) -> N
     reason = _needs(block.code)
     if reason:
         pytest.skip(reason)
+    if block.kind == "runs-as":
+        _run_as_program(block, request.getfixturevalue("tmp_path"))
+        return
     names = {"__name__": f"docs_block_{block.line}", **setup_names}
     exec(compile(block.code, block.id, "exec"), names)
+
+
+def _run_as_program(block: Block, folder: Path) -> None:
+    """``python FILE`` on the block's text in a fresh process (the repository root on
+    ``PYTHONPATH``, as an installed checkout has it); then no ``torch_impl.testing``
+    module may be loaded, and a ```text block after it is what it printed."""
+    name = block.arg
+    assert re.fullmatch(r"\w+\.py", name), f"{block.id}: runs-as names a file, not {name!r}"
+    (folder / name).write_text(block.code)
+    probe = (
+        "import runpy, sys\n"
+        f"runpy.run_path({name!r}, run_name='__main__')\n"
+        "support = sorted(m for m in sys.modules if m.startswith('torch_impl.testing'))\n"
+        "assert not support, f'the program imported test support: {support}'\n"
+    )
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{block.id}:\n{proc.stdout}\n{proc.stderr}"
+    if block.output is not None:
+        assert proc.stdout == block.output, (
+            f"{block.id} printed\n{proc.stdout}\nthe page shows\n{block.output}"
+        )
 
 
 def test_markers_are_few_and_known() -> None:
@@ -244,6 +292,8 @@ def test_markers_are_few_and_known() -> None:
         if b.kind == "runs-with":
             assert b.arg in SETUPS, f"{b.id}: unknown setup {b.arg!r}"
     assert any(b.kind == "include" and b.arg == "docs/examples/my_processor.py" for b in BLOCKS)
+    readme = [b for b in BLOCKS if b.path.name == "README.md"]
+    assert readme[0].kind == "runs-as" and readme[0].output, "the README opens with a quickstart that runs"
 
 
 def test_markers_are_read(tmp_path: Path) -> None:
@@ -252,12 +302,14 @@ def test_markers_are_read(tmp_path: Path) -> None:
     md.write_text(
         "text\n```python\na = 1\n```\n<!-- not-run: pseudocode -->\n```python\nfor k in 1..K\n```\n"
         "<!-- runs-with: gpt -->\n```python\nmodel\n```\n```bash\nls\n```\n"
+        "<!-- runs-as: q.py -->\n```python\nprint(1)\n```\n\n```text\n1\n```\n"
     )
-    got = [(b.line, b.kind, b.arg, b.code) for b in python_blocks(md)]
+    got = [(b.line, b.kind, b.arg, b.code, b.output) for b in python_blocks(md)]
     assert got == [
-        (2, "run", "", "a = 1\n"),
-        (6, "not-run", "pseudocode", "for k in 1..K\n"),
-        (10, "runs-with", "gpt", "model\n"),
+        (2, "run", "", "a = 1\n", None),
+        (6, "not-run", "pseudocode", "for k in 1..K\n", None),
+        (10, "runs-with", "gpt", "model\n", None),
+        (17, "runs-as", "q.py", "print(1)\n", "1\n"),
     ]
 
 
@@ -278,19 +330,32 @@ PAIR = [
 def test_example_pair_passes_hookcheck(tp: int) -> None:
     """``python -m jax_ref.check.hookcheck`` on the README's pair, as the README
     shows it: every comparison passes (tp=1: fp32, bf16, fp16, tied, synthetic
-    cases; tp=2: two gloo ranks against the reference sharded over two devices)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_ref.check.hookcheck", *PAIR, "--tp", str(tp), "--quiet"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    cases; tp=2: two gloo ranks against the reference sharded over two devices).
+    tp=1 runs the command's ``main`` in this process (the same arguments, without
+    a second interpreter's imports); tp=2 needs its own (JAX's device count is set
+    before JAX starts)."""
+    argv = [*PAIR, "--tp", str(tp), "--quiet"]
+    if tp == 1:
+        import io
+
+        from jax_ref.check.hookcheck import main
+
+        stdout, stderr = io.StringIO(), io.StringIO()
+        code = main(argv, out=stdout, err=stderr)
+        out = stdout.getvalue() + stderr.getvalue()
+    else:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        env.pop("MASTER_PORT", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jax_ref.check.hookcheck", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    assert code == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
     if tp == 2:  # the README shows this run's table: its header and rows are what hookcheck prints
@@ -364,3 +429,197 @@ def test_jax_ref_submodules_load_on_first_use() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "module 'jax_ref' has no attribute 'no_such_name'" in out.stdout
+
+
+# ---- the README's processor as a template: what a caller may leave out ----
+
+
+def _template_run(**call: Any) -> tuple[Any, dict[str, Any]]:
+    """The README's processor through the tiny GPT's hook, ``call`` the forward's extra
+    keywords; also the float64 truth from the stock model's logits (same weights)."""
+    import torch
+
+    import torch_impl
+    from docs.examples.my_processor import tempered_logprobs
+    from torch_impl.tiny import build_tiny_gpt, tiny_batch
+
+    batch = tiny_batch(batch=2, seq=8)
+    batch["labels"][0, 2] = -100
+    stock = build_tiny_gpt()
+    with torch.no_grad():
+        logits = stock(batch["input_ids"], batch["position_ids"], None).double()  # [b, s, V]
+    model = torch_impl.enable_output_processor(build_tiny_gpt())
+    out = model(
+        batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
+        output_processor=tempered_logprobs, **call,
+    )  # fmt: skip
+    return out, {"logits": logits, **batch}
+
+
+def _truth_logprobs(logits: Any, labels: Any, temperature: Any) -> Any:
+    import torch
+
+    logp = torch.log_softmax(logits / temperature.double()[..., None], -1)
+    picked = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return torch.where(labels == -100, 0.0, picked)
+
+
+@pytest.mark.skipif(not HAS_MEGATRON, reason="needs megatron-core")
+@pytest.mark.usefixtures("megatron_single")
+def test_template_without_a_loss_mask_counts_every_labelled_token() -> None:
+    """No ``loss_mask=`` (the README's one-call example, the schedule recipe): the
+    loss is the mean over every token with a label (it raised TypeError on None)."""
+    import torch
+
+    temperature = torch.linspace(0.5, 1.5, 16).reshape(2, 8)
+    out, truth = _template_run(output_processor_context={"temperature": temperature})
+    want = _truth_logprobs(truth["logits"], truth["labels"], temperature)
+    torch.testing.assert_close(out["logprobs"].double(), want, rtol=1e-5, atol=1e-6)
+    labelled = truth["labels"] != -100
+    torch.testing.assert_close(out["loss"].double(), -want[labelled].mean(), rtol=1e-5, atol=1e-6)
+    masked, _ = _template_run(
+        output_processor_context={"temperature": temperature}, loss_mask=truth["loss_mask"]
+    )
+    torch.testing.assert_close(masked["loss"], out["loss"])  # an all-ones mask is no mask
+
+
+@pytest.mark.skipif(not HAS_MEGATRON, reason="needs megatron-core")
+@pytest.mark.usefixtures("megatron_single")
+@pytest.mark.parametrize(
+    ("call", "field", "actual"),
+    [
+        ({}, "context", "NoneType"),  # no output_processor_context (it raised "'NoneType' ... subscriptable")
+        ({"output_processor_context": {"temp": 1.0}}, "context", "a mapping with keys ['temp']"),
+        ({"output_processor_context": 0.7}, "context", "float"),
+    ],
+)
+def test_template_without_its_user_context_raises_a_contract_error(
+    call: dict, field: str, actual: str
+) -> None:
+    import hookspec
+
+    with pytest.raises(hookspec.ContractError) as err:
+        _template_run(**call)
+    assert (err.value.field, err.value.actual) == (field, actual)
+    assert "output_processor_context=" in str(err.value.expected)
+
+
+def test_template_without_labels_raises_a_contract_error() -> None:
+    """Called on a context without labels (RL rollouts pass none), it names the field."""
+    import numpy as np
+
+    import hookspec
+    from docs.examples.my_processor import tempered_logprobs
+
+    ctx = hookspec.OutputContext(hidden_states=np.zeros((8, 2, 4), np.float32), context={"temperature": 1.0})
+    with pytest.raises(hookspec.ContractError) as err:
+        tempered_logprobs(ctx)
+    assert (err.value.field, err.value.actual) == ("labels", "None")
+
+
+# ---- docs/jax_ref.md's reference with its reductions written out ----
+
+
+def by_hand_reference_sharded() -> None:
+    """(Run in a fresh interpreter with two virtual CPU devices.) The by-hand reference
+    under ``shard_reference`` on two shards equals the README's reference (library
+    formulas) on one, values and both gradients; without its collectives it fails."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_ref
+    from docs.examples.my_reference import tempered_logprobs_reference
+    from docs.examples.my_reference_by_hand import tempered_logprobs_by_hand
+    from hookspec import ContractError, SingleProcessCollectives
+    from jax_ref.sharded import shard_reference, vocab_mesh
+
+    assert len(jax.devices()) == 2
+    rng = np.random.default_rng(0)
+    s, b, h, v = 7, 3, 8, 24
+    labels = rng.integers(0, v, size=(b, s))
+    labels[0, 1] = labels[2, 6] = -100
+    mask = np.ones((b, s))
+    mask[1, 4:] = 0
+    with jax_ref.float64():
+        hidden = jnp.asarray(rng.normal(size=(s, b, h)))
+        weight = jnp.asarray(rng.normal(size=(v, h)))
+        context = {"temperature": jnp.asarray(rng.uniform(0.5, 1.5, size=(b, s)))}
+        sharded = shard_reference(tempered_logprobs_by_hand, vocab_mesh(2))
+        for loss_mask in (jnp.asarray(mask), None):
+            inputs = jax_ref.ReferenceInputs(
+                labels=jnp.asarray(labels),
+                loss_mask=loss_mask,
+                context=context,
+                vocab_size=v,
+                logit_scale=0.5,
+            )
+            want, vjp = jax.vjp(lambda x, w, i=inputs: tempered_logprobs_reference(x, w, i), hidden, weight)
+            got, vjp_s = jax.vjp(lambda x, w, i=inputs: sharded(x, w, i), hidden, weight)
+            cot = {"logprobs": jnp.asarray(rng.normal(size=(b, s))), "loss": jnp.asarray(1.3)}
+            for a, r in zip(
+                jax.tree.leaves((got, vjp_s(cot))), jax.tree.leaves((want, vjp(cot))), strict=True
+            ):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-13)
+
+        def without_collectives(x: Any, w: Any, inputs: Any) -> Any:
+            return tempered_logprobs_by_hand(
+                x, w, dataclasses.replace(inputs, collectives=SingleProcessCollectives())
+            )
+
+        try:
+            got = shard_reference(without_collectives, vocab_mesh(2))(hidden, weight, inputs)
+        except ContractError as exc:
+            assert "reduce across shards" in str(exc)
+        else:  # pragma: no cover - the values, if they come back, are wrong
+            assert not np.allclose(np.asarray(got["logprobs"]), np.asarray(want["logprobs"]))
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax and flax")
+def test_by_hand_reference_equals_the_library_one_on_two_shards() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONWARNINGS": "ignore"}
+    code = "import tests.test_docs as t; t.by_hand_reference_sharded()"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+# ---- the CPU targets: one set of numbers, benchmarks/logprobs.py's TARGETS ----
+
+_TIME_TARGET = re.compile(r"(?:<=|at most)\s*(\d+(?:\.\d+)?)x\s+(?:the\s+)?naive")
+
+
+def _benchmark_targets() -> dict[str, float]:
+    """``TARGETS`` of ``benchmarks/logprobs.py``, read from its source (no import)."""
+    import ast
+
+    tree = ast.parse((ROOT / "benchmarks" / "logprobs.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TARGETS" for t in node.targets):
+            return dict(ast.literal_eval(node.value))
+    raise AssertionError("benchmarks/logprobs.py defines no TARGETS")
+
+
+def test_every_page_states_the_cpu_time_target_of_the_benchmark() -> None:
+    """A time target against the naive path ("<= 0.8x naive", "at most 0.8x the naive
+    time") is the benchmark's (the policy loss's where the line speaks of one): two
+    pages once disagreed (0.8x and 1.35x)."""
+    targets = _benchmark_targets()
+    stated = [
+        (str(path.relative_to(ROOT)), float(m.group(1)), "policy" in line.lower())
+        for path in DOCS
+        if path.exists()
+        for line in path.read_text().splitlines()
+        for m in _TIME_TARGET.finditer(line)
+    ]
+    assert ("docs/benchmarks.md", targets["time_vs_naive"], False) in stated, stated
+    wrong = [
+        (page, value)
+        for page, value, policy in stated
+        if value != targets["policy_vs_naive" if policy else "time_vs_naive"]
+    ]
+    assert not wrong, f"targets other than benchmarks/logprobs.py's TARGETS {targets}: {wrong}"
+    assert _TIME_TARGET.search("logprobs(+entropy) forward+backward <= 1.35x naive")  # the old line: caught

@@ -188,6 +188,7 @@ def _row(stats: Any) -> tuple[float, float, float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.release_independent  # the tp=2 step's equality above runs on every environment
 def test_tp2_grpo_toy_run_reward_rises() -> None:
     ctx = torch.multiprocessing.get_context("spawn")
     result = ctx.SimpleQueue()

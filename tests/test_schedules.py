@@ -304,6 +304,16 @@ def _global_name(model: torch.nn.Module, name: str) -> str:
     )
 
 
+def _holds_the_unpipelined_tensors(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], global_name: Callable[[str], str]
+) -> None:
+    """``build_tiny_gpt`` gives each stage (and model chunk) the unpipelined model's tensors
+    under their global layer numbers: the stages start as one process does, nothing copied."""
+    held = {global_name(k): v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    differ = [k for k, v in held.items() if not torch.equal(v, state[k])]
+    assert not differ, f"stage tensors other than the pp=1 model's: {differ}"
+
+
 def _check(processor: str, models: list[torch.nn.Module], losses: list[Any], ref: dict[str, Any]) -> None:
     last_stage = any(getattr(m, "post_process", False) for m in models)
     assert len(losses) == (NUM_MICROBATCHES if last_stage else 0)
@@ -339,8 +349,7 @@ def _stage_models(
     for v in chunks:
         extra = {"virtual_pipeline_model_parallel_size": vpp, **INTERLEAVED_GLOO, **overrides} if vpp else {}
         model = torch_impl.enable_output_processor(_build(processor, shape, vp_stage=v, **extra))
-        local = {_global_name(model, k): k for k in model.state_dict() if "_extra_state" not in k}
-        model.load_state_dict({k: ref["state"][g] for g, k in local.items()}, strict=False)
+        _holds_the_unpipelined_tensors(model, ref["state"], lambda k, m=model: _global_name(m, k))
         models.append(model)
     return models
 
@@ -421,8 +430,7 @@ def _tied_rank(rank: int, ref: dict[str, Any]) -> None:
     def global_name(name: str) -> str:
         return TIED if name == "output_layer.weight" else _global_name(model, name)
 
-    local = {global_name(k): k for k in model.state_dict() if "_extra_state" not in k}
-    model.load_state_dict({k: ref["state"][g] for g, k in local.items()}, strict=False)
+    _holds_the_unpipelined_tensors(model, ref["state"], global_name)
     with cpu_schedule():
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     model.config.no_sync_func = ddp.no_sync

@@ -185,7 +185,10 @@ def megatron_parallel(
     The group meets at ``tcp://127.0.0.1:port`` (a free port when ``port`` is
     ``None``), never at an inherited ``MASTER_ADDR``/``MASTER_PORT``: run under
     torchrun or Slurm, a tool such as ``hookcheck`` makes its own group without
-    colliding with the caller's.
+    colliding with the caller's. One process (``world_size`` 1) with no ``port``
+    given needs no rendezvous: its group is made over an in-memory store
+    (``torch.distributed.HashStore``), no port at all, so that processes started
+    side by side (test workers) cannot collide on one.
 
     The caller's state is left as found: a process group the caller initialised
     (of ``world_size`` ranks) is used and kept; Megatron's groups the caller
@@ -199,10 +202,15 @@ def megatron_parallel(
     world_size = world_size or tp * pp * cp
     made_group = not torch.distributed.is_initialized()
     if made_group:
-        port = free_port() if port is None else port
-        torch.distributed.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        if world_size == 1 and port is None:  # one process meets no one: no port to find or to collide on
+            torch.distributed.init_process_group(
+                backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+            )
+        else:
+            port = free_port() if port is None else port
+            torch.distributed.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            )
     elif torch.distributed.get_world_size() != world_size:
         raise RuntimeError(
             f"megatron_parallel: the caller's process group has {torch.distributed.get_world_size()} "

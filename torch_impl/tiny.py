@@ -1,10 +1,24 @@
-"""A tiny Megatron GPT that runs on a CPU, for the doctor, ``hookcheck``, tests,
-notebooks and benchmarks.
+"""A tiny Megatron GPT that builds and runs on a CPU: to try the hook and the
+processors without a GPU, for the README's quickstart, the examples, the tools
+(``doctor``, ``hookcheck``), the notebooks, the benchmarks and the tests.
+
+A supported entry point of the project (``torch_impl.testing`` is test support and
+re-exports these names for the tests):
+
+>>> from torch_impl.tiny import build_tiny_gpt, megatron_parallel, tiny_batch
+>>> with megatron_parallel():  # gloo, one process, and Megatron's groups; torn down on exit
+...     model = build_tiny_gpt()  # Megatron's GPTModel: 2 layers, hidden 32, V 64, fp32
+...     batch = tiny_batch()  # input_ids, position_ids, labels, loss_mask: [2, 8]
+...     logits = model(batch["input_ids"], batch["position_ids"], None)  # no labels: logits
+>>> tuple(logits.shape)
+(2, 8, 64)
 
 Built through Megatron's own spec system: ``get_gpt_layer_local_spec()`` with its
 core attention swapped for :class:`CPUCoreAttention` (the stock local attention
 takes its scratch buffer from a CUDA memory pool), learned absolute positions
-(rotary kernels need CUDA), fusions off and dropout 0.
+(rotary kernels need CUDA), fusions off and dropout 0. Megatron's schedules
+(``get_forward_backward_func``) still allocate on CUDA; on a CPU the tests run
+them under ``torch_impl.testing.schedules.cpu_schedule()`` (``docs/schedules.md``).
 """
 
 from __future__ import annotations
@@ -132,6 +146,18 @@ def tiny_config(shape: TinyGPTShape = TinyGPTShape(), **overrides: Any) -> Trans
     return TransformerConfig(**kwargs)
 
 
+# Settings that place layers on pipeline stages: dropped for the unpipelined model a
+# pipeline stage takes its weights from.
+_STAGE_PLACEMENT = (
+    "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
 def build_tiny_gpt(
     shape: TinyGPTShape = TinyGPTShape(),
     *,
@@ -144,31 +170,89 @@ def build_tiny_gpt(
     vp_stage: int | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
-    """A tiny ``GPTModel`` on the CPU; the same ``seed`` gives the same weights on
-    every rank and every call (Megatron's CPU init splits one master weight).
-    ``transformer_layer_spec``: a layer or block spec instead of :func:`cpu_layer_spec`.
-    ``vp_stage``: this model chunk's virtual pipeline stage (interleaved schedule;
-    pass ``virtual_pipeline_model_parallel_size=`` too), which sets its layers and
-    whether it holds the embedding and the output layer."""
+    """A tiny ``GPTModel`` on the CPU, in Megatron's current parallel state.
+
+    The same ``seed`` gives the same model on every call and every layout: under
+    tensor parallel each rank holds its shard of the one model (Megatron's CPU
+    initialisation splits one master weight), and under pipeline parallel each
+    stage holds exactly the unpipelined (pp=1) model's embedding, layers (by
+    their global layer number), final norm and output layer, so a pipelined run
+    starts from the same weights as one process. Torch's global RNG is left as
+    it was found (the weights are drawn under ``torch.random.fork_rng``).
+
+    ``shape``: the sizes (:class:`TinyGPTShape`); ``config_overrides``: any
+    ``TransformerConfig`` field (:func:`tiny_config`). ``pre_process`` /
+    ``post_process``: whether this stage holds the embedding / the output layer
+    (default: from the pipeline rank). ``transformer_layer_spec``: a layer or block
+    spec instead of :func:`cpu_layer_spec`. ``vp_stage``: this model chunk's virtual
+    pipeline stage (interleaved schedule; pass
+    ``virtual_pipeline_model_parallel_size=`` too), which sets its layers and whether
+    it holds the embedding and the output layer.
+    """
     config = tiny_config(shape, **config_overrides)
     virtual = vp_stage is not None
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
-    torch.manual_seed(seed)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-        mtp_block_spec=mtp_block_spec,
-        vp_stage=vp_stage,
-    )
+    spec = cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec
+
+    def build(config: TransformerConfig, pre: bool, post: bool, vp: int | None) -> GPTModel:
+        torch.manual_seed(seed)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.max_sequence_length,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp_block_spec,
+            vp_stage=vp,
+        )
+
+    with torch.random.fork_rng(devices=[]):
+        model = build(config, pre_process, post_process, vp_stage)
+        if config.pipeline_model_parallel_size > 1:
+            # Each stage draws its weights from a fresh seed, so a later stage's first
+            # layer would get the numbers of the model's first layer: this stage takes
+            # the unpipelined model's tensors instead.
+            kept = {k: v for k, v in config_overrides.items() if k not in _STAGE_PLACEMENT}
+            whole_config = tiny_config(
+                shape, **kept, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None
+            )
+            whole = build(whole_config, True, True, None).state_dict()
+            model.load_state_dict(_stage_tensors(model, whole), strict=False)
+    return model
+
+
+def _stage_tensors(stage: GPTModel, whole: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The unpipelined model's tensors (``whole``, its state dict) under the stage's
+    names: the stage's ``decoder.layers.i`` is the whole model's layer of the same
+    ``layer_number``; a last stage's own copy of a tied embedding
+    (``output_layer.weight``) is the embedding."""
+    layers = stage.decoder.layers
+
+    def whole_name(name: str) -> str:
+        if name.startswith("decoder.layers."):
+            i, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            return f"decoder.layers.{layers[int(i)].layer_number - 1}.{rest}"
+        if name == "output_layer.weight" and name not in whole:
+            return "embedding.word_embeddings.weight"
+        return name
+
+    out = {}
+    for name in stage.state_dict():
+        if "_extra_state" in name:
+            continue
+        source = whole_name(name)
+        if source not in whole:
+            raise RuntimeError(
+                f"build_tiny_gpt: the unpipelined model has no {source!r} for this stage's {name!r}"
+            )
+        out[name] = whole[source]
+    return out
 
 
 def tiny_batch(

@@ -6,8 +6,9 @@ from jax_ref import ReferenceInputs
 
 def tempered_logprobs_reference(hidden, weight, inputs: ReferenceInputs):
     # hidden [s, b, h] and weight [V_local, h] (this rank's vocabulary rows), float64;
-    # under `hookcheck --tp N` the same function runs on every shard, and inputs.collectives
-    # (psum / pmax over the shards) and inputs.vocab_start say which rows this one holds.
+    # under `hookcheck --tp N` the same function runs on every shard: inputs.vocab_start says
+    # which rows this one holds, and inputs.collectives (all_reduce_sum, all_reduce_max,
+    # gather_hidden_states, all_gather: lax.psum, lax.pmax, ... over the shards) combine them.
     coll = inputs.collectives
     h = coll.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
     res = jax_ref.references.linear_logprobs(
@@ -20,6 +21,8 @@ def tempered_logprobs_reference(hidden, weight, inputs: ReferenceInputs):
         logit_scale=inputs.logit_scale,  # MuP's output multiplier, 1 without MuP
         collectives=coll,  # every sum and max over the vocabulary goes through these
     )
-    mask = inputs.loss_mask * (inputs.labels != inputs.ignore_index)
+    mask = inputs.labels != inputs.ignore_index
+    if inputs.loss_mask is not None:  # None where the processor saw none: every token counts
+        mask = mask * inputs.loss_mask
     loss = jax_ref.references.aggregate(-res.logprobs, mask, mode="token-mean")
     return {"logprobs": res.logprobs, "loss": loss}

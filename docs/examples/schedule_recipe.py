@@ -6,8 +6,8 @@ verbatim in ``docs/schedules.md``, and a test checks that the two agree): a
 micro-batch, and a ``loss_func`` that reads the processor's mapping, under
 ``get_forward_backward_func()``.
 
-The rest sets up what a real run already has: a tiny GPT on the CPU (the project's
-test model), GRPO micro-batches with old and reference logprobs, and
+The rest sets up what a real run already has: a tiny GPT on the CPU
+(``torch_impl.tiny``), GRPO micro-batches with old and reference logprobs, and
 ``cpu_schedule()``, which lets Megatron's schedule run without a GPU (it allocates a
 token counter on CUDA). Run it as ``python docs/examples/schedule_recipe.py``.
 """
@@ -56,7 +56,7 @@ import torch  # noqa: E402
 import torch_impl  # noqa: E402
 from torch_impl.processors import selected_logprobs  # noqa: E402
 from torch_impl.testing.schedules import cpu_schedule  # noqa: E402
-from torch_impl.testing.tiny import build_tiny_gpt, megatron_parallel  # noqa: E402
+from torch_impl.tiny import build_tiny_gpt, megatron_parallel  # noqa: E402
 
 __all__ = [
     "ExampleRun",
