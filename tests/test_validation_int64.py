@@ -83,9 +83,8 @@ def test_policy_config_numbers_beyond_the_float_range(option: str) -> None:
 
 @pytest.mark.parametrize("option", ("temperature", "logit_scale"))
 def test_number_options_beyond_the_float_range(option: str) -> None:
-    h, w, y = _inputs()
     with pytest.raises(ContractError) as info:
-        linear_logprobs(h, w, y, **{option: 10**400})
+        LinearOptions(**{option: 10**400})
     assert info.value.field == option
 
 
