@@ -5,7 +5,8 @@
 # then the GPU-relevant CPU tests on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's
 # pair: the Triton interpreter, the compile test, the cost model, the processors),
 # then the release matrix (scripts/matrix.sh): the tests marked release_matrix on every
-# megatron-core release from 0.13.1 to 0.19.2, each in the environment of its Python.
+# megatron-core release from 0.13.1 to 0.19.2, each in the environment of its Python,
+# and the patch series of upstream/ on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh).
 # Extra arguments go to both pytest runs (e.g. -x, -k tp2).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,6 +46,8 @@ step "pytest on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's pair)"
   --deselect tests/test_cost_model.py::test_counter_counts_out_dtype_products "${gpu_image_tests[@]}" || status=1
 step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
 bash scripts/matrix.sh || status=1
+step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh)"
+bash scripts/upstream_check.sh || status=1
 echo
 if [ $status -eq 0 ]; then echo "== all checks passed on py311, py312 and the release matrix"; else echo "== SOME CHECKS FAILED"; fi
 exit $status

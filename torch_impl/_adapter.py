@@ -9,6 +9,10 @@ that reads what it sets on a model.
 (:func:`forward_call`) and hands it down:
 
 - to Megatron's native hook as ``output_processor`` (0.18+, no MTP processor);
+- with an MTP processor, where the model's ``forward`` also takes
+  ``mtp_output_processor`` (Megatron with the patch series in ``upstream/``),
+  to both native hooks: Megatron's ``process_mtp_loss`` rolls, scales and logs,
+  and the adapter's own ``_postprocess`` and MTP loop stand aside;
 - else stashed on the instance (``ForwardCall.stashed``) for the adapter's
   ``_postprocess`` below, which runs the stock ``_postprocess`` as an inner
   stage and then ``finish_postprocess``.
@@ -38,6 +42,7 @@ __all__ = [
     "adapted_class",
     "forward_call",
     "forward_has_native_hook",
+    "native_mtp_applies",
     "options_of",
     "original_class",
     "set_options",
@@ -57,6 +62,7 @@ class OutputHookAdapter:
 
     _hookspec_original_class: type[Any]
     _hookspec_native: bool
+    _hookspec_native_mtp: bool  # forward takes mtp_output_processor (upstream/ patch series)
     _hookspec_postprocess_signature: inspect.Signature | None  # None on a HybridModel (no _postprocess)
 
     def forward(
@@ -84,6 +90,14 @@ class OutputHookAdapter:
         if native and mtp_processor is None:
             return super().forward(  # type: ignore[misc]
                 *args, output_processor=call, output_processor_context=output_processor_context, **kwargs
+            )
+        if native and native_mtp_applies(self):  # type: ignore[arg-type]
+            return super().forward(  # type: ignore[misc]
+                *args,
+                output_processor=None if output_processor is None else call,
+                output_processor_context=output_processor_context,
+                mtp_output_processor=call.mtp_hook,
+                **kwargs,
             )
         return self._hookspec_run(args, kwargs, call)
 
@@ -121,6 +135,7 @@ def adapted_class(cls: type[Any], mixin: type[OutputHookAdapter] = OutputHookAda
                 "__doc__": cls.__doc__,
                 "_hookspec_original_class": cls,
                 "_hookspec_native": forward_has_native_hook(cls),
+                "_hookspec_native_mtp": "mtp_output_processor" in inspect.signature(cls.forward).parameters,
                 # Read once per class: inspect.signature costs ~50 us a call.
                 "_hookspec_postprocess_signature": (
                     inspect.signature(cls._postprocess) if hasattr(cls, "_postprocess") else None
@@ -140,6 +155,13 @@ def original_class(model_or_class: Any) -> type[Any]:
 def uses_native_hook(model: Any) -> bool:
     """True when the adapted model's own ``forward`` has the native hook."""
     return bool(type(model)._hookspec_native)
+
+
+def native_mtp_applies(model: Any) -> bool:
+    """True when the adapted model's own ``forward`` takes ``mtp_output_processor``
+    and its MTP options leave the MTP losses to Megatron (``per_token_normalization``
+    ``"rolled"`` and ``cp_group_from_packed`` need the adapter's own MTP loop)."""
+    return bool(type(model)._hookspec_native_mtp) and not options_of(model).mtp.rolls_or_scales_itself
 
 
 def set_options(model: torch.nn.Module, options: HookOptions | None) -> None:

@@ -10,8 +10,10 @@ caller's context and the padding mask. Data flows down through it once::
         -> ForwardCall.main(kwargs)         the main head  -> output processor
 
 Megatron reaches it either as the native hook's ``output_processor`` (0.18+:
-``ForwardCall.__call__(**kwargs)``) or, where the adapter runs its own
-``_postprocess``, through :meth:`ForwardCall.stashed` and :func:`stashed_call`.
+``ForwardCall.__call__(**kwargs)``), as ``mtp_output_processor`` where Megatron
+has the per-depth MTP hook of ``upstream/`` (:meth:`ForwardCall.mtp_hook`), or,
+where the adapter runs its own ``_postprocess``, through
+:meth:`ForwardCall.stashed` and :func:`stashed_call`.
 Nothing here calls back up into the modules that made the call.
 """
 
@@ -307,6 +309,13 @@ class ForwardCall:
             result, batch=ctx.batch_size, seq=ctx.seq_len, field=field, array_kind="a torch.Tensor"
         )
         return loss, accepted
+
+    def mtp_hook(self, *, mtp_depth: int, **hook_kwargs: Any) -> Any:
+        """What Megatron's native ``mtp_output_processor`` calls at each MTP depth (the
+        main hook's sixteen keywords at that depth, and ``mtp_depth``): :meth:`mtp`'s
+        result as Megatron takes it, the loss ``[b, s]`` or ``{"loss", "accepted"}``."""
+        loss, accepted = self.mtp(hook_kwargs, mtp_depth)
+        return loss if accepted is None else {"loss": loss, "accepted": accepted}
 
     @contextlib.contextmanager
     def stashed(self) -> Iterator[None]:

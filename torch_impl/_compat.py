@@ -90,6 +90,12 @@ class InstalledMegatron:
     - ``schedule_plan``: ``GPTModel.build_schedule_plan`` and its nodes'
       ``stream``, in words; ``plan_mtp_overwrites_ids``: the plan's MTP
       pre-dispatch writes rolled ids into ``chunk_state.input_ids``.
+    - ``native_mtp_hook``: ``GPTModel.forward`` takes ``mtp_output_processor``
+      (the per-depth MTP callable of the patch series in ``upstream/``; no
+      release has it); ``plan_native_mtp_hook``: ``build_schedule_plan`` takes it.
+    - ``plan_final_norm_after_dense``: the plan's step for a dense layer's MLP
+      applies the decoder's final norm after the last layer, as its MoE combine
+      step does (the same series; no release does).
     """
 
     release: str
@@ -109,6 +115,9 @@ class InstalledMegatron:
     hybrid_native_hook: bool
     schedule_plan: str
     plan_mtp_overwrites_ids: bool
+    native_mtp_hook: bool
+    plan_native_mtp_hook: bool
+    plan_final_norm_after_dense: bool
 
     def workarounds(self) -> tuple[str, ...]:
         """The Megatron defects present here that the adapter works around, or
@@ -156,6 +165,7 @@ def installed_megatron() -> InstalledMegatron:
 
         hybrid_hook = "output_processor" in inspect.signature(HybridModel.forward).parameters
     plan = _schedule_plan(GPTModel)
+    build_plan = getattr(GPTModel, "build_schedule_plan", None)
     return InstalledMegatron(
         release=release,
         package=package,
@@ -174,6 +184,10 @@ def installed_megatron() -> InstalledMegatron:
         hybrid_native_hook=hybrid_hook,
         schedule_plan=plan,
         plan_mtp_overwrites_ids=plan != "no" and _plan_mtp_overwrites_ids(),
+        native_mtp_hook="mtp_output_processor" in inspect.signature(GPTModel.forward).parameters,
+        plan_native_mtp_hook=build_plan is not None
+        and "mtp_output_processor" in inspect.signature(build_plan).parameters,
+        plan_final_norm_after_dense=plan != "no" and _plan_dense_step_applies_final_norm(),
     )
 
 
@@ -246,6 +260,44 @@ def _plan_mtp_overwrites_ids() -> bool:
             if function.__module__ == name and _assigns_attribute(function, "chunk_state", "input_ids"):
                 return True
     return False
+
+
+def _plan_dense_step_applies_final_norm() -> bool:
+    """The plan's callable for a dense layer's MLP (the ``else`` branch of
+    ``mlp_func = <MoE step> if is_moe else <dense step>`` in
+    ``gpt.fine_grained_callables.build_transformer_layer_callables``), or a
+    function nested there that it calls, reads ``final_layernorm``. Read from
+    the syntax tree; ``False`` where the structure is not found."""
+    from megatron.core.models.gpt import fine_grained_callables
+
+    build = getattr(fine_grained_callables, "build_transformer_layer_callables", None)
+    if build is None:
+        return False
+    tree = ast.parse(textwrap.dedent(inspect.getsource(build)))
+    nested = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    dense = None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "mlp_func" for t in node.targets)
+            and isinstance(node.value, ast.IfExp)
+            and isinstance(node.value.orelse, ast.Name)
+        ):
+            dense = node.value.orelse.id
+    seen: set[str] = set()
+
+    def reads_norm(name: str) -> bool:
+        if name in seen or name not in nested:
+            return False
+        seen.add(name)
+        for node in ast.walk(nested[name]):
+            if isinstance(node, ast.Attribute) and node.attr == "final_layernorm":
+                return True
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and reads_norm(node.func.id):
+                return True
+        return False
+
+    return dense is not None and reads_norm(dense)
 
 
 def _reduce_keeps_noncontiguous_result() -> bool:

@@ -42,6 +42,8 @@ from megatron.core.utils import make_viewless_tensor
 
 from hookspec import ContractError
 
+from ._compat import installed_megatron
+
 __all__ = ["add_missing_final_norm", "check_apply_final_norm", "missing_final_norm"]
 
 
@@ -69,7 +71,8 @@ def missing_final_norm(model: Any) -> Any:
     when its decoder holds no final norm, or where Megatron applies it: the
     decoder's last layer is a MoE layer (its combine step normalises), or the
     decoder is empty and the chunk holds no MTP layers (the post-process node
-    normalises).
+    normalises), or the installed plan's dense MLP step normalises too (the
+    patch series of ``upstream/``, read from its code).
     """
     if not getattr(model, "post_process", False):
         return None
@@ -80,6 +83,8 @@ def missing_final_norm(model: Any) -> Any:
     layers = decoder.layers
     if len(layers) == 0:
         return norm if _mtp_layers(model) else None
+    if installed_megatron().plan_final_norm_after_dense:
+        return None
     return None if isinstance(layers[-1].mlp, MoELayer) else norm
 
 

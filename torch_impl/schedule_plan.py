@@ -5,8 +5,9 @@
 it) and adapts the plan's post-process node, that instance only:
 
 - the hook runs inside the node on every release, with the hookspec context,
-  the MTP processor and the adapter's options (through the native hook where
-  it suffices, else through the adapter's ``_postprocess``);
+  the MTP processor and the adapter's options (through the native hooks where
+  they suffice, the MTP one where Megatron has the patch series of
+  ``upstream/``, else through the adapter's ``_postprocess``);
 - the hook sees the chunk's original ``input_ids`` and ``position_ids``: the
   MTP layers' pre-dispatch overwrites both in the chunk state with ids rolled
   once per MTP layer, which plain ``forward`` never does (and which made
@@ -38,8 +39,9 @@ from megatron.core.transformer.module import float16_to_fp32
 
 from hookspec import ContractError
 
-from ._adapter import forward_call, original_class, uses_native_hook
+from ._adapter import forward_call, native_mtp_applies, original_class, uses_native_hook
 from ._call import ForwardCall
+from ._compat import installed_megatron
 from ._plan_final_norm import add_missing_final_norm, check_apply_final_norm
 from .enable import require_output_processor
 
@@ -257,6 +259,13 @@ def prepare_plan_hook(
     stash: ForwardCall | None = call
     if uses_native_hook(model) and mtp_processor is None:
         native_kwargs = {"output_processor": call, "output_processor_context": output_processor_context}
+        stash = None
+    elif uses_native_hook(model) and installed_megatron().plan_native_mtp_hook and native_mtp_applies(model):
+        native_kwargs = {
+            "output_processor": None if output_processor is None else call,
+            "output_processor_context": output_processor_context,
+            "mtp_output_processor": call.mtp_hook,
+        }
         stash = None
     hook = _PlanHook(
         model=model,
