@@ -521,11 +521,8 @@ class Engine:
 
     def fresh_state(self, r: int, *, with_entropy: bool) -> _State:
         """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy)."""
-        dt, dev = self.setup.acc_dtype, self.hs.device
-        m = torch.full((r,), float("-inf"), dtype=dt, device=dev)
-        s, zy = torch.zeros(r, dtype=dt, device=dev), torch.zeros(r, dtype=dt, device=dev)
-        t = torch.zeros(r, dtype=dt, device=dev) if with_entropy else None
-        return m, s, t, zy
+        m, s, t, zy = torch.zeros(4, r, dtype=self.setup.acc_dtype, device=self.hs.device).unbind(0)
+        return m.fill_(float("-inf")), s, (t if with_entropy else None), zy
 
     def stats_pass(self, z: torch.Tensor, rows: slice, cols: slice, state: _State) -> None:
         """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,

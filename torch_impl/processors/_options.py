@@ -116,21 +116,11 @@ class LinearOptions:
         check_bool("check_values", self.check_values)
 
 
-_MOVED = {
-    "temperature": "temperature",
-    "ignore_index": "ignore_index",
-    "collectives": "collectives",
-    "backend": "backend",
-    "compute_dtype": "compute_dtype",
-    "logit_scale": "logit_scale",
-    "check_values": "check_values",
-    "vocab_start": "vocab=VocabShard(start, end, size)",
-    "vocab_size": "vocab=VocabShard(start, end, size)",
-    "vocab_chunk_size": "tile_cols",
-    "chunk_size": "tile_cols",
-    "token_chunk_size": "tile_rows",
-    "tile_elements": "tile_rows (= tile_elements // V_local)",
-}
+_MOVED = {k: k for k in ("temperature", "ignore_index", "collectives", "backend", "compute_dtype")}
+_MOVED |= {k: k for k in ("logit_scale", "check_values")} | {"token_chunk_size": "tile_rows"}
+_MOVED |= dict.fromkeys(("vocab_start", "vocab_size"), "vocab=VocabShard(start, end, size)")
+_MOVED |= dict.fromkeys(("vocab_chunk_size", "chunk_size"), "tile_cols")
+_MOVED["tile_elements"] = "tile_rows (= tile_elements // V_local)"
 
 
 def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
@@ -153,18 +143,12 @@ def resolve_options(function: str, options: LinearOptions | None, extra: dict[st
     return options if checked is options.collectives else dataclasses.replace(options, collectives=checked)
 
 
-def check_hidden(hidden: Any) -> torch.Tensor:
-    check_floating("hidden", hidden)
-    if hidden.dim() != 2:
-        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
-    return hidden
-
-
 def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
     """The checked ``hidden`` ``[n_local, h]``, gathered to the rows every vocab shard
     needs (``collectives.gather_hidden_states``, whose backward sums the shards'
     hidden-state gradients)."""
-    check_hidden(hidden)
+    if check_floating("hidden", hidden).dim() != 2:
+        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
     coll = options.collectives
     return hidden if coll is None else coll.gather_hidden_states(hidden)
 
