@@ -180,7 +180,8 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
 
     ``hidden_states`` ``[s_h, b, h]`` with ``s_h * (tp if sequence_parallel else
     1) == s``; ``labels``, ``loss_mask`` and ``padding_mask`` ``[b, s]``;
-    ``vocab_weight`` ``[vocab.end - vocab.start, h]``.
+    ``vocab_weight`` ``[vocab.end - vocab.start, h]``; ``hidden_states`` and
+    ``vocab_weight`` of a floating dtype.
     """
     if not isinstance(ctx, OutputContext):
         raise ContractError("ctx", expected="a hookspec.OutputContext", actual=type(ctx).__name__)
@@ -210,6 +211,10 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
             )
     if ctx.vocab_weight is not None:
         _check_array("vocab_weight", ctx.vocab_weight)
+        if not is_floating(ctx.vocab_weight):
+            raise ContractError(
+                "vocab_weight", expected="a floating dtype", actual=dtype_name(ctx.vocab_weight)
+            )
         ws = shape_of(ctx.vocab_weight)
         rows = ctx.vocab.local_size if ctx.vocab is not None else ws[0]
         if ws != (rows, h):

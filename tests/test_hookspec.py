@@ -71,6 +71,9 @@ def test_valid_context_passes() -> None:
         ({"hidden_states": np.zeros((8, 2))}, "hidden_states", "3 dims", "[8, 2]"),
         ({"hidden_states": np.zeros((8, 2, 4), np.int32)}, "hidden_states", "floating", "int32"),
         ({"vocab_weight": np.zeros((16, 5))}, "vocab_weight", "h=4", "[16, 5]"),
+        # found by the contract fuzzer: an integer weight reached the tensor functions,
+        # whose error named their own argument ('weight'), not the context's field
+        ({"vocab_weight": np.zeros((16, 4), np.int64)}, "vocab_weight", "floating", "int64"),
         ({"labels": np.zeros((2, 8), np.float32)}, "labels", "integer", "float32"),
     ],
 )
