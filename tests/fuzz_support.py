@@ -278,11 +278,15 @@ class _Rendezvous:
         self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list[Any] = [None] * size
 
-    def exchange(self, rank: int, value: Any) -> list[Any]:
-        self.slots[rank] = value
+    def exchange(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``value``, each a copy: a rank holds no other rank's tensor (a
+        detached view would keep that rank's graph alive) as a process group holds
+        none."""
+        self.slots[rank] = value.detach().clone()
         self.barrier.wait()
         out = list(self.slots)
         self.barrier.wait()
+        self.slots[rank] = None  # holds no rank's tensor (nor, through a view, its input) after
         return out
 
 
@@ -294,7 +298,7 @@ def _exact() -> torch.autocast:
 class _Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, meet: _Rendezvous, rank: int) -> torch.Tensor:
-        parts = meet.exchange(rank, x.detach())
+        parts = meet.exchange(rank, x)
         with _exact():
             return torch.stack(parts).sum(0)  # the same order on every rank: bitwise replicated
 
@@ -313,12 +317,12 @@ class _Gather(torch.autograd.Function):
         if not sp:
             return x.clone()
         with _exact():
-            return torch.cat(meet.exchange(rank, x.detach()), 0)
+            return torch.cat(meet.exchange(rank, x), 0)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         with _exact():
-            total = torch.stack(ctx.meet.exchange(ctx.rank, g.contiguous())).sum(0)
+            total = torch.stack(ctx.meet.exchange(ctx.rank, g)).sum(0)
         if ctx.sp:
             total = total[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
         return total, None, None, None
@@ -366,7 +370,7 @@ class RankCollectives:
         return self._out("all_reduce_sum", x, _Sum.apply(x, self.group.meet, self.r))
 
     def all_reduce_max(self, x: torch.Tensor, /) -> Any:
-        parts = self.group.meet.exchange(self.r, x.detach())
+        parts = self.group.meet.exchange(self.r, x)
         with _exact():
             return self._out("all_reduce_max", x, torch.stack(parts).amax(0))
 
@@ -375,7 +379,7 @@ class RankCollectives:
         return self._out("gather_hidden_states", x, y)
 
     def all_gather(self, x: torch.Tensor, /) -> Any:
-        parts = self.group.meet.exchange(self.r, x.detach().clone())
+        parts = self.group.meet.exchange(self.r, x)
         with _exact():
             return self._out("all_gather", x, torch.stack(parts))
 

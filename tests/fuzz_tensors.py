@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import weakref
 from fractions import Fraction
 from typing import Any
 
@@ -20,7 +21,17 @@ from torch_impl.processors._geometry import interpreting
 from .fuzz_processors import _topk_rules
 from .fuzz_support import Case, Draw, close, run_spmd
 from .fuzz_truths import token_stats64
-from .fuzz_world import FAULTS, Bounds, World, _compare_grads, _magnitudes, draw_world
+from .fuzz_world import (
+    FAULTS,
+    LEAK,
+    Bounds,
+    World,
+    _compare_grads,
+    _magnitudes,
+    detached,
+    draw_world,
+    kept_alive_all,
+)
 
 __all__ = ["TENSOR_ENTRIES"]
 
@@ -190,7 +201,7 @@ def tensor_case(d: Draw) -> Case:
     def call() -> Any:
         group = w.group()
 
-        def rank(r: int) -> Any:
+        def run_rank(r: int) -> Any:
             coll: Any = group.rank(r) if group is not None else None
             if single and coll is None:
                 coll = SingleProcessCollectives()
@@ -286,9 +297,13 @@ def tensor_case(d: Draw) -> Case:
                         torch.stack(terms).sum(), (h_leaf, w_leaf), allow_unused=True
                     )
                     grads = (gh, gw)
-            return out, grads
+            return detached(out), grads, weakref.ref(h_leaf)
 
-        return run_spmd(w.tp, rank, group)
+        outs = run_spmd(w.tp, run_rank, group)
+        # every rank's thread has ended (its frames and autograd state gone): only a
+        # reference cycle keeps an input alive now
+        leaks = kept_alive_all([probe for _, _, probe in outs])
+        return [(out, grads, leak) for (out, grads, _), leak in zip(outs, leaks, strict=True)]
 
     if "moved_keyword" in muts:  # documented: a keyword of the earlier signature is a TypeError
         return Case(fn, call, raises=TypeError, match="LinearOptions")
@@ -341,8 +356,10 @@ def tensor_case(d: Draw) -> Case:
         bounds = Bounds(values, z, prec)
         problems: list[str] = []
         want_dtype = F64 if (compute if compute is not None else w.wide) == F64 else F32
-        for r, (out, got_grads) in enumerate(outs):
+        for r, (out, got_grads, leaked) in enumerate(outs):
             where = f"rank {r}: " if w.tp > 1 else ""
+            if leaked:
+                problems.append(f"{where}{LEAK}")
             for key, truth in values.items():
                 got = out.get(key)
                 if not isinstance(got, torch.Tensor):

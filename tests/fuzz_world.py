@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -542,7 +544,7 @@ def processor_case(
         proc = make_processor()
         group = w.group()
 
-        def rank(r: int) -> Any:
+        def run_rank(r: int) -> Any:
             coll = group.rank(r) if group is not None else None
             kw, leaves = base_kwargs(w, r, coll)
             if context is not None:
@@ -557,9 +559,13 @@ def processor_case(
             grads = None
             if w.grads_wanted() and cots:
                 grads = _grads(out, leaves, grad_keys, cots, tensor_result)
-            return out, grads
+            return detached(out), grads, weakref.ref(leaves[0])
 
-        return run_spmd(w.tp, rank, group)
+        outs = run_spmd(w.tp, run_rank, group)
+        # every rank's thread has ended (its frames and autograd state gone): only a
+        # reference cycle keeps an input alive now
+        leaks = kept_alive_all([probe for _, _, probe in outs])
+        return [(out, grads, leak) for (out, grads, _), leak in zip(outs, leaks, strict=True)]
 
     if muts or truth is None or compare is None:
         return Case(entry, call, refuse=refuse)
@@ -584,8 +590,10 @@ def processor_case(
             grads = (dH, dW, _magnitudes(H, W, z, inv, scalar), floor)
         plain = {k: v.detach() for k, v in values.items()}
         problems: list[str] = []
-        for r, (out, got_grads) in enumerate(outs):
+        for r, (out, got_grads, leaked) in enumerate(outs):
             where = f"rank {r}: " if w.tp > 1 else ""
+            if leaked:
+                problems.append(f"{where}{LEAK}")
             if tensor_result and not isinstance(out, torch.Tensor):
                 return [f"{where}expected a tensor, got {type(out).__name__}"]
             result = {"loss": out} if tensor_result else out
@@ -611,6 +619,39 @@ def processor_case(
         return problems
 
     return Case(entry, call, check)
+
+
+LEAK = (
+    "the hidden states stay alive after the result and its gradients are dropped "
+    "(a reference cycle through the autograd graph keeps the inputs, the weight and "
+    "the collectives' process group)"
+)
+
+
+def detached(out: Any) -> Any:
+    """``out`` (a tensor, a mapping or a dataclass of tensors) with each tensor detached:
+    what a check reads, without the autograd graph."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, dict):
+        return {k: detached(v) for k, v in out.items()}
+    return out
+
+
+def kept_alive(probe: Any) -> bool:
+    """Whether ``probe``'s tensor outlives every reference to it but the graph's (a
+    Python cycle is collected first; one through torch's autograd nodes is not)."""
+    return kept_alive_all([probe])[0]
+
+
+def kept_alive_all(probes: list[Any]) -> list[bool]:
+    """:func:`kept_alive` of each probe: the young generations collected first (cheap:
+    a case's own cycles are young), the whole heap only where a tensor is still alive."""
+    if any(p() is not None for p in probes):
+        gc.collect(1)
+    if any(p() is not None for p in probes):
+        gc.collect()
+    return [p() is not None for p in probes]
 
 
 def _grads(

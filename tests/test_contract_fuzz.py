@@ -25,8 +25,10 @@ minimal reproduction.
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,10 +40,17 @@ from tests.fuzz_entries import ENTRIES
 from tests.fuzz_known import KNOWN_FINDINGS
 from tests.fuzz_support import Case, Draw, Result, classify, describe, run_case
 from tests.fuzz_surface import state_changes, state_snapshot
-from torch_impl.processors import DistillConfig, SparseTeacher, distillation_loss, selected_logprobs
+from tests.fuzz_world import kept_alive
+from torch_impl.processors import (
+    DistillConfig,
+    SparseTeacher,
+    distillation_loss,
+    selected_logprobs,
+    topk_logprobs,
+)
 
 DEFAULT_SEED = 7
-DEFAULT_CASES = 500
+DEFAULT_CASES = 800
 
 
 @pytest.fixture
@@ -111,7 +120,7 @@ def test_a_value_off_by_a_little_is_a_finding(entry: str, one_thread: None) -> N
     def shifted(x: Any) -> Any:
         return {k: v + 1e-3 if v.dtype.is_floating_point else v for k, v in x.items()}
 
-    off = [(shifted(out), grads) for out, grads in outs]
+    off = [(shifted(out), grads, leaked) for out, grads, leaked in outs]
     assert any("off the float64 truth" in p for p in case.check(off))
 
 
@@ -125,10 +134,36 @@ def test_a_gradient_off_by_a_little_is_a_finding(one_thread: None) -> None:
         if outs[0][1] is None or outs[0][1][0] is None:
             continue
         assert case.check(outs) == []
-        bent = [(out, (gh * 1.001, gw)) for out, (gh, gw) in outs]
+        bent = [(out, (gh * 1.001, gw), leaked) for out, (gh, gw), leaked in outs]
         assert any("d hidden" in p for p in case.check(bent))
         return
     raise AssertionError("no case with gradients")
+
+
+class _KeepsItsOutputs(torch.autograd.Function):
+    """Holds both its outputs on ``ctx`` as plain attributes: a cycle through autograd's
+    nodes (output -> grad_fn -> ctx -> output) that Python's collector cannot break."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = x * 2, x * 3
+        ctx.outputs = (a, b)
+        return a, b
+
+    @staticmethod
+    def backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
+        return 2 * ga + 3 * gb
+
+
+def test_an_input_kept_alive_by_the_graph_is_a_finding() -> None:
+    def run(keep: bool) -> Any:
+        x = torch.ones(3, requires_grad=True)
+        a, b = _KeepsItsOutputs.apply(x) if keep else (x * 2, x * 3)
+        (a + b).sum().backward()
+        return weakref.ref(x)
+
+    assert kept_alive(run(True))
+    assert not kept_alive(run(False))
 
 
 def test_each_wrong_outcome_is_a_finding() -> None:
@@ -244,7 +279,20 @@ def _bucket_tails() -> None:
     assert float(fkl(student)["kl"]) == pytest.approx(truth, rel=1e-4)  # 34.26 vs 5.727
 
 
+def _topk_entropy_graph() -> None:
+    h = torch.randn(4, 1, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    ctx = OutputContext(hidden_states=h, vocab_weight=w, vocab=VocabShard(0, 16, 16))
+    out = topk_logprobs(3, entropy=True)(ctx)
+    (out["topk_logprobs"].sum() + out["entropy"].sum()).backward()
+    probe = weakref.ref(h)
+    del ctx, out, h, w
+    gc.collect()
+    assert probe() is None  # kept by a cycle through the autograd graph
+
+
 KNOWN_REPRODUCTIONS = {
+    "topk-entropy-keeps-its-graph": (_topk_entropy_graph, AssertionError),
     "vocab-none-named-vocab_weight": (_vocab_none, AssertionError),  # the field is 'vocab_weight'
     "sparse-distillation-under-inference-mode": (_inference_mode, RuntimeError),
     "distillation-unused-count-field": (_unused_count, AssertionError),  # 'global_sequences'
