@@ -284,8 +284,16 @@ def checked_collectives(collectives: Any, /, *, tp_size: int, sequence_parallel:
     ``tp_size`` or ``sequence_parallel`` differ). :class:`OutputContext` holds
     its ``collectives`` so; a function that takes ``collectives`` directly
     calls this where they enter.
+
+    ``sequence_parallel=None`` (not known to the caller) keeps the mode an earlier
+    check knew (``collectives`` already checked), else takes the mode the
+    collectives declare (a bool ``sequence_parallel`` attribute, as
+    ``torch_impl.TorchCollectives`` has), else either form of
+    ``gather_hidden_states`` passes.
     """
     if isinstance(collectives, CheckedCollectives):
+        if sequence_parallel is None:  # not known here: what the first check knew
+            sequence_parallel = collectives.sequence_parallel_checked
         if (collectives.tp_size, collectives.sequence_parallel_checked) == (tp_size, sequence_parallel):
             return collectives
         collectives = collectives.inner
@@ -293,4 +301,7 @@ def checked_collectives(collectives: Any, /, *, tp_size: int, sequence_parallel:
         return collectives
     if not isinstance(collectives, Collectives):
         return collectives
+    if sequence_parallel is None:  # still unknown: the mode the collectives declare, if a bool
+        declared = getattr(collectives, "sequence_parallel", None)
+        sequence_parallel = declared if isinstance(declared, bool) else None
     return CheckedCollectives(collectives, tp_size=tp_size, sequence_parallel=sequence_parallel)

@@ -26,11 +26,10 @@ reproduced defect not fixed yet) is counted as known instead of failing the run.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,11 +40,12 @@ __all__ = [
     "Case",
     "Draw",
     "Result",
+    "ThreadGroup",
+    "classify",
     "close",
     "describe",
     "run_case",
     "run_spmd",
-    "ThreadGroup",
 ]
 
 
@@ -262,11 +262,6 @@ def close(
     return []
 
 
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Half the machine epsilon: the relative rounding error of one operation."""
-    return float(torch.finfo(dtype).eps) / 2
-
-
 # ---------------------------------------------------------------- tensor parallel in threads
 
 
@@ -423,14 +418,6 @@ def run_spmd(size: int, fn: Callable[[int], Any], group: ThreadGroup | None = No
     if any(e is not None for e in errors):
         raise RankDisagreement("a collective's barrier broke with no rank raising")
     return results
-
-
-def iter_ranks(outs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
-    return iter(enumerate(outs))
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 def main(argv: Sequence[str]) -> int:

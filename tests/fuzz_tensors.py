@@ -18,7 +18,7 @@ from torch_impl.processors import LinearOptions, fused_token_loss, linear_logpro
 from torch_impl.processors._backends import triton_available
 from torch_impl.processors._geometry import interpreting
 
-from .fuzz_processors import _topk_rules
+from .fuzz_processors import topk_rules
 from .fuzz_support import Case, Draw, close, run_spmd
 from .fuzz_truths import token_stats64
 from .fuzz_world import (
@@ -26,11 +26,11 @@ from .fuzz_world import (
     LEAK,
     Bounds,
     World,
-    _compare_grads,
-    _magnitudes,
+    compare_grads,
     detached,
     draw_world,
     kept_alive_all,
+    magnitudes,
 )
 
 __all__ = ["TENSOR_ENTRIES"]
@@ -57,7 +57,9 @@ def _triton_runs() -> bool:
 
 def tensor_case(d: Draw) -> Case:
     fn = d.pick("function", ["linear_logprobs", "fused_token_loss", "linear_topk_logprobs"])
-    w = draw_world(d, tp_weights=(5, 3, 1))
+    backend = d.pick("backend", ["auto", "torch", "triton"], [20, 20, 1])
+    # Triton's interpreter patches module globals while a kernel runs: one rank (thread) only
+    w = draw_world(d, tp_weights=(5, 3, 1) if backend != "triton" else (1, 0, 0))
     # rows: the world's [s, b=?, h] flattened s-major; a tensor function takes [n, h]
     n, V = w.n, w.V
     labels = w.labels.transpose(0, 1).reshape(-1)  # [n], s-major as the hidden rows
@@ -76,7 +78,6 @@ def tensor_case(d: Draw) -> Case:
         else:
             temperature = (0.3 + 2 * d.rand(n)).to(d.pick("temperature_dtype", [F32, F64]))
     scale = d.pick("logit_scale", [1.0, 0.5, 2] if w.exact else [1.0, 0.5, 3, np.float64(1.5)])
-    backend = d.pick("backend", ["auto", "torch", "triton"], [20, 20, 1])
     compute = d.pick("compute_dtype", [None, F32, F64, BF16], [8, 1, 1, 1])
     tile_rows = d.int("tile_rows", 1, max(1, n)) if d.chance("tiles", 0.5) else None
     tile_cols = d.int("tile_cols", 1, w.vl) if tile_rows is not None and d.rng.random() < 0.7 else None
@@ -383,7 +384,7 @@ def tensor_case(d: Draw) -> Case:
             if fn == "linear_topk_logprobs":
                 got_ids = out["ids"].reshape(w.s, w.b, k).transpose(0, 1)
                 got_v = out["logprobs"].reshape(w.s, w.b, k).transpose(0, 1)
-                problems += [where + p for p in _topk_rules(logp.detach(), got_v, got_ids, k, w)]
+                problems += [where + p for p in topk_rules(logp.detach(), got_v, got_ids, k, w)]
                 if r > 0 and not torch.equal(out["ids"], outs[0][0]["ids"]):
                     problems.append(f"{where}ids differ from rank 0's")
             if got_grads is not None and cots:
@@ -393,8 +394,8 @@ def tensor_case(d: Draw) -> Case:
                 floor = 256 * prec.acc * cot_scale * max(1.0, float(torch.as_tensor(inv).abs().max()))
                 gh, gw = got_grads
                 gh = gh.reshape(-1, w.b, w.h) if gh is not None else None  # rows [s*b, h] -> [s, b, h]
-                truth_grads = (dH, dW, _magnitudes(H, W, z, inv_bs, scalar), floor)
-                problems += _compare_grads(w, r, (gh, gw), truth_grads, prec, where)
+                truth_grads = (dH, dW, magnitudes(H, W, z, inv_bs, scalar), floor)
+                problems += compare_grads(w, r, (gh, gw), truth_grads, prec, where)
         return problems
 
     return Case(fn, call, check)

@@ -369,7 +369,7 @@ def ctx_mutations(
         "collectives_cp_size",
         ("collectives",),
         lambda kw, r: kw.__setitem__(
-            "collectives", _Sized(kw.get("collectives", SingleProcessCollectives()), cp_size=2)
+            "collectives", _Sized(kw.get("collectives", SingleProcessCollectives()), cp_size=3)
         ),
     )
     if w.tp > 1:
@@ -587,7 +587,7 @@ def processor_case(
             dH, dW = torch.autograd.grad(scalar, (H, W), retain_graph=True, allow_unused=True)
             cot_scale = sum(float(cots[k].abs().max()) for k in grad_keys if k in cots and cots[k].numel())
             floor = 256 * prec.acc * cot_scale * max(1.0, float(torch.as_tensor(inv).abs().max()))
-            grads = (dH, dW, _magnitudes(H, W, z, inv, scalar), floor)
+            grads = (dH, dW, magnitudes(H, W, z, inv, scalar), floor)
         plain = {k: v.detach() for k, v in values.items()}
         problems: list[str] = []
         for r, (out, got_grads, leaked) in enumerate(outs):
@@ -615,7 +615,7 @@ def processor_case(
             if cmp.extra is not None:
                 problems += [where + p for p in cmp.extra(result)]
             if grads is not None and got_grads is not None:
-                problems += _compare_grads(w, r, got_grads, grads, prec, where)
+                problems += compare_grads(w, r, got_grads, grads, prec, where)
         return problems
 
     return Case(entry, call, check)
@@ -676,7 +676,7 @@ def _grads(
     return gh, gw
 
 
-def _magnitudes(
+def magnitudes(
     H: torch.Tensor, W: torch.Tensor, z: torch.Tensor, inv: Any, scalar: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(|dL/dz_raw| @ |W|, |dL/dz_raw|.T @ |H|)``: the sums of the gradients' terms,
@@ -691,7 +691,7 @@ def _magnitudes(
     return mag_h, mag_w
 
 
-def _compare_grads(
+def compare_grads(
     w: World, r: int, got: tuple[Any, Any], truth: tuple[Any, Any, Any], prec: Precision, where: str
 ) -> list[str]:
     dH, dW, (mag_h, mag_w), floor = truth

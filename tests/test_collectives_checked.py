@@ -408,3 +408,58 @@ def test_a_wrong_all_gather_is_named_in_the_tensor_function() -> None:
         assert e.field == "collectives.all_gather"
     else:
         raise AssertionError("x[None] from all_gather at two ranks was taken")
+
+
+class _Ungathered:
+    """Two ranks' collectives whose ``gather_hidden_states`` forgets to gather under
+    sequence parallel (returns this rank's ``[s/tp, ...]`` rows); says nothing of its mode."""
+
+    def all_reduce_sum(self, x: Any, /) -> Any:
+        return x
+
+    def all_reduce_max(self, x: Any, /) -> Any:
+        return x
+
+    def gather_hidden_states(self, x: Any, /) -> Any:
+        return x
+
+    def all_gather(self, x: Any, /) -> Any:
+        return torch.stack([x, x])
+
+
+def test_a_second_check_keeps_the_sequence_parallel_mode_the_first_knew() -> None:
+    """Found by the contract fuzzer: a tensor function checks the context's (already
+    checked) collectives again with ``tp_size`` only; the rewrap forgot
+    ``sequence_parallel=True`` and took an ungathered result as either form, so a
+    processor failed later naming ``labels``."""
+    once = checked_collectives(_Ungathered(), tp_size=TP, sequence_parallel=True)
+    again = checked_collectives(once, tp_size=TP)
+    assert again is once
+    with pytest.raises(ContractError) as e:
+        again.gather_hidden_states(torch.zeros(3, H))
+    assert e.value.field == "collectives.gather_hidden_states" and "[6, 4]" in str(e.value.expected)
+    g = torch.Generator().manual_seed(0)
+    ctx = OutputContext(
+        hidden_states=torch.randn(S // TP, B, H, generator=g),
+        vocab_weight=torch.randn(V // TP, H, generator=g),
+        labels=torch.randint(0, V, (B, S), generator=g),
+        vocab=VocabShard(start=0, end=V // TP, size=V),
+        parallel=ParallelLayout(tp_size=TP, sequence_parallel=True),
+        collectives=_Ungathered(),
+    )
+    with pytest.raises(ContractError) as e:
+        topk_logprobs(3)(ctx)
+    assert e.value.field == "collectives.gather_hidden_states"
+
+
+def test_a_check_of_collectives_alone_takes_the_mode_they_declare() -> None:
+    """Where the caller does not know the mode (a tensor function's ``LinearOptions``),
+    the collectives' own ``sequence_parallel`` (a bool, as ``TorchCollectives`` has)
+    decides the form of ``gather_hidden_states``."""
+
+    class Declared(_Ungathered):
+        sequence_parallel = True
+
+    with pytest.raises(ContractError, match=r"collectives\.gather_hidden_states"):
+        checked_collectives(Declared(), tp_size=TP).gather_hidden_states(torch.zeros(3, H))
+    checked_collectives(_Ungathered(), tp_size=TP).gather_hidden_states(torch.zeros(3, H))  # either form
