@@ -682,7 +682,7 @@ def topk_case(d: Draw) -> Case:
         return values, z, inv
 
     def topk_rules(result: dict[str, Any]) -> list[str]:
-        return topk_rules(seen["logp"], result["topk_logprobs"], result["topk_ids"], k, w)
+        return check_topk(seen["logp"], result["topk_logprobs"], result["topk_ids"], k, w)
 
     def compare(values: dict[str, torch.Tensor], tol: Bounds) -> Compare:
         tols: dict[str, Any] = {key: tol(key) for key in values if key not in ("topk_ids", "topk_logprobs")}
@@ -729,7 +729,7 @@ def topk_case(d: Draw) -> Case:
     return case
 
 
-def topk_rules(logp: torch.Tensor, values: Any, ids: Any, k: int, w: World) -> list[str]:
+def check_topk(logp: torch.Tensor, values: Any, ids: Any, k: int, w: World) -> list[str]:
     """The contract's top-k: ``k`` distinct ids whose true logprobs are the ``k``
     largest (up to rounding), values descending, and among exactly equal true values
     the smaller id first."""

@@ -18,7 +18,7 @@ from torch_impl.processors import LinearOptions, fused_token_loss, linear_logpro
 from torch_impl.processors._backends import triton_available
 from torch_impl.processors._geometry import interpreting
 
-from .fuzz_processors import topk_rules
+from .fuzz_processors import check_topk
 from .fuzz_support import Case, Draw, close, run_spmd
 from .fuzz_truths import token_stats64
 from .fuzz_world import (
@@ -384,7 +384,7 @@ def tensor_case(d: Draw) -> Case:
             if fn == "linear_topk_logprobs":
                 got_ids = out["ids"].reshape(w.s, w.b, k).transpose(0, 1)
                 got_v = out["logprobs"].reshape(w.s, w.b, k).transpose(0, 1)
-                problems += [where + p for p in topk_rules(logp.detach(), got_v, got_ids, k, w)]
+                problems += [where + p for p in check_topk(logp.detach(), got_v, got_ids, k, w)]
                 if r > 0 and not torch.equal(out["ids"], outs[0][0]["ids"]):
                     problems.append(f"{where}ids differ from rank 0's")
             if got_grads is not None and cots:
