@@ -188,7 +188,7 @@ def tensor_case(d: Draw) -> Case:
         if "loss_int" in muts:
             return (lp * c).sum().long()
         if "loss_float" in muts:
-            return float((lp * c).sum())
+            return float((lp * c).sum().detach())
         if "loss_reads_entropy" in muts:
             return (ent * c).sum()
         if loss_kind == "weighted":
