@@ -1,20 +1,15 @@
-"""Production processors: selected-token logprobs, entropy, cross entropy and policy
-losses from the hidden states and the vocab shard, never materialising the logits.
+"""Production processors: logprobs, entropy, cross entropy, policy losses, top-k and
+distillation from the hidden states and the vocab shard, never materialising the logits,
+all epilogues on one tile engine (``docs/architecture.md``).
 
-- :func:`linear_logprobs`: the tensor function underneath (vocab parallel,
-  online logsumexp, logits recomputed in backward).
-- :func:`fused_token_loss`: a scalar loss of per-token terms whose gradients
-  are formed in the forward pass (no recomputation); the fused policy loss and
-  ``cross_entropy_loss(reduction="sum" | "mean")`` run on it.
 - Processors for ``enable_output_processor``: :func:`selected_logprobs`,
-  :func:`cross_entropy_loss`, :func:`policy_loss` (with :class:`PolicyBatch`
-  as the user context and :class:`PolicyLossConfig`).
-- :func:`linear_topk_logprobs` and its processor :func:`topk_logprobs`: the
-  ``k`` largest logprobs per token and their ids, vocab parallel.
-- :func:`distillation_loss` (:class:`DistillConfig`, with :class:`SparseTeacher`
-  or :class:`DenseTeacher` as the user context): KL or JSD to a teacher.
-- Chunk sizes per device (:data:`LOGITS_CHUNK_BYTES`, :data:`TILES_BY_DEVICE`) and what
-  ``backend="auto"`` runs on a device (:func:`auto_choice`, :data:`MEASURED_CHOICES`).
+  :func:`cross_entropy_loss`, :func:`policy_loss` (:class:`PolicyBatch`,
+  :class:`PolicyLossConfig`), :func:`topk_logprobs`, :func:`distillation_loss`
+  (:class:`DistillConfig`; :class:`SparseTeacher` or :class:`DenseTeacher`).
+- The tensor functions underneath, their options one :class:`LinearOptions`:
+  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`.
+- Tile sizes per device (:data:`TILE_BYTES`, :data:`GRAD_BUFFER_BYTES`,
+  :data:`TILES_BY_DEVICE`) and what ``backend="auto"`` runs (:func:`auto_choice`).
 """
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class

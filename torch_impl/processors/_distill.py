@@ -25,6 +25,7 @@ NaN anywhere makes the loss NaN).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import typing
@@ -49,7 +50,7 @@ from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_auto
 from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
 from ._options import make_setup, refuse_double_backward
 from ._policy import sequence_ids
-from ._policy_math import aggregation_weights
+from ._policy_math import aggregation_weights, check_unused_count
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
 __all__ = ["DenseTeacher", "DistillConfig", "SparseTeacher", "distillation_loss", "sparse_divergence"]
@@ -119,6 +120,7 @@ def sparse_divergence(
     divergence: DistillDivergence,
     tail: TeacherTail,
     beta: float = 0.5,
+    student_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D, forward KL)`` per token ``[...]`` of a sparse teacher, from
     ``teacher_logprobs`` ``lp_t [..., k]``, the student's tempered logits at the
@@ -130,7 +132,11 @@ def sparse_divergence(
                      log Q = [u - lse, log(max(-expm1(logsumexp(u) - lse), TAIL_FLOOR))]
         D = divergence(log P, log Q)
 
-    Differentiable in ``u`` and ``lse``.
+    Differentiable in ``u`` and ``lse``. The teacher's tail is formed in float64 (its
+    ``logsumexp`` in the logprobs' own precision cancels); ``student_tail`` ``[...]``,
+    where given, is the value of the student's tail, summed over the entries outside
+    the ids (the expression above cancels where the tail is below the logits'
+    rounding); its gradient stays the expression's.
     """
     lp_t = teacher_logprobs.to(student_logits.dtype)
     if tail == TeacherTail.RENORMALIZE:
@@ -142,10 +148,13 @@ def sparse_divergence(
                 "student_lse", expected="the student's logsumexp (tail 'bucket')", actual="None"
             )
         log_q_ids = student_logits - student_lse[..., None]
-        p_tail = (-torch.expm1(torch.logsumexp(lp_t, -1))).clamp_min(TAIL_FLOOR)
-        q_tail = (-torch.expm1(torch.logsumexp(log_q_ids, -1))).clamp_min(TAIL_FLOOR)
-        log_p = torch.cat([lp_t, torch.log(p_tail)[..., None]], -1)
-        log_q = torch.cat([log_q_ids, torch.log(q_tail)[..., None]], -1)
+        p_tail = -torch.expm1(torch.logsumexp(teacher_logprobs.double(), -1))
+        q_tail = -torch.expm1(torch.logsumexp(log_q_ids, -1))
+        if student_tail is not None:  # the accurate value, the expression's gradient
+            q_tail = q_tail + (student_tail.to(q_tail.dtype) - q_tail).detach()
+        log_p_tail = torch.log(p_tail.clamp_min(TAIL_FLOOR)).to(lp_t.dtype)
+        log_p = torch.cat([lp_t, log_p_tail[..., None]], -1)
+        log_q = torch.cat([log_q_ids, torch.log(q_tail.clamp_min(TAIL_FLOOR))[..., None]], -1)
     d = divergence_of(log_p, log_q, divergence, beta)
     kl = (
         d
@@ -168,10 +177,12 @@ class _Outputs:
     loss: torch.Tensor
 
 
-def _argmax_ids(setup: TileSetup, z: torch.Tensor, big_m: torch.Tensor) -> torch.Tensor:
-    """The global argmax of each row of the tempered tile ``z`` over the shards (ties:
-    the smaller id), given the rows' global max ``big_m`` (already reduced)."""
-    local_max, local_arg = z.max(1)  # the first maximal column
+def _argmax_ids(
+    setup: TileSetup, local: tuple[torch.Tensor, torch.Tensor], big_m: torch.Tensor
+) -> torch.Tensor:
+    """The global argmax of each row over the shards (ties: the smaller id), from this
+    shard's ``(max, argmax)`` of the tempered tile and the rows' global max ``big_m``."""
+    local_max, local_arg = local
     cand = torch.where(local_max == big_m, local_arg + setup.vocab_start, 1 << 62)
     return -setup.reduce_max(-cand)
 
@@ -183,7 +194,7 @@ def _dense_terms(
     (tempered logits of the student ``zs`` and the teacher ``zt``)."""
     big = setup.reduce_max(torch.stack([zs.amax(1), zt.amax(1)]))
     ms, mt = big[0], big[1]
-    agree = _argmax_ids(setup, zs, ms) == _argmax_ids(setup, zt, mt)
+    agree = _argmax_ids(setup, zs.max(1), ms) == _argmax_ids(setup, zt.max(1), mt)
     ls, lt = zs.sub_(ms[:, None]), zt.sub_(mt[:, None])  # shifted, in place
     es, et = torch.exp(ls), torch.exp(lt)
     diff = lt - ls
@@ -250,15 +261,18 @@ def _sparse_epilogue(
         top = eng.row_argmax(z, rows)
         u = setup.reduce_sum(eng.pick(z, rows, cols))  # each id lives in one shard
         stats = eng.row_stats(z, rows, with_entropy=False)
-        lse = stats.lse
-        with torch.enable_grad():
-            u_ = u.detach().requires_grad_()
-            lse_ = lse.detach().requires_grad_()
-            d, kl = sparse_divergence(lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta)
+        lse, bucket = stats.lse, cfg.tail == TeacherTail.BUCKET
+        q_out = eng.mass_outside(z, rows, stats, cols) if bucket else None
+        need = sink.active  # no autograd where no gradient is wanted (inference mode included)
+        with torch.enable_grad() if need else contextlib.nullcontext():
+            u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
+            d, kl = sparse_divergence(
+                lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_tail=q_out
+            )
             total = (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum()
-            gu, glse = torch.autograd.grad(total, (u_, lse_), allow_unused=True)
-        _record(out, rows, d.detach(), kl.detach(), _global_argmax(setup, top, stats) == ids[:, 0], lse, w)
-        if not sink.active:
+            gu, glse = torch.autograd.grad(total, (u_, lse_), allow_unused=True) if need else (None, None)
+        _record(out, rows, d.detach(), kl.detach(), _argmax_ids(setup, top, stats.max) == ids[:, 0], lse, w)
+        if gu is None:
             return
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
             sink.add_sparse(rows, cols, gu)
@@ -269,13 +283,6 @@ def _sparse_epilogue(
         eng.row_grad(z, rows, stats, coef, sink, sparse=(cols, gu))
 
     return epilogue
-
-
-def _global_argmax(setup: TileSetup, top: tuple[torch.Tensor, torch.Tensor], stats: Any) -> torch.Tensor:
-    """The global argmax from each shard's ``(max, argmax)`` of the tempered tile."""
-    local_max, local_arg = top
-    cand = torch.where(local_max == stats.max, local_arg + setup.vocab_start, 1 << 62)
-    return -setup.reduce_max(-cand)
 
 
 def _record(
@@ -407,6 +414,12 @@ def distillation_loss(
         x = hook_inputs(ctx, "distillation_loss", needs_labels=False)
         teacher = _teacher(ctx)
         check_counts(teacher)
+        check_unused_count(
+            config.aggregation,
+            global_tokens=teacher.global_tokens,
+            global_sequences=teacher.global_sequences,
+            prefix="context.",
+        )
         _check_cp(teacher, config.aggregation, ctx.parallel.cp_size)
         options = dataclasses.replace(
             x.tensor_options(tile, config.temperature, whole_rows=True), compute_dtype=compute_dtype

@@ -235,9 +235,6 @@ class Coefficients:
     b: torch.Tensor | None
     g: torch.Tensor
 
-    def take(self, rows: slice) -> Coefficients:
-        return Coefficients(self.a[rows], None if self.b is None else self.b[rows], self.g[rows])
-
 
 def logit_grad_coefficients(
     stats: Stats,
@@ -297,19 +294,11 @@ class RowScale:
 
 
 class GradSink:
-    """``dh`` and ``dW`` from the logit gradient of the row sweep's tiles.
-
-    Tiles' gradients go into a buffer ``G`` of ``setup.grad_capacity`` rows (the compute
-    dtype); a full buffer, and the last, is multiplied out::
-
-        dh[rows] = G @ W                     # each row once
-        dW (+)= G.T @ h[rows]                # the first product writes
-
-    With one buffer for every row, ``dW`` is written once in ``W``'s dtype by cuBLAS
-    (fp32 accumulation); with several, it accumulates in ``W``'s dtype where that is
-    the compute dtype (one rounding per buffer), else in fp32. ``zeros``: start
-    ``dh`` and ``dW`` at 0 (an epilogue that also adds sparse terms).
-    """
+    """``dh`` and ``dW`` from the row sweep's logit gradients: tiles go into a buffer
+    ``G`` of ``setup.grad_capacity`` rows (compute dtype); a full buffer, and the last,
+    is multiplied out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (in ``W``'s dtype
+    where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
+    fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too)."""
 
     def __init__(self, engine: Engine, *, need_dh: bool, need_dw: bool, zeros: bool = False) -> None:
         self.engine = engine
@@ -630,16 +619,13 @@ class Engine:
         need_dw: bool,
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The vocabulary sweep's backward: ``(dh, dW)`` by recomputing each tile (columns
-        outer, so each ``dW`` tile is finished before the next)::
+        """The vocabulary sweep's backward, each tile recomputed (columns outer)::
 
             gz = grad_pass(logits(rows, cols))
-            dh[rows] (+)= gz @ W[cols]          # + from the second column tile on
-            dW[cols] (+)= gz.T @ h[rows]        # + from the second row tile on
+            dh[rows] (+)= gz @ W[cols];  dW[cols] (+)= gz.T @ h[rows]
 
-        ``dh`` in the accumulation dtype (unfolded), ``dW`` in ``W``'s dtype. Where one
-        tile holds every row and ``W`` is in the compute dtype, each ``dW`` tile is one
-        GEMM written straight into ``dW`` (fp32 accumulation, one rounding).
+        ``dh`` in the accumulation dtype, ``dW`` in ``W``'s (each ``dW`` tile one GEMM
+        straight into it where one tile holds every row and ``W`` is the compute dtype).
         """
         setup = self.setup
         acc = setup.acc_dtype
@@ -656,7 +642,8 @@ class Engine:
                 wc = self.weight(cols)
             z = self.logits(rows, wc)
             part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-            gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.take(rows), sparse=part)
+            tile_coef = Coefficients(coef.a[rows], None if coef.b is None else coef.b[rows], coef.g[rows])
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], tile_coef, sparse=part)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
@@ -708,6 +695,19 @@ class Engine:
         logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
         entropy = log_s - summed[2] / big_s if with_entropy else None
         return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
+
+    def mass_outside(self, z: torch.Tensor, rows: slice, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
+        """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
+        elsewhere; distinct), summed over those entries and the shards: no ``1 - sum``
+        to cancel. After :meth:`row_stats` on the same tile."""
+        if self.triton:
+            e = torch.exp(self.temper(z, rows) - stats.max[:, None], out=self.like("e", z))
+        else:
+            e = self.like("e", z)  # exp(z - M), left by row_stats
+        here = (cols >= 0).to(torch.uint8)
+        listed = torch.zeros(e.shape, dtype=torch.uint8, device=e.device)
+        listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax")  # -1s land on 0 without a 1
+        return self.setup.reduce_sum(torch.where(listed.bool(), 0.0, e).sum(1)) / stats.sumexp
 
     def row_grad(
         self,

@@ -38,8 +38,7 @@ first two arguments; called under ``torch.enable_grad``."""
 
 @dataclasses.dataclass(frozen=True)
 class FusedLossResult:
-    """``loss``: scalar, differentiable in the hidden states and the weight;
-    ``logprobs`` and ``entropy``: ``[n]``, detached."""
+    """``loss``: scalar, differentiable in ``hidden`` and ``weight``; ``logprobs``, ``entropy``: ``[n]``."""
 
     loss: torch.Tensor
     logprobs: torch.Tensor
@@ -60,15 +59,13 @@ def _token_loss_grads(
         lp = stats.logprobs.detach().requires_grad_()
         ent = stats.entropy.detach().requires_grad_()
         loss = token_loss(lp, ent, rows)
-        if not isinstance(loss, torch.Tensor):
-            raise ContractError("token_loss", expected=_RETURNS, actual=f"it returned {type(loss).__name__}")
-        if loss.dim() != 0 or not loss.dtype.is_floating_point:
-            raise ContractError(
-                "token_loss",
-                expected=_RETURNS,
-                actual=f"it returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
-                f"{format_shape(loss.shape)}",
-            )
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+            actual = type(loss).__name__
+            if isinstance(loss, torch.Tensor):
+                actual = (
+                    f"a {str(loss.dtype).removeprefix('torch.')} tensor of shape {format_shape(loss.shape)}"
+                )
+            raise ContractError("token_loss", expected=_RETURNS, actual=f"it returned {actual}")
         g_lp = g_h = None
         if need and loss.requires_grad:
             g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True)

@@ -36,7 +36,6 @@ __all__ = [
     "Tile",
     "from_tokens",
     "hook_inputs",
-    "logit_scale",
     "resolve_temperature",
     "tile_options",
     "to_tokens",
@@ -147,13 +146,6 @@ def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> t
     return mask
 
 
-def logit_scale(ctx: OutputContext, processor: str = "built-in") -> float:
-    """The factor the model's ``scale_logits`` applies (MuP's output multiplier):
-    a finite number > 0; a model option that changes the logits otherwise is
-    refused by name (:func:`~torch_impl.processors._checks.context_logit_scale`)."""
-    return context_logit_scale(ctx, processor=processor)
-
-
 def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> HookInputs:
     """The one prologue of every processor: check what processor ``name`` reads from
     ``ctx`` (shapes and types, no values: ``hookspec.validate_context(check_values=
@@ -167,8 +159,10 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         raise ContractError(
             "labels", expected=f"token ids [b, s] (processor {name!r} needs them)", actual="None"
         )
-    if ctx.vocab_weight is None or ctx.vocab is None:
+    if ctx.vocab_weight is None:
         raise ContractError("vocab_weight", expected="the output weight shard [V_local, h]", actual="None")
+    if ctx.vocab is None:
+        raise ContractError("vocab", expected="the weight's VocabShard (start, end, size)", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
     validate_context(ctx, check_values=False)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
@@ -186,7 +180,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         ignore_index=ctx.ignore_index,
         vocab=ctx.vocab,
         collectives=ctx.collectives,
-        logit_scale=logit_scale(ctx, name),
+        logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
         # each value is checked once: the labels above or in the hook, a
         # temperature by resolve_temperature
         check_values=False,

@@ -39,13 +39,9 @@ def check_counts(teacher: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedTeacher:
-    """A teacher as rows of the gathered tokens (``s``-major), ready for the engine.
-
-    Sparse: ``ids`` ``[n, k]`` int64 and ``logprobs`` ``[n, k]`` (acc dtype); at a
-    token that does not count, a stand-in (``k`` distinct ids of mass ``1 / (k + 1)``
-    each) that keeps every term and gradient finite. Dense: ``hidden`` ``[n, h_t]`` and
-    ``weight`` ``[V_local, h_t]``, detached, and the teacher's ``logit_scale``.
-    """
+    """A teacher as rows of the gathered tokens, detached: sparse ``ids``, ``logprobs``
+    ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
+    every term finite), or dense ``hidden`` ``[n, h_t]``, ``weight``, ``logit_scale``."""
 
     ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None

@@ -137,6 +137,11 @@ def _merge_shards(
     return top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
 
 
+def _detached(stats: Stats) -> Stats:
+    entropy = None if stats.entropy is None else stats.entropy.detach()
+    return dataclasses.replace(stats, logprobs=stats.logprobs.detach(), entropy=entropy)
+
+
 class _TopkFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -150,7 +155,8 @@ class _TopkFunction(torch.autograd.Function):
             values = values - stats.lse[:, None]
         ctx.set_materialize_grads(False)
         ctx.setup = setup
-        ctx.stats, ctx.ids = stats, ids
+        # detached: the outputs themselves on ctx would hold the graph (a cycle through ctx)
+        ctx.stats, ctx.ids = _detached(stats), ids.detach()
         ctx.save_for_backward(h, w)
         entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
         ctx.mark_non_differentiable(ids)
