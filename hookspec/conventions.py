@@ -60,6 +60,11 @@ smaller id first, deterministically)::
 
     order = argsort by (-lp, id);  ids = order[:k];  topk_logprobs = lp[ids]
 
+"Equal" means equal as computed, at the implementation's precision: two logits
+that differ in exact arithmetic but round to the same value are a tie, and the
+smaller id wins; a reference checks an implementation's ids against its own
+values, not against a higher-precision ranking.
+
 Distillation, per token, teacher ``p`` and student ``q = softmax(z / T)``, both
 at temperature ``T``; a divergence between distributions ``P`` and ``Q`` over
 the same outcomes, where a term whose weight (``P``, ``Q``) is 0 is 0::
