@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,7 +103,9 @@ class HostRead(AssertionError):
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = Path(frame.filename)
-        if ROOT in path.parents and path.parent.name != "tests":
+        # an environment installed inside the checkout (CI's .venvs/) is not the project
+        installed = "site-packages" in path.parts or Path(sys.prefix) in path.parents
+        if ROOT in path.parents and path.parent.name != "tests" and not installed:
             return f"{path.relative_to(ROOT)}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "outside the project"
 
