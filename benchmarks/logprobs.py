@@ -231,7 +231,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"fp32 sweep over {key} ({other} {', '.join(map(str, sorted(fixed)))}): / naive")
         ax.set_xlabel(key)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a sweep with no rows for this key draws no lines
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
