@@ -192,14 +192,19 @@ def check_mtp_callable(fn: Any, /) -> None:
     or keyword-style like the upstream hook's processors) raises ``ContractError``
     naming ``mtp_processor``, before the model runs; the MTP wrappers
     (``detached_head``, ``scaled_mtp_gradient``) check what they wrap with it."""
+    expected = "a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss"
+    _check_callable(fn, "mtp_processor", expected, _check_takes_the_context)
+
+
+def _check_callable(
+    fn: Any, field: str, expected: str, check_signature: Callable[[Callable[..., Any]], None]
+) -> None:
+    """``fn`` callable (else ``ContractError`` naming ``field``), and its signature
+    checked once unless it is a hookspec processor."""
     if not callable(fn):
-        raise ContractError(
-            "mtp_processor",
-            expected="a hookspec processor or a callable (ctx) -> loss [b, s], such as default_mtp_loss",
-            actual=type(fn).__name__,
-        )
+        raise ContractError(field, expected=expected, actual=type(fn).__name__)
     if not is_hookspec_processor(fn):
-        _check_once(_check_takes_the_context, fn)
+        _check_once(check_signature, fn)
 
 
 def _check_takes_the_context(fn: Callable[..., Any]) -> None:
@@ -245,14 +250,8 @@ class ForwardCall:
         padding_mask: torch.Tensor | None,
     ) -> None:
         if processor is not None:
-            if not callable(processor):
-                raise ContractError(
-                    "output_processor",
-                    expected="a callable or a hookspec processor",
-                    actual=type(processor).__name__,
-                )
-            if not is_hookspec_processor(processor):
-                _check_once(_check_upstream_keywords, processor)
+            expected = "a callable or a hookspec processor"
+            _check_callable(processor, "output_processor", expected, _check_upstream_keywords)
         if mtp_processor is not None:
             check_mtp_callable(mtp_processor)
         self.model = model

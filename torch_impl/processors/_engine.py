@@ -169,11 +169,16 @@ def combine(
     parts = [s * a, torch.where(setup.labels_local[rows] >= 0, zy - big_m, 0.0)]
     if t is not None:
         parts.append(a * (t + (m - big_m) * s))
-    summed = setup.reduce_sum(torch.stack(parts))
+    return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
+
+
+def _stats_of_sums(big_m: torch.Tensor, summed: torch.Tensor, ignored: torch.Tensor) -> Stats:
+    """:class:`Stats` from the rows' global max ``M`` and their summed ``[S, z_y - M]``
+    (and ``T = sum_j exp(z_j - M) (z_j - M)`` as a third row, where entropy is wanted)."""
     big_s = summed[0]
     log_s = torch.log(big_s)
-    logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
-    entropy = log_s - summed[2] / big_s if t is not None else None
+    logprobs = torch.where(ignored, 0.0, summed[1] - log_s)
+    entropy = log_s - summed[2] / big_s if summed.shape[0] > 2 else None
     return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
 
 
@@ -330,7 +335,7 @@ class GradSink:
             self.start = rows.start
         eng = self.engine
         cdt = eng.setup.compute_dtype
-        if self.aliased or self.buf is None or self.buf.dtype != cdt:
+        if self.aliased or self.buf is None:
             self.buf = torch.empty((min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
             self.aliased = False
         return self.buf[self.held : self.held + rows.stop - rows.start]
@@ -689,12 +694,7 @@ class Engine:
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
         parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else [])
-        summed = setup.reduce_sum(torch.stack(parts))
-        big_s = summed[0]
-        log_s = torch.log(big_s)
-        logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
-        entropy = log_s - summed[2] / big_s if with_entropy else None
-        return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
+        return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
 
     def mass_outside(self, z: torch.Tensor, rows: slice, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
         """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
