@@ -132,25 +132,13 @@ def upstream_style(*, hidden_states: Any, labels: Any, **_: Any) -> Any:
     ids=["detached_head", "scaled_mtp_gradient", "both"],
 )
 def test_a_wrapped_keyword_style_callable_is_refused_as_an_unwrapped_one(wrap: Any) -> None:
+    # the unwrapped one, through the model's forward: test_mtp.py's
+    # test_mtp_processor_taking_upstream_keywords_is_refused_before_the_model_runs
     with pytest.raises(ContractError, match=r"^mtp_processor: expected a callable \(ctx\)") as e:
         wrap(upstream_style)
     assert "@hookspec.processor" in str(e.value)
     with pytest.raises(ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"):
         wrap(3)
-
-
-@pytest.mark.usefixtures("megatron_single")
-def test_the_unwrapped_keyword_style_callable_gets_the_same_error_before_the_forward() -> None:
-    model = enable_output_processor(build_mtp_gpt().eval())
-    batch = tiny_batch()
-    with pytest.raises(ContractError, match=r"^mtp_processor: expected a callable \(ctx\)"):
-        model(
-            batch["input_ids"],
-            batch["position_ids"],
-            None,
-            labels=batch["labels"],
-            mtp_processor=upstream_style,
-        )
 
 
 def test_no_library_code_asks_a_result_for_a_dict_where_the_contract_says_mapping() -> None:

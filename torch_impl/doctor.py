@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .process_state import free_port, known_noise_silenced, megatron_parallel, tool_state
+from .process_state import known_noise_silenced, megatron_parallel, tool_state
 
 if TYPE_CHECKING:
     from ._compat import InstalledMegatron
@@ -488,7 +488,7 @@ def _run_checks(checks: Iterable[tuple[str, Callable[[], None]]]) -> list[CheckR
     for name, check in checks:
         start = time.perf_counter()
         try:
-            with megatron_parallel(port=free_port()):
+            with megatron_parallel():  # one process: an in-memory store, no port
                 check()
         except SkipCheck as skip:
             results.append(CheckResult(name, "skip", str(skip), time.perf_counter() - start))

@@ -25,6 +25,7 @@ from ..value_checks import check_labels_deferred, check_positive_deferred
 __all__ = [
     "UNSUPPORTED_LOGIT_OPTIONS",
     "check_bool",
+    "check_compute_dtype",
     "check_enum",
     "check_finite_number",
     "check_floating",
@@ -139,6 +140,13 @@ def context_field(context: Any, name: str) -> Any:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_compute_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` itself where it is a floating torch dtype, else ``ContractError``."""
+    if dtype not in _FLOATS:
+        raise ContractError("compute_dtype", expected="a floating torch dtype", actual=repr(dtype))
+    return dtype  # type: ignore[no-any-return]
+
+
 def check_floating(field: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ContractError(field, expected="a torch.Tensor", actual=type(x).__name__)
@@ -205,9 +213,7 @@ def resolve_compute_dtype(
     elsewhere the input dtype (the GEMM accumulates in fp32 on GPUs).
     """
     if override is not None:
-        if override not in _FLOATS:
-            raise ContractError("compute_dtype", expected="a floating torch dtype", actual=repr(override))
-        return override
+        return check_compute_dtype(override)
     if dtype == torch.float64:
         return torch.float64
     if device.type == "cpu":

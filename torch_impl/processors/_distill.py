@@ -46,9 +46,9 @@ from hookspec import (
 )
 
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast
+from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast, scaled_
 from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
-from ._options import make_setup, refuse_double_backward
+from ._options import gather_rows, make_setup, refuse_double_backward
 from ._policy import sequence_ids
 from ._policy_math import aggregation_weights, check_unused_count
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
@@ -192,9 +192,10 @@ def _dense_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(D [r], KL [r], agree [r], lse_s [r], dD/dz_s [r, V_local])`` of a dense tile
     (tempered logits of the student ``zs`` and the teacher ``zt``)."""
-    big = setup.reduce_max(torch.stack([zs.amax(1), zt.amax(1)]))
+    local_s, local_t = zs.max(1), zt.max(1)  # (max, argmax): one pass over each tile
+    big = setup.reduce_max(torch.stack([local_s[0], local_t[0]]))
     ms, mt = big[0], big[1]
-    agree = _argmax_ids(setup, zs.max(1), ms) == _argmax_ids(setup, zt.max(1), mt)
+    agree = _argmax_ids(setup, local_s, ms) == _argmax_ids(setup, local_t, mt)
     ls, lt = zs.sub_(ms[:, None]), zt.sub_(mt[:, None])  # shifted, in place
     es, et = torch.exp(ls), torch.exp(lt)
     diff = lt - ls
@@ -236,13 +237,12 @@ def _dense_epilogue(
         zt = mm_into(
             eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
         )
-        if t_inv != 1.0:
-            zt.mul_(t_inv)  # the teacher's GEMM
+        scaled_(zt, t_inv)  # the teacher's temperature and logit scale
         d, kl, agree, lse, gz = _dense_terms(setup, cfg, zs, zt)
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
             sink.put(rows, eng.untempered_grad(torch.where(w[:, None] != 0, gz * w[:, None], 0.0), rows))
-        _record(out, rows, d, kl, agree, lse, w)
+        _record(out, rows, _weighted(d, w), kl, agree, lse)
 
     return epilogue
 
@@ -269,9 +269,10 @@ def _sparse_epilogue(
             d, kl = sparse_divergence(
                 lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_tail=q_out
             )
-            total = (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum()
+            total = _weighted(d, w)
             gu, glse = torch.autograd.grad(total, (u_, lse_), allow_unused=True) if need else (None, None)
-        _record(out, rows, d.detach(), kl.detach(), _argmax_ids(setup, top, stats.max) == ids[:, 0], lse, w)
+        agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
+        _record(out, rows, total.detach(), kl.detach(), agree, lse)
         if gu is None:
             return
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
@@ -285,17 +286,16 @@ def _sparse_epilogue(
     return epilogue
 
 
+def _weighted(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The tile's loss ``sum(w * D)``, a token of weight 0 counting nothing (its ``D`` may be NaN)."""
+    return (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum()
+
+
 def _record(
-    out: _Outputs,
-    rows: slice,
-    d: torch.Tensor,
-    kl: torch.Tensor,
-    agree: torch.Tensor,
-    lse: torch.Tensor,
-    w: torch.Tensor,
+    out: _Outputs, rows: slice, loss: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor, lse: torch.Tensor
 ) -> None:
     out.kl[rows], out.agree[rows], out.lse[rows] = kl, agree, lse
-    out.loss = out.loss + (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum().to(out.loss.dtype)
+    out.loss = out.loss + loss.to(out.loss.dtype)
 
 
 class _FusedDistill(torch.autograd.Function):
@@ -424,7 +424,7 @@ def distillation_loss(
         options = dataclasses.replace(
             x.tensor_options(tile, config.temperature, whole_rows=True), compute_dtype=compute_dtype
         )
-        h = ctx.collectives.gather_hidden_states(x.hidden) if ctx.collectives is not None else x.hidden
+        h = gather_rows(x.hidden, options)
         setup = make_setup(h, x.weight, x.labels, options)
         given, field = (
             (teacher.mask, "context.mask") if teacher.mask is not None else (ctx.loss_mask, "loss_mask")

@@ -149,6 +149,11 @@ class Stats:
         """``logsumexp(z) = M + log S``."""
         return self.max + torch.log(self.sumexp)
 
+    def detached(self) -> Stats:
+        """The same statistics without their graph (kept on an autograd ctx: no cycle)."""
+        entropy = None if self.entropy is None else self.entropy.detach()
+        return dataclasses.replace(self, logprobs=self.logprobs.detach(), entropy=entropy)
+
 
 def combine(
     m: torch.Tensor,

@@ -113,7 +113,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             if not single:
                 eng.row_grad(z, rows, stats, coef, sink)
                 return
-            inv_t = setup.inv_t[rows] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
+            inv_t = setup.row_inv_t(rows, column=False)
             scale = -coef.a * torch.exp(c - stats.max) * inv_t
             label = (coef.g - coef.a * torch.exp(zy - stats.max)) * inv_t
             sink.commit(rows, RowScale(scale=scale, label=label, label_col=setup.labels_local[rows]))

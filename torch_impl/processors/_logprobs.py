@@ -38,8 +38,7 @@ class _LinearLogprobs(torch.autograd.Function):
             stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy)
         ctx.set_materialize_grads(False)
         ctx.setup = setup
-        entropy_kept = None if stats.entropy is None else stats.entropy.detach()  # no cycle through ctx
-        ctx.stats = dataclasses.replace(stats, logprobs=stats.logprobs.detach(), entropy=entropy_kept)
+        ctx.stats = stats.detached()  # no cycle through ctx
         ctx.save_for_backward(h, w)
         entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
         if stats.entropy is None:

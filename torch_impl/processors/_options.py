@@ -17,6 +17,7 @@ from hookspec.collectives import checked_collectives
 from ._backends import auto_choice, triton_available
 from ._checks import (
     check_bool,
+    check_compute_dtype,
     check_finite_number,
     check_floating,
     check_int,
@@ -39,7 +40,6 @@ __all__ = [
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +106,8 @@ class LinearOptions:
             )
         if self.backend not in BACKENDS:
             raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
-        if self.compute_dtype is not None and self.compute_dtype not in _FLOATS:
-            raise ContractError(
-                "compute_dtype", expected="a floating torch dtype", actual=repr(self.compute_dtype)
-            )
+        if self.compute_dtype is not None:
+            check_compute_dtype(self.compute_dtype)
         for name in ("tile_rows", "tile_cols"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
