@@ -20,7 +20,6 @@ rise above it; both fail (see the self-tests at the end). No timing is asserted.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,9 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hookspec import DistillDivergence, OutputContext, TeacherTail, VocabShard
+from tests.backend_support import force_backend
 from torch_impl import processors
 from torch_impl.processors import (
-    BackendChoice,
     DenseTeacher,
     DistillConfig,
     LinearOptions,
@@ -49,8 +48,6 @@ from torch_impl.processors import (
     selected_logprobs,
     topk_logprobs,
 )
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # numpy under the interpreter evaluates both sides of tl.where (masked lanes warn)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -269,11 +266,7 @@ TRITON_BUDGET = 16384  # bytes of one fp32 logits tile: 13 rows x 256 entries he
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Every processor on the given backend: ``"auto"`` answers it (the table's entry for
     this device), and the Triton chunks get a small budget."""
-    name = request.param
-    if name == "triton" and not HAS_TRITON:
-        pytest.skip("triton is not installed here (py311's CPU torch wheel has none); the torch backend runs")
-    choice = BackendChoice(name, measured=False, source="test")
-    monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)
+    name = force_backend(monkeypatch, request.param)
     monkeypatch.setitem(processors.TILE_BYTES, "cpu", TRITON_BUDGET)
     monkeypatch.setitem(processors.GRAD_BUFFER_BYTES, "cpu", GRAD_BUFFER)
     yield name

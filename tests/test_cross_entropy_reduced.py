@@ -6,7 +6,6 @@ tiny GPT against Megatron's own loss, at tp=1 and tp=2 (gloo)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import typing
 from typing import Any
@@ -16,10 +15,9 @@ import torch
 
 import torch_impl
 from hookspec import ContractError, OutputContext, VocabShard
+from tests.backend_support import force_backend
 from tests.distributed import run_distributed
-from torch_impl.processors import BackendChoice, cross_entropy_loss
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from torch_impl.processors import cross_entropy_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -88,12 +86,7 @@ def _ctx(
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    name = request.param
-    if name == "triton" and not HAS_TRITON:
-        pytest.skip("triton is not installed here (py311's CPU torch wheel has none); the torch backend runs")
-    choice = BackendChoice(name, measured=False, source="test")
-    monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)
-    return str(name)
+    return force_backend(monkeypatch, request.param)
 
 
 # (rtol, atol as a fraction of the largest |truth|): the logit gradient is rounded to

@@ -23,7 +23,6 @@ norms.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +30,8 @@ import pytest
 import torch
 
 from hookspec import DistillDivergence, OutputContext, TeacherTail, VocabShard
+from tests.backend_support import force_backend
 from torch_impl.processors import (
-    BackendChoice,
     DenseTeacher,
     DistillConfig,
     LinearOptions,
@@ -48,8 +47,6 @@ from torch_impl.processors import (
     selected_logprobs,
     topk_logprobs,
 )
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None  # the interpreter: conftest sets it
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -218,11 +215,7 @@ def _run(case: Case, d: dict[str, Any], how: str, dtype: torch.dtype) -> dict[st
 @pytest.fixture(params=["torch", "triton"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``"auto"`` answers the given backend; processors get the bf16 compute dtype."""
-    if request.param == "triton" and not HAS_TRITON:
-        pytest.skip("triton is not installed here (py311's CPU torch wheel has none); the torch backend runs")
-    choice = BackendChoice(request.param, measured=False, source="test")
-    monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)
-    return request.param
+    return force_backend(monkeypatch, request.param)
 
 
 @pytest.mark.parametrize("name", list(CASES))
