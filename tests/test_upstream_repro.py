@@ -28,6 +28,9 @@ EXPECTED: dict[str, dict[str, bool]] = {
     "tp_reduce_noncontiguous_grad.py": {"0.16.1": True, "0.19.2": False},
     "moe_router_without_te.py": {"0.16.1": True, "0.19.2": False},
     "interleaved_gloo_batch_p2p.py": {"0.16.1": True, "0.19.2": True},
+    "plan_mtp_overwrites_input_ids.py": {"0.16.1": True, "0.19.2": True},
+    # the function is newer than both releases: shown on Megatron-LM main only (report 6)
+    "mtp_layer_without_te.py": {"0.16.1": False, "0.19.2": False},
 }
 
 
@@ -79,5 +82,15 @@ def test_defect_shows_as_documented(script: str) -> None:
         assert report["shapes"] == [[2, 1, 4], [3, 1, 4]] and report["shapes_swapped"] is True, report
         call = report["variable_seq_lengths_call"]
         assert call["completed"] == [False, False] and call["gloo_size_mismatch"] is True, report
+    if script == "plan_mtp_overwrites_input_ids.py":
+        # the cause: the chunk's ids rolled once per MTP layer; the consequences where the
+        # release has them (0.18+: the plan's output hook; 0.19: RL labels from input_ids)
+        assert report["rolled_by"] == report["mtp_num_layers"] == 2, report
+        newer = RELEASE != "0.16.1"
+        assert report["output_hook_sees_chunk_ids"] is (False if newer else None), report
+        assert report["rl_mtp_loss_equal"] is (False if newer else None), report
+    if script == "mtp_layer_without_te.py":
+        assert report["function_present"] is False and report["check_error"] is None, report
+        assert report["mtp_model_builds"] is True, report
     if script == "moe_router_without_te.py" and not report["defect"]:
         assert report["transformer_engine"] or report["matches_matmul"] is True, report

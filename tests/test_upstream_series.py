@@ -4,8 +4,10 @@ adapter handing Megatron's native hooks its calls.
 
 On a stock release the detectors of ``torch_impl._compat`` read the series' hooks as
 absent; on the patched copy as present, and the adapter then uses them:
-``ForwardCall.mtp_hook`` once per MTP depth, the native hook of ``HybridModel``, the
-native plan keywords and no added final norm.
+``ForwardCall.mtp_hook`` once per MTP depth on ``HybridModel``, the native hook of
+``HybridModel``, the native plan keyword and no added final norm. ``GPTModel`` gets no
+MTP hook from the series (it takes no new features upstream): the adapter keeps
+bridging its MTP processor, with the same result.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from torch_impl.mtp import default_mtp_loss
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "upstream"
 SERIES = ("series", "series-main", "series-0.18.2")
+# The newest Megatron-LM main the series was checked on (series-main's "# snapshot:").
+MAIN_SNAPSHOT = ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "2026-08-22")
+# The upstream threads each description must name (with what the patch takes from them).
+THREADS = ("#7008", "#4942", "#4943", "#5471", "#5271", "#7000", "#5911", "#4590")
+# Patches of series-main only: the defect they fix is newer than 0.19.2.
+MAIN_ONLY = ("0006-inference-linears-without-te.patch",)
 SECTIONS = ("## Problem", "## Design", "## What stays Megatron's", "## Compatibility", "## Tests")
 FACTS = installed_megatron()
 PATCHED = FACTS.native_mtp_hook
@@ -49,20 +57,49 @@ def test_every_series_lists_patches_that_exist_in_order() -> None:
             assert (UPSTREAM / patch).is_file(), (name, patch)
         numbers = [Path(p).name[:4] for p in patches]
         assert numbers == sorted(numbers), name
-    assert [Path(p).name for p in _series("series-main")] == [Path(p).name for p in _series("series")]
+    main = [Path(p).name for p in _series("series-main")]
+    assert [name for name in main if name not in MAIN_ONLY] == [Path(p).name for p in _series("series")]
     assert set(_series("series-0.18.2")) <= set(_series("series"))
 
 
+def test_series_main_records_its_snapshot_and_date() -> None:
+    recorded = re.findall(r"^# snapshot: (\S+) (\S+)$", (UPSTREAM / "series-main").read_text(), flags=re.M)
+    assert recorded == [MAIN_SNAPSHOT]
+    for doc in (UPSTREAM / "README.md", ROOT / "docs" / "upstream.md"):
+        text = doc.read_text()
+        assert MAIN_SNAPSHOT[0] in text and MAIN_SNAPSHOT[1] in text, doc.name
+
+
+def _descriptions() -> list[tuple[str, str]]:
+    names = dict.fromkeys(Path(p).name for name in SERIES for p in _series(name))
+    return [(name, (UPSTREAM / name).with_suffix(".md").read_text()) for name in names]
+
+
 def test_each_patch_has_a_pull_request_description() -> None:
-    for patch in _series("series"):
-        description = (UPSTREAM / patch).with_suffix(".md")
-        text = description.read_text()
-        for section in SECTIONS:
-            assert section in text, (description.name, section)
-        tests = [path for path in _touched(UPSTREAM / patch) if path.startswith("tests/")]
-        assert tests, patch
-        for path in tests:  # the description names the patch's own tests
-            assert Path(path).name in text, (description.name, path)
+    for name in SERIES:
+        for patch in _series(name):
+            text = (UPSTREAM / Path(patch).name).with_suffix(".md").read_text()
+            for section in SECTIONS:
+                assert section in text, (patch, section)
+            tests = [path for path in _touched(UPSTREAM / patch) if path.startswith("tests/")]
+            assert tests, patch
+            for path in tests:  # the description names the patch's own tests
+                assert Path(path).name in text, (patch, path)
+
+
+def test_each_description_names_the_upstream_threads_and_its_failures() -> None:
+    """Every thread named, with what the patch takes from it; and the tests that fail
+    without the fix listed for scripts/upstream_check.sh to require."""
+    for name, text in _descriptions():
+        section = text.split("## Upstream threads", 1)[-1].split("\n## ", 1)[0]
+        assert "## Upstream threads" in text, name
+        for thread in THREADS:
+            assert thread in section, (name, thread)
+        failing = text.split("### Fails without the fix", 1)
+        assert len(failing) == 2, name
+        block = failing[1].split("```")[1]
+        ids = [line for line in block.splitlines()[1:] if line.strip()]
+        assert ids and all(line.startswith("tests/unit_tests/") and "::" in line for line in ids), name
 
 
 def test_patches_touch_only_megatron_core_and_its_unit_tests() -> None:
@@ -86,7 +123,7 @@ def test_the_detectors_read_the_installed_code() -> None:
     if not PATCHED:
         assert found == (False, False, False)
         return
-    assert found == (True, True, True)
+    assert found == (True, False, True)  # no MTP keyword on GPTModel's plan
     assert FACTS.hybrid_native_hook and not FACTS.plan_mtp_overwrites_ids
     assert FACTS.workarounds() == ()
 
@@ -109,9 +146,11 @@ def _mtp_gpt(depths: int = 2) -> Any:
 @patched_only
 @pytest.mark.usefixtures("megatron_single")
 def test_mtp_processor_through_megatrons_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Megatron calls the adapter's ``mtp_hook`` once per depth; the processor sees the
-    labels rolled ``k`` times; loss and gradients equal the stock model's bitwise."""
+    """On ``HybridModel``, Megatron calls the adapter's ``mtp_hook`` once per depth; the
+    processor sees the labels rolled ``k`` times; loss and gradients equal the stock
+    model's bitwise."""
     from torch_impl.testing.tiny import tiny_batch
+    from torch_impl.testing.tiny_hybrid import build_tiny_hybrid
 
     depths_called: list[int] = []
     own = ForwardCall.mtp_hook
@@ -130,10 +169,10 @@ def test_mtp_processor_through_megatrons_hook(monkeypatch: pytest.MonkeyPatch) -
 
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
-    stock = _mtp_gpt()
+    stock = build_tiny_hybrid("*-/-/-")
     want = stock(batch["input_ids"], batch["position_ids"], None, **kw)
     want.sum().backward()
-    model = enable_output_processor(_mtp_gpt())
+    model = enable_output_processor(build_tiny_hybrid("*-/-/-"))
     got = model(batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=recording)
     got.sum().backward()
     assert depths_called == [1, 2] and [c.mtp_depth for c in seen] == [1, 2]
@@ -141,6 +180,30 @@ def test_mtp_processor_through_megatrons_hook(monkeypatch: pytest.MonkeyPatch) -
         labels = torch.zeros_like(batch["labels"])
         labels[:, :-k] = batch["labels"][:, k:]
         assert torch.equal(ctx.labels, labels)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), stock.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@patched_only
+@pytest.mark.usefixtures("megatron_single")
+def test_gpt_mtp_processor_stays_the_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GPTModel`` has no MTP hook in the series (no new features upstream): the adapter
+    bridges its MTP processor itself, with the stock model's loss and gradients."""
+    from torch_impl.testing.tiny import tiny_batch
+
+    def refused(self: ForwardCall, **kwargs: Any) -> Any:
+        raise AssertionError("GPTModel called a native MTP hook")
+
+    monkeypatch.setattr(ForwardCall, "mtp_hook", refused)
+    batch = tiny_batch()
+    kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
+    stock = _mtp_gpt()
+    want = stock(batch["input_ids"], batch["position_ids"], None, **kw)
+    want.sum().backward()
+    model = enable_output_processor(_mtp_gpt())
+    got = model(batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=default_mtp_loss)
+    got.sum().backward()
     assert torch.equal(got, want)
     for (name, p), q in zip(model.named_parameters(), stock.parameters()):
         assert torch.equal(p.grad, q.grad), name
@@ -174,7 +237,9 @@ def test_schedule_plan_takes_megatrons_hooks() -> None:
 
     assert missing_final_norm(build_tiny_gpt()) is None  # the dense last layer's step normalises
     model = enable_output_processor(_mtp_gpt())
-    native, hook = prepare_plan_hook(model, {}, mtp_processor=default_mtp_loss)
+    native, hook = prepare_plan_hook(model, {})
     assert hook.stash is None  # nothing for the adapter's own _postprocess
-    assert native["output_processor"] is None
-    assert native["mtp_output_processor"].__func__ is ForwardCall.mtp_hook
+    assert native["output_processor"].__class__ is ForwardCall
+    # GPTModel's plan takes no MTP hook: the adapter's _postprocess runs the MTP processor
+    native, hook = prepare_plan_hook(model, {}, mtp_processor=default_mtp_loss)
+    assert native == {} and hook.stash is not None

@@ -90,12 +90,16 @@ class InstalledMegatron:
     - ``schedule_plan``: ``GPTModel.build_schedule_plan`` and its nodes'
       ``stream``, in words; ``plan_mtp_overwrites_ids``: the plan's MTP
       pre-dispatch writes rolled ids into ``chunk_state.input_ids``.
-    - ``native_mtp_hook``: ``GPTModel.forward`` takes ``mtp_output_processor``
+    - ``native_mtp_hook``: ``process_mtp_loss`` takes ``mtp_output_processor``
       (the per-depth MTP callable of the patch series in ``upstream/``; no
-      release has it); ``plan_native_mtp_hook``: ``build_schedule_plan`` takes it.
+      release has it). Which models hand it on is read per class, from their
+      ``forward`` (the series gives it to ``HybridModel`` only: ``GPTModel``
+      takes no new features); ``plan_native_mtp_hook``:
+      ``GPTModel.build_schedule_plan`` takes it (no version of the series does).
     - ``plan_final_norm_after_dense``: the plan's step for a dense layer's MLP
       applies the decoder's final norm after the last layer, as its MoE combine
-      step does (the same series; no release does).
+      step does (the same series, as ``finalize_decoder_layer_output``, a port of
+      ``dev``'s; no release does).
     """
 
     release: str
@@ -184,7 +188,7 @@ def installed_megatron() -> InstalledMegatron:
         hybrid_native_hook=hybrid_hook,
         schedule_plan=plan,
         plan_mtp_overwrites_ids=plan != "no" and _plan_mtp_overwrites_ids(),
-        native_mtp_hook="mtp_output_processor" in inspect.signature(GPTModel.forward).parameters,
+        native_mtp_hook="mtp_output_processor" in process_params,
         plan_native_mtp_hook=build_plan is not None
         and "mtp_output_processor" in inspect.signature(build_plan).parameters,
         plan_final_norm_after_dense=plan != "no" and _plan_dense_step_applies_final_norm(),
@@ -266,15 +270,18 @@ def _plan_dense_step_applies_final_norm() -> bool:
     """The plan's callable for a dense layer's MLP (the ``else`` branch of
     ``mlp_func = <MoE step> if is_moe else <dense step>`` in
     ``gpt.fine_grained_callables.build_transformer_layer_callables``), or a
-    function nested there that it calls, reads ``final_layernorm``. Read from
+    function it calls, nested there or defined in that module (the series'
+    ``finalize_decoder_layer_output``), reads ``final_layernorm``. Read from
     the syntax tree; ``False`` where the structure is not found."""
     from megatron.core.models.gpt import fine_grained_callables
 
     build = getattr(fine_grained_callables, "build_transformer_layer_callables", None)
     if build is None:
         return False
+    module = ast.parse(inspect.getsource(fine_grained_callables))
     tree = ast.parse(textwrap.dedent(inspect.getsource(build)))
-    nested = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    nested = {n.name: n for n in module.body if isinstance(n, ast.FunctionDef)}
+    nested.update({n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)})
     dense = None
     for node in ast.walk(tree):
         if (
