@@ -156,8 +156,10 @@ check_series() {  # $1 series file, $2 target folder holding the unpatched megat
 
 format_check() {  # $1 unpatched folder, $2 patched folder, $3 series file
   local orig=$1 patched=$2 series=$3 file ranges bad=0
-  if [ ! -x "$fmt_venv/bin/black" ] || ! "$fmt_venv/bin/black" --version | grep -q " $black_version " \
-    || ! "$fmt_venv/bin/isort" --version | grep -q "$isort_version"; then
+  local have_black have_isort
+  have_black=$("$fmt_venv/bin/black" --version 2>/dev/null)
+  have_isort=$("$fmt_venv/bin/isort" --version 2>/dev/null)
+  if [[ $have_black != *" $black_version "* || $have_isort != *"VERSION $isort_version"* ]]; then
     echo "creating $fmt_venv (black $black_version, isort $isort_version)"
     rm -rf "$fmt_venv"
     "$python" -m venv "$fmt_venv" || return 1

@@ -169,10 +169,10 @@ def test_mtp_processor_through_megatrons_hook(monkeypatch: pytest.MonkeyPatch) -
 
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
-    stock = build_tiny_hybrid("*-/-/-")
+    stock = build_tiny_hybrid("*-/-/-").eval()  # eval: MTP logging allocates on CUDA
     want = stock(batch["input_ids"], batch["position_ids"], None, **kw)
     want.sum().backward()
-    model = enable_output_processor(build_tiny_hybrid("*-/-/-"))
+    model = enable_output_processor(build_tiny_hybrid("*-/-/-")).eval()
     got = model(batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=recording)
     got.sum().backward()
     assert depths_called == [1, 2] and [c.mtp_depth for c in seen] == [1, 2]

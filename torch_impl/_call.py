@@ -310,9 +310,11 @@ class ForwardCall:
         return loss, accepted
 
     def mtp_hook(self, *, mtp_depth: int, **hook_kwargs: Any) -> Any:
-        """What Megatron's native ``mtp_output_processor`` calls at each MTP depth (the
-        main hook's sixteen keywords at that depth, and ``mtp_depth``): :meth:`mtp`'s
-        result as Megatron takes it, the loss ``[b, s]`` or ``{"loss", "accepted"}``."""
+        """What Megatron's native ``mtp_output_processor`` calls at each MTP depth
+        (``process_mtp_loss``'s keywords at that depth, and ``mtp_depth``; the user
+        context is this call's, as Megatron passes none): :meth:`mtp`'s result as
+        Megatron takes it, the loss ``[b, s]`` or ``{"loss", "accepted"}``."""
+        hook_kwargs["context"] = self.user_context
         loss, accepted = self.mtp(hook_kwargs, mtp_depth)
         return loss if accepted is None else {"loss": loss, "accepted": accepted}
 
