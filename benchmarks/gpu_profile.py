@@ -18,6 +18,7 @@ ops the call dispatched (``cpu_ops``, ``aten::`` calls at any depth) and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +49,12 @@ def profile_call(fn: Callable[[], Any], *, device: str) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    with warnings.catch_warnings():  # torch 2.11 warns that a profile without a schedule is one cycle
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        with profile(activities=activities) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
     events = list(prof.events())
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     if not cuda:

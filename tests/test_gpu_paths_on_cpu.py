@@ -18,7 +18,10 @@ from benchmarks import gpu_logprobs
 from benchmarks.gpu_methods import METHODS
 from benchmarks.gpu_profile import busy_of_intervals, profile_call
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+pytestmark = [  # the interpreter's numpy: both sides of tl.where; Triton 3.6's array-to-int
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter"),
+]
 TINY = {"tokens": 40, "hidden": 24, "vocab": 300, "dtype": "fp32"}
 
 
