@@ -309,8 +309,8 @@ def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``"auto"``: torch on a CPU; on CUDA the device class's measured entry, else the
-    cuBLAS + Triton design (nothing is measured yet: the table is empty)."""
+    """``"auto"``: torch on a CPU; on CUDA the device class's measured entry (H200: the
+    2026-11-26 run), else the cuBLAS + Triton design, unmeasured."""
     from torch_impl.processors import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
 
     assert device_class("NVIDIA H100 80GB HBM3", (9, 0)) == "H100"
@@ -319,14 +319,18 @@ def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert device_class("NVIDIA A100-SXM4-80GB", (8, 0)) == "A100"
     assert device_class("Some Future GPU", (12, 1)) == "sm_121"
     assert auto_choice(torch.device("cpu")).backend == "torch"
-    assert MEASURED_CHOICES == {}
+    assert set(MEASURED_CHOICES) == {"H200"}
+    h200 = MEASURED_CHOICES["H200"]
+    assert (h200.backend, h200.measured) == ("triton", True) and "bench.log" in h200.source
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert auto_choice(torch.device("cuda")) is h200
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     unmeasured = auto_choice(torch.device("cuda"))
     assert (unmeasured.backend, unmeasured.measured) == ("triton", False)
     assert "not measured" in unmeasured.source
     measured = BackendChoice("torch", measured=True, source="docs/gpu-results.md")
-    monkeypatch.setitem(MEASURED_CHOICES, "H200", measured)
+    monkeypatch.setitem(MEASURED_CHOICES, "H100", measured)
     assert auto_choice(torch.device("cuda")) is measured
 
 
