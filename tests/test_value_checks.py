@@ -3,7 +3,9 @@ hook and the processors run them.
 
 On a CPU the check is immediate and names the field, the range and the values found.
 On CUDA (``gpu``-marked) it makes no host read: the result of one call is read at the
-next call or on request, and a captured CUDA graph carries a device-side assert.
+entry of a later checked call or on request (the rule of ``torch_impl.value_checks``,
+tested here on the CPU with the GPU path emulated), and a captured CUDA graph carries a
+device-side assert.
 The hook checks the labels once per call; the built-in processors then check nothing
 again, and ``check_values=False`` means no value check anywhere. A processor called
 directly, on a context built by hand, checks what it reads.
