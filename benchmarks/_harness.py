@@ -21,33 +21,32 @@ def load_average() -> float:
         return float("nan")
 
 
-def measure(spec: dict[str, Any], *, timeout: float, log: bool = True) -> dict[str, Any]:
-    """Run ``spec`` once in a fresh process: its row with ``time_s``,
-    ``peak_extra_mib``, ``runs_s`` and ``error`` (empty when it ran).
-    ``benchmarks.logprobs.merge_runs`` keeps the best of several."""
-    time_s = peak = float("nan")
-    error = ""
+def run_worker(args: Sequence[str], *, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """``python -m <args>`` in a fresh process, from the project's root: its last JSON
+    line of stdout, or ``None`` and why not (a timeout, an exit status, no output)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env=env,
+            [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
         )
     except subprocess.TimeoutExpired:
-        error = f"timeout after {timeout:.0f} s"
-    else:
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            error = f"exit {proc.returncode}: {tail[0][:200]}"
-        else:
-            result = json.loads(lines[-1])
-            time_s, peak = result["time_s"], result["peak_extra_mib"]
+        return None, f"timeout after {timeout:.0f} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"exit {proc.returncode}: {tail[0][:200]}"
+    return json.loads(lines[-1]), ""
+
+
+def measure(spec: dict[str, Any], *, timeout: float, log: bool = True) -> dict[str, Any]:
+    """Run ``spec`` once in a fresh process: its row with ``time_s``,
+    ``peak_extra_mib``, ``runs_s`` and ``error`` (empty when it ran).
+    ``benchmarks.logprobs.merge_runs`` keeps the best of several."""
+    result, error = run_worker(["benchmarks._worker", json.dumps(spec)], timeout=timeout)
+    time_s = peak = float("nan")
+    if result is not None:
+        time_s, peak = result["time_s"], result["peak_extra_mib"]
     row = dict(spec)
     row.update(time_s=time_s, peak_extra_mib=peak, runs_s="" if error else f"{time_s:.3f}", error=error)
     if log:
@@ -55,6 +54,24 @@ def measure(spec: dict[str, Any], *, timeout: float, log: bool = True) -> dict[s
         shape = f"{spec.get('tokens')}x{spec.get('hidden')}x{spec.get('vocab')} {spec.get('dtype')}"
         print(f"  {spec['method']:<22} {shape:<22} {status}", flush=True)
     return row
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (110 dpi, the folder made) and close ``fig``."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Iterable[str]) -> None:

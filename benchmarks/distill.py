@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +39,9 @@ from typing import Any
 
 import torch
 
+from ._harness import ROOT, run_worker
 from ._worker import status_kib
 
-ROOT = Path(__file__).resolve().parent.parent
 FULL = {"tokens": 1024, "hidden": 512, "teacher_hidden": 768, "vocab": 32768, "k": 16}
 QUICK = {"tokens": 128, "hidden": 64, "teacher_hidden": 96, "vocab": 2048, "k": 8}
 PAIRS = (
@@ -156,26 +155,9 @@ def worker(spec: dict[str, Any]) -> dict[str, float]:
 
 
 def _measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     row = dict(spec, time_s=math.nan, peak_extra_mib=math.nan, error="")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.distill", "--worker", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        row["error"] = f"timeout after {timeout:.0f} s"
-        return row
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        row["error"] = ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1][:200]
-        return row
-    row.update(json.loads(lines[-1]))
+    result, row["error"] = run_worker(["benchmarks.distill", "--worker", json.dumps(spec)], timeout=timeout)
+    row.update(result or {})
     return row
 
 

@@ -5,14 +5,22 @@ inside a time budget, each result appended to a JSON-lines file as soon as it is
     python -m benchmarks.gpu_logprobs --out DIR               # on CUDA: every size, every method
     python -m benchmarks.gpu_logprobs --quick --device cpu    # a tiny smoke run on a CPU
 
-Per method: two warm-ups (Triton's compilation and autotuning are excluded), then
-``--runs`` timed forward + backward passes with CUDA events, the median kept; the peak
-extra memory is the growth of ``max_memory_allocated`` over what the inputs hold;
-``dh`` and ``dW`` are compared, on a subset of rows and of vocabulary entries, with
-a float64 reference of the same objective (see :func:`reference`). Cotangents are ones
-(``(x * ones).sum()``, contiguous, which veRL's backward asks for).
+Per method: ``--warmup`` warm-ups (1: Triton's compilation and autotuning are
+excluded), then ``--runs`` (3) timed forward + backward passes with CUDA events, the
+median kept; then one profiled call (:mod:`benchmarks.gpu_profile`: the GPU's busy
+fraction, kernels and launches per call). The peak extra memory is the growth of
+``max_memory_allocated`` over what the inputs hold; ``dh`` and ``dW`` are compared, on
+a subset of rows and of vocabulary entries, with a float64 reference of the same
+objective (see :func:`reference`). Cotangents are ones (``(x * ones).sum()``,
+contiguous, which veRL's backward asks for).
 
-The sizes run largest-first-that-matters (the targets' size first); a size whose
+Each size names its logits distribution (:func:`make_inputs`): ``flat`` (random
+weights, entropy near ``log V``) or ``peaked`` (a language model's: a mean entropy of
+``PEAKED_ENTROPY`` nats, labels drawn from the softmax), recorded in each row; the
+peaked one runs the methods whose speed may depend on it (``PEERS_ON_PEAKED``). A size
+may drop methods (``skip``): naive's ``[n, V]`` fp32 logits at 32768 rows.
+
+The sizes run in the order the targets need them (the targets' size first); a size whose
 process runs out of the budget gets a row "not reached" for each method it did not
 finish, so ``DIR/gpu_logprobs.jsonl`` always names every (size, method).
 ``python -m benchmarks.gpu_results DIR`` turns it into the tables of
@@ -37,32 +45,116 @@ import torch
 
 from ._harness import ROOT
 from .gpu_methods import METHODS, NotAvailable, objective
+from .gpu_profile import profile_call
 
 __all__ = [
+    "PEAKED_ENTROPY",
+    "PEERS_ON_PEAKED",
     "QUICK_SIZES",
     "RESULTS",
     "SIZES",
     "TARGET_SIZE",
     "device_class_here",
     "main",
+    "make_inputs",
+    "methods_at",
     "reference",
     "run_size",
+    "size_of",
 ]
 
-SIZES: list[dict[str, Any]] = [
-    {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16"},  # the targets' size
-    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "bf16"},
-    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "fp32"},
-    {"tokens": 32768, "hidden": 4096, "vocab": 151936, "dtype": "bf16"},
+PEERS_ON_PEAKED = [
+    "floor3",
+    "floor4",
+    "ours-triton",
+    "ours-ce-triton",
+    "ours-ce-mean-triton",
+    "verl-triton",
+    "liger",
+    "liger-mean",
+    "cce",
+    "cce-exact",
+    "cce-mean",
+    "cce-mean-exact",
 ]
+"""The methods run again on the peaked logits: the ones whose speed may depend on them."""
+
+SIZES: list[dict[str, Any]] = [
+    # the targets' size first; each size's "logits" is its distribution (see make_inputs)
+    {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "flat"},
+    {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "peaked",
+     "only": PEERS_ON_PEAKED},
+    # naive needs [n, V] fp32 logits (80 GB at 32768 rows), and veRL's torch path the same
+    {"tokens": 32768, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "flat",
+     "skip": ["naive", "naive-loss", "verl", "ours-torch", "ours-loss-torch", "ours-ce-torch"]},
+    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "bf16", "logits": "flat"},
+    # last: if time is left
+    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "fp32", "logits": "flat"},
+]  # fmt: skip
 TARGET_SIZE = SIZES[0]
 QUICK_SIZES: list[dict[str, Any]] = [
-    {"tokens": 96, "hidden": 48, "vocab": 1000, "dtype": "fp32"},
-    {"tokens": 64, "hidden": 32, "vocab": 500, "dtype": "fp32"},
+    {"tokens": 96, "hidden": 48, "vocab": 1000, "dtype": "fp32", "logits": "flat"},
+    {"tokens": 64, "hidden": 32, "vocab": 500, "dtype": "fp32", "logits": "peaked"},
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESULTS = "gpu_logprobs.jsonl"
-SIZE_KEYS = ("tokens", "hidden", "vocab", "dtype")
+SIZE_KEYS = ("tokens", "hidden", "vocab", "dtype", "logits")
+PEAKED_ENTROPY = 3.0
+"""The mean entropy (nats) of the peaked logits, as a language model's: a few nats."""
+
+
+def size_of(row: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's (or a size's) key: ``SIZE_KEYS``' values; rows of runs before the
+    ``logits`` option had flat logits."""
+    return tuple(row.get(k, "flat" if k == "logits" else None) for k in SIZE_KEYS)
+
+
+def methods_at(size: dict[str, Any], methods: list[str]) -> list[str]:
+    """The methods ``size`` runs, of ``methods``: its ``only`` list, less its ``skip`` list."""
+    only = size.get("only")
+    return [m for m in methods if (only is None or m in only) and m not in size.get("skip", ())]
+
+
+def make_inputs(
+    size: dict[str, Any], device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``h [n, hidden]``, ``W [V, hidden]`` (both leaves), labels ``[n]`` and the fields
+    that describe them. ``logits="flat"``: ``h ~ N(0, 1)``, ``W ~ N(0, 1/hidden)``
+    (logits ~ N(0, 1): entropy near ``log V``), uniform labels. ``"peaked"``: ``h``
+    scaled so that the mean entropy of 64 rows is ``PEAKED_ENTROPY`` nats (bisection on
+    the scale), and each label drawn from its row's softmax, as a language model's
+    targets are mostly its likely tokens."""
+    dtype = DTYPES[size["dtype"]]
+    n, hid, v = size["tokens"], size["hidden"], size["vocab"]
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(n, hid, device=device, generator=g)
+    w = (torch.randn(v, hid, device=device, generator=g) * hid**-0.5).to(dtype)
+    info: dict[str, Any] = {"logits": size.get("logits", "flat")}
+    if info["logits"] == "flat":
+        y = torch.randint(0, v, (n,), device=device, generator=g)
+    elif info["logits"] == "peaked":
+        z = (h[:64].to(dtype) @ w.T).float()
+
+        def entropy(scale: float) -> float:
+            logp = (z * scale).log_softmax(-1)
+            return float(-(logp.exp() * logp).sum(-1).mean())
+
+        lo, hi = 1.0, 64.0
+        for _ in range(30):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if entropy(mid) > PEAKED_ENTROPY else (lo, mid)
+        scale = (lo * hi) ** 0.5
+        h = h * scale
+        y = torch.empty(n, dtype=torch.long, device=device)
+        step = max(1, (1 << 26) // v)
+        for i in range(0, n, step):
+            probs = (h[i : i + step].to(dtype) @ w.T).float().softmax(-1)
+            y[i : i + step] = torch.multinomial(probs, 1, generator=g).squeeze(1)
+        info.update(hidden_scale=round(scale, 4), mean_entropy=round(entropy(scale), 3))
+    else:
+        raise ValueError(f"logits {info['logits']!r}: expected 'flat' or 'peaked'")
+    return h.to(dtype).requires_grad_(), w.requires_grad_(), y, info
+
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -178,14 +270,16 @@ def device_class_here() -> str:
 
 
 def _append(path: Path | None, row: dict[str, Any]) -> None:
-    shape = "x".join(str(row[k]) for k in SIZE_KEYS[:3]) + f" {row['dtype']}"
+    shape = "x".join(str(row[k]) for k in SIZE_KEYS[:3]) + f" {row['dtype']} {row.get('logits', 'flat')}"
     if row.get("error"):
         print(f"  {shape:<22} {row['method']:<17} {row['error']}", flush=True)
     else:
         peak = row.get("peak_extra_gb")
         print(f"  {shape:<22} {row['method']:<17} {row['time_ms']:9.2f} ms"
               + (f"  {peak:6.2f} GB" if peak is not None else "")
-              + (f"  dh {row['dh_rel_err']:.1e}  dW {row['dw_rel_err']:.1e}" if "dh_rel_err" in row else ""),
+              + (f"  dh {row['dh_rel_err']:.1e}  dW {row['dw_rel_err']:.1e}" if "dh_rel_err" in row else "")
+              + (f"  busy {row['busy_fraction']:.2f}" if row.get("busy_fraction") is not None else "")
+              + (f"  {row['kernels']} kernels {row['launches']} launches" if "kernels" in row else ""),
               flush=True)  # fmt: skip
     if path is not None:
         with path.open("a") as f:
@@ -206,12 +300,8 @@ def run_size(
     """Every method at one size, each row appended to ``out`` as it is measured. A method
     is not started once ``deadline`` (a ``time.time()``) has passed: its row says so."""
     cuda = device == "cuda"
-    dtype = DTYPES[size["dtype"]]
-    n, hid, v = size["tokens"], size["hidden"], size["vocab"]
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(n, hid, device=device, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(v, hid, device=device, generator=g) * hid**-0.5).to(dtype).requires_grad_()
-    y = torch.randint(0, v, (n,), device=device, generator=g)
+    n, v = size["tokens"], size["vocab"]
+    h, w, y, info = make_inputs(size, device)
     rows = torch.linspace(0, n - 1, min(n, 128), device=device).long().unique()
     cols = torch.cat([y[:64], torch.linspace(0, v - 1, 64, device=device).long()]).unique()
     stats: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -221,13 +311,16 @@ def run_size(
     for name in methods:
         method = METHODS[name]
         row: dict[str, Any] = {k: size[k] for k in SIZE_KEYS}
-        row.update(method=name, family=method.family, backend=method.backend, **fields, error="", note="")
+        row.update(info, method=name, family=method.family, backend=method.backend, **fields)
+        row.update(error="", note="")
         if name.startswith("liger"):
             from .gpu_methods import liger_note
 
             row["note"] = liger_note() if name == "liger" else ""
-        if name == "cce":
+        if name in ("cce", "cce-mean"):
             row["note"] = "defaults (gradient filtering on)"
+        if name in ("cce-exact", "cce-mean-exact"):
+            row["note"] = "filter_eps=None (exact)"
         if time.time() > deadline:
             row["error"] = "not reached: the time budget was spent"
         elif method.cuda_only and not cuda:
@@ -253,6 +346,7 @@ def run_size(
                     runs=len(times),
                     peak_extra_gb=max(peaks) / 1e9 if peaks else None,
                 )
+                row.update(profile_call(lambda fn=method.fn: _time_once(fn, h, w, y, cuda), device=device))
                 if method.family != "floor":
                     if stats is None:
                         stats = reference_stats(h.detach(), w.detach(), y)
@@ -290,7 +384,7 @@ def _rows_of(path: Path, size: dict[str, Any]) -> set[str]:
     for line in path.read_text().splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            if all(r.get(k) == size[k] for k in SIZE_KEYS):
+            if size_of(r) == size_of(size):
                 done.add(r["method"])
     return done
 
@@ -300,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget", type=float, default=160.0, help="seconds for every size together")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -309,11 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
-    if unknown or (args.runs < 5 and not args.quick):
-        ap.error(f"unknown methods {unknown}" if unknown else "--runs must be >= 5")
+    if unknown or (args.runs < 3 and not args.quick):
+        ap.error(f"unknown methods {unknown}" if unknown else "--runs must be >= 3")
     results = args.out / RESULTS
     if args.worker:
-        run_size(json.loads(args.worker), methods, device=args.device, runs=args.runs,
+        size = json.loads(args.worker)
+        run_size(size, methods_at(size, methods), device=args.device, runs=args.runs,
                  warmup=args.warmup, out=results, deadline=args.deadline)  # fmt: skip
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -340,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                     tail = f"exit {proc.returncode}: {lines[-1][:160]}"
             except subprocess.TimeoutExpired:
                 tail = f"killed at the budget's end ({args.budget:.0f} s)"
-        missing = [m for m in methods if m not in _rows_of(results, size)]
+        missing = [m for m in methods_at(size, methods) if m not in _rows_of(results, size)]
         for i, m in enumerate(missing):
             why = "not reached: the time budget was spent" if not tail else (
                 f"killed while running: {tail}" if i == 0 else f"not reached: {tail}")  # fmt: skip

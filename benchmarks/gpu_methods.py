@@ -9,6 +9,9 @@ Every method belongs to one *family*, the quantity whose gradient it forms:
   ``-logprobs``); objective ``sum(logprobs)``.
 - ``loss``: the fused GRPO scalar loss (:func:`grpo_token_loss` of the logprobs;
   no entropy term), returned as the first element; objective the loss.
+- ``ce-mean``: the mean cross entropy over the rows, a scalar (what Liger's fused
+  linear cross entropy and CCE serve with ``reduction="mean"``); objective
+  ``-mean(logprobs)``. Ours: ``fused_token_loss`` with that token loss (3 GEMMs).
 - ``floor``: bare GEMMs, no objective.
 
 Methods (a method that cannot run reports why, and the run goes on):
@@ -34,7 +37,12 @@ Methods (a method that cannot run reports why, and the run goes on):
   working tree), and that package's libraries wheel (about 92 MB) is not among them: the
   row says "not measured" and why, unless the package is already installed.
 - ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` with its defaults (it skips
-  gradient tiles below a threshold: inexact by design).
+  gradient tiles below a threshold: inexact by design, and its speed depends on the
+  logits); ``cce-exact``: with ``filter_eps=None`` (no filter).
+- Like with like: per-token logprobs (``reduction="none"``: ``liger``, ``cce``,
+  ``cce-exact``) against ``ours-ce-triton`` (``linear_logprobs``), family ``lp``; the
+  scalar mean (``liger-mean``, ``cce-mean``, ``cce-mean-exact``) against
+  ``ours-ce-mean-triton`` (``fused_token_loss``, 3 GEMMs), family ``ce-mean``.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ CUTLASS_NOT_CARRIED = (
 )
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
-FAMILIES = ("floor", "lp+ent", "lp", "loss")
+FAMILIES = ("floor", "lp+ent", "lp", "loss", "ce-mean")
 
 
 class NotAvailable(RuntimeError):
@@ -130,6 +138,8 @@ def objective(
         return lambda lp, ent: lp.sum() + ent.sum()
     if family == "lp":
         return lambda lp, ent: lp.sum() + 0.0 * ent.sum()
+    if family == "ce-mean":
+        return lambda lp, ent: -lp.sum() / n + 0.0 * ent.sum()
     if family == "loss":
         batch = loss_batch(n, device)
         return lambda lp, ent: grpo_token_loss(lp, ent, batch)
@@ -161,6 +171,21 @@ def _ours_loss(backend: str) -> Callable[..., Result]:
 
         options = LinearOptions(backend=backend)  # type: ignore[arg-type]
         # no entropy term: one pass over each tile on the Triton backend
+        return fused_token_loss(h, w, y, token_loss, options=options, entropy_grad=False).loss, None
+
+    return run
+
+
+def _ours_ce_mean(backend: str) -> Callable[..., Result]:
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+        from torch_impl.processors import LinearOptions, fused_token_loss
+
+        n = h.shape[0]
+
+        def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+            return -lp.sum() / n
+
+        options = LinearOptions(backend=backend)  # type: ignore[arg-type]
         return fused_token_loss(h, w, y, token_loss, options=options, entropy_grad=False).loss, None
 
     return run
@@ -262,11 +287,30 @@ def liger_sm90(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
     return -nll, entropy
 
 
-def cce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
-    _require("cut_cross_entropy", "cut-cross-entropy 25.1.1")
-    from cut_cross_entropy import linear_cross_entropy
+def liger_mean(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+    _require("liger_kernel", "liger-kernel 0.8.5")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    return -linear_cross_entropy(h, w, y, reduction="none"), None
+    loss = liger_fused_linear_cross_entropy(h, w, y, reduction="mean")
+    return (loss[0] if isinstance(loss, tuple) else loss), None
+
+
+def _cce(reduction: str, exact: bool) -> Callable[..., Result]:
+    """CCE's ``linear_cross_entropy``: per token (``-loss`` is the logprob) or the
+    mean; with its default gradient filter, or exact (``filter_eps=None``)."""
+
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+        _require("cut_cross_entropy", "cut-cross-entropy 25.1.1")
+        from cut_cross_entropy import linear_cross_entropy
+
+        kw: dict[str, Any] = {"filter_eps": None} if exact else {}
+        loss = linear_cross_entropy(h, w, y, reduction=reduction, **kw)
+        return (-loss if reduction == "none" else loss), None
+
+    return run
+
+
+cce = _cce("none", exact=False)
 
 
 # In the order they run at each size: what the targets need first.
@@ -279,11 +323,16 @@ METHODS: dict[str, Method] = {
     "ours-loss-torch": Method(_ours_loss("torch"), "loss", "torch"),
     "ours-ce-triton": Method(_ours("triton", False), "lp", "triton"),
     "ours-ce-torch": Method(_ours("torch", False), "lp", "torch"),
+    "ours-ce-mean-triton": Method(_ours_ce_mean("triton"), "ce-mean", "triton"),
     "naive": Method(naive, "lp+ent"),
     "naive-loss": Method(naive_loss, "loss"),
     "verl-triton": Method(verl_triton, "lp+ent", cuda_only=True),
     "liger": Method(liger, "lp", cuda_only=True),
     "liger-sm90": Method(liger_sm90, "lp+ent", cuda_only=True),
     "cce": Method(cce, "lp", cuda_only=True),
+    "cce-exact": Method(_cce("none", exact=True), "lp", cuda_only=True),
+    "liger-mean": Method(liger_mean, "ce-mean", cuda_only=True),
+    "cce-mean": Method(_cce("mean", exact=False), "ce-mean", cuda_only=True),
+    "cce-mean-exact": Method(_cce("mean", exact=True), "ce-mean", cuda_only=True),
     "verl": Method(verl, "lp+ent"),
 }

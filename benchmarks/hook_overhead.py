@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ._harness import load_average, ratio, write_csv
+from ._harness import load_average, pyplot, ratio, save_figure, write_csv
 
 FULL = {"layers": 4, "hidden": 512, "heads": 8, "vocab": 32768, "batch": 4, "seq": 512, "iters": 30}
 QUICK = {"layers": 2, "hidden": 128, "heads": 4, "vocab": 4096, "batch": 2, "seq": 128, "iters": 60}
@@ -181,11 +181,7 @@ def run(size: dict[str, int]) -> list[dict[str, Any]]:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     x = list(range(len(rows)))
     med = [r["paired_median_vs_stock"] for r in rows]
@@ -209,10 +205,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         fontsize=9,
     )
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

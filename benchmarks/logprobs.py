@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._harness import load_average, measure, ratio, write_csv
+from ._harness import load_average, measure, pyplot, ratio, save_figure, write_csv
 from .methods import LOGPROB_METHODS, POLICY_METHODS, available
 
 FULL = {"tokens": 8192, "hidden": 1024, "vocab": 65536}
@@ -183,10 +183,7 @@ def _r(value: Any) -> str:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     def group(r: dict[str, Any]) -> str:
         return (
@@ -233,10 +230,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel(key)
         if ax.get_legend_handles_labels()[0]:  # a sweep with no rows for this key draws no lines
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,28 +139,24 @@ def ppo_terms(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch
     return pg - ENTROPY_COEF * ent
 
 
-def policy_naive(
-    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    lp, ent = naive(h, w, y)
-    assert ent is not None
-    return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
+def _policy_of(
+    stats: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+) -> Callable[..., torch.Tensor]:
+    """The token-mean PPO loss of ``stats(h, w, y) -> (logprobs, entropy)``."""
+
+    def loss(
+        h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        lp, ent = stats(h, w, y)
+        assert ent is not None
+        return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
+
+    return loss
 
 
-def policy_naive_upcast(
-    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    lp, ent = naive_upcast(h, w, y)
-    assert ent is not None
-    return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
-
-
-def policy_autograd(
-    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, batch: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    lp, ent = ours(h, w, y)
-    assert ent is not None
-    return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
+policy_naive = _policy_of(naive)
+policy_naive_upcast = _policy_of(naive_upcast)
+policy_autograd = _policy_of(ours)
 
 
 def policy_fused(

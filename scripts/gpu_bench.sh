@@ -39,7 +39,7 @@ fi
 export PYTHONPATH=$root/.site-bench:$root/.site-mcore-0.19.2:$root
 
 # The benchmark stops starting methods after --budget; the timeout is the backstop.
-timeout -k 3 130 "$py" -m benchmarks.gpu_logprobs --out "$out" --budget 120 "$@" 2>&1 | tee -a "$out/bench.log"
+timeout -k 3 170 "$py" -m benchmarks.gpu_logprobs --out "$out" --budget 160 "$@" 2>&1 | tee -a "$out/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # the fragment (gpu-results.md) from the rows there are; printed here: the backend choice

@@ -21,15 +21,17 @@
 # this table and the `timeout` calls of this script and of gpu_bench.sh, and checks both.
 # The environment step's limit covers the first cold `import torch` of a fresh machine
 # (10.6 s seen on a loaded CPU); the benchmark gave it the time (it stops starting methods
-# at its own budget).
+# at its own budget). The test limits are 1.8x and 1.5x the times of the 2026-11-26 H200 run
+# (56 s and 44 s); the benchmark has the rest, to reach its three bf16 shapes and the peaked
+# logits.
 #   step                                          limit s
 #   install megatron-core 0.19.2, 0.16.1, Liger, CCE   15
 #   record the environment (env.json)                  25
 #   measure first (benchmarks.gpu_measure)             55
-#   pytest -m gpu, megatron-core 0.19.2               130
-#   pytest -m gpu, megatron-core 0.16.1                75
+#   pytest -m gpu, megatron-core 0.19.2               100
+#   pytest -m gpu, megatron-core 0.16.1                65
 #   gpu_bench.sh: install Liger, CCE; unpack veRL      12
-#   gpu_bench.sh: the benchmark                       130
+#   gpu_bench.sh: the benchmark                       170
 #   gpu_bench.sh: the results fragment                 12
 #   kill grace, 3 s for each of the 8 steps            24
 #   total                                             478
@@ -103,8 +105,8 @@ run_tests() {  # run_tests RELEASE LIMIT FILE...
     -m gpu -rs "${per_test[@]}" "$@" 2>&1 | tee -a "$out/tests-$release.log" | grep -v -e ' PASSED' -e ' SKIPPED'
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
-run_tests 0.19.2 130 "${files[@]}"
-run_tests 0.16.1 75 "${megatron_files[@]}"
+run_tests 0.19.2 100 "${files[@]}"
+run_tests 0.16.1 65 "${megatron_files[@]}"
 
 if [ $bench -eq 1 ]; then
   bench_args=()

@@ -20,6 +20,9 @@ see every Triton launch it makes.
   arguments described as Triton's launcher specialises them (pointer dtypes and
   16-byte alignment, integer values, constexprs, ``num_warps``), whatever module
   defines the kernel. ``run=False`` records without running (for fake tensors).
+- :func:`deferred_checks`: the deferred value checks' CUDA path on CPU tensors, with
+  a copy that lands when the test says (at once: the race a fast GPU wins; held: a
+  busy one), so that the rule of when a deferred error surfaces is tested here.
 
 Nothing here imports the processors' private modules.
 """
@@ -34,7 +37,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEVICE", "Launch", "backward", "describe", "fake_cuda", "record_launches", "spec_key"]
+__all__ = [
+    "DEVICE",
+    "DeferredCopies",
+    "Launch",
+    "backward",
+    "deferred_checks",
+    "describe",
+    "fake_cuda",
+    "record_launches",
+    "spec_key",
+]
 
 
 DEVICE = ("NVIDIA H100 80GB HBM3", (9, 0))
@@ -75,6 +88,66 @@ def fake_cuda(device: tuple[str, tuple[int, int]] = DEVICE) -> Iterator[Any]:
     finally:
         for (obj, attr), value in saved.items():
             setattr(obj, attr, value)
+
+
+class _Event:
+    """A CUDA event's host side: ``query`` is whether the copy behind it has landed."""
+
+    def __init__(self, copies: DeferredCopies) -> None:
+        self.copies = copies
+        self.landed = copies.at_once
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+@dataclasses.dataclass
+class DeferredCopies:
+    """The copies :func:`deferred_checks` recorded; ``at_once``: each lands as it is
+    recorded. :meth:`land` lands every copy so far (what a host synchronisation does)."""
+
+    at_once: bool
+    events: list[_Event] = dataclasses.field(default_factory=list)
+
+    def land(self) -> None:
+        for e in self.events:
+            e.landed = True
+
+
+@contextlib.contextmanager
+def deferred_checks(*, at_once: bool) -> Iterator[DeferredCopies]:
+    """Inside: ``torch_impl.value_checks`` takes its CUDA path (record now, read later)
+    for CPU tensors; each copy's event lands at once (``at_once``) or when the test
+    calls :meth:`DeferredCopies.land` or ``raise_pending_errors(wait=True)`` waits."""
+    from torch_impl import value_checks
+
+    copies = DeferredCopies(at_once)
+
+    def copy_behind_event(stats: torch.Tensor) -> tuple[torch.Tensor, _Event]:
+        event = _Event(copies)
+        copies.events.append(event)
+        return stats.clone(), event
+
+    patches: dict[tuple[Any, str], Any] = {
+        (value_checks, "_defers"): lambda values: True,
+        (value_checks, "_copy_behind_event"): copy_behind_event,
+        (torch.cuda, "is_current_stream_capturing"): lambda: False,  # needs a driver
+    }
+    saved = {k: getattr(*k) for k in patches}
+    value_checks.raise_pending_errors(wait=True)
+    for (obj, attr), value in patches.items():
+        setattr(obj, attr, value)
+    try:
+        yield copies
+    finally:
+        for (obj, attr), value in saved.items():
+            setattr(obj, attr, value)
+        while value_checks.pending_checks():  # leave no recorded check behind
+            with contextlib.suppress(Exception):
+                value_checks.raise_pending_errors(wait=True)
 
 
 def _addmm_out_dtype_traces() -> bool:

@@ -9,6 +9,7 @@ the sequences and differentiates with autograd. It imports nothing from
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -27,6 +28,7 @@ from hookspec import (
     VocabShard,
 )
 from tests.distributed import GlooSequenceParallel, run_distributed
+from tests.fake_cuda import deferred_checks
 from torch_impl.processors import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
 
 IGNORE = -100
@@ -263,19 +265,37 @@ def test_a_negative_mask_entry_is_refused_at_once_on_a_cpu(dense: bool) -> None:
     assert e.value.expected == "finite values >= 0"
 
 
+def _nan_then_refused(d: dict[str, Any], dense: bool) -> None:
+    """The deferred check's rule (``torch_impl.value_checks``): the call never raises for
+    its own values, so the loss comes back NaN (token-mean: every weight); reading it
+    synchronises, so the copy has landed and the next look raises naming the mask."""
+    from torch_impl.value_checks import pending_checks, raise_pending_errors
+
+    raise_pending_errors(wait=True)  # nothing left from an earlier test
+    got = _run(_negative_mask(d), DistillConfig(), dense)
+    assert math.isnan(float(got["loss"]))
+    assert pending_checks() >= 1
+    with pytest.raises(ContractError) as e:
+        raise_pending_errors()  # no wait: float(loss) synchronised, the copy has landed
+    assert e.value.field == "context.mask"
+    assert e.value.expected == "finite values >= 0"
+    while pending_checks():  # the call's later checks (the NaN the mask became) are read too
+        with contextlib.suppress(ContractError):
+            raise_pending_errors(wait=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
 def test_a_negative_mask_entry_is_nan_then_refused_on_a_gpu(dense: bool) -> None:
-    """On a GPU the check makes no host read: the loss is NaN (token-mean: every
-    weight), and the deferred check raises naming the mask at the next look."""
-    from torch_impl.value_checks import raise_pending_errors
+    _nan_then_refused({k: v.cuda() for k, v in _data().items()}, dense)
 
-    d = {k: v.cuda() for k, v in _negative_mask(_data()).items()}
-    got = _run(d, DistillConfig(), dense)
-    assert math.isnan(float(got["loss"]))
-    with pytest.raises(ContractError) as e:
-        raise_pending_errors(wait=True)
-    assert e.value.field == "context.mask"
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_a_negative_mask_entry_is_nan_then_refused_on_the_gpu_path_on_a_cpu(dense: bool) -> None:
+    """The GPU path on a CPU, with each copy landing as it is recorded: the race a fast
+    GPU wins, which made the call raise for its own mask before the rule."""
+    with deferred_checks(at_once=True):
+        _nan_then_refused(_data(), dense)
 
 
 def _bad_teacher(d: dict[str, Any], what: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +203,9 @@ def test_grpo_loss_is_ppo_of_the_batch() -> None:
 # ---------------------------------------------------------------- the results page
 
 
-def _rows(**times: float) -> list[dict[str, Any]]:
+def _rows(logits: str = "flat", busy: float | None = None, **times: float) -> list[dict[str, Any]]:
     size = {k: gpu_logprobs.TARGET_SIZE[k] for k in gpu_logprobs.SIZE_KEYS}
+    size["logits"] = logits
     out = []
     for m, t in times.items():
         name = m.replace("_", "-")
@@ -211,7 +213,9 @@ def _rows(**times: float) -> list[dict[str, Any]]:
             size, method=name, family=METHODS[name].family, backend=METHODS[name].backend
         )
         row.update(error="", note="", device="NVIDIA H100 80GB HBM3", device_class="H100")
-        row.update(time_ms=t, peak_extra_gb=2.0 if name != "verl-triton" else 2.5, dh_rel_err=3e-3)
+        row.update(time_ms=t, peak_extra_gb=0.9 if name != "verl-triton" else 2.5, dh_rel_err=3e-3)
+        if busy is not None:
+            row.update(busy_fraction=busy, kernels=40, launches=41)
         if name == "naive":
             row["dh_rel_err"] = 4e-3
         out.append(row)
@@ -219,18 +223,35 @@ def _rows(**times: float) -> list[dict[str, Any]]:
 
 
 def test_targets_from_rows() -> None:
-    rows = _rows(floor3=44.0, floor4=62.0, ours_triton=66.0, ours_torch=70.0, ours_loss_triton=47.0,
+    rows = _rows(floor3=44.0, floor4=62.0, ours_triton=61.0, ours_torch=70.0, ours_loss_triton=47.0,
                  ours_loss_torch=46.0, naive=99.0, verl_triton=90.0, liger=83.0, cce=58.0)  # fmt: skip
     got = {a: (b, c) for a, b, c in gpu_results.targets(rows)}
     verdicts = [b for b, _ in got.values()]
-    assert verdicts == ["met", "met", "not met", "met", "met", "not measured"]
+    # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, the CPU's
+    assert verdicts == ["met", "met", "not measured", "not measured", "met", "met", "not measured"]
     first = next(iter(got.values()))[1]
-    assert "ours-triton 66.0 ms = 1.06x floor4" in first
+    assert "ours-triton 61.0 ms = 0.98x floor4" in first
     assert "ours-loss-torch 46.0 ms" in list(got.values())[1][1]
     rows = [r for r in rows if r["method"] != "floor4"]
     assert gpu_results.targets(rows)[0][1] == "not measured"
-    slow = _rows(floor4=62.0, ours_triton=80.0, ours_torch=90.0)
+    slow = _rows(floor4=62.0, ours_triton=66.0, ours_torch=90.0)  # 1.06x: over 1.05
     assert gpu_results.targets(slow)[0][1] == "not met"
+    idle = _rows(busy=0.62, floor3=44.0, floor4=62.0, ours_triton=61.0, ours_loss_triton=47.0)
+    assert gpu_results.targets(idle)[2][1:] == ("not met", "0.62 / 0.62")
+
+
+def test_peers_are_compared_like_with_like_on_both_logits() -> None:
+    times = dict(ours_triton=60.0, verl_triton=90.0, ours_ce_triton=59.0, liger=83.0, cce=70.0,
+                 cce_exact=180.0, ours_ce_mean_triton=45.0, liger_mean=80.0, cce_mean=60.0,
+                 cce_mean_exact=179.0)  # fmt: skip
+    both = _rows("flat", **times) + _rows("peaked", **times)
+    verdict, text = gpu_results.peers_target(both)[1:]
+    assert verdict == "met", text
+    assert "peaked: ours-ce-mean-triton 45.0 / cce-mean-exact 179.0 ms" in text
+    assert "flat: liger-sm90 left out (not measured: its package is not carried)" in text
+    assert gpu_results.peers_target(_rows("flat", **times))[1] == "not measured"  # no peaked rows
+    fast_cce = _rows("flat", **times) + _rows("peaked", **dict(times, cce_mean=40.0))
+    assert gpu_results.peers_target(fast_cce)[1] == "not met"
 
 
 def test_backend_choice_per_device_class() -> None:
@@ -251,8 +272,9 @@ def test_empty_page_says_not_measured_everywhere() -> None:
     for f in gpu_results.gpu_test_files(ROOT):
         assert f"`{f}`" in run
     for m in METHODS:
+        sizes = [s for s in gpu_logprobs.SIZES if gpu_logprobs.methods_at(s, [m])]
         assert len(re.findall(rf"^\| {re.escape(m)} \| [^|]+ \| not measured \|", run, flags=re.M)) == len(
-            gpu_logprobs.SIZES
+            sizes
         )
     assert re.search(r"\d+\.\d+ ms|\d\.\d+e-\d\d", run) is None  # no figure at all
     assert all(b == "not measured" for _, b, _ in gpu_results.targets([]))
@@ -286,7 +308,7 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
     assert "| `tests/test_gpu_checks.py` | 1 failed, 1 passed |" in text
     assert "1 skipped, cut at the time limit in test_d | 1 passed |" in text
     assert (
-        "| ours-triton | ours, logprobs + entropy, backend triton | 66.0 | 1.50 | 1.06 | 2.00 | 3.0e-03 |"
+        "| ours-triton | ours, logprobs + entropy, backend triton | 66.0 | 1.50 | 1.06 | 0.90 | 3.0e-03 |"
         in text
     )
     assert "no summary line" in text  # the 0.19.2 run was cut
@@ -336,7 +358,8 @@ REQUIRED = [
     ("linear_logprobs in a CUDA graph", "test_gpu_checks.py",
      "test_cuda_graph_replay_equals_eager", "torch.cuda.graph("),
     ("bitwise determinism run to run", "test_gpu_checks.py", "test_bitwise_run_to_run", "torch.equal"),
-    ("Triton against float64", "test_processors_triton.py", "test_gpu_three_way_real_sizes", ".double()"),
+    ("Triton against float64", "test_processors_triton.py", "test_gpu_three_way_real_sizes",
+     "three_way_real_sizes("),
     ("the fused loss against float64", "test_gpu_checks.py", "test_fused_loss_against_float64", ".double()"),
 ]  # fmt: skip
 
@@ -359,6 +382,18 @@ def test_env_reads_the_commit_from_the_wheels_folder_without_git(tmp_path: Path)
     assert env["commit"] == "abc123" and "commit.txt" in env["commit_note"]
     assert env["packages"]["megatron-core"] == ["0.16.1"]
     assert env["torch"] == torch.__version__
+
+
+def test_env_takes_the_stamp_over_an_enclosing_repository(tmp_path: Path) -> None:
+    """The GPU run of 2026-11-26 recorded the commit of a repository holding the copy:
+    the stamp wins, and without one a tree that is not its own checkout's top says unknown."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    tree = tmp_path / "copy"
+    (tree / ".whl").mkdir(parents=True)
+    assert gpu_results._env(tree)["commit"] == "unknown"
+    (tree / ".whl" / "commit.txt").write_text("def456\nuncommitted paths: 2\n")
+    env = gpu_results._env(tree)
+    assert env["commit"] == "def456" and "uncommitted paths: 2" in env["commit_note"]
 
 
 # ---------------------------------------------------------------- what the command measures first
@@ -414,6 +449,16 @@ def test_measure_dry_run_writes_each_row_as_measured(tmp_path: Path, monkeypatch
     assert len(names) >= 2, names  # the statistics and the gradient kernels, found by running them
     assert all(0 < r["of_copy"] and r["bytes"] >= 24 * 200 * 4 for r in kernels), kernels
     assert any("WITH_ENTROPY=False" in r["case"] for r in kernels)
+    copy = next(r for r in rows if r["what"] == "copy")
+    assert all(r["launches"] == gpu_measure.BACK_TO_BACK >= 20 for r in [*kernels, copy])
+
+
+def test_time_ms_divides_back_to_back_launches() -> None:
+    from benchmarks import gpu_measure
+
+    calls: list[int] = []
+    t = gpu_measure.time_ms(lambda: calls.append(1), device="cpu", runs=3, warmup=2, launches=20)
+    assert len(calls) == 2 + 3 * 20 and t >= 0
 
 
 def test_measure_takes_a_registered_kernel_list(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -432,7 +477,7 @@ def test_measure_takes_a_registered_kernel_list(monkeypatch: pytest.MonkeyPatch)
     rows = gpu_measure.measure(size, device="cpu", runs=2, warmup=1, out=None)
     (k,) = [r for r in rows if r["what"] == "kernel"]
     assert k["case"] == "kernel copy kernel" and k["bytes"] == 1000 and k["source"].endswith("kernel_cases")
-    assert len(calls) == 3
+    assert len(calls) == 1 + 2 * gpu_measure.BACK_TO_BACK  # a warm-up, then 2 runs of 20 back to back
 
 
 def test_chunk_shape_is_the_triton_backends() -> None:

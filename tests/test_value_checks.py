@@ -3,7 +3,9 @@ hook and the processors run them.
 
 On a CPU the check is immediate and names the field, the range and the values found.
 On CUDA (``gpu``-marked) it makes no host read: the result of one call is read at the
-next call or on request, and a captured CUDA graph carries a device-side assert.
+entry of a later checked call or on request (the rule of ``torch_impl.value_checks``,
+tested here on the CPU with the GPU path emulated), and a captured CUDA graph carries a
+device-side assert.
 The hook checks the labels once per call; the built-in processors then check nothing
 again, and ``check_values=False`` means no value check anywhere. A processor called
 directly, on a context built by hand, checks what it reads.
@@ -21,9 +23,10 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, VocabShard
+from tests.fake_cuda import deferred_checks
 from tests.hook_cases import model_inputs
 from torch_impl import value_checks
-from torch_impl.processors import selected_logprobs
+from torch_impl.processors import LinearOptions, linear_logprobs, selected_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 from torch_impl.value_checks import (
     check_labels_deferred,
@@ -296,3 +299,65 @@ def test_cuda_graph_captures_a_processor_with_its_checks() -> None:
     torch.cuda.synchronize()
     assert torch.equal(captured["logprobs"], eager["logprobs"])
     assert torch.equal(captured["entropy"], eager["entropy"])
+
+
+# ---------------------------------------------------------------- when a deferred error surfaces
+# The rule of ``torch_impl.value_checks`` (module docstring), on the CUDA path emulated on
+# the CPU (``tests.fake_cuda.deferred_checks``): read at the entry of a checked call only.
+
+BAD = torch.tensor([0, 7, -100])
+
+
+def test_a_call_never_raises_for_its_own_values_even_when_its_copy_lands_at_once() -> None:
+    """The race the GPU won (a small copy lands before the call's next check): the
+    call still returns; the next checked call raises at its entry."""
+    with deferred_checks(at_once=True):
+        with value_checks.checked_call():
+            check_labels_deferred(BAD, 5, ignore_index=-100, field="first")
+            check_labels_deferred(torch.tensor([1]), 5, ignore_index=-100, field="second")
+            with value_checks.checked_call():  # nested: only the outermost entry reads
+                check_positive_deferred(torch.tensor([1.0]), field="t")
+        assert pending_checks() == 3
+        with pytest.raises(ContractError, match=r"1 ids outside it, in \[7, 7\] \(found by the deferred"):
+            with value_checks.checked_call():
+                pytest.fail("the entry raises before the body runs")
+        assert pending_checks() == 2  # read once, oldest first; the good ones stay until read
+        raise_pending_errors()
+        assert pending_checks() == 0
+
+
+def test_an_unlanded_copy_is_read_at_the_first_entry_after_it_lands() -> None:
+    with deferred_checks(at_once=False) as copies:
+        check_labels_deferred(BAD, 5, ignore_index=-100, field="labels")  # a call of its own
+        for _ in range(3):  # no synchronisation: nothing landed, nothing raised
+            with value_checks.checked_call():
+                check_labels_deferred(torch.tensor([1]), 5, ignore_index=-100)
+        assert pending_checks() == 4
+        copies.land()  # what float(loss), .item() or torch.cuda.synchronize() do
+        with pytest.raises(ContractError) as err:
+            check_labels_deferred(torch.tensor([1]), 5, ignore_index=-100)
+        assert err.value.field == "labels"
+
+
+def test_waiting_always_raises() -> None:
+    with deferred_checks(at_once=False):
+        with value_checks.checked_call():
+            check_positive_deferred(torch.tensor([0.5, float("nan"), -1.0]), field="temperature")
+        with pytest.raises(ContractError) as err:
+            raise_pending_errors(wait=True)
+        assert err.value.field == "temperature" and "2 values outside it" in str(err.value)
+        assert pending_checks() == 0
+
+
+def test_linear_logprobs_with_a_landed_bad_temperature_returns_then_the_next_call_raises() -> None:
+    """``linear_logprobs`` is one checked call: its own bad values never raise inside it."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 8, generator=g), torch.randn(20, 8, generator=g)
+    labels = torch.tensor([1, 2, -100, 3])
+    bad_t = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    with deferred_checks(at_once=True):
+        out = linear_logprobs(h, w, labels, options=LinearOptions(temperature=bad_t))
+        assert out.logprobs.shape == (4,)
+        with pytest.raises(ContractError, match="found by the deferred check of an earlier call") as err:
+            linear_logprobs(h, w, labels)
+        assert "temperature" in err.value.field

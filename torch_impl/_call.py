@@ -41,7 +41,7 @@ from hookspec import (
 )
 
 from .context import build_output_context
-from .value_checks import check_labels_deferred
+from .value_checks import check_labels_deferred, checked_call
 
 __all__ = [
     "ForwardCall",
@@ -119,7 +119,7 @@ class HookOptions:
     ``ignore_index``: the label that selects no token. ``mtp``: the
     :class:`MTPOptions` of a model with MTP layers. ``check_values``: check
     the labels' range at every call, once, in the hook (on a GPU without a host
-    read: :mod:`torch_impl.value_checks` raises at the next call or at
+    read: :mod:`torch_impl.value_checks` raises at the entry of a later call or at
     ``raise_pending_errors``); ``False`` does no value check at all, in the hook
     or in the built-in processors. Shape checks always run.
     """
@@ -277,6 +277,7 @@ class ForwardCall:
             check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
         return ctx
 
+    @checked_call()
     def main(self, hook_kwargs: dict[str, Any]) -> Any:
         """The main head's result from the hook's sixteen keywords: the output
         processor's (a hookspec result validated), or the stock head's."""
@@ -299,6 +300,7 @@ class ForwardCall:
         """What Megatron's native hook calls (its sixteen keywords): :meth:`main`."""
         return self.main(hook_kwargs)
 
+    @checked_call()
     def mtp(self, hook_kwargs: Mapping[str, Any], depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MTP processor's ``(loss [b, s], accepted [b, s] or None)`` at depth ``depth`` >= 1."""
         ctx = self.context(hook_kwargs, depth)

@@ -55,6 +55,7 @@ __all__ = [
     "default_checks",
     "environment",
     "facts_row",
+    "gpu_checks",
     "main",
     "run_checks",
 ]
@@ -361,17 +362,17 @@ def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     yield "HybridModel (*-*-), without and with a processor: bitwise stock", check
 
 
-def _need_cuda() -> None:
-    if not torch.cuda.is_available():
+def _need_cuda(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SkipCheck(
             "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() is False)"
         )
 
 
 def _gpu_case(
-    dtype: torch.dtype,
+    dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Awkward sizes on the GPU in ``dtype``, and the float64 truth on the same
+    """Awkward sizes on ``device`` in ``dtype``, and the float64 truth on the same
     rounded inputs: ``logprobs``, ``d(sum logprobs)/d hidden``."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 67, 96, 1003
@@ -383,8 +384,7 @@ def _gpu_case(
     logp = torch.log_softmax(h64 @ weight.double().T, dim=-1)
     truth = torch.where(labels == -100, 0.0, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0])
     (grad,) = torch.autograd.grad(truth.sum(), h64)
-    cuda = torch.device("cuda")
-    return hidden.to(cuda), weight.to(cuda), labels.to(cuda), truth.detach(), grad
+    return hidden.to(device), weight.to(device), labels.to(device), truth.detach(), grad
 
 
 def _gpu_backends() -> list[Literal["torch", "triton"]]:
@@ -392,19 +392,25 @@ def _gpu_backends() -> list[Literal["torch", "triton"]]:
     return ["torch", "triton"] if importlib.util.find_spec("triton") is not None else ["torch"]
 
 
-def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
+def gpu_checks(device: torch.device | str = "cuda") -> Iterator[tuple[str, Callable[[], None]]]:
+    """The GPU checks, by name, on ``device``: skipped on ``"cuda"`` without a CUDA
+    device. On a CPU (with Triton's interpreter, ``TRITON_INTERPRET=1``, for the
+    Triton backend) they run the same calls, so that the CPU suite runs this code;
+    there the label check is read at once, inside the call."""
+    dev = torch.device(device)
+
     def backends_agree() -> None:
-        _need_cuda()
-        from .processors import linear_logprobs
+        _need_cuda(dev)
+        from .processors import LinearOptions, linear_logprobs
 
         for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-            hidden, weight, labels, truth, grad = _gpu_case(dtype)
+            hidden, weight, labels, truth, grad = _gpu_case(dtype, dev)
             got = {}
             for backend in _gpu_backends():
                 h = hidden.clone().requires_grad_()
-                r = linear_logprobs(h, weight, labels, backend=backend)
+                r = linear_logprobs(h, weight, labels, options=LinearOptions(backend=backend))
                 (dh,) = torch.autograd.grad(r.logprobs.sum(), h)
-                got[backend] = (r.logprobs.double().cpu(), dh.double().cpu())
+                got[backend] = (r.logprobs.detach().double().cpu(), dh.double().cpu())
             for backend, (lp, dh) in got.items():
                 for what, a, want in (("logprobs", lp, truth), ("d/d hidden", dh, grad)):
                     scale = float(want.abs().max())
@@ -420,22 +426,31 @@ def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
                         raise AssertionError(f"{backend} {what}: {diff:.3g} from the torch path")
 
     def label_check_without_host_read() -> None:
-        _need_cuda()
+        _need_cuda(dev)
         from hookspec import ContractError
 
-        from .processors import linear_logprobs
+        from .processors import LinearOptions, linear_logprobs
         from .value_checks import pending_checks, raise_pending_errors
 
-        hidden, weight, labels, _, _ = _gpu_case(torch.float32)
+        hidden, weight, labels, _, _ = _gpu_case(torch.float32, dev)
         raise_pending_errors(wait=True)
         for backend in _gpu_backends():
             bad = labels.clone()
             bad[3] = weight.shape[0] + 5  # a label no row holds
             h = hidden.clone().requires_grad_()
+            options = LinearOptions(backend=backend)
+            if dev.type != "cuda":  # read at once, inside the call
+                try:
+                    linear_logprobs(h, weight, bad, options=options)
+                except ContractError as error:
+                    if error.field != "labels":
+                        raise
+                    continue
+                raise AssertionError(f"{backend}: the out-of-range label was not reported")
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # a host read raises here
             try:
-                r = linear_logprobs(h, weight, bad, backend=backend)
+                r = linear_logprobs(h, weight, bad, options=options)
                 r.logprobs.sum().backward()
                 pending = pending_checks()
             finally:
@@ -463,7 +478,7 @@ def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 def default_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     """The doctor's checks, by name: GPT, GPT with MTP layers, HybridModel, and the
     GPU checks (skipped without a CUDA device)."""
-    for group in (_gpt_checks, _mtp_checks, _hybrid_checks, _gpu_checks):
+    for group in (_gpt_checks, _mtp_checks, _hybrid_checks, gpu_checks):
         yield from group()
 
 

@@ -7,25 +7,44 @@ in a CUDA graph. The checks here make no host read on CUDA:
 
 - the count, min and max of the bad values are reduced on the device and copied,
   non-blocking, into pinned host memory, behind a CUDA event;
-- the result is read when the event has completed: at the next check (the next
-  forward), or at :func:`raise_pending_errors` (``wait=True`` waits). A bad batch
-  raises :class:`hookspec.ContractError` naming the field, the expected range and
-  the values found, one step late at the latest;
 - under CUDA-graph capture, where no host copy may be recorded, the check is
   ``torch._assert_async`` (a device-side assert: fatal to the process, as every
   device-side assert is, and the only check a captured graph can carry).
 
-On a CPU there is nothing to stall: the checks read the values at once.
+On a CPU there is nothing to stall: the checks read the values at once and raise
+inside the call.
 
-Pending checks are kept per process, oldest first, and each is read once. Call
-``raise_pending_errors(wait=True)`` where a training loop synchronises anyway (say,
-before logging a step) to surface the last step's result.
+**When a deferred error surfaces** (the one rule; nothing else reads a result):
+
+1. A *checked call* is a processor call, a ``linear_logprobs`` or ``fused_token_loss``
+   call, one call of the hook, or a block under :func:`checked_call`; a check made
+   outside all of them is a checked call of its own. Checked calls nest; only the
+   outermost one counts.
+2. At the **entry** of a checked call, every earlier check whose copy has landed is
+   read, oldest first, and the first that found bad values raises
+   :class:`hookspec.ContractError` (field, expected range, the values found, "found by
+   the deferred check of an earlier call"). Nothing is read anywhere else inside the
+   call, so a call never raises for its own values, nor for an earlier call's in its
+   middle: its outputs (NaN where a value was bad) always come back.
+3. A copy has landed once the host has synchronised with the device after the call
+   that recorded it (``torch.cuda.synchronize()``, ``float(loss)``, ``.item()``,
+   ``.cpu()`` of any result). So after such a synchronisation, the next checked call
+   raises at its entry, always. Without one, it raises at the first entry after the
+   copy lands, which depends on timing.
+4. :func:`raise_pending_errors` reads the landed checks now; ``wait=True`` waits for
+   every copy (one synchronisation on their events) and so always raises for a bad
+   value of any earlier call. Call it where a training loop synchronises anyway (say,
+   before logging a step).
+
+Each check is read once. Pending checks are kept per process, oldest first.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +53,7 @@ from hookspec import ContractError, check_labels
 
 __all__ = [
     "check_condition_deferred",
+    "checked_call",
     "check_finite_deferred",
     "check_indices_deferred",
     "check_labels_deferred",
@@ -54,6 +74,28 @@ class _Pending:
 
 
 _PENDING: collections.deque[_Pending] = collections.deque()
+_DEPTH = [0]  # how many checked calls are open (rule 1: only the outermost reads)
+
+
+@contextlib.contextmanager
+def checked_call() -> Iterator[None]:
+    """One checked call (rule 1 of the module docstring); usable as a decorator. The
+    outermost entry reads the landed results of earlier calls and raises for the first
+    bad one (rule 2); the checks inside it only record."""
+    if _DEPTH[0] == 0:
+        raise_pending_errors()
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+def _entry() -> None:
+    """Where each check starts: a check outside every checked call is a call of its own
+    and reads at its entry (rule 1); inside one it reads nothing (rule 2)."""
+    if _DEPTH[0] == 0:
+        raise_pending_errors()
 
 
 def pending_checks() -> int:
@@ -83,11 +125,16 @@ def raise_pending_errors(*, wait: bool = False) -> None:
             raise _error(p.field, p.expected, p.noun, int(count), lo, hi, late=True)
 
 
+def _defers(values: torch.Tensor) -> bool:
+    """Whether a check of ``values`` is deferred (CUDA) rather than read at once."""
+    return values.device.type == "cuda"
+
+
 def _check(
     bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str, noun: str = "values"
 ) -> None:
     """Raise (CPU) or record (CUDA) the count, min and max of ``values[bad]``."""
-    if values.device.type != "cuda":
+    if not _defers(values):
         if bool(bad.any()):
             picked = values[bad]
             lo, hi = picked.min().item(), picked.max().item()
@@ -102,21 +149,28 @@ def _check(
     stats = torch.stack(
         [bad.sum().to(dtype), torch.where(bad, v, big).min(), torch.where(bad, v, -big).max()]
     )
-    host = torch.empty(3, dtype=dtype, pin_memory=True)
+    host, event = _copy_behind_event(stats)
+    _PENDING.append(_Pending(event, host, field, expected, noun))
+
+
+def _copy_behind_event(stats: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``stats`` copied, non-blocking, into pinned host memory, and the CUDA event
+    recorded behind the copy: the host copy is valid once the event has completed."""
+    host = torch.empty(3, dtype=stats.dtype, pin_memory=True)
     host.copy_(stats, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    _PENDING.append(_Pending(event, host, field, expected, noun))
+    return host, event
 
 
 def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
     """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
 
-    Raises at once for a wrong type or dtype, and for the bad values of an earlier
-    deferred check whose result has landed.
+    Raises at once for a wrong type or dtype; outside a checked call, also for the bad
+    values of an earlier deferred check whose result has landed (rule 2).
     """
-    raise_pending_errors()
-    if not isinstance(labels, torch.Tensor) or labels.device.type != "cuda":
+    _entry()
+    if not isinstance(labels, torch.Tensor) or not _defers(labels):
         check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
         return
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
@@ -137,7 +191,7 @@ def check_positive_deferred(values: torch.Tensor, *, field: str) -> None:
     """Every value of the floating tensor ``values`` finite and ``> 0`` (a per-token
     temperature), without a host read on CUDA. A NaN is bad, never skipped: it is
     counted, and the min and max found are then NaN."""
-    raise_pending_errors()
+    _entry()
     if values.numel() == 0:
         return
     bad = ~(torch.isfinite(values) & (values > 0))
@@ -147,7 +201,7 @@ def check_positive_deferred(values: torch.Tensor, *, field: str) -> None:
 def check_indices_deferred(indices: torch.Tensor, size: int, *, field: str) -> None:
     """Every value of the integer tensor ``indices`` in ``[0, size)`` (say, each token's
     sequence index), without a host read on CUDA."""
-    raise_pending_errors()
+    _entry()
     if indices.numel() == 0:
         return
     bad = (indices < 0) | (indices >= size)
@@ -161,7 +215,7 @@ def check_finite_deferred(
     of weights), at the tokens where ``where`` is True (every token when ``None``;
     ``where`` has the shape of ``values``), without a host read on CUDA. A bool or
     integer tensor is finite. A NaN is bad, never skipped."""
-    raise_pending_errors()
+    _entry()
     if values.numel() == 0:
         return
     v = values.detach()
@@ -178,7 +232,7 @@ def check_finite_deferred(
 def check_multiple_deferred(values: torch.Tensor, multiple: int, *, field: str, why: str = "") -> None:
     """Every value of the integer tensor ``values`` a multiple of ``multiple`` (say,
     packed sequence boundaries under context parallel), without a host read on CUDA."""
-    raise_pending_errors()
+    _entry()
     if values.numel() == 0:
         return
     bad = values.remainder(multiple) != 0
@@ -191,7 +245,7 @@ def check_condition_deferred(
     """No entry of the bool tensor ``bad`` set (a rule of several values, such as a
     sparse teacher's distinct ids), without a host read on CUDA; the error counts
     the bad entries and gives the min and max of ``values`` (``bad``'s shape) there."""
-    raise_pending_errors()
+    _entry()
     if bad.numel() == 0:
         return
     _check(bad, values.detach(), field=field, expected=expected, noun=noun)

@@ -11,8 +11,9 @@ a CPU gets ``"torch"``. Where Triton is not importable, ``"torch"`` everywhere.
 
 ``MEASURED_CHOICES`` holds a row per device class only where the GPU benchmark
 (``benchmarks/gpu_logprobs.py``, results in ``docs/gpu-results.md``) measured both
-backends on that class in one run. It is empty: nothing has been measured with the
-current design yet.
+backends on that class in one run. H200: the run of 2026-11-26 (commit 49dd243),
+Triton faster on all 9 size and path pairs measured (logs in
+``docs/gpu-runs/2026-11-26-h200/bench.log``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,17 @@ class BackendChoice:
     source: str  # where the measurement is recorded, or why there is none
 
 
-MEASURED_CHOICES: dict[str, BackendChoice] = {}
+MEASURED_CHOICES: dict[str, BackendChoice] = {
+    "H200": BackendChoice(
+        "triton",
+        measured=True,
+        source=(
+            "docs/gpu-results.md: the run of 2026-11-26 on one NVIDIA H200 (torch 2.11.0+cu130, "
+            "Triton 3.6.0, commit 49dd243): triton faster on 9 of 9 size and path pairs, 480.4 ms "
+            "against torch's 596.5 ms in all (docs/gpu-runs/2026-11-26-h200/bench.log)"
+        ),
+    ),
+}
 """``device_class -> choice`` measured on that class (both backends, one run)."""
 
 _UNMEASURED_GPU = BackendChoice(

@@ -45,6 +45,7 @@ from hookspec import (
     processor,
 )
 
+from ..value_checks import checked_call
 from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast, scaled_
 from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
@@ -410,6 +411,7 @@ def distillation_loss(
         tile_elements=None if tile_elements is None else check_int("tile_elements", tile_elements, low=1)
     )
 
+    @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "distillation_loss", needs_labels=False)
         teacher = _teacher(ctx)

@@ -24,6 +24,7 @@ import torch
 from hookspec import ContractError
 from hookspec.arrays import format_shape
 
+from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, GradSink, RowScale, Stats, TileSetup, logit_grad_coefficients, no_autocast
 from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
@@ -142,6 +143,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
+@checked_call()
 def fused_token_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

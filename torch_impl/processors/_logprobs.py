@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
 from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
@@ -60,6 +61,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return (dh.to(h.dtype) if dh is not None else None), dw, None, None
 
 
+@checked_call()
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -44,7 +44,7 @@ from hookspec import (
 )
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_finite_deferred, check_multiple_deferred
+from ..value_checks import check_finite_deferred, check_multiple_deferred, checked_call
 from ._checks import check_finite_number, check_floating
 from ._fused import fused_token_loss
 from ._inputs import (
@@ -559,6 +559,7 @@ def policy_loss(
     )
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 
+    @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "policy_loss")
         batch = _policy_batch(ctx)

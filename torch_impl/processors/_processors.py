@@ -13,6 +13,7 @@ import torch
 
 from hookspec import Aggregation, ContractError, OutputContext, Processor, processor
 
+from ..value_checks import checked_call
 from ._checks import check_bool, check_finite_number, check_temperature, context_field
 from ._fused import fused_token_loss
 from ._inputs import (
@@ -63,6 +64,7 @@ def selected_logprobs(
         vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
     )
 
+    @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "selected_logprobs")
         res = linear_logprobs(
@@ -200,6 +202,7 @@ def cross_entropy_loss(
         tile_elements=fused_tile_elements,
     )
 
+    @checked_call()
     def fn(ctx: OutputContext) -> torch.Tensor:
         x = hook_inputs(ctx, "cross_entropy_loss")
         for name in ("temperature", "global_tokens"):  # read by a reduction only: refused, not ignored
@@ -219,6 +222,7 @@ def cross_entropy_loss(
         )
         return from_tokens(-res.logprobs, x.b, x.s)
 
+    @checked_call()
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
         return _reduced(ctx, reduction, temperature, tile)
 

@@ -13,6 +13,7 @@ import torch
 
 from hookspec import Collectives, ContractError, OutputContext, Processor, processor
 
+from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
 from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
@@ -282,6 +283,7 @@ def topk_logprobs(
     check_bool("entropy", entropy)
     tile = tile_options(vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size)
 
+    @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
         res = linear_topk_logprobs(
