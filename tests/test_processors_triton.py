@@ -568,8 +568,10 @@ def test_exp_rows_rounds_to_nearest_even(dtype: torch.dtype) -> None:
     zt = z.cpu() * inv_t
     assert torch.equal(m, zt.max(1).values)
     s64, t64, t_scale = _f64_sums(zt, c)
-    torch.testing.assert_close(s.double(), s64, rtol=2e-6, atol=0)
-    assert bool(((t.double() - t64).abs() <= 2e-6 * t_scale).all()), (t, t64)
+    # compiled, each term's exponent is rounded once (an FFMA, then exp2's argument):
+    # half an ulp of |zt - c| <= 40 each, up to 2e-6 of a term
+    torch.testing.assert_close(s.double(), s64, rtol=5e-6, atol=0)
+    assert bool(((t.double() - t64).abs() <= 5e-6 * t_scale).all()), (t, t64)
     expect = (zt.double() - c.double()[:, None]).exp()
     here = (labels >= 0).nonzero().flatten().cpu()
     expect[here, labels.cpu()[here]] = 0.0
