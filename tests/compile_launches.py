@@ -102,6 +102,8 @@ def compile_one(launch: dict[str, Any], arch: int) -> dict[str, Any]:
         "shared": k.metadata.shared,
         "shared_ok": k.metadata.shared <= SHARED_LIMIT[arch],
         "barrier": "bar.sync" in ptx or "barrier.sync" in ptx,
+        "bf16_stores": bool(signature.get("out_ptr") == "*bf16"),
+        "hardware_bf16": "cvt.rn.bf16" in ptx,
         "constexprs": {fn.arg_names[p[0]]: v for p, v in constexprs.items()},
         "divisible": sorted(fn.arg_names[p[0]] for p, a in attrs.items() if ["tt.divisibility", 16] in a),
         "signature": {k: str(v) for k, v in signature.items()},

@@ -536,3 +536,111 @@ def test_gpu_fused_loss_backends_agree_and_repeat_bitwise(dtype: torch.dtype) ->
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
     for x, r in zip(a, ref):
         assert float((x.double() - r.double()).norm() / r.double().norm()) <= tol
+
+
+# ---------------------------------------------------------------- the kernels alone, against float64
+
+
+def _kernel_rows(seed: int, rows: int, cols: int) -> torch.Tensor:
+    """fp32 logits rows of every kind the statistics meet: random, ascending (a new
+    max in every block), descending, a -inf run, a row all -inf, a single +inf, NaN."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, cols, generator=g) * 3
+    z[1] = torch.linspace(-20.0, 25.0, cols)
+    z[2] = torch.linspace(25.0, -20.0, cols)
+    z[3, 10:200] = float("-inf")
+    z[4] = float("-inf")
+    z[5, 77] = float("inf")
+    z[6, 131] = float("nan")
+    return z
+
+
+def _f64_sums(zt: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``sum(exp(zt - ref))``, ``sum(exp(zt - ref) * (zt - ref))`` and the scale
+    of the second, ``sum(exp(zt - ref) * |zt - ref|)``, per row."""
+    d = zt.double() - ref.double()[:, None]
+    e = d.exp()
+    ed = torch.where(e > 0, e * d, 0.0)
+    return e.sum(1), ed.sum(1), ed.abs().sum(1)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's launch shape: blocks of 2 x 64")
+@pytest.mark.parametrize(
+    "split", [(300,), (64, 236), (100, 1, 199)], ids=["one-tile", "two-tiles", "three-tiles"]
+)
+def test_stats_kernel_against_float64(split: tuple[int, ...]) -> None:
+    """``chunk_stats_`` over one or more column tiles (blocks of 64 columns, a ragged
+    tail, a 1-column tile): the running max exact, the sums within fp32 rounding of
+    float64; a -inf lane adds nothing, a row all -inf keeps ``(-inf, 0, 0)``, +inf
+    and NaN make the row's sums NaN."""
+    from torch_impl.processors._geometry import KernelConfig
+    from torch_impl.processors._triton_kernels import chunk_stats_
+
+    rows, cols = 9, sum(split)
+    z = _kernel_rows(3, rows, cols)
+    g = torch.Generator().manual_seed(4)
+    inv_t = torch.rand(rows, generator=g) + 0.5
+    labels = torch.randint(0, cols, (rows,), generator=g)
+    cfg = KernelConfig(block_m=2, block_n=64)
+    zt = z * inv_t[:, None]  # fp32, rounded as the kernel rounds it
+    m_ref = zt.max(1).values
+    s64, t64, t_scale = _f64_sums(zt, m_ref)
+    nan_rows, ok = [5, 6], torch.tensor([i not in (4, 5, 6) for i in range(rows)])
+    for with_t in (True, False):
+        m, s, t, zy = torch.zeros(4, rows).unbind(0)
+        m.fill_(float("-inf"))
+        state = (m, s, t if with_t else None, zy)
+        col0 = 0
+        for width in split:
+            tile = z[:, col0 : col0 + width].clone()
+            chunk_stats_(tile, labels, inv_t, state, col0=col0, cfg=cfg)
+            col0 += width
+        assert torch.equal(m[:6], m_ref[:6]) and torch.equal(m[7:], m_ref[7:]), (m, m_ref)
+        torch.testing.assert_close(zy, zt[torch.arange(rows), labels], rtol=0, atol=0, equal_nan=True)
+        assert bool(torch.isnan(s[nan_rows]).all())
+        assert (float(m[4]), float(s[4])) == (float("-inf"), 0.0)
+        torch.testing.assert_close(s[ok].double(), s64[ok], rtol=2e-6, atol=0)
+        if with_t:
+            assert bool(torch.isnan(t[nan_rows]).all()) and float(t[4]) == 0.0
+            assert bool(((t[ok].double() - t64[ok]).abs() <= 2e-6 * t_scale[ok]).all()), (t, t64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exp_rows_rounds_to_nearest_even(dtype: torch.dtype) -> None:
+    """``exp_rows_`` writes ``E`` rounded to nearest even: its 2-byte output equals its
+    own fp32 output rounded by torch, bit for bit (the interpreter's own bf16
+    conversion truncates; compiled, the hardware rounds); the label's column is 0;
+    the vectors do not depend on the output dtype; all against float64."""
+    from torch_impl.processors._geometry import kernel_config
+    from torch_impl.processors._triton_kernels import exp_rows_
+
+    rows, cols = 7, (300 if not ON_GPU else 2 * 2048 + 300)  # full blocks and a tail
+    z = _kernel_rows(5, rows, cols)
+    z[3:] = torch.randn(rows - 3, cols, generator=torch.Generator().manual_seed(6)) * 4  # finite rows
+    z = z.to(DEV)
+    labels = torch.tensor([5, cols - 1, 0, 64, IGNORE, 150, 63], device=DEV)
+    inv_t = 0.8
+    got = {}
+    for out_dtype in (torch.float32, dtype):
+        out = torch.full((rows, cols), 7.0, dtype=out_dtype, device=DEV)
+        c, m, s, t, zy = torch.empty(5, rows, device=DEV).unbind(0)
+        flags = torch.empty(rows, dtype=torch.int8, device=DEV)
+        exp_rows_(z, out, labels, inv_t, (c, m, s, t, zy, flags), cfg=kernel_config(z.device))
+        got[out_dtype] = (out, c, m, s, t, zy)
+    (e32, *v32), (e16, *v16) = got[torch.float32], got[dtype]
+    assert torch.equal(e16, e32.to(dtype))
+    for a, b in zip(v32, v16):
+        assert torch.equal(a, b)
+    c, m, s, t, _ = (x.cpu() for x in v32)
+    zt = z.cpu() * inv_t
+    assert torch.equal(m, zt.max(1).values)
+    s64, t64, t_scale = _f64_sums(zt, c)
+    # compiled, each term's exponent is rounded once (an FFMA, then exp2's argument):
+    # half an ulp of |zt - c| <= 40 each, up to 2e-6 of a term
+    torch.testing.assert_close(s.double(), s64, rtol=5e-6, atol=0)
+    assert bool(((t.double() - t64).abs() <= 5e-6 * t_scale).all()), (t, t64)
+    expect = (zt.double() - c.double()[:, None]).exp()
+    here = (labels >= 0).nonzero().flatten().cpu()
+    expect[here, labels.cpu()[here]] = 0.0
+    # fp32 E: its exponent argument rounded once (|zt - c| <= 40 here)
+    torch.testing.assert_close(e32.cpu().double(), expect, rtol=1e-5, atol=0)

@@ -103,6 +103,11 @@ def test_every_launched_specialisation_compiles_for_sm90_and_sm80(compiled: list
         source = inspect.getsource(kernels[r["kernel"]]) if r["kernel"] in kernels else ""
         if "debug_barrier" in source and r["constexprs"].get("IN_PLACE", True):
             assert r["barrier"], r
+        # compiled, bf16 is rounded by the hardware's conversion (the bit-level rounding
+        # is the interpreter's path only)
+        if r["bf16_stores"]:
+            assert r["hardware_bf16"], r
+    assert any(r["bf16_stores"] for r in compiled)
 
 
 @pytest.mark.slow

@@ -1,11 +1,21 @@
 """The Triton forms of the engine's memory-bound passes over one fp32 logits tile
 ``z [rows, cols]`` that cuBLAS has just formed; no GEMM runs in here. The statistics
-(:func:`chunk_stats_`: one read; a running max, sum and entropy term per lane, reduced
-across lanes once per row: one exponential an element, no cross-warp reduction in the
-loop), the logit gradient (:func:`logit_grad_`: one read, one write), and the fused
-loss's single pass over whole rows (:func:`exp_rows_`). A program owns ``BLOCK_M``
-whole rows: no atomics, the same bits run to run. Imported on first use, so that
-``TRITON_INTERPRET`` is read when the kernels are made.
+(:func:`chunk_stats_`: one read; a running max per row, per-lane sums rescaled only when
+a block raises that max), the logit gradient (:func:`logit_grad_`: one read, one write),
+and the fused loss's single pass over whole rows (:func:`exp_rows_`: one read, one
+write). A program owns ``BLOCK_M`` whole rows: no atomics, the same bits run to run.
+Imported on first use, so that ``TRITON_INTERPRET`` is read when the kernels are made.
+
+The budget of a pass at the copy bandwidth ``B`` on ``S`` SMs at clock ``f`` (an SM
+issues 128 thread-instructions a clock): ``B / (bytes_per_element * S * f)`` elements
+per SM a clock, so the share of issue slots it needs is ``sass_per_element *
+elements_per_clock / 128``. On an H200 (``B`` = 4.1 TB/s measured, 132 SMs, 1.6-1.98
+GHz): 3.9-4.9 elements a clock reading 4 bytes each, 2.6-3.2 reading 4 and writing 2.
+Each kernel's docstring gives its count (compiled for sm_90 by Triton 3.6, one row by
+2048 columns a step, 4 warps); ``docs/gpu-design.md`` turns them into predictions.
+Streaming also needs about 5 MB in flight over the GPU (the copy rate times the
+latency): each program issues its next block's load before the current block's
+arithmetic, two blocks in flight.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._geometry import EXP_RANGE, KernelConfig
+from ._geometry import EXP_RANGE, KernelConfig, interpreting
 
 __all__ = ["chunk_stats_", "exp_rows_", "logit_grad_"]
 
@@ -30,17 +40,60 @@ def _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M: tl.constexpr, PE
     return inv_t
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+"""``exp(x) == exp2(x * LOG2E)``: ``tl.exp2`` is one ``ex2.approx.ftz.f32`` (MUFU);
+``tl.exp`` adds a multiply and a three-instruction guard for subnormal results, which
+no sum here needs (a term below ``2**-126`` of a sum that is at least 1)."""
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+SOFT_BF16 = tl.constexpr(interpreting())
+"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, seen with
+triton 3.6 and 3.7), so under it bf16 is rounded on its bits; compiled, the
+conversion is the hardware's ``cvt.rn.bf16`` (round to nearest even): the same bits
+for every finite value and infinity. Read once, when this module is imported."""
+
+
 @triton.jit
 def _store_rounded(ptrs, x, mask):
-    """``x`` (fp32) stored in the pointers' dtype, rounded to nearest even. bf16 is
-    rounded here, on its bits: the interpreter's conversion truncates, so the kernels
-    round the same way compiled and interpreted."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptrs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    """``x`` (fp32) stored in the pointers' dtype, rounded to nearest even."""
+    if SOFT_BF16:
+        if ptrs.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(ptrs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr):
+    """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
+    row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
+    tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``."""
+    # inv_t > 0 and rounding is monotone: max(fl(z * inv_t)) == fl(max(z) * inv_t)
+    m_new = tl.maximum(m, tl.max(z, axis=1) * inv_t)
+    grow = m_new > m  # False for NaN: a NaN reaches the sums through its own term
+    if tl.max(grow.to(tl.int32), axis=0) > 0:  # a record max: rare after a row's first steps
+        base_new = tl.where(grow, m_new, base)
+        had = m > float("-inf")
+        a = tl.where(had, tl.exp2((base - base_new) * LOG2E), 0.0)
+        d = tl.where(had, base - base_new, 0.0)
+        if WITH_ENTROPY:
+            t_l = a[:, None] * (t_l + d[:, None] * s_l)
+            t_in = a * (t_in + d * s_in)
+        s_l = a[:, None] * s_l
+        s_in = a * s_in
+        m = tl.where(grow, m_new, m)
+        base = base_new
+    d = z * inv_t[:, None] - base[:, None]  # one FFMA: the product is not rounded
+    e = tl.exp2(d * LOG2E)  # a masked or -inf lane: exp2(-inf) = 0
+    s_l += e
+    if WITH_ENTROPY:
+        t_l += e * tl.maximum(d, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
+    return m, base, s_in, t_in, s_l, t_l
 
 
 @triton.jit
@@ -62,53 +115,48 @@ def _chunk_stats_kernel(
     PER_TOKEN_T: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
 ):
+    """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
+    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
+    per block a cross-warp max and a branch. Compiled: 11.2 SASS per element (9.2
+    without entropy), 34-42% of an H200's issue at the copy rate (the per-lane
+    online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r  # index into the tile's rows' vectors
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
-    z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
-    # the label's logit: one load per row
+    # a row past the end reads the last row (no row mask on the loads) and stores nothing
+    z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
     zy_new = tl.sum(zy_new, axis=1) * inv_t
-    # per-lane running max, sum of exp(z - max) and sum of exp(z - max) * (z - max)
-    m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+    # The row's running max m, starting from the earlier tiles'; every exponent is
+    # taken against it (through base, 0 while m is -inf), so the per-lane sums need a
+    # rescale only in a step whose block raises m; the earlier tiles' (s, t) ride along.
+    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
+    s_in = tl.load(s_ptr + token, mask=row_ok, other=0.0)
+    t_in = tl.zeros((BLOCK_M,), tl.float32)
+    if WITH_ENTROPY:
+        t_in = tl.load(t_ptr + token, mask=row_ok, other=0.0)
+    base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for c0 in range(0, cols, BLOCK_N):
-        c = c0 + tl.arange(0, BLOCK_N)
-        ok = row_ok[:, None] & (c < cols)[None, :]
-        z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf")) * inv_t[:, None]
-        bigger = z > m_l
-        live = z != float("-inf")  # NaN is live: it must reach the sums
-        # one exponential: exp(-|z - m|) is the old sum's factor when z is the new
-        # max, else the new element's term; a lane with nothing yet takes exp(z - z)
-        # (1, or NaN for a NaN or infinite z)
-        e = tl.exp(tl.where(m_l > float("-inf"), -tl.abs(z - m_l), z - z))
-        if WITH_ENTROPY:
-            shift = tl.where(s_l > 0.0, (m_l - z) * s_l, 0.0)
-            t_l = tl.where(bigger, e * (t_l + shift), tl.where(live, t_l + e * (z - m_l), t_l))
-        s_l = tl.where(bigger, e * s_l + 1.0, tl.where(live, s_l + e, s_l))
-        m_l = tl.maximum(m_l, z)
-    # reduce the lanes, then fold into the running statistics of earlier chunks
-    m_c = tl.max(m_l, axis=1)
-    a_l = tl.where(s_l > 0.0, tl.exp(m_l - m_c[:, None]), 0.0)
-    s_c = tl.sum(s_l * a_l, axis=1)
-    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
-    s = tl.load(s_ptr + token, mask=row_ok, other=0.0)
-    m_new = tl.maximum(m, m_c)
-    a_old = tl.where(s > 0.0, tl.exp(m - m_new), 0.0)
-    a_new = tl.where(s_c > 0.0, tl.exp(m_c - m_new), 0.0)
+    cc = tl.arange(0, BLOCK_N)
+    full = cols - cols % BLOCK_N  # full blocks: loads without masks
+    z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
+    for c0 in range(0, full, BLOCK_N):
+        z = z_next
+        # the next block's load is issued before this block's arithmetic: two in flight
+        z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+        m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
+    if full < cols:
+        c = full + cc
+        z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
+        m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
+    tl.store(m_ptr + token, m, mask=row_ok)
+    tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
     if WITH_ENTROPY:
-        t_c = tl.sum(a_l * (t_l + tl.where(s_l > 0.0, (m_l - m_c[:, None]) * s_l, 0.0)), axis=1)
-        t = tl.load(t_ptr + token, mask=row_ok, other=0.0)
-        t = a_old * (t + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + a_new * (
-            t_c + tl.where(s_c > 0.0, (m_c - m_new) * s_c, 0.0)
-        )
-        tl.store(t_ptr + token, t, mask=row_ok)
-    tl.store(s_ptr + token, s * a_old + s_c * a_new, mask=row_ok)
-    tl.store(m_ptr + token, m_new, mask=row_ok)
+        tl.store(t_ptr + token, t_in + tl.sum(t_l, axis=1), mask=row_ok)
     zy = tl.load(zy_ptr + token, mask=row_ok, other=0.0)
     tl.store(zy_ptr + token, zy + zy_new, mask=row_ok)
 
@@ -135,6 +183,10 @@ def _logit_grad_kernel(
     WITH_B: tl.constexpr,
     IN_PLACE: tl.constexpr,
 ):
+    """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
+    (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
+    the conversion. Compiled: 14.2 SASS per element, 29-36% of an H200's issue at the
+    copy rate (20.3 with the software rounding; measured at about the copy rate)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r
@@ -157,7 +209,7 @@ def _logit_grad_kernel(
             # fp32 output overwrites exactly what it read). The barrier holds every
             # warp's stores until all of this step's loads are done.
             tl.debug_barrier()
-        e = tl.exp(zc)
+        e = tl.exp2(zc * LOG2E)
         if WITH_B:
             gz = -e * (a[:, None] + b[:, None] * zc)
         else:
@@ -165,6 +217,19 @@ def _logit_grad_kernel(
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         gz = gz * inv_t[:, None]
         _store_rounded(out_rows + c[None, :], gz, ok)
+
+
+@triton.jit
+def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask):
+    """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked): ``exp(zt -
+    ref)`` stored, the per-lane max (untempered) and sums updated."""
+    zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
+    e = tl.exp2(zc * LOG2E)
+    s_l += e
+    t_l += e * tl.maximum(zc, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
+    m_l = tl.maximum(m_l, z)
+    _store_rounded(out_ptrs, e, mask)
+    return m_l, s_l, t_l
 
 
 @triton.jit
@@ -190,6 +255,11 @@ def _exp_rows_kernel(
     PER_TOKEN_T: tl.constexpr,
     REDO: tl.constexpr,
 ):
+    """Per element of a full block, 4 bytes read and 2 written: FFMA (``zc``), FMUL +
+    MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``), half a
+    packed bf16 conversion: 6.5 ALU and one MUFU. Compiled: 10.5 SASS per element,
+    21-27% of an H200's issue at the copy rate (with the software rounding and a
+    compare per element it replaces: 22.9, 47-58%). See :func:`exp_rows_`."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r
@@ -197,36 +267,43 @@ def _exp_rows_kernel(
         row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
     if tl.max(row_ok.to(tl.int32), axis=0) > 0:
         inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
-        z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
+        # loads without a row mask (a row past the end reads the last row); stores masked
+        z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
         out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
         lab = tl.load(lab_ptr + token, mask=row_ok, other=-1)
         here = row_ok & (lab >= 0) & (lab < cols)
         zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
         zy = tl.sum(zy, axis=1) * inv_t
+        cc = tl.arange(0, BLOCK_N)
         if REDO:
             ref = tl.load(m_ptr + token, mask=row_ok, other=0.0)
         else:
-            first = tl.arange(0, BLOCK_N)
-            ok0 = row_ok[:, None] & (first < cols)[None, :]
-            z0 = tl.load(z_rows + first[None, :], mask=ok0, other=float("-inf")) * inv_t[:, None]
-            ref = tl.maximum(tl.max(z0, axis=1), tl.where(here, zy, float("-inf")))
+            z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
+            ref = tl.maximum(tl.max(z0, axis=1) * inv_t, tl.where(here, zy, float("-inf")))
         ref = tl.where(row_ok, ref, 0.0)
         m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
         s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for c0 in range(0, cols, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
+        full = cols - cols % BLOCK_N  # full blocks: loads without masks
+        z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
+        for c0 in range(0, full, BLOCK_N):
+            z = z_next
+            # the next block's load is issued before this block's arithmetic: two in flight
+            z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+            out = out_rows + (c0 + cc)[None, :]
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None])
+        if full < cols:
+            c = full + cc
             ok = row_ok[:, None] & (c < cols)[None, :]
-            z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf")) * inv_t[:, None]
-            zc = z - ref[:, None]
-            e = tl.exp(zc)
-            s_l += e
-            t_l += tl.where(ok, e * zc, 0.0)
-            m_l = tl.maximum(m_l, z)
-            e_out = tl.where(c[None, :] == lab[:, None], 0.0, e)
-            _store_rounded(out_rows + c[None, :], e_out, ok)
+            z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok)
+        # the label's column is 0 in E: written above by whichever thread held it, so
+        # overwritten once every thread's stores are ordered before this one
+        tl.debug_barrier()
+        zero = tl.zeros((BLOCK_M, 1), tl.float32)
+        _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
         tl.store(c_ptr + token, ref, mask=row_ok)
-        big_m = tl.max(m_l, axis=1)
+        big_m = tl.max(m_l, axis=1) * inv_t  # inv_t > 0: the max of the tempered row
         tl.store(m_ptr + token, big_m, mask=row_ok)
         tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
         tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
@@ -271,7 +348,10 @@ def chunk_stats_(
         t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
         zy += zt[i, labels_local[i] - col0]  (where that column is in the tile)
         m = m_new
-    """
+
+    ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
+    element, taken against the row's running max (a rescale of the per-lane sums only
+    in a step whose block raises it)."""
     m, s, t, zy = state
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
@@ -299,7 +379,8 @@ def logit_grad_(
 
         zc = z * inv_t[:, None] - M[:, None]
         gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
-    """
+
+    Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written."""
     rows, cols = z.shape
     if out is None:
         out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
@@ -340,7 +421,8 @@ def exp_rows_(
 
     then, for the rows where ``m - c > EXP_RANGE`` (``exp(zt - c)`` could overflow),
     the same with ``c = m``, in a second launch that reads nothing of the other rows.
-    """
+    Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache),
+    ``out.itemsize * rows * V_local`` written; ``inv_t > 0``."""
     rows, cols = z.shape
     c, m, s, t, zy, flags = vectors
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
