@@ -111,5 +111,5 @@ def test_second_backward_raises() -> None:
     h = x["h"].clone().requires_grad_()
     f = fused_token_loss(h, x["w"], x["y"], _loss(x))
     f.loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
+    with pytest.raises(RuntimeError, match="backward through the same call twice"):
         f.loss.backward()
