@@ -275,8 +275,7 @@ def _torch_grad_(
     z: torch.Tensor,
     e: torch.Tensor,
     coef: Coefficients,
-    labels_local: torch.Tensor,
-    col0: int,
+    target: tuple[torch.Tensor, torch.Tensor],
     inv_t: torch.Tensor | float | None,
 ) -> torch.Tensor:
     """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
@@ -286,7 +285,7 @@ def _torch_grad_(
         gz = e.mul_(-coef.a[:, None])
     else:
         gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
-    hit, col = _target_in_tile(labels_local, col0, z.shape[1])
+    hit, col = target  # as _target_in_tile's
     gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
     return gz if inv_t is None else scaled_(gz, inv_t)
 
@@ -489,7 +488,7 @@ class Engine:
         self.n, self.local = int(hs.shape[0]), int(w.shape[0])
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
-        self._label: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def triton(self) -> bool:
@@ -637,7 +636,8 @@ class Engine:
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], cols.start, inv_t)
+            target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
+            gz = _torch_grad_(z, e, coef, target, inv_t)
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols, sparse)
         return gz.to(cdt)
@@ -749,7 +749,7 @@ class Engine:
             self.stats_pass(z, rows, slice(0, self.local), state)
             return combine(*state, setup, rows)
         big_m = setup.reduce_max(z.amax(1))
-        hit, col = _target_in_tile(setup.labels_local[rows], 0, z.shape[1])
+        hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
@@ -785,7 +785,7 @@ class Engine:
         if not self.triton:
             e = self.like("e", z)
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], 0, inv_t)
+            gz = _torch_grad_(z, e, coef, self.label_columns(rows)[:2], inv_t)
             if sparse is not None:
                 self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
             sink.put(rows, gz)
@@ -820,10 +820,7 @@ class Engine:
             inv_t = setup.row_inv_t(rows, column=False)
             exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
             return
-        if self._label is None:  # the label's column (clamped), and 0 there where it is in this shard, else 1
-            here = setup.labels_local[:, None]
-            self._label = (here.clamp(min=0), (here < 0).to(setup.compute_dtype))
-        col, keep = self._label[0][rows], self._label[1][rows]
+        _, col, keep = self.label_columns(rows)
         torch.gather(z, 1, col, out=zy[:, None])
         torch.amax(z, 1, out=c)
         m.copy_(c)
@@ -834,6 +831,16 @@ class Engine:
         if e is not out:
             out.copy_(e)
         out.scatter_reduce_(1, col, keep, "prod")
+
+    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
+        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
+        if self._label is None:
+            hit = self.setup.labels_local >= 0
+            col = self.setup.labels_local.clamp(min=0)[:, None]
+            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
+        hit, col, keep = self._label
+        return hit[rows], col[rows], keep[rows]
 
     def vector_stats(self, vec: torch.Tensor, rows: slice) -> Stats:
         """The :class:`Stats` of the rows ``rows`` of :meth:`exp_rows`' vectors ``vec``
