@@ -38,9 +38,7 @@ STATS_PER_TILE = 24
 ENGINE_PER_TILE = 36
 """With the entropy's gradient: the engine's part of a tile (statistics, coefficients,
 the gradient pass), beside the loss it calls once a tile."""
-pytestmark = pytest.mark.filterwarnings(  # the stats kernel's masked lanes, interpreted
-    "ignore:invalid value encountered in multiply:RuntimeWarning"
-)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
 
 
