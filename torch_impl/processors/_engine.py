@@ -37,6 +37,7 @@ __all__ = [
     "logit_grad_coefficients",
     "mm_into",
     "no_autocast",
+    "refuse_double_backward",
     "rowdot",
     "scaled_",
 ]
@@ -428,6 +429,18 @@ class GradSink:
         return self.engine.unfold_dh(self.dh), dw
 
 
+def refuse_double_backward(name: str) -> None:
+    """Called first in a custom backward: under ``create_graph=True`` (grad mode on in
+    backward) the gradient would have no graph, and its own gradient (a Hessian-vector
+    product) would read as zero. Refuse by name instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward (create_graph=True) is not supported: its gradient is formed "
+            "by tiles outside autograd, so a second derivative would silently be zero. For Hessian-"
+            "vector products compute the logprobs from materialised logits"
+        )
+
+
 class FormedInForward(torch.autograd.Function):
     """Gradients formed in the forward pass, scaled in the backward (the fused loss and
     distillation): ``FormedInForward.apply(h, w, name, run)`` returns ``outputs`` of
@@ -449,11 +462,7 @@ class FormedInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"{ctx.name}: double backward (create_graph=True) is not supported: its gradient is "
-                "formed in the forward pass outside autograd, so a second derivative would silently be zero"
-            )
+        refuse_double_backward(ctx.name)
         if ctx.grads is None:
             raise RuntimeError(
                 f"{ctx.name}: backward through the same call twice; its gradients were formed once in "

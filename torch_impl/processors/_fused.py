@@ -139,38 +139,33 @@ def _sweep(
     lp_ent = torch.empty((2, eng.n), dtype=acc, device=h.device)
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw
-    single = active and not calls.entropy_grad  # one pass a tile, the loss once a buffer
-    vec = torch.empty((5, eng.n), dtype=acc, device=h.device) if single else lp_ent
+    single = not (active and calls.entropy_grad)  # one pass a tile, the loss once a buffer
+    vec = torch.empty((5, eng.n), dtype=acc, device=h.device)
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         nonlocal total
         if single:
-            eng.exp_rows(z, rows, sink.tile(rows), vec[:, rows])
-            sink.commit(rows)
-            return
+            out = sink.tile(rows) if active else eng.buffer("E", z.shape[0], z.shape[1], setup.compute_dtype)
+            eng.exp_rows(z, rows, out, vec[:, rows])
+            return sink.commit(rows)
         stats = eng.row_stats(z, rows)
         assert stats.entropy is not None
         lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
-        if not active:
-            sink.commit(rows)  # the loss at the flush
-            return
         loss, g_lp, g_h = calls(stats.logprobs, stats.entropy, rows, True)
         total = total + loss.to(acc)
-        coef = logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc)
-        eng.row_grad(z, rows, stats, coef, sink)
+        eng.row_grad(z, rows, stats, logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc), sink)
 
     def on_flush(rows: slice) -> RowScale | None:
         nonlocal total
         if not single:
-            if not active:
-                total = total + calls(lp_ent[0, rows], lp_ent[1, rows], rows, False)[0].to(acc)
             return None
         stats = eng.vector_stats(vec, rows)
         assert stats.entropy is not None
         lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
-        loss, g_lp, _ = calls(stats.logprobs, stats.entropy, rows, True)
+        loss, g_lp, _ = calls(stats.logprobs, stats.entropy, rows, active)
         total = total + loss.to(acc)
-        return eng.row_scale(vec, rows, stats, logit_grad_coefficients(stats, g_lp, None, ignored[rows], acc))
+        coef = logit_grad_coefficients(stats, g_lp, None, ignored[rows], acc)
+        return eng.row_scale(vec, rows, stats, coef) if active else None
 
     with no_autocast(h):
         dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, on_flush=on_flush)

@@ -235,39 +235,23 @@ def _exp_rows_kernel(
             tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
+# fmt: off
 @triton.jit
 def _exp_rows_both_kernel(
-    z_ptr,
-    out_ptr,
-    lab_ptr,
-    inv_t_ptr,
-    c_ptr,
-    m_ptr,
-    s_ptr,
-    t_ptr,
-    zy_ptr,
-    redo_ptr,
-    rows,
-    cols,
-    stride_z,
-    stride_out,
-    exp_range,
-    inv_t_scalar,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
+    z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols, stride_z,
+    stride_out, exp_range, inv_t_scalar,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
 ):
     """Both passes of :func:`exp_rows_` in one launch: a program owns its rows, so it
     redoes its own flagged rows after a barrier (its flags and maxima written first)."""
-    _exp_rows_kernel(
-        z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols,
-        stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T, False,
-    )  # fmt: skip
+    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
+                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
+                     False)
     tl.debug_barrier()
-    _exp_rows_kernel(
-        z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols,
-        stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T, True,
-    )  # fmt: skip
+    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
+                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
+                     True)
+# fmt: on
 
 
 def _launch(
