@@ -707,6 +707,8 @@ class Engine:
         if n == 0 or local == 0:
             dh0 = torch.zeros((n, hid), dtype=acc, device=dev) if need_dh else None
             return dh0, (torch.zeros((local, hid), dtype=self.w_dtype, device=dev) if need_dw else None)
+        if self.triton and self._rows_outer():
+            return self.row_sweep(self._regrad(stats, coef, sparse), need_dh=need_dh, need_dw=need_dw)
         direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
         dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
@@ -724,6 +726,37 @@ class Engine:
         if dw is not None and dw.dtype != self.w_dtype:
             dw = dw.to(self.w_dtype)
         return self.unfold_dh(dh), dw
+
+    def _rows_outer(self) -> bool:
+        """The backward takes the row sweep (whole rows; each ``dh`` row written by one
+        GEMM, ``dW`` read and written per gradient buffer) where its accumulators move
+        fewer bytes than the vocabulary sweep's (``dh`` fp32 read and written per column
+        tile, ``dW`` per row tile), and its tile is no larger::
+
+            vocabulary sweep: ((V / cols - 1) n + (n / rows - 1) V) h * 8
+            row sweep:        (n / buffer - 1) V h * 2 * itemsize(dW)
+        """
+        (rows, cols), n, local, hid = self.setup.tile, self.n, self.local, self.hs.shape[1]
+        if self.setup.row_tile * local > rows * cols:
+            return False
+        by_cols = ((-(-local // cols) - 1) * n + (-(-n // rows) - 1) * local) * hid * 8
+        size = self.w_dtype.itemsize if self.w_dtype == self.setup.compute_dtype else 4
+        return (-(-n // self.setup.grad_capacity) - 1) * local * hid * 2 * size < by_cols
+
+    def _regrad(
+        self, stats: Stats, coef: Coefficients, sparse: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> Callable[[torch.Tensor, slice, GradSink], None]:
+        """The row sweep's epilogue of :meth:`backward` (the Triton form of :meth:`row_grad`
+        reads the statistics' ``max`` only)."""
+
+        def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
+            part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
+            tile_coef = Coefficients(coef.a[rows], None if coef.b is None else coef.b[rows], coef.g[rows])
+            self.row_grad(
+                z, rows, dataclasses.replace(stats, max=stats.max[rows]), tile_coef, sink, sparse=part
+            )
+
+        return epilogue
 
     # -- the row sweep
 
