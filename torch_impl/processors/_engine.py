@@ -442,16 +442,12 @@ def refuse_double_backward(name: str) -> None:
 
 
 class FormedInForward(torch.autograd.Function):
-    """Gradients formed in the forward pass, scaled in the backward (the fused loss and
-    distillation): ``FormedInForward.apply(h, w, name, run)`` returns ``outputs`` of
-    ``run(need_dh, need_dw) -> (outputs, dh, dW)``, differentiable in ``h`` and ``w``
-    through ``outputs[0]`` (a scalar loss; the others are not differentiable)::
-
-        d h = (g * dh).to(h.dtype);  d W = (g * dW).to(W.dtype)     # g: the loss's cotangent
-
-    ``dh`` (accumulation dtype) is rounded once, after the scale. The gradients are
-    handed over, scaled in place, by the first backward: a second backward through the
-    same call (``retain_graph=True``) raises, as does ``create_graph=True``."""
+    """Gradients formed in the forward pass, scaled in the backward (the fused loss,
+    distillation): ``apply(h, w, name, run)`` returns the outputs of ``run(need_dh,
+    need_dw) -> (outputs, dh, dW)``, differentiable in ``h``, ``w`` through ``outputs[0]``
+    only, a scalar of cotangent ``g``: ``(g * dh).to(h.dtype)`` (``dh`` rounded once),
+    ``(g * dW).to(W.dtype)``, scaled in place and handed over: a second backward through
+    the same call raises, as does ``create_graph=True``."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, name: str, run: Callable[..., Any]) -> Any:
@@ -469,12 +465,9 @@ class FormedInForward(torch.autograd.Function):
                 "the forward pass and handed over (scaled in place) by the first backward. Call it again"
             )
         grads, ctx.grads = ctx.grads, None
-        out = []
-        for x, dtype in zip(grads, ctx.dtypes, strict=True):
-            if x is not None:
-                torch._foreach_mul_([x], g)  # one vectorised kernel, the factor read on the device
-            out.append(None if x is None else x.to(dtype))
-        return *out, None, None
+        for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
+            torch._foreach_mul_([x], g)
+        return *(None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None
 
 
 # ---------------------------------------------------------------- the engine

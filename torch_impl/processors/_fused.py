@@ -183,7 +183,7 @@ def fused_token_loss(
     entropy_grad: bool = True,
     **unexpected: Any,
 ) -> FusedLossResult:
-    """``loss = sum over row tiles of token_loss(logprobs[rows], entropy[rows], rows)``
+    """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring); ``logprobs``
     and ``entropy`` as :func:`~torch_impl.processors.linear_logprobs` computes them.
 
