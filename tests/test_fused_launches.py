@@ -27,9 +27,10 @@ from torch_impl import processors
 from torch_impl.processors import LinearOptions, fused_token_loss
 
 N, H, V = 48, 8, 64
-FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "scalar_tensor"}
-"""Ops that launch nothing: allocations, autograd bookkeeping, and ``scalar_tensor``
-(a Python number wrapped on the host, as in ``torch.where(c, x, 0.0)``)."""
+FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "scalar_tensor", "device"}
+"""Ops that launch nothing: allocations, autograd bookkeeping, metadata (``prim.device``,
+seen on fake tensors) and ``scalar_tensor`` (a Python number wrapped on the host, as in
+``torch.where(c, x, 0.0)``)."""
 PER_TILE = {"torch": 10, "triton": 2}
 """The single pass: at most this many launches per row tile, the logits GEMM and the
 pass (one Triton launch; the torch form's handful of ops)."""
@@ -170,3 +171,25 @@ def test_token_loss_spans_a_gradient_buffer(backend: str, monkeypatch: pytest.Mo
     opts = LinearOptions(backend=backend, tile_rows=6)  # type: ignore[arg-type]
     fused_token_loss(h.requires_grad_(), w, y, loss, options=opts, entropy_grad=False).loss.backward()
     assert spans == [slice(i, i + 12) for i in range(0, N, 12)]
+
+
+def test_on_a_fake_gpu_at_the_benchmark_size_the_single_pass_is_two_launches_a_tile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA branches (Triton backend, the GPU's tile sizes) at 151936 x 4096 bf16,
+    fake tensors (``tests/fake_cuda.py``): 11 more row tiles of 384 rows cost 22 more
+    launches (one gradient buffer for both)."""
+    pytest.importorskip("triton")
+    from .fake_cuda import fake_cuda, record_launches
+
+    monkeypatch.setitem(processors.GRAD_BUFFER_BYTES, "cuda", 8 << 30)
+
+    def count(n: int) -> int:
+        with fake_cuda(), record_launches(run=False), _counting() as mode:
+            h = torch.zeros(n, 4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            w = torch.zeros(151936, 4096, dtype=torch.bfloat16, device="cuda")
+            y = torch.zeros(n, dtype=torch.long, device="cuda")
+            fused_token_loss(h, w, y, _heavy, entropy_grad=False)
+        return len(mode.ops)
+
+    assert count(22 * 384) - count(11 * 384) == 2 * 11
