@@ -187,6 +187,18 @@ def test_float32_student_within_float32_error() -> None:
         _close({k: v.double() for k, v in got.items()}, want, tol=2e-5)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_second_backward_raises_as_the_fused_loss_does(dense: bool) -> None:
+    """The gradients are formed in the forward pass and handed over by the first
+    backward (``FormedInForward``, shared with ``fused_token_loss``)."""
+    d = _data()
+    ctx = _ctx(d, _teacher(d, dense))
+    loss = distillation_loss(DistillConfig(tail=TeacherTail.BUCKET))(ctx)["loss"]
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="distillation_loss: backward through the same call twice"):
+        loss.backward()
+
+
 def test_no_gradient_reaches_the_teacher() -> None:
     d = _data()
     th, tw = d["th"].clone().requires_grad_(), d["tw"].clone().requires_grad_()

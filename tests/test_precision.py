@@ -237,3 +237,35 @@ def test_at_the_gpus_compute_dtype(name: str, backend: str, monkeypatch: pytest.
 def _forced_bf16(device: torch.device, dtype: torch.dtype, override: torch.dtype | None) -> torch.dtype:
     """``compute_dtype`` as on CUDA for bf16 inputs: bf16 (float64 stays float64)."""
     return torch.float64 if dtype == torch.float64 else (override or BF16)
+
+
+@pytest.mark.parametrize("upstream", [0.7, 1.0, 3.3])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_fused_dh_is_rounded_once_whatever_the_upstream_gradient(
+    upstream: float, entropy_grad: bool, backend: str
+) -> None:
+    """``dh`` of the fused loss times an upstream gradient ``g != 1`` (a scaled sum)
+    is no further from float64 than ``linear_logprobs``' under autograd: the gradient
+    formed in the forward pass is kept in fp32 until the backward scales it."""
+    d = _data(4096 if backend == "torch" else 1024)
+    y = _labels(d)
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        return (-lp + 0.3 * ent).sum() if entropy_grad else -lp.sum()
+
+    def dh(dtype: torch.dtype, fused: bool) -> torch.Tensor:
+        h = _rows(d["h"]).to(dtype).requires_grad_()
+        w = d["w"].to(dtype)
+        opts = _opts("ours" if dtype == BF16 else "materialised")
+        if fused:
+            loss = fused_token_loss(h, w, y, token_loss, options=opts, entropy_grad=entropy_grad).loss
+        else:
+            r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
+            loss = token_loss(r.logprobs, r.entropy, slice(None))  # type: ignore[arg-type]
+        (loss * upstream).backward()
+        assert h.grad is not None
+        return h.grad.double()
+
+    truth = dh(torch.float64, fused=False)
+    fused, linear = (_rel(dh(BF16, f), truth) for f in (True, False))
+    assert fused <= linear, (fused, linear)

@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from hookspec import ContractError
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 IGNORE = -100
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
 def _inputs(dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
@@ -107,9 +109,89 @@ def test_only_needed_gradients_and_no_grad_mode() -> None:
 
 
 def test_second_backward_raises() -> None:
+    """One behaviour for every gradient formed in the forward pass (distillation's:
+    ``tests/test_distill.py``): the first backward hands the gradients over."""
     x = _inputs(torch.float32, seed=3)
     h = x["h"].clone().requires_grad_()
     f = fused_token_loss(h, x["w"], x["y"], _loss(x))
     f.loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
+    with pytest.raises(RuntimeError, match="backward through the same call twice"):
         f.loss.backward()
+
+
+def _learned(x: dict[str, Any], coef: torch.Tensor, raw: torch.Tensor, entropy: bool) -> Any:
+    """A token loss of a learned coefficient (a leaf) and a value head's output (not a leaf)."""
+    head = torch.tanh(raw) * 2.0  # [n], requires grad through raw
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        lp, ent = lp.double(), ent.double()
+        loss = coef * (x["a"][rows] * lp).sum() + (head[rows] * lp.exp()).sum()
+        return loss + coef**2 * (x["b"][rows] * ent).sum() if entropy else loss
+
+    return token_loss
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_the_gradient_to_other_tensors_of_the_loss_is_carried(backend: str, entropy_grad: bool) -> None:
+    """``coef.grad`` and the value head's gradient equal float64 autograd through
+    ``linear_logprobs`` (the loss's gradient through its arguments is the fused one)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    x = _inputs(dtype, seed=4)
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-5}
+    grads = []
+    for fused in (True, False):
+        coef = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+        raw = torch.linspace(-1, 1, 41, dtype=torch.float64).requires_grad_()
+        h = x["h"].clone().requires_grad_()
+        w = x["w"].double() if not fused else x["w"]
+        loss_fn = _learned(x, coef, raw, entropy_grad)
+        if fused:
+            opts = LinearOptions(tile_rows=7, backend=backend)  # type: ignore[arg-type]
+            loss = fused_token_loss(h, w, x["y"], loss_fn, options=opts, entropy_grad=entropy_grad).loss
+        else:
+            r = linear_logprobs(h.double(), w, x["y"], with_entropy=True)
+            assert r.entropy is not None
+            loss = loss_fn(r.logprobs, r.entropy, slice(None))
+        (loss * 0.7).backward()
+        assert coef.grad is not None and raw.grad is not None and h.grad is not None
+        grads.append((loss.detach().double(), coef.grad, raw.grad, h.grad.double()))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_a_token_loss_calling_backward_is_refused_by_name() -> None:
+    x = _inputs(torch.float64, seed=5)
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        loss = -lp.sum()
+        loss.backward()
+        return loss.detach()
+
+    h = x["h"].clone().requires_grad_()
+    with pytest.raises(ContractError, match=r"token_loss.*backward"):
+        fused_token_loss(h, x["w"], x["y"], token_loss, entropy_grad=False)
+
+
+def test_only_fused_token_loss_differentiates_a_user_callable() -> None:
+    """The class of the sweep: every ``torch.autograd.grad`` in the library and what it
+    differentiates. A user callable differentiated by the library must carry the
+    gradient to its other tensors (the test above); the others are the library's own
+    maths of detached inputs (distillation's divergence, chosen by enum; the doctor's
+    checks). MTP's wrappers and the policy loss differentiate through autograd's graph."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "torch_impl"
+    sites = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "grad"
+                and ast.unparse(node) == "torch.autograd.grad"
+            ):
+                sites.add(str(path.relative_to(root)))
+    assert sites == {"processors/_fused.py", "processors/_distill.py", "doctor.py"}

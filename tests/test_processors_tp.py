@@ -102,6 +102,25 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     torch.testing.assert_close(h.grad, truth["dh"], **tol)
     torch.testing.assert_close(w.grad, truth["dw"][shard], **tol)
 
+    # 2b. the single pass (no gradient through the entropy): each shard's exp(z - c)
+    # relative to its own max, the loss called once per gradient buffer
+    want = _truth(dict(p, c_ent=torch.zeros_like(p["c_ent"])))
+    h = p["h"].clone().requires_grad_()
+    w = p["w"][shard].clone().requires_grad_()
+    f = fused_token_loss(
+        h,
+        w,
+        p["y"],
+        lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+        options=LinearOptions(temperature=p["t"], collectives=coll, vocab=shard_rows, tile_rows=5),
+        entropy_grad=False,
+    )
+    (f.loss * 0.7).backward()
+    torch.testing.assert_close(f.loss, want["loss"], **tol)
+    torch.testing.assert_close(f.entropy, want["ent"], **tol)
+    torch.testing.assert_close(h.grad, 0.7 * want["dh"], **tol)
+    torch.testing.assert_close(w.grad, 0.7 * want["dw"][shard], **tol)
+
     # 3. sequence parallel: each rank holds half of the rows
     rows = slice(rank * N // 2, (rank + 1) * N // 2)
     h_local = p["h"][rows].clone().requires_grad_()

@@ -85,9 +85,17 @@ def _project_kernels() -> dict[str, Any]:
                 fn = fn.fn  # autotune / heuristics wrappers
             inner = getattr(fn, "fn", None)
             if inner is not None and hasattr(fn, "arg_names") and inner.__module__ == info.name:
-                if "tl.program_id" in inspect.getsource(inner):  # a kernel, not a helper it inlines
-                    found[f"{info.name}:{inner.__qualname__}"] = inner
-    return found
+                found[f"{info.name}:{inner.__qualname__}"] = inner
+    # a kernel reads tl.program_id, itself or through another kernel it calls (inlined
+    # there: launched through the caller); the helpers it inlines do not
+    source = {name: inspect.getsource(fn).split(":", 1)[1] for name, fn in found.items()}
+
+    def calls(name: str, other: str) -> bool:
+        return name != other and f"{found[other].__name__}(" in source[name]
+
+    kernels = {name for name in found if "tl.program_id" in source[name]}
+    kernels |= {name for name in found if any(calls(name, k) for k in kernels)}
+    return {name: found[name] for name in kernels if not any(calls(other, name) for other in kernels)}
 
 
 @pytest.mark.slow

@@ -47,9 +47,9 @@ from hookspec import (
 
 from ..value_checks import checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast, scaled_
+from ._engine import Coefficients, Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
 from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
-from ._options import gather_rows, make_setup, refuse_double_backward
+from ._options import gather_rows, make_setup
 from ._policy import sequence_ids
 from ._policy_math import aggregation_weights, check_unused_count
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
@@ -299,17 +299,18 @@ def _record(
     out.loss = out.loss + loss.to(out.loss.dtype)
 
 
-class _FusedDistill(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h: torch.Tensor,
-        w: torch.Tensor,
-        setup: TileSetup,
-        cfg: DistillConfig,
-        teacher: PreparedTeacher,
-        weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+def _fused_distill(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    setup: TileSetup,
+    cfg: DistillConfig,
+    teacher: PreparedTeacher,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """``(loss, kl, agree, lse)``, the gradients formed in the forward pass
+    (:class:`~._engine.FormedInForward`)."""
+
+    def run(need_dh: bool, need_dw: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
         acc = setup.acc_dtype
         with no_autocast(h):
             eng = Engine(h, w, setup)
@@ -322,27 +323,11 @@ class _FusedDistill(torch.autograd.Function):
             )
             make = _sparse_epilogue if teacher.ids is not None else _dense_epilogue
             renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
-            dh, dw = eng.row_sweep(
-                make(eng, cfg, teacher, weights.to(acc), out),
-                need_dh=ctx.needs_input_grad[0],
-                need_dw=ctx.needs_input_grad[1],
-                zeros=renorm,
-            )
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(dh, dw)
-        ctx.dtypes = (h.dtype, w.dtype)
-        ctx.mark_non_differentiable(out.kl, out.agree, out.lse)
-        return out.loss, out.kl, out.agree, out.lse
+            epilogue = make(eng, cfg, teacher, weights.to(acc), out)
+            dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
+        return (out.loss, out.kl, out.agree, out.lse), dh, dw
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
-        refuse_double_backward("distillation_loss")
-        dh, dw = ctx.saved_tensors
-        if g is None:
-            return None, None, None, None, None, None
-        gh = (dh * g).to(ctx.dtypes[0]) if dh is not None else None
-        gw = (dw * g).to(ctx.dtypes[1]) if dw is not None else None
-        return gh, gw, None, None, None, None
+    return FormedInForward.apply(h, w, "distillation_loss", run)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- the processor
@@ -452,7 +437,7 @@ def distillation_loss(
             prepared = teacher.prepare(
                 typing.cast(torch.Tensor, ctx.hidden_states), ctx.vocab, ctx.collectives
             )
-        loss, kl, agree, lse = _FusedDistill.apply(h, x.weight, setup, config, prepared, weights)
+        loss, kl, agree, lse = _fused_distill(h, x.weight, setup, config, prepared, weights)
         m_rows = to_tokens(mask)
         denom = torch.where(m_rows.sum() == 0, 1.0, m_rows.sum())
         return {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from ._geometry import KernelConfig
 __all__ = [
     "Coefficients",
     "Engine",
+    "FormedInForward",
     "GradSink",
     "RowScale",
     "Stats",
@@ -35,6 +37,7 @@ __all__ = [
     "logit_grad_coefficients",
     "mm_into",
     "no_autocast",
+    "refuse_double_backward",
     "rowdot",
     "scaled_",
 ]
@@ -273,8 +276,7 @@ def _torch_grad_(
     z: torch.Tensor,
     e: torch.Tensor,
     coef: Coefficients,
-    labels_local: torch.Tensor,
-    col0: int,
+    target: tuple[torch.Tensor, torch.Tensor],
     inv_t: torch.Tensor | float | None,
 ) -> torch.Tensor:
     """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
@@ -284,7 +286,7 @@ def _torch_grad_(
         gz = e.mul_(-coef.a[:, None])
     else:
         gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
-    hit, col = _target_in_tile(labels_local, col0, z.shape[1])
+    hit, col = target  # as _target_in_tile's
     gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
     return gz if inv_t is None else scaled_(gz, inv_t)
 
@@ -294,9 +296,10 @@ def _torch_grad_(
 
 @dataclasses.dataclass(frozen=True)
 class RowScale:
-    """A tile whose gradient is held unscaled (the fused loss's single pass): the
-    rows' logit gradient is ``scale[:, None] * E`` plus ``label`` at the label's
-    column (``label_col``, -1 where the label is in another shard)."""
+    """Rows whose gradient was held unscaled (the fused loss's single pass), given by
+    the sink's ``on_flush`` for the rows it multiplies out: their logit gradient is
+    ``scale[:, None] * E`` plus ``label`` at the label's column (``label_col``, -1
+    where the label is in another shard)."""
 
     scale: torch.Tensor  # [r]
     label: torch.Tensor  # [r]
@@ -308,9 +311,19 @@ class GradSink:
     ``G`` of ``setup.grad_capacity`` rows (compute dtype); a full buffer, and the last,
     is multiplied out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (in ``W``'s dtype
     where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
-    fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too)."""
+    fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
+    ``on_flush(rows)``: called once per buffer of committed rows, before they are
+    multiplied out (also where no gradient is formed); its :class:`RowScale` scales them."""
 
-    def __init__(self, engine: Engine, *, need_dh: bool, need_dw: bool, zeros: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        need_dh: bool,
+        need_dw: bool,
+        zeros: bool = False,
+        on_flush: Callable[[slice], RowScale | None] | None = None,
+    ) -> None:
         self.engine = engine
         setup = engine.setup
         n, local, hid = engine.n, engine.local, engine.hs.shape[1]
@@ -328,7 +341,7 @@ class GradSink:
         self.aliased = False  # buf is the caller's tile itself (one tile a buffer)
         self.start = 0  # first row held in the buffer
         self.held = 0  # rows held
-        self.scales: list[RowScale] = []
+        self.on_flush = on_flush
 
     @property
     def active(self) -> bool:
@@ -336,8 +349,6 @@ class GradSink:
 
     def tile(self, rows: slice) -> torch.Tensor:
         """The buffer rows for the tile ``rows`` (``[r, V_local]``, compute dtype)."""
-        if self.held == 0:
-            self.start = rows.start
         eng = self.engine
         cdt = eng.setup.compute_dtype
         if self.aliased or self.buf is None:
@@ -355,36 +366,38 @@ class GradSink:
             self.tile(rows).copy_(gz)
         self.commit(rows)
 
-    def commit(self, rows: slice, scale: RowScale | None = None) -> None:
+    def commit(self, rows: slice) -> None:
         """The tile ``rows`` is in the buffer; multiply out when full."""
+        if self.held == 0:
+            self.start = rows.start
         self.held += rows.stop - rows.start
-        if scale is not None:
-            self.scales.append(scale)
         if self.held >= self.capacity or rows.stop >= self.engine.n:
             self.flush()
 
     def flush(self) -> None:
-        if self.held == 0 or self.buf is None:
+        if self.held == 0:
             return
         eng, setup = self.engine, self.engine.setup
         b0, b1 = self.start, self.start + self.held
-        g, x = self.buf[: self.held], eng.hs[b0:b1]
+        self.held = 0
+        scale = None if self.on_flush is None else self.on_flush(slice(b0, b1))
+        if self.buf is None or not self.active:
+            return
+        g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
         w = eng.weight_all()
-        scale = torch.cat([s.scale for s in self.scales]) if self.scales else None
         if self.dh is not None:
             dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
             gemm_into(dh, g, w, first=not self.zeros)
             if scale is not None:
-                dh.mul_(scale[:, None])
+                dh.mul_(scale.scale[:, None])
         if self.dw is not None:
-            xs = x if scale is None else (x.to(setup.acc_dtype) * scale[:, None]).to(setup.compute_dtype)
+            xs = (
+                x if scale is None else (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
+            )
             gemm_into(self.dw, g.T, xs, first=not self.dw_written)
             self.dw_written = True
-        if self.scales:  # the label's column, formed in the accumulation dtype
-            label = torch.cat([s.label for s in self.scales])[:, None]
-            self._sparse(slice(b0, b1), torch.cat([s.label_col for s in self.scales])[:, None], label)
-        self.held = 0
-        self.scales = []
+        if scale is not None:  # the label's column, formed in the accumulation dtype
+            self._sparse(slice(b0, b1), scale.label_col[:, None], scale.label[:, None])
         if self.aliased:
             self.buf, self.aliased = None, False
 
@@ -416,6 +429,47 @@ class GradSink:
         return self.engine.unfold_dh(self.dh), dw
 
 
+def refuse_double_backward(name: str) -> None:
+    """Called first in a custom backward: under ``create_graph=True`` (grad mode on in
+    backward) the gradient would have no graph, and its own gradient (a Hessian-vector
+    product) would read as zero. Refuse by name instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward (create_graph=True) is not supported: its gradient is formed "
+            "by tiles outside autograd, so a second derivative would silently be zero. For Hessian-"
+            "vector products compute the logprobs from materialised logits"
+        )
+
+
+class FormedInForward(torch.autograd.Function):
+    """Gradients formed in the forward pass, scaled in the backward (the fused loss,
+    distillation): ``apply(h, w, name, run)`` returns the outputs of ``run(need_dh,
+    need_dw) -> (outputs, dh, dW)``, differentiable in ``h``, ``w`` through ``outputs[0]``
+    only, a scalar of cotangent ``g``: ``(g * dh).to(h.dtype)`` (``dh`` rounded once),
+    ``(g * dW).to(W.dtype)``, scaled in place and handed over: a second backward through
+    the same call raises, as does ``create_graph=True``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, name: str, run: Callable[..., Any]) -> Any:
+        outputs, dh, dw = run(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.name, ctx.grads, ctx.dtypes = name, (dh, dw), (h.dtype, w.dtype)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        refuse_double_backward(ctx.name)
+        if ctx.grads is None:
+            raise RuntimeError(
+                f"{ctx.name}: backward through the same call twice; its gradients were formed once in "
+                "the forward pass and handed over (scaled in place) by the first backward. Call it again"
+            )
+        grads, ctx.grads = ctx.grads, None
+        for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
+            torch._foreach_mul_([x], g)
+        return *(None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -436,6 +490,7 @@ class Engine:
         self.n, self.local = int(hs.shape[0]), int(w.shape[0])
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
+        self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def triton(self) -> bool:
@@ -583,7 +638,8 @@ class Engine:
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], cols.start, inv_t)
+            target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
+            gz = _torch_grad_(z, e, coef, target, inv_t)
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols, sparse)
         return gz.to(cdt)
@@ -644,6 +700,8 @@ class Engine:
         if n == 0 or local == 0:
             dh0 = torch.zeros((n, hid), dtype=acc, device=dev) if need_dh else None
             return dh0, (torch.zeros((local, hid), dtype=self.w_dtype, device=dev) if need_dw else None)
+        if self.triton and self._rows_outer():
+            return self.row_sweep(self._regrad(stats, coef, sparse), need_dh=need_dh, need_dw=need_dw)
         direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
         dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
@@ -662,6 +720,37 @@ class Engine:
             dw = dw.to(self.w_dtype)
         return self.unfold_dh(dh), dw
 
+    def _rows_outer(self) -> bool:
+        """The backward takes the row sweep (whole rows; each ``dh`` row written by one
+        GEMM, ``dW`` read and written per gradient buffer) where its accumulators move
+        fewer bytes than the vocabulary sweep's (``dh`` fp32 read and written per column
+        tile, ``dW`` per row tile), and its tile is no larger::
+
+            vocabulary sweep: ((V / cols - 1) n + (n / rows - 1) V) h * 8
+            row sweep:        (n / buffer - 1) V h * 2 * itemsize(dW)
+        """
+        (rows, cols), n, local, hid = self.setup.tile, self.n, self.local, self.hs.shape[1]
+        if self.setup.row_tile * local > rows * cols:
+            return False
+        by_cols = ((-(-local // cols) - 1) * n + (-(-n // rows) - 1) * local) * hid * 8
+        size = self.w_dtype.itemsize if self.w_dtype == self.setup.compute_dtype else 4
+        return (-(-n // self.setup.grad_capacity) - 1) * local * hid * 2 * size < by_cols
+
+    def _regrad(
+        self, stats: Stats, coef: Coefficients, sparse: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> Callable[[torch.Tensor, slice, GradSink], None]:
+        """The row sweep's epilogue of :meth:`backward` (the Triton form of :meth:`row_grad`
+        reads the statistics' ``max`` only)."""
+
+        def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
+            part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
+            tile_coef = Coefficients(coef.a[rows], None if coef.b is None else coef.b[rows], coef.g[rows])
+            self.row_grad(
+                z, rows, dataclasses.replace(stats, max=stats.max[rows]), tile_coef, sink, sparse=part
+            )
+
+        return epilogue
+
     # -- the row sweep
 
     def row_sweep(
@@ -671,12 +760,13 @@ class Engine:
         need_dh: bool,
         need_dw: bool,
         zeros: bool = False,
+        on_flush: Callable[[slice], RowScale | None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Tiles of whole rows: ``epilogue(z, rows, sink)`` gets each tile's logits
         (:meth:`logits` of the whole shard) and puts its gradient into ``sink``
-        (:meth:`GradSink.tile`, :meth:`GradSink.commit`). Returns ``(dh, dW)`` as
-        :meth:`GradSink.result`."""
-        sink = GradSink(self, need_dh=need_dh, need_dw=need_dw, zeros=zeros)
+        (:meth:`GradSink.tile`, :meth:`GradSink.commit`; ``on_flush`` as
+        :class:`GradSink`'s). Returns ``(dh, dW)`` as :meth:`GradSink.result`."""
+        sink = GradSink(self, need_dh=need_dh, need_dw=need_dw, zeros=zeros, on_flush=on_flush)
         if self.n and self.local:
             wc = self.weight_all()
             for rows in self.row_tiles():
@@ -694,7 +784,7 @@ class Engine:
             self.stats_pass(z, rows, slice(0, self.local), state)
             return combine(*state, setup, rows)
         big_m = setup.reduce_max(z.amax(1))
-        hit, col = _target_in_tile(setup.labels_local[rows], 0, z.shape[1])
+        hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
@@ -730,7 +820,7 @@ class Engine:
         if not self.triton:
             e = self.like("e", z)
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, e, coef, setup.labels_local[rows], 0, inv_t)
+            gz = _torch_grad_(z, e, coef, self.label_columns(rows)[:2], inv_t)
             if sparse is not None:
                 self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
             sink.put(rows, gz)
@@ -745,28 +835,64 @@ class Engine:
             self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
         sink.commit(rows)
 
-    def exp_rows(
-        self, z: torch.Tensor, rows: slice, out: torch.Tensor
-    ) -> tuple[Stats, torch.Tensor, torch.Tensor]:
-        """The fused loss's single pass over a whole-row tile (Triton form only): ``out``
-        gets ``E = exp(z - c)`` (0 at the label's column), and the rows' statistics come
-        back combined, with ``c`` and the label's tempered logit ``zy`` (local)::
+    def exp_rows(self, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: torch.Tensor) -> None:
+        """The fused loss's single pass over a whole-row tile: ``out`` gets ``E = exp(z - c)``
+        (0 at the label's column), and ``vec`` (``[5, r]``, acc dtype: a view of the
+        call's ``[5, n]``) the rows' local ``c, m, s, t, zy``, combined later over a
+        whole buffer by :meth:`vector_stats`. One launch on the Triton backend (``c <= M``,
+        see ``EXP_RANGE``); the torch form takes ``c = m``::
 
-            E = exp(z - c)                         # c <= M: no overflow (see EXP_RANGE)
-            dz = -a exp(z - M) + g [j == y]        # b == 0
+            m = max_j z_j;  s = sum_j exp(z_j - c);  t = sum_j exp(z_j - c) (z_j - c)
+            zy = z_y (local; any value where the label is in another shard)
+        """
+        setup = self.setup
+        c, m, s, t, zy = vec.unbind(0)
+        if self.triton:
+            from ._triton_kernels import exp_rows_
+
+            assert setup.kernel is not None
+            flags = self.buffer("flags", 1, rows.stop - rows.start, torch.int8)[0]
+            inv_t = setup.row_inv_t(rows, column=False)
+            exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
+            return
+        _, col, keep = self.label_columns(rows)
+        torch.gather(z, 1, col, out=zy[:, None])
+        torch.amax(z, 1, out=c)
+        m.copy_(c)
+        z.sub_(c[:, None])
+        e = torch.exp(z, out=out if out.dtype == z.dtype else self.like("e", z))
+        torch.sum(e, 1, out=s)
+        torch.bmm(e.unsqueeze(1), z.unsqueeze(2), out=t.view(-1, 1, 1))
+        if e is not out:
+            out.copy_(e)
+        out.scatter_reduce_(1, col, keep, "prod")
+
+    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
+        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
+        if self._label is None:
+            hit = self.setup.labels_local >= 0
+            col = self.setup.labels_local.clamp(min=0)[:, None]
+            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
+        hit, col, keep = self._label
+        return hit[rows], col[rows], keep[rows]
+
+    def vector_stats(self, vec: torch.Tensor, rows: slice) -> Stats:
+        """The :class:`Stats` of the rows ``rows`` of :meth:`exp_rows`' vectors ``vec``
+        (``[5, n]``; a buffer's rows at once), combined over the shards."""
+        c, m, s, t, zy = vec[:, rows]
+        k = torch.exp(c - m)  # relative to the local max, as combine() takes them
+        return combine(m, s * k, k * (t + (c - m) * s), zy, self.setup, rows)
+
+    def row_scale(self, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients) -> RowScale:
+        """The :class:`RowScale` of the rows ``rows`` of :meth:`exp_rows`' vectors from
+        their :class:`Stats` and coefficients (``b`` None)::
+
+            dz = -a exp(z - M) + g [j == y]
                = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
         """
-        from ._triton_kernels import exp_rows_
-
-        setup = self.setup
-        assert setup.kernel is not None
-        r = rows.stop - rows.start
-        f32, dev = torch.float32, self.hs.device
-        c, m, s, t, zy = (torch.empty(r, dtype=f32, device=dev) for _ in range(5))
-        flags = torch.empty(r, dtype=torch.int8, device=dev)
-        inv_t = setup.row_inv_t(rows, column=False)
-        exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
-        # relative to the local max, as combine() takes them
-        k = torch.exp(c - m)
-        stats = combine(m, s * k, k * (t + (c - m) * s), zy, setup, rows)
-        return stats, c, zy
+        c, zy = vec[0, rows], vec[4, rows]
+        f = 1.0 if self.setup.fold else self.setup.row_inv_t(rows, column=False)
+        scale = -coef.a * torch.exp(c - stats.max) * f
+        label = (coef.g - coef.a * torch.exp(zy - stats.max)) * f
+        return RowScale(scale=scale, label=label, label_col=self.setup.labels_local[rows])

@@ -5,17 +5,22 @@ advance (every aggregation of ``hookspec.conventions``)::
 
     loss = sum_i token_loss_i(logprob_i, entropy_i)
 
-A tile holds whole rows, so its statistics are exact; ``d loss / d logprob_i`` and
-``d loss / d entropy_i`` come from autograd on those few numbers, hence the tile's
-logit gradient, which the engine multiplies into ``dh`` and ``dW``: three GEMMs, not
-the four of a forward pass and a recomputing backward. Without a gradient through
-the entropy (``entropy_grad=False``) the Triton backend reads each tile once
-(:meth:`~._engine.Engine.exp_rows`; ``docs/gpu-design.md``).
+A tile holds whole rows, so its statistics are exact, and so is the loss's gradient
+in them, hence the tile's logit gradient, which the engine multiplies into ``dh`` and
+``dW``: three GEMMs, not the four of a forward pass and a recomputing backward.
+Without a gradient through the entropy (``entropy_grad=False``) each tile is read
+once (:meth:`~._engine.Engine.exp_rows`: ``exp(z - c)`` kept unscaled, the rows'
+statistics into ``[n]`` vectors) and ``token_loss`` is called once per gradient
+buffer of rows, where the engine scales that buffer: a tile costs its logits GEMM
+and one pass, whatever the loss does. With it, the loss's gradient is needed before
+each tile's gradient pass (deferring it would need the tile's logits again: a fourth
+GEMM, or a second rounding of the gradient), so ``token_loss`` is called once a tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,15 +31,27 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, GradSink, RowScale, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._engine import (
+    Engine,
+    FormedInForward,
+    GradSink,
+    RowScale,
+    TileSetup,
+    logit_grad_coefficients,
+    no_autocast,
+)
+from ._options import LinearOptions, gather_rows, make_setup, resolve_options
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
-"""``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of
-the tokens ``rows`` (a slice of the ``n`` gathered rows). Differentiable in the
-first two arguments; called under ``torch.enable_grad``."""
+"""``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of the
+tokens ``rows`` (a slice of the ``n`` gathered rows: a gradient buffer's rows, several
+tiles, or one tile where the gradient reaches the entropy; every row once). Called
+under ``torch.enable_grad``, differentiated by the fused loss in its first two
+arguments; its gradient to any other tensor requiring grad (a learned coefficient)
+reaches that tensor through the returned loss. It returns the loss: one that calls
+``backward()`` itself is refused."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,98 +66,111 @@ class FusedLossResult:
 _RETURNS = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
 
 
-def _token_loss_grads(
-    token_loss: TokenLoss, stats: Stats, rows: slice, need: bool, entropy_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(loss, d loss / d logprobs, d loss / d entropy)`` of the rows, the loss checked
-    against the :data:`TokenLoss` contract; a loss that does not depend on its
-    arguments (a constant) has zero gradients (``None``)."""
-    assert stats.entropy is not None  # the row sweep forms it
-    with torch.enable_grad():
-        lp = stats.logprobs.detach().requires_grad_()
-        ent = stats.entropy.detach().requires_grad_()
-        loss = token_loss(lp, ent, rows)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-            actual = type(loss).__name__
-            if isinstance(loss, torch.Tensor):
-                actual = (
-                    f"a {str(loss.dtype).removeprefix('torch.')} tensor of shape {format_shape(loss.shape)}"
+def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
+    """``loss``'s graph reaches a tensor requiring grad other than ``own``."""
+    ids, todo, seen = {id(x) for x in own}, [loss.grad_fn], set()
+    if loss.grad_fn is None:
+        return loss.requires_grad and id(loss) not in ids
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad's
+        if leaf is not None and id(leaf) not in ids:
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+class _Calls:
+    """``token_loss`` on spans of rows: ``(loss, d loss / d logprobs, d loss / d entropy)``,
+    the loss checked against the :data:`TokenLoss` contract (a constant one has zero
+    gradients: None), and its graph to other tensors kept (``grad``: grad mode was on)."""
+
+    def __init__(self, token_loss: TokenLoss, entropy_grad: bool, grad: bool) -> None:
+        self.fn, self.entropy_grad, self.grad = token_loss, entropy_grad, grad
+        self.graph: torch.Tensor | None = None
+
+    def __call__(
+        self, lp_v: torch.Tensor, ent_v: torch.Tensor, rows: slice, need: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        with torch.enable_grad():
+            lp, ent = lp_v.detach().requires_grad_(), ent_v.detach().requires_grad_()
+            loss = self.fn(lp, ent, rows)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+                actual = type(loss).__name__
+                if isinstance(loss, torch.Tensor):
+                    dtype = str(loss.dtype).removeprefix("torch.")
+                    actual = f"a {dtype} tensor of shape {format_shape(loss.shape)}"
+                raise ContractError("token_loss", expected=_RETURNS, actual=f"it returned {actual}")
+            if lp.grad is not None or ent.grad is not None:
+                raise ContractError(
+                    "token_loss",
+                    expected="a callable returning its loss, which the fused loss differentiates itself",
+                    actual="it called backward() (the gradient is formed from the loss it returns)",
                 )
-            raise ContractError("token_loss", expected=_RETURNS, actual=f"it returned {actual}")
-        g_lp = g_h = None
-        if need and loss.requires_grad:
-            g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-    if g_h is not None and not entropy_grad:
-        raise ContractError(
-            "token_loss",
-            expected="a loss with no gradient through the entropy (entropy_grad=False)",
-            actual="its gradient reaches the entropy",
-            hint="pass entropy_grad=True",
-        )
-    return loss.detach(), g_lp, g_h
-
-
-class _FusedTokenLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h: torch.Tensor,
-        w: torch.Tensor,
-        setup: TileSetup,
-        token_loss: TokenLoss,
-        need: tuple[bool, bool],
-        entropy_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        eng = Engine(h, w, setup)
-        acc = setup.acc_dtype
-        logprobs = torch.empty(eng.n, dtype=acc, device=h.device)
-        entropy = torch.empty(eng.n, dtype=acc, device=h.device)
-        total = torch.zeros((), dtype=acc, device=h.device)
-
-        def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-            nonlocal total
-            single = eng.triton and not entropy_grad and sink.active  # one pass over the tile
-            if single:
-                stats, c, zy = eng.exp_rows(z, rows, sink.tile(rows))
-            else:
-                stats = eng.row_stats(z, rows)
-            assert stats.entropy is not None
-            logprobs[rows], entropy[rows] = stats.logprobs, stats.entropy
-            loss, g_lp, g_h = _token_loss_grads(token_loss, stats, rows, sink.active, entropy_grad)
-            total = total + loss.to(acc)
-            if not sink.active:
-                return
-            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored[rows], acc)
-            if not single:
-                eng.row_grad(z, rows, stats, coef, sink)
-                return
-            inv_t = setup.row_inv_t(rows, column=False)
-            scale = -coef.a * torch.exp(c - stats.max) * inv_t
-            label = (coef.g - coef.a * torch.exp(zy - stats.max)) * inv_t
-            sink.commit(rows, RowScale(scale=scale, label=label, label_col=setup.labels_local[rows]))
-
-        with no_autocast(h):
-            dh, dw = eng.row_sweep(epilogue, need_dh=need[0], need_dw=need[1])
-        ctx.grads = (dh.to(h.dtype) if dh is not None else None, dw)
-        ctx.mark_non_differentiable(logprobs, entropy)
-        return total, logprobs, entropy
-
-    @staticmethod
-    def backward(ctx: Any, g_loss: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
-        refuse_double_backward("fused_token_loss")
-        if ctx.grads is None:
-            raise RuntimeError(
-                "fused_token_loss: backward through the same loss twice; its gradients were formed "
-                "once in the forward pass (use the recomputing path, PolicyLossConfig(fused=False))"
+            keep = self.grad and loss.requires_grad and _reaches_others(loss, (lp, ent))
+            g_lp = g_h = None
+            if need and loss.requires_grad:
+                g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True, retain_graph=keep)
+            if keep:
+                self.graph = loss if self.graph is None else self.graph + loss
+        if g_h is not None and not self.entropy_grad:
+            raise ContractError(
+                "token_loss",
+                expected="a loss with no gradient through the entropy (entropy_grad=False)",
+                actual="its gradient reaches the entropy",
+                hint="pass entropy_grad=True",
             )
-        dh, dw = ctx.grads
-        ctx.grads = None  # handed over (and scaled in place): the graph keeps no copy
-        if g_loss is None:
-            return None, None, None, None, None, None
-        # scaled on the device whatever the factor: reading it back would sync
-        dh = dh.mul_(g_loss.to(dh.dtype)) if dh is not None else None
-        dw = dw.mul_(g_loss.to(dw.dtype)) if dw is not None else None
-        return dh, dw, None, None, None, None
+        return loss.detach(), g_lp, g_h
+
+    def attach(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (differentiable in the hidden rows and weight) also carrying the
+        gradient of the calls' losses to other tensors (``lp``, ``ent`` held fixed)."""
+        return loss if self.graph is None else loss + (self.graph - self.graph.detach()).to(loss.dtype)
+
+
+def _sweep(
+    h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, need_dh: bool, need_dw: bool
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor | None]:
+    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy), dh, dW)``."""
+    eng = Engine(h, w, setup)
+    acc, ignored = setup.acc_dtype, setup.ignored
+    lp_ent = torch.empty((2, eng.n), dtype=acc, device=h.device)
+    total = torch.zeros((), dtype=acc, device=h.device)
+    active = need_dh or need_dw
+    single = not (active and calls.entropy_grad)  # one pass a tile, the loss once a buffer
+    vec = torch.empty((5, eng.n), dtype=acc, device=h.device)
+
+    def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
+        nonlocal total
+        if single:
+            out = sink.tile(rows) if active else eng.buffer("E", z.shape[0], z.shape[1], setup.compute_dtype)
+            eng.exp_rows(z, rows, out, vec[:, rows])
+            return sink.commit(rows)
+        stats = eng.row_stats(z, rows)
+        assert stats.entropy is not None
+        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
+        loss, g_lp, g_h = calls(stats.logprobs, stats.entropy, rows, True)
+        total = total + loss.to(acc)
+        eng.row_grad(z, rows, stats, logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc), sink)
+
+    def on_flush(rows: slice) -> RowScale | None:
+        nonlocal total
+        if not single:
+            return None
+        stats = eng.vector_stats(vec, rows)
+        assert stats.entropy is not None
+        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
+        loss, g_lp, _ = calls(stats.logprobs, stats.entropy, rows, active)
+        total = total + loss.to(acc)
+        coef = logit_grad_coefficients(stats, g_lp, None, ignored[rows], acc)
+        return eng.row_scale(vec, rows, stats, coef) if active else None
+
+    with no_autocast(h):
+        dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, on_flush=on_flush)
+    return (total, lp_ent[0], lp_ent[1]), dh, dw
 
 
 @checked_call()
@@ -155,20 +185,24 @@ def fused_token_loss(
     entropy_grad: bool = True,
     **unexpected: Any,
 ) -> FusedLossResult:
-    """``loss = sum over row tiles of token_loss(logprobs[rows], entropy[rows], rows)``
+    """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring); ``logprobs``
     and ``entropy`` as :func:`~torch_impl.processors.linear_logprobs` computes them.
 
     ``options``: :class:`LinearOptions`; tiles of ``options.tile_rows`` whole rows
-    (default per device: ``TILE_BYTES`` of fp32 logits). ``token_loss`` is called
-    once a tile and must return a 0-dim floating tensor (a ``ContractError`` names
-    it otherwise); one that does not depend on its arguments gives zero gradients.
-    ``entropy_grad=False`` declares that the loss has no gradient through the
-    entropy (a ``ContractError`` if it has): the Triton backend then reads each
-    tile once instead of twice. The gradients are formed only when autograd needs
-    them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held until
-    backward: ``dW`` and ``dh``. Cost: three GEMM-equivalents ``2 n h V_local``.
-    Differentiable once (``create_graph=True`` raises).
+    (default per device: ``TILE_BYTES`` of fp32 logits). ``token_loss``
+    (:data:`TokenLoss`) is called once per gradient buffer of rows (``GRAD_BUFFER_BYTES``;
+    once a tile with ``entropy_grad=True``, see the module docstring) and must return
+    a 0-dim floating tensor (a ``ContractError`` names it otherwise); one that does not
+    depend on its arguments gives zero gradients; its gradient to other tensors
+    requiring grad is carried by ``loss``. ``entropy_grad=False`` declares that the
+    loss has no gradient through the entropy (a ``ContractError`` if it has): each tile
+    is then read once instead of twice. The gradients are formed only when autograd
+    needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
+    until backward (``dh`` in the accumulation dtype, rounded once after the upstream
+    gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``. Differentiable
+    once: a second backward through the same call, or ``create_graph=True``, raises
+    (:class:`~._engine.FormedInForward`).
     """
     options = resolve_options("fused_token_loss", options, unexpected)
     if not callable(token_loss):
@@ -178,7 +212,7 @@ def fused_token_loss(
     check_bool("entropy_grad", entropy_grad)
     h = gather_rows(hidden, options)
     setup = make_setup(h, weight, labels, options)
-    grad = torch.is_grad_enabled()
-    need = (grad and h.requires_grad, grad and weight.requires_grad)
-    loss, logprobs, entropy = _FusedTokenLoss.apply(h, weight, setup, token_loss, need, entropy_grad)
-    return FusedLossResult(loss=loss, logprobs=logprobs, entropy=entropy)
+    calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled())
+    run = functools.partial(_sweep, h, weight, setup, calls)
+    loss, logprobs, entropy = FormedInForward.apply(h, weight, "fused_token_loss", run)
+    return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy)

@@ -25,7 +25,7 @@ from ._checks import (
     check_token_labels,
     resolve_compute_dtype,
 )
-from ._engine import TileSetup
+from ._engine import TileSetup, refuse_double_backward
 from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile
 
 __all__ = [
@@ -149,18 +149,6 @@ def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
         raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
     coll = options.collectives
     return hidden if coll is None else coll.gather_hidden_states(hidden)
-
-
-def refuse_double_backward(name: str) -> None:
-    """Called first in a custom backward: under ``create_graph=True`` (grad mode on in
-    backward) the gradient would have no graph, and its own gradient (a Hessian-vector
-    product) would read as zero. Refuse by name instead."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name}: double backward (create_graph=True) is not supported: its gradient is formed "
-            "by tiles outside autograd, so a second derivative would silently be zero. For Hessian-"
-            "vector products compute the logprobs from materialised logits"
-        )
 
 
 def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:

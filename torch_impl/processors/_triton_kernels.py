@@ -312,6 +312,25 @@ def _exp_rows_kernel(
             tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
+# fmt: off
+@triton.jit
+def _exp_rows_both_kernel(
+    z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols, stride_z,
+    stride_out, exp_range, inv_t_scalar,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
+):
+    """Both passes of :func:`exp_rows_` in one launch: a program owns its rows, so it
+    redoes its own flagged rows after a barrier (its flags and maxima written first)."""
+    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
+                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
+                     False)
+    tl.debug_barrier()
+    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
+                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
+                     True)
+# fmt: on
+
+
 def _launch(
     kernel: Any, cfg: KernelConfig, rows: int, args: tuple[Any, ...], inv_t: Any, **flags: Any
 ) -> None:
@@ -420,12 +439,11 @@ def exp_rows_(
         zy = zt[i, labels_local[i]]  (0 where the label is in another shard)
 
     then, for the rows where ``m - c > EXP_RANGE`` (``exp(zt - c)`` could overflow),
-    the same with ``c = m``, in a second launch that reads nothing of the other rows.
-    Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache),
-    ``out.itemsize * rows * V_local`` written; ``inv_t > 0``."""
+    the same with ``c = m``, by the same program (one launch).
+    Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache, where
+    the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``."""
     rows, cols = z.shape
     c, m, s, t, zy, flags = vectors
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    for redo in (False, True):
-        _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, REDO=redo)
+    _launch(_exp_rows_both_kernel, cfg, rows, (*args, EXP_RANGE), inv_t)
