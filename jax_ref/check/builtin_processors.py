@@ -58,25 +58,23 @@ __all__ = [
     "temperature_context",
 ]
 
-_TILES = {"vocab_chunk_size": 24, "token_chunk_size": 7}
+_ROWS, _COLS = 7, 24  # tile_rows x tile_cols
 
-LOGPROBS = selected_logprobs(entropy=True, **_TILES)
-LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, **_TILES)
-LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, **_TILES)
-CROSS_ENTROPY = cross_entropy_loss(
-    vocab_chunk_size=_TILES["vocab_chunk_size"], token_chunk_size=_TILES["token_chunk_size"]
-)
+LOGPROBS = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+CROSS_ENTROPY = cross_entropy_loss(tile_rows=_ROWS, tile_cols=_COLS)
 
 PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
-PPO = policy_loss(PPO_CONFIG, fused_tile_elements=200)  # fused: 3 tokens x 64 logits per tile
+PPO = policy_loss(PPO_CONFIG, tile_rows=3)  # fused: 3 tokens x 64 logits per tile
 GRPO_CONFIG = PolicyLossConfig.grpo(fused=False)
-GRPO = policy_loss(GRPO_CONFIG, **_TILES)
+GRPO = policy_loss(GRPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
 GSPO_CONFIG = PolicyLossConfig.gspo(kl_coef=0.02, kl_estimator="k1")
-GSPO = policy_loss(GSPO_CONFIG, **_TILES)
+GSPO = policy_loss(GSPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
 SEQ_SUM_CONFIG = PolicyLossConfig(
     aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
 )
-SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, fused_tile_elements=200)
+SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, tile_rows=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +123,15 @@ def gspo_context(ctx: OutputContext) -> PolicyBatch:
 
 # ---------------------------------------------------------------- top-k and distillation
 
-TOPK = topk_logprobs(5, entropy=True, **_TILES)
+TOPK = topk_logprobs(5, entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 DISTILL_SPARSE_CONFIG = DistillConfig(
     divergence=DistillDivergence.JSD, beta=0.3, tail=TeacherTail.BUCKET, temperature=1.5
 )
-DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_elements=200)
+DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_rows=3)
 DISTILL_RENORMALIZE_CONFIG = DistillConfig(aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN, temperature=1.5)
-DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_elements=200)
+DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_rows=3)
 DISTILL_DENSE_CONFIG = DistillConfig(divergence=DistillDivergence.REVERSE_KL, temperature=0.8)
-DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_elements=200)
+DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_rows=3)
 
 _TEACHER_HIDDEN = 16
 _TEACHER_K = 6

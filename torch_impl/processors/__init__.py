@@ -7,13 +7,21 @@ all epilogues on one tile engine (``docs/architecture.md``).
   :class:`PolicyLossConfig`), :func:`topk_logprobs`, :func:`distillation_loss`
   (:class:`DistillConfig`; :class:`SparseTeacher` or :class:`DenseTeacher`).
 - The tensor functions underneath, their options one :class:`LinearOptions`:
-  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`.
+  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`,
+  :func:`linear_distillation_loss` (:class:`DistillResult`).
 - Tile sizes per device (:data:`TILE_BYTES`, :data:`GRAD_BUFFER_BYTES`,
   :data:`TILES_BY_DEVICE`) and what ``backend="auto"`` runs (:func:`auto_choice`).
 """
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
-from ._distill import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
+from ._distill import (
+    DenseTeacher,
+    DistillConfig,
+    DistillResult,
+    SparseTeacher,
+    distillation_loss,
+    linear_distillation_loss,
+)
 from ._fused import FusedLossResult, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
 from ._logprobs import LogprobResult, linear_logprobs
@@ -27,6 +35,7 @@ __all__ = [
     "BackendChoice",
     "DenseTeacher",
     "DistillConfig",
+    "DistillResult",
     "FusedLossResult",
     "GRAD_BUFFER_BYTES",
     "LinearOptions",
@@ -47,6 +56,7 @@ __all__ = [
     "distillation_loss",
     "fused_token_loss",
     "kl_penalty",
+    "linear_distillation_loss",
     "linear_logprobs",
     "linear_topk_logprobs",
     "policy_loss",

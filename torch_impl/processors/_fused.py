@@ -26,7 +26,7 @@ from hookspec.arrays import format_shape
 
 from ._checks import check_bool
 from ._engine import Engine, GradSink, RowScale, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._options import LinearOptions, prologue, refuse_double_backward
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 
@@ -168,14 +168,12 @@ def fused_token_loss(
     backward: ``dW`` and ``dh``. Cost: three GEMM-equivalents ``2 n h V_local``.
     Differentiable once (``create_graph=True`` raises).
     """
-    options = resolve_options("fused_token_loss", options, unexpected)
     if not callable(token_loss):
         raise ContractError(
             "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
         )
     check_bool("entropy_grad", entropy_grad)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options)
+    _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
     grad = torch.is_grad_enabled()
     need = (grad and h.requires_grad, grad and weight.requires_grad)
     loss, logprobs, entropy = _FusedTokenLoss.apply(h, weight, setup, token_loss, need, entropy_grad)

@@ -11,7 +11,7 @@ import torch
 
 from ._checks import check_bool
 from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._options import LinearOptions, prologue, refuse_double_backward
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -98,9 +98,7 @@ def linear_logprobs(
         ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
         number. Differentiable once: a backward with ``create_graph=True`` raises.
     """
-    options = resolve_options("linear_logprobs", options, unexpected)
-    h = gather_rows(hidden, options)
     check_bool("with_entropy", with_entropy)
-    setup = make_setup(h, weight, labels, options)
+    _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
     logprobs, entropy = _LinearLogprobs.apply(h, weight, setup, with_entropy)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None)

@@ -7,7 +7,7 @@ both backends); the shards' candidates merged with ``Collectives.all_gather``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Never
 
 import torch
 
@@ -15,8 +15,8 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._inputs import from_tokens, hook_inputs, resolve_temperature
+from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -240,10 +240,9 @@ def linear_topk_logprobs(
         logprobs at the rows they touch (the log-sum-exp is NaN), never a finite
         number.
     """
-    options = resolve_options("linear_topk_logprobs", options, unexpected)
     check_bool("with_entropy", with_entropy)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options, fold=False)  # ties stay ties
+    name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
     values, ids, label, entropy = _TopkFunction.apply(h, weight, setup, k, gather, with_entropy)
@@ -261,8 +260,9 @@ def topk_logprobs(
     *,
     temperature: float | None = None,
     entropy: bool = False,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """A processor returning, per token, the ``k`` largest logprobs and their ids::
 
@@ -274,13 +274,16 @@ def topk_logprobs(
     ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1. At ``tp > 1`` the context's collectives need
     ``all_gather`` (spec 1.2). Cache a teacher's ``topk_logprobs`` and
-    ``topk_ids`` for :func:`distillation_loss`'s sparse form.
+    ``topk_ids`` for :func:`distillation_loss`'s sparse form. Tiles of
+    ``tile_rows`` x ``tile_cols`` (:class:`LinearOptions`' names; ``None``: the
+    default per device).
     """
+    refuse_unexpected("topk_logprobs", unexpected)
     k = check_int("k", k, low=1)
     if temperature is not None:
         check_temperature(temperature, 1)
     check_bool("entropy", entropy)
-    tile = tile_options(vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size)
+    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
