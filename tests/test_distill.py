@@ -143,7 +143,7 @@ def _teacher(d: dict[str, Any], dense: bool, **kw: Any) -> Any:
 
 def _run(d: dict[str, Any], cfg: DistillConfig, dense: bool, tile: int = 3 * V) -> dict:
     ctx = _ctx(d, _teacher(d, dense))
-    out = distillation_loss(cfg, tile_elements=tile)(ctx)
+    out = distillation_loss(cfg, tile_rows=max(1, tile // V))(ctx)
     dh, dw = torch.autograd.grad(out["loss"], (ctx.hidden_states, ctx.vocab_weight))
     return {**{k: v.detach() for k, v in out.items()}, "dh": dh, "dw": dw}
 
@@ -478,7 +478,7 @@ def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_p
         parallel=ParallelLayout(tp_size=2, tp_rank=rank, sequence_parallel=sequence_parallel),
         collectives=coll,
     )
-    out = distillation_loss(cfg, tile_elements=4 * half)(ctx)
+    out = distillation_loss(cfg, tile_rows=4)(ctx)
     out["loss"].backward()
     for key in ("loss", "kl", "top1_agreement"):
         torch.testing.assert_close(out[key], want[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")

@@ -267,7 +267,7 @@ def _check_case(
     w = p["w"][shard].clone().requires_grad_()
     ctx = _context(model, local, h, w, {"temperature": local["temperature"]}, psp)
     assert ctx.parallel.cp_size == CP and ctx.parallel.cp_rank == rank, ctx.parallel
-    out = selected_logprobs(entropy=True, vocab_chunk_size=7, token_chunk_size=5)(ctx)
+    out = selected_logprobs(entropy=True, tile_cols=7, tile_rows=5)(ctx)
     (local["c_lp"] * out["logprobs"] + local["c_ent"] * out["entropy"]).sum().backward()
     torch.testing.assert_close(out["logprobs"], t["sel_lp"][:, index], **TOL)
     torch.testing.assert_close(out["entropy"], t["sel_ent"][:, index], **TOL)
@@ -276,7 +276,7 @@ def _check_case(
 
     h = local["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
-    ce = cross_entropy_loss(vocab_chunk_size=7)(_context(model, local, h, w, None, psp))
+    ce = cross_entropy_loss(tile_cols=7)(_context(model, local, h, w, None, psp))
     (local["c_lp"] * ce).sum().backward()
     torch.testing.assert_close(ce, -t["ce_lp"][:, index], **TOL)
     torch.testing.assert_close(h.grad, t["ce_dh"][index], **TOL)
@@ -289,7 +289,7 @@ def _check_case(
         h = local["h"].clone().requires_grad_()
         w = p["w"][shard].clone().requires_grad_()
         batch = dataclasses.replace(local["batch"], **counts)
-        fn = policy_loss(cfg, vocab_chunk_size=7, token_chunk_size=5, fused_tile_elements=3 * V)
+        fn = policy_loss(cfg, tile_cols=7, tile_rows=3)
         out = fn(_context(model, local, h, w, batch, psp))
         out["loss"].backward()
         msg = f"{name} (rank {rank})"

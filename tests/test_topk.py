@@ -192,9 +192,7 @@ def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
     args = (batch["input_ids"], batch["position_ids"], None)
     logits = model(*args).double()  # [b, s, V]
     torch_impl.enable_output_processor(model)
-    out = model(
-        *args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, vocab_chunk_size=24)
-    )
+    out = model(*args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, tile_cols=24))
     logp = logits.log_softmax(-1)
     want = torch.sort(logp, dim=-1, descending=True, stable=True)
     assert torch.equal(out["topk_ids"], want.indices[..., :5])
