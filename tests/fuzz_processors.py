@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hookspec import ParallelLayout, VocabShard
+from jax_ref.check.builtin_processors import distillation_by_rows
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
@@ -967,9 +968,15 @@ def distill_case(d: Draw) -> Case:
     if "cp_seq_mean_token_mean" in muts:
         cfg_kwargs["aggregation"] = "seq-mean-token-mean"
 
+    # a valid draw may go through the tensor function instead, called as an adopter
+    # would from the hook (one sequence per batch row: no context parallel, no MuP scale)
+    by_rows = not muts and cp == 1 and w.scale_kind == "none" and d.chance("tensor_door", 0.3)
+
     def make() -> Any:
         if "bad_config" in muts:
             return distillation_loss({"divergence": divergence}, **kwargs)  # type: ignore[arg-type]
+        if by_rows:
+            return distillation_by_rows(DistillConfig(**cfg_kwargs), **kwargs)
         return distillation_loss(DistillConfig(**cfg_kwargs), **kwargs)
 
     def extra(kw: dict[str, Any], r: int) -> None:
@@ -1041,7 +1048,7 @@ def distill_case(d: Draw) -> Case:
         return Compare(tols, {key: acc_dtype for key in values})
 
     return processor_case(
-        "distillation_loss",
+        "linear_distillation_loss" if by_rows else "distillation_loss",
         w,
         make,
         context=context,
