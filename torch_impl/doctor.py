@@ -395,14 +395,14 @@ def _gpu_backends() -> list[Literal["torch", "triton"]]:
 def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     def backends_agree() -> None:
         _need_cuda()
-        from .processors import linear_logprobs
+        from .processors import LinearOptions, linear_logprobs
 
         for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
             hidden, weight, labels, truth, grad = _gpu_case(dtype)
             got = {}
             for backend in _gpu_backends():
                 h = hidden.clone().requires_grad_()
-                r = linear_logprobs(h, weight, labels, backend=backend)
+                r = linear_logprobs(h, weight, labels, options=LinearOptions(backend=backend))
                 (dh,) = torch.autograd.grad(r.logprobs.sum(), h)
                 got[backend] = (r.logprobs.double().cpu(), dh.double().cpu())
             for backend, (lp, dh) in got.items():
@@ -423,7 +423,7 @@ def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
         _need_cuda()
         from hookspec import ContractError
 
-        from .processors import linear_logprobs
+        from .processors import LinearOptions, linear_logprobs
         from .value_checks import pending_checks, raise_pending_errors
 
         hidden, weight, labels, _, _ = _gpu_case(torch.float32)
@@ -435,7 +435,7 @@ def _gpu_checks() -> Iterator[tuple[str, Callable[[], None]]]:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # a host read raises here
             try:
-                r = linear_logprobs(h, weight, bad, backend=backend)
+                r = linear_logprobs(h, weight, bad, options=LinearOptions(backend=backend))
                 r.logprobs.sum().backward()
                 pending = pending_checks()
             finally:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Never
 
 import torch
 
@@ -151,7 +151,7 @@ def fused_token_loss(
     *,
     options: LinearOptions | None = None,
     entropy_grad: bool = True,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over row tiles of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring); ``logprobs``

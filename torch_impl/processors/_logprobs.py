@@ -5,7 +5,7 @@ recomputing backward (:func:`linear_logprobs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Never
 
 import torch
 
@@ -68,7 +68,7 @@ def linear_logprobs(
     *,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
     never materialising the logits. Equal to::

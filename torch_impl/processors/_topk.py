@@ -200,7 +200,7 @@ def linear_topk_logprobs(
     labels: torch.Tensor | None = None,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> TopkResult:
     """The ``k`` largest logprobs of ``hidden @ weight.T`` per row and their global
     ids, vocab-parallel, never materialising the logits. Equal to::
