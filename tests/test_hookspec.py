@@ -256,3 +256,30 @@ def test_collectives_recipe_runs_as_written() -> None:
 
     result = doctest.testmod(hookspec.collectives, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 15 and result.failed == 0
+
+
+def test_lazy_names_load_once_and_refuse_what_the_package_lacks() -> None:
+    """``hookspec.lazy.LazyNames``, the one lazy ``__getattr__`` of ``torch_impl``,
+    ``jax_ref`` and ``jax_ref.check``: a name loads from its module on first use and is
+    bound in the package; an unknown name is an ``AttributeError`` naming the package."""
+    import sys
+    import types
+
+    import pytest
+
+    from hookspec.lazy import LazyNames
+
+    pkg = types.ModuleType("lazy_pkg_for_test")
+    lazy = LazyNames(pkg.__name__, {"dumps": "json", "Path": "pathlib"})
+    pkg.__getattr__ = lazy.load  # type: ignore[method-assign]
+    sys.modules[pkg.__name__] = pkg
+    try:
+        import json
+
+        assert "dumps" not in vars(pkg)
+        assert pkg.dumps is json.dumps and vars(pkg)["dumps"] is json.dumps  # bound: loaded once
+        assert {"dumps", "Path"} <= set(lazy.names())
+        with pytest.raises(AttributeError, match="module 'lazy_pkg_for_test' has no attribute 'nope'"):
+            pkg.nope  # noqa: B018
+    finally:
+        del sys.modules[pkg.__name__]
