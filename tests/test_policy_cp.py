@@ -30,6 +30,7 @@ import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
 from tests.distributed import run_distributed
+from tests.identity_collectives import identity_collectives
 from tests.policy_truth import policy_truth
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.cp import cp_chunk_index, padded_cu_seqlens, thd_partition_index
@@ -445,20 +446,12 @@ def _one_rank_cp2(p: dict[str, Any], batch: PolicyBatch, collectives: Any, psp: 
     )
 
 
-class _CollectivesOfSpec11:
-    """A user's collectives written before spec 1.2: no context-parallel sum."""
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x.detach()
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def __repr__(self) -> str:
-        return "_CollectivesOfSpec11()"
+# A user's collectives written before spec 1.2: no context-parallel sum.
+_CollectivesOfSpec11 = identity_collectives(
+    "_CollectivesOfSpec11",
+    all_reduce_max=lambda self, x: x.detach(),
+    __repr__=lambda self: "_CollectivesOfSpec11()",
+)
 
 
 @pytest.mark.parametrize("collectives", [_CollectivesOfSpec11(), SingleProcessCollectives()], ids=repr)

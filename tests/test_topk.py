@@ -14,6 +14,7 @@ import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.distributed import GlooSequenceParallel, run_distributed
+from tests.identity_collectives import identity_collectives
 from torch_impl.processors import LinearOptions, linear_topk_logprobs, topk_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
@@ -204,17 +205,7 @@ def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
     assert all(q.grad is not None for q in model.parameters() if q.requires_grad)
 
 
-class _OldCollectives:
-    """Collectives written for spec 1.0: no all_gather."""
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
+_OldCollectives = identity_collectives("_OldCollectives")  # written for spec 1.0: no all_gather
 
 
 def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> None:
