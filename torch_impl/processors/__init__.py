@@ -24,11 +24,11 @@ from ._distill import (
 )
 from ._fused import FusedLossResult, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
+from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
+from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
-from ._policy_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
-from ._processors import cross_entropy_loss, selected_logprobs
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [

@@ -52,8 +52,8 @@ from ..value_checks import check_finite_deferred, check_indices_deferred
 from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
+from ._loss_math import check_unused_count, weights_of
 from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
-from ._policy_math import check_unused_count, weights_of
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
 __all__ = [

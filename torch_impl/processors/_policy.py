@@ -1,5 +1,5 @@
 """The policy-loss processor: :class:`PolicyBatch` (its user context) and
-:func:`policy_loss`, on the formulas of :mod:`._policy_math`.
+:func:`policy_loss`, on the formulas of :mod:`._loss_math`.
 
 What each input may hold, one rule per kind of input (tested in
 ``tests/test_validation_processors.py``):
@@ -58,8 +58,7 @@ from ._inputs import (
     to_tokens,
 )
 from ._logprobs import linear_logprobs
-from ._options import LinearOptions, refuse_unexpected
-from ._policy_math import (
+from ._loss_math import (
     PolicyLossConfig,
     RatioLevel,
     check_unused_count,
@@ -70,6 +69,7 @@ from ._policy_math import (
     sequence_sums,
     weights_of,
 )
+from ._options import LinearOptions, refuse_unexpected
 
 __all__ = [
     "PolicyBatch",

@@ -24,8 +24,8 @@ from ._inputs import (
     to_tokens,
 )
 from ._logprobs import linear_logprobs
+from ._loss_math import weights_of
 from ._options import LinearOptions, refuse_unexpected
-from ._policy_math import weights_of
 
 Reduction = Literal["none", "sum", "mean"]
 REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
