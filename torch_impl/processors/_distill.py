@@ -51,7 +51,7 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_finite_deferred, check_indices_deferred
 from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, GradSink, TileSetup, mm_into, no_autocast, scaled_
-from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
+from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_unused_count, weights_of
 from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
@@ -384,9 +384,10 @@ def _checked_config(config: Any) -> DistillConfig:
     return config
 
 
-def _checked_teacher(teacher: Any, config: DistillConfig, field: str) -> Teacher:
+def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
     """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are
-    ``None`` or finite ``> 0``, the one its aggregation reads."""
+    ``None`` or finite ``> 0``, the one its aggregation reads (over ``cp``
+    context-parallel ranks: required)."""
     if not isinstance(teacher, (SparseTeacher, DenseTeacher)):
         raise ContractError(
             field,
@@ -400,6 +401,7 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str) -> Teacher
         global_sequences=teacher.global_sequences,
         prefix=f"{field}.",
     )
+    _check_cp(teacher, config.aggregation, cp)
     return teacher
 
 
@@ -584,6 +586,20 @@ def _check_cp(teacher: Teacher, how: Aggregation, cp: int) -> None:
         )
 
 
+def _context_mask(ctx: OutputContext, x: HookInputs, teacher: Teacher) -> torch.Tensor:
+    """``M`` ``[b, s]``: the teacher's ``mask``, else the model's ``loss_mask``, else ones
+    (:func:`~._inputs.counted_mask`: 0 at an ignored label, bad entries refused)."""
+    if teacher.mask is not None:
+        return counted_mask(ctx, x, teacher.mask, "context.mask")
+    return counted_mask(ctx, x, ctx.loss_mask, "loss_mask")
+
+
+def _hook_tokens(ctx: OutputContext, x: HookInputs) -> _Tokens:
+    student = typing.cast(torch.Tensor, ctx.hidden_states)
+    vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
+    return _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
+
+
 def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``sum(M * values) / sum(M)`` (``values`` at ``M == 0`` ignored; an empty ``M``: 0)."""
     denom = torch.where(m.sum() == 0, 1.0, m.sum())
@@ -604,35 +620,25 @@ def distillation_loss(
          "kl": token-mean over M of KL(teacher || student),
          "top1_agreement": token-mean over M of [argmax student == teacher's top-1]}
 
-    as :func:`linear_distillation_loss` computes them, with the teacher in the user
-    context: :class:`SparseTeacher` (its top-k ids and logprobs ``[b, s, k]``) or
-    :class:`DenseTeacher` (its hidden states ``[s, b, h_t]`` and output weight shard).
-    ``M``: the context's ``mask``, else the model's ``loss_mask``, else every token;
-    0 where the label is the ignore index. Tiles of ``tile_rows`` whole rows (default
-    per device: ``TILE_BYTES`` of fp32 logits).
+    as :func:`linear_distillation_loss` computes them, the teacher the user context:
+    :class:`SparseTeacher` (top-k ids, logprobs ``[b, s, k]``) or :class:`DenseTeacher`
+    (hidden states ``[s, b, h_t]``, weight shard). ``M``: the context's ``mask``, else
+    ``loss_mask``, else ones; 0 at an ignored label. Tiles: ``tile_rows`` whole rows.
     """
     refuse_unexpected("distillation_loss", unexpected)
     config, tiles = _checked_config(config), LinearOptions(tile_rows=tile_rows, compute_dtype=compute_dtype)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "distillation_loss", needs_labels=False)
-        teacher = _checked_teacher(ctx.context, config, "context")
-        _check_cp(teacher, config.aggregation, ctx.parallel.cp_size)
+        teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        given, field = (
-            (teacher.mask, "context.mask") if teacher.mask is not None else (ctx.loss_mask, "loss_mask")
-        )
-        mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
+        mask = to_tokens(_context_mask(ctx, x, teacher).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        student = typing.cast(torch.Tensor, ctx.hidden_states)
-        vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
-        at = _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
-        res = _fused(h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), at)
-        return {
-            "loss": res.loss,
-            "kl": _masked_mean(res.kl, mask),
-            "top1_agreement": _masked_mean(res.top1_agreement, mask),
-        }
+        res = _fused(
+            h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), _hook_tokens(ctx, x)
+        )
+        m = _masked_mean
+        return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
 
     return processor(fn, name="distillation_loss")
