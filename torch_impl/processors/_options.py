@@ -141,7 +141,7 @@ def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = F
     moved = []
     for key in sorted(extra):
         new = RENAMED.get(key, key if options and key in fields else None)
-        if new is not None:
+        if new is not None and (options or new.startswith("tile_")):  # a factory takes the tiles only
             moved.append(f"{key}= -> LinearOptions({new})" if options else f"{key}= -> {new}")
     where = (
         "into options=LinearOptions(...)"
