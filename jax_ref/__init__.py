@@ -26,8 +26,9 @@ imports torch when it is first touched.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from hookspec.lazy import LazyNames
 
 __all__ = [
     "CrossCheckReport",
@@ -40,25 +41,25 @@ __all__ = [
     "to_torch",
 ]
 
-_LAZY = {
-    "float64": "jax_ref._x64",
-    "JaxCollectives": "jax_ref.collectives",
-    "ReferenceInputs": "jax_ref.inputs",
-    "to_jax": "jax_ref.check.dlpack",
-    "to_torch": "jax_ref.check.dlpack",
-    "CrossCheckReport": "jax_ref.check.report",
-    "Tolerance": "jax_ref.check.comparison",
-    "cross_check": "jax_ref.check.comparison",
-}
-
-
-_SUBMODULES = frozenset({"check", "collectives", "head", "inputs", "processors", "references", "sharded"})
+_LAZY = LazyNames(
+    __name__,
+    {
+        "float64": "jax_ref._x64",
+        "JaxCollectives": "jax_ref.collectives",
+        "ReferenceInputs": "jax_ref.inputs",
+        "to_jax": "jax_ref.check.dlpack",
+        "to_torch": "jax_ref.check.dlpack",
+        "CrossCheckReport": "jax_ref.check.report",
+        "Tolerance": "jax_ref.check.comparison",
+        "cross_check": "jax_ref.check.comparison",
+    },
+    submodules=("check", "collectives", "head", "inputs", "processors", "references", "sharded"),
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"jax_ref.{name}")  # binds jax_ref.<name> as well
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jax_ref' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return _LAZY.load(name)
+
+
+def __dir__() -> list[str]:
+    return _LAZY.names()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hookspec import ParallelLayout, VocabShard
+from jax_ref.check.builtin_processors import distillation_by_rows
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
@@ -87,15 +88,13 @@ def _tiles(d: Draw, w: World, bad: dict[str, tuple[str, ...]]) -> dict[str, Any]
     """A processor's tile options: valid (small, to cut the sweeps into many tiles) or
     the one a mutation breaks."""
     out: dict[str, Any] = {}
-    if d.chance("vocab_chunk_size", 0.4):
-        out["vocab_chunk_size"] = d.int("vocab_chunk", 1, w.V)
-    if d.chance("token_chunk_size", 0.3):
-        out["token_chunk_size"] = d.int("token_chunk", 1, w.n)
-    for key in ("vocab_chunk_size", "token_chunk_size", "fused_tile_elements"):
+    if d.chance("tile_cols", 0.4):
+        out["tile_cols"] = d.int("tile_cols", 1, w.V)
+    if d.chance("tile_rows", 0.3):
+        out["tile_rows"] = d.int("tile_rows", 1, w.n)
+    for key in ("tile_cols", "tile_rows"):
         if f"bad_{key}" in bad:
             out[key] = d.pick(f"bad_{key}", BAD_CHUNK)
-    if "chunk_size_twice" in bad:
-        out["chunk_size"], out["vocab_chunk_size"] = 2, 2
     return out
 
 
@@ -120,9 +119,8 @@ def selected_case(d: Draw) -> Case:
     factory = {
         "bad_temperature": ("temperature",),
         "bad_entropy": ("entropy",),
-        "bad_vocab_chunk_size": ("vocab_chunk_size",),
-        "bad_token_chunk_size": ("token_chunk_size",),
-        "chunk_size_twice": ("chunk_size",),
+        "bad_tile_cols": ("tile_cols",),
+        "bad_tile_rows": ("tile_rows",),
     }
     if source in ("context", "attr"):
         factory["temperature_twice"] = ("temperature",)
@@ -208,8 +206,8 @@ def cross_entropy_case(d: Draw) -> Case:
     factory = {
         "bad_reduction": ("reduction",),
         "bad_temperature": ("temperature",),
-        "bad_vocab_chunk_size": ("vocab_chunk_size",),
-        "bad_fused_tile_elements": ("fused_tile_elements",),
+        "bad_tile_cols": ("tile_cols",),
+        "bad_tile_rows": ("tile_rows",),
         "global_tokens_with": ("context.global_tokens",),
     }
     if not reduced:
@@ -222,13 +220,7 @@ def cross_entropy_case(d: Draw) -> Case:
     if "context_temperature" in muts and source == "processor":  # two sources: either is named
         muts["context_temperature"] = ("context.temperature", "temperature")
     tiles = _tiles(d, w, muts)
-    if reduced:
-        tiles.pop("token_chunk_size", None)
-        if d.chance("fused_tile", 0.3):
-            tiles["fused_tile_elements"] = d.int("fused_tile_elements", 1, 3 * w.V)
     kwargs: dict[str, Any] = dict(reduction=reduction, **tiles)
-    if "bad_fused_tile_elements" in muts:
-        kwargs["fused_tile_elements"] = d.pick("bad_fused_tile_elements", BAD_CHUNK)
     if source == "processor":
         kwargs["temperature"] = t
     if "bad_reduction" in muts:
@@ -481,8 +473,8 @@ def policy_case(d: Draw) -> Case:
         "bad_global_count": ("context.global_tokens", "context.global_sequences"),
         "unused_global_count": ("context.global_tokens", "context.global_sequences"),
         "bad_config": ("config",),
-        "bad_fused_tile_elements": ("fused_tile_elements",),
-        "bad_vocab_chunk_size": ("vocab_chunk_size",),
+        "bad_tile_rows": ("tile_rows",),
+        "bad_tile_cols": ("tile_cols",),
         "cp_without_sum": ("collectives",),
     }
     counted = [(i, j) for i in range(w.b) for j in range(w.s) if m[i, j] > 0]
@@ -501,10 +493,6 @@ def policy_case(d: Draw) -> Case:
         batch_muts["packed_with_batch"] = ("packed_seq_params",)
     muts = d.mutate({**{k: mm.fields for k, mm in table.items()}, **batch_muts})
     tiles = _tiles(d, w, muts)
-    if d.chance("fused_tile", 0.3):
-        tiles["fused_tile_elements"] = d.int("fused_tile_elements", 1, 3 * w.V)
-    if "bad_fused_tile_elements" in muts:
-        tiles["fused_tile_elements"] = d.pick("bad_fused_tile_elements", BAD_CHUNK)
     fields: dict[str, Any] = dict(
         old_logprobs=old,
         advantages=adv,
@@ -636,14 +624,12 @@ def topk_case(d: Draw) -> Case:
         "k_beyond_vocab": ("k",),
         "bad_temperature": ("temperature",),
         "bad_entropy": ("entropy",),
-        "bad_token_chunk_size": ("token_chunk_size",),
+        "bad_tile_rows": ("tile_rows",),
     }
     muts = d.mutate({**{key: m.fields for key, m in table.items()}, **factory})
     if "context_temperature" in muts and source == "processor":  # two sources: either is named
         muts["context_temperature"] = ("context.temperature", "temperature")
     tiles = _tiles(d, w, muts)
-    tiles.pop("fused_tile_elements", None)
-    tiles.pop("chunk_size", None)
     kk: Any = k
     if "bad_k" in muts:
         kk = d.pick("bad_k", [0, -1, True, 2.0, "3", None, 2**70])
@@ -792,7 +778,7 @@ def distill_case(d: Draw) -> Case:
     temperature = d.pick("temperature", [1.0, 0.5, 2.0] if w.exact else [1.0, 0.5, 2.0, Fraction(3, 2)])
     aggregation = d.pick("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
     compute = d.pick("compute_dtype", [None, F32, F64], [6, 1, 1])
-    tile_elements = d.int("tile_elements", 1, 3 * w.V) if d.chance("tile", 0.3) else None
+    tile_rows = d.int("tile_rows", 1, 3) if d.chance("tile", 0.3) else None
     loss_mask = _loss_mask(d, w)
     own_mask = _loss_mask(d, w) if d.chance("teacher_mask", 0.3) else None
     m = _counted(w, own_mask if own_mask is not None else loss_mask, labels=with_labels)
@@ -846,7 +832,7 @@ def distill_case(d: Draw) -> Case:
         "bad_tail": ("tail",),
         "bad_divergence": ("divergence",),
         "bad_aggregation": ("aggregation",),
-        "bad_tile_elements": ("tile_elements",),
+        "bad_tile_rows": ("tile_rows",),
         "bad_compute_dtype": ("compute_dtype",),
         "bad_global_count": ("context.global_tokens", "context.global_sequences"),
         "unused_global_count": ("context.global_tokens", "context.global_sequences"),
@@ -973,18 +959,24 @@ def distill_case(d: Draw) -> Case:
         if "teacher_logit_scale" in muts
         else None
     )
-    kwargs: dict[str, Any] = dict(tile_elements=tile_elements, compute_dtype=compute)
-    if "bad_tile_elements" in muts:
-        kwargs["tile_elements"] = d.pick("bad_tile_elements", BAD_CHUNK)
+    kwargs: dict[str, Any] = dict(tile_rows=tile_rows, compute_dtype=compute)
+    if "bad_tile_rows" in muts:
+        kwargs["tile_rows"] = d.pick("bad_tile_rows", BAD_CHUNK)
     if "bad_compute_dtype" in muts:
         kwargs["compute_dtype"] = d.pick("bad_compute_dtype", [torch.int64, "float32", torch.complex64])
     cp_size = 2 if "cp_seq_mean_token_mean" in muts else cp
     if "cp_seq_mean_token_mean" in muts:
         cfg_kwargs["aggregation"] = "seq-mean-token-mean"
 
+    # a valid draw may go through the tensor function instead, called as an adopter
+    # would from the hook (one sequence per batch row: no context parallel, no MuP scale)
+    by_rows = not muts and cp == 1 and w.scale_kind == "none" and d.chance("tensor_door", 0.3)
+
     def make() -> Any:
         if "bad_config" in muts:
             return distillation_loss({"divergence": divergence}, **kwargs)  # type: ignore[arg-type]
+        if by_rows:
+            return distillation_by_rows(DistillConfig(**cfg_kwargs), **kwargs)
         return distillation_loss(DistillConfig(**cfg_kwargs), **kwargs)
 
     def extra(kw: dict[str, Any], r: int) -> None:
@@ -1056,7 +1048,7 @@ def distill_case(d: Draw) -> Case:
         return Compare(tols, {key: acc_dtype for key in values})
 
     return processor_case(
-        "distillation_loss",
+        "linear_distillation_loss" if by_rows else "distillation_loss",
         w,
         make,
         context=context,

@@ -45,6 +45,7 @@ from torch_impl.processors import (
 
 from .fuzz_support import Case, Draw, close
 from .fuzz_truths import aggregation_weights64, kl_estimate64, token_stats64
+from .identity_collectives import identity_collectives
 
 __all__ = ["SURFACE_ENTRIES", "SLOW_TOOLS"]
 
@@ -240,21 +241,12 @@ def processor_ctor_case(d: Draw) -> Case:
 # ---------------------------------------------------------------- validate_context
 
 
-class _Coll:
-    """A user's collectives stand-in; ``attrs`` become its attributes."""
+class _Coll(identity_collectives("_IdentityCollectives")):
+    """A user's collectives stand-in (the identity); ``attrs`` become its attributes."""
 
     def __init__(self, **attrs: Any) -> None:
         for k, v in attrs.items():
             setattr(self, k, v)
-
-    def all_reduce_sum(self, x: Any, /) -> Any:
-        return x
-
-    def all_reduce_max(self, x: Any, /) -> Any:
-        return x
-
-    def gather_hidden_states(self, x: Any, /) -> Any:
-        return x
 
 
 def validate_context_case(d: Draw) -> Case:

@@ -27,6 +27,7 @@ import torch
 import hookspec
 from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
 from hookspec.collectives import CheckedCollectives, check_collective_result, checked_collectives
+from tests.identity_collectives import identity_collectives
 from torch_impl import TorchCollectives
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss, topk_logprobs
 
@@ -34,7 +35,7 @@ V, H, B, S = 12, 4, 2, 8
 TP = 2
 
 
-class _Custom:
+class _Custom(identity_collectives("_Identity")):
     """A user's collectives over ``size`` tensor-parallel and ``cp_size``
     context-parallel ranks; each reduction returns its input (the values are not
     the point here), ``all_gather`` and the context-parallel sum as given."""
@@ -53,15 +54,6 @@ class _Custom:
 
     def __repr__(self) -> str:
         return f"_Custom(size={self.size}, cp_size={self.cp_size})"
-
-    def all_reduce_sum(self, x: Any, /) -> Any:
-        return x
-
-    def all_reduce_max(self, x: Any, /) -> Any:
-        return x
-
-    def gather_hidden_states(self, x: Any, /) -> Any:
-        return x
 
     def all_gather(self, x: Any, /) -> Any:
         return self._gather(x)
@@ -240,18 +232,7 @@ def test_gather_hidden_states_of_an_unknown_mode_takes_either_form() -> None:
 
 
 def test_optional_methods_are_offered_only_where_the_inner_has_them() -> None:
-    class Spec10:
-        def all_reduce_sum(self, x: Any, /) -> Any:
-            return x
-
-        def all_reduce_max(self, x: Any, /) -> Any:
-            return x
-
-        def gather_hidden_states(self, x: Any, /) -> Any:
-            return x
-
-        def __repr__(self) -> str:
-            return "Spec10()"
+    Spec10 = identity_collectives("Spec10", __repr__=lambda self: "Spec10()")
 
     coll = checked_collectives(Spec10(), tp_size=2)
     assert isinstance(coll, CheckedCollectives)
@@ -410,21 +391,9 @@ def test_a_wrong_all_gather_is_named_in_the_tensor_function() -> None:
         raise AssertionError("x[None] from all_gather at two ranks was taken")
 
 
-class _Ungathered:
-    """Two ranks' collectives whose ``gather_hidden_states`` forgets to gather under
-    sequence parallel (returns this rank's ``[s/tp, ...]`` rows); says nothing of its mode."""
-
-    def all_reduce_sum(self, x: Any, /) -> Any:
-        return x
-
-    def all_reduce_max(self, x: Any, /) -> Any:
-        return x
-
-    def gather_hidden_states(self, x: Any, /) -> Any:
-        return x
-
-    def all_gather(self, x: Any, /) -> Any:
-        return torch.stack([x, x])
+# Two ranks' collectives whose ``gather_hidden_states`` forgets to gather under sequence
+# parallel (returns this rank's ``[s/tp, ...]`` rows); says nothing of its mode.
+_Ungathered = identity_collectives("_Ungathered", all_gather=lambda self, x: torch.stack([x, x]))
 
 
 def test_a_second_check_keeps_the_sequence_parallel_mode_the_first_knew() -> None:

@@ -141,13 +141,16 @@ def ctx_of(
     )
 
 
+def _rows(d: dict[str, Any], w: torch.Tensor) -> int:
+    """The row sweep's tile: ``tile_elements`` logits of whole rows."""
+    return max(1, d["tile_elements"] // w.shape[0])
+
+
 def _distill(how: str) -> Callable[[dict[str, Any], torch.Tensor, torch.Tensor], Any]:
     tail = TeacherTail.BUCKET if how == "bucket" else TeacherTail.RENORMALIZE
     cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=tail)
     teacher = "dense" if how == "dense" else "sparse"
-    return lambda d, h, w: distillation_loss(cfg, tile_elements=d["tile_elements"])(
-        ctx_of(d, h, w, d[teacher])
-    )
+    return lambda d, h, w: distillation_loss(cfg, tile_rows=_rows(d, w))(ctx_of(d, h, w, d[teacher]))
 
 
 def backward_of(out: Any) -> None:
@@ -183,7 +186,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
             w,
             d["y"].T.reshape(-1),
             lambda lp, ent, rows: (lp * 0.3 - ent**2).sum(),
-            options=LinearOptions(backend=d["backend"], tile_rows=max(1, d["tile_elements"] // w.shape[0])),
+            options=LinearOptions(backend=d["backend"], tile_rows=_rows(d, w)),
         ),
         3.0,
     ),
@@ -199,7 +202,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         4.0,
     ),
     "cross_entropy_loss(reduction='mean')": (
-        lambda d, h, w: cross_entropy_loss(reduction="mean", fused_tile_elements=d["tile_elements"])(
+        lambda d, h, w: cross_entropy_loss(reduction="mean", tile_rows=_rows(d, w))(
             OutputContext(
                 hidden_states=h,
                 labels=d["y"],
@@ -211,9 +214,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         3.0,
     ),
     "policy_loss(GRPO, fused)": (
-        lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), fused_tile_elements=d["tile_elements"])(
-            ctx_of(d, h, w)
-        ),
+        lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), tile_rows=_rows(d, w))(ctx_of(d, h, w)),
         3.0,
     ),
     "linear_topk_logprobs": (
@@ -256,7 +257,7 @@ ROW_SWEEP = {
     "distillation_loss(sparse, bucket)",
     "distillation_loss(sparse, renormalize)",
 }
-TORCH_TILE = (11, 128)  # token_chunk_size x vocab_chunk_size: chunks that divide nothing
+TORCH_TILE = (11, 128)  # tile_rows x tile_cols: chunks that divide nothing
 TILE_ELEMENTS = 9 * V  # the row sweep: 9 rows a tile
 GRAD_BUFFER = 18 * V * 4  # the row sweep's gradient buffer: 18 rows (two tiles; three buffers in all)
 TRITON_BUDGET = 16384  # bytes of one fp32 logits tile: 13 rows x 256 entries here
@@ -275,9 +276,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def _run_case(name: str, backend: str, dtype: torch.dtype = torch.float32) -> tuple[GemmCounter, int]:
     forward, _ = CASES[name]
     d = data(dtype)
-    tile = (
-        {} if backend == "triton" else {"token_chunk_size": TORCH_TILE[0], "vocab_chunk_size": TORCH_TILE[1]}
-    )
+    tile = {} if backend == "triton" else {"tile_rows": TORCH_TILE[0], "tile_cols": TORCH_TILE[1]}
     kw = {} if backend == "triton" else {"tile_rows": TORCH_TILE[0], "tile_cols": TORCH_TILE[1]}
     d.update(tile=tile, kw=dict(kw, backend=backend), tile_elements=TILE_ELEMENTS, backend=backend)
     h = d["h"].clone().requires_grad_()

@@ -104,7 +104,7 @@ def _run(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
-    out = cross_entropy_loss(reduction=reduction, fused_tile_elements=4 * V)(_ctx(h, w, p, context, **kw))
+    out = cross_entropy_loss(reduction=reduction, tile_rows=4)(_ctx(h, w, p, context, **kw))
     out["loss"].backward()
     assert h.grad is not None and w.grad is not None
     return out, h.grad, w.grad
@@ -193,8 +193,8 @@ def test_nan_in_hidden_states_at_an_uncounted_token_makes_the_loss_nan() -> None
         ({"reduction": "avg"}, "reduction"),
         ({"reduction": None}, "reduction"),
         ({"reduction": 1}, "reduction"),
-        ({"reduction": "mean", "fused_tile_elements": 0}, "fused_tile_elements"),
-        ({"reduction": "mean", "fused_tile_elements": 2**63}, "fused_tile_elements"),
+        ({"reduction": "mean", "tile_rows": 0}, "tile_rows"),
+        ({"reduction": "mean", "tile_rows": 2**63}, "tile_rows"),
         ({"reduction": "mean", "temperature": float("nan")}, "temperature"),
     ],
 )
@@ -258,7 +258,7 @@ def _model_check(reduction: Any, tied: bool) -> None:
         *args,
         labels=batch["labels"],
         loss_mask=mask,
-        output_processor=cross_entropy_loss(reduction=reduction, fused_tile_elements=5 * 64),
+        output_processor=cross_entropy_loss(reduction=reduction, tile_rows=5),
     )
     out["loss"].backward()
     got = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from typing import Any
 
 import pytest
@@ -29,7 +30,14 @@ from hookspec import (
 )
 from tests.distributed import GlooSequenceParallel, run_distributed
 from tests.fake_cuda import deferred_checks
-from torch_impl.processors import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
+from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
+    LinearOptions,
+    SparseTeacher,
+    distillation_loss,
+    linear_distillation_loss,
+)
 
 IGNORE = -100
 S, B, H, HT, V, K = 7, 3, 8, 6, 46, 5
@@ -145,7 +153,7 @@ def _teacher(d: dict[str, Any], dense: bool, **kw: Any) -> Any:
 
 def _run(d: dict[str, Any], cfg: DistillConfig, dense: bool, tile: int = 3 * V) -> dict:
     ctx = _ctx(d, _teacher(d, dense))
-    out = distillation_loss(cfg, tile_elements=tile)(ctx)
+    out = distillation_loss(cfg, tile_rows=max(1, tile // V))(ctx)
     dh, dw = torch.autograd.grad(out["loss"], (ctx.hidden_states, ctx.vocab_weight))
     return {**{k: v.detach() for k, v in out.items()}, "dh": dh, "dw": dw}
 
@@ -169,6 +177,105 @@ def test_sparse_teacher_against_float64(divergence: DistillDivergence, tail: Tea
     d = _data(1)
     cfg = DistillConfig(divergence=divergence, tail=tail, temperature=1.3, beta=0.6)
     _close(_run(d, cfg, dense=False), _truth(d, cfg, dense=False))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...] -> [n, ...]`` in the hidden states' (``s``-major) row order."""
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _tensor_run(d: dict[str, Any], cfg: DistillConfig, dense: bool, tile_rows: int = 4) -> dict:
+    """:func:`linear_distillation_loss` on the rows of ``d`` (no hook), its metrics formed
+    here from the per-row results as the processor's are."""
+    h = d["h"].reshape(-1, H).clone().requires_grad_()
+    w = d["w"].clone().requires_grad_()
+    if dense:
+        teacher: Any = DenseTeacher(
+            hidden_states=d["th"].reshape(-1, HT), weight=d["tw"], mask=_rows(d["mask"])
+        )
+    else:
+        teacher = SparseTeacher(ids=_rows(d["ids"]), logprobs=_rows(d["lp"]), mask=_rows(d["mask"]))
+    seq = torch.arange(S * B) % B  # row r = s * B + b belongs to sequence b
+    res = linear_distillation_loss(
+        h,
+        w,
+        _rows(d["labels"]),
+        teacher,
+        options=LinearOptions(tile_rows=tile_rows),
+        config=cfg,
+        sequences=(seq, B),
+    )
+    dh, dw = torch.autograd.grad(res.loss, (h, w))
+    m = torch.where(_rows(d["labels"]) == IGNORE, 0.0, _rows(d["mask"]))
+    return {
+        "loss": res.loss.detach(),
+        "kl": (res.kl * m).sum() / m.sum(),
+        "top1_agreement": (res.top1_agreement.double() * m).sum() / m.sum(),
+        "dh": dh.reshape(S, B, H),
+        "dw": dw,
+    }
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_the_tensor_function_against_float64_and_equal_to_the_processor(
+    dense: bool, aggregation: Aggregation
+) -> None:
+    """``linear_distillation_loss`` on rows: the float64 truth, and bitwise the
+    processor's loss and gradients (both doors share one loss)."""
+    d = _data(seed=21)
+    cfg = DistillConfig(
+        divergence=DistillDivergence.JSD,
+        beta=0.3,
+        tail=TeacherTail.BUCKET,
+        aggregation=aggregation,
+        temperature=1.5,
+    )
+    got = _tensor_run(d, cfg, dense)
+    _close(got, _truth(d, cfg, dense=dense))
+    via_hook = _run(d, cfg, dense, tile=4 * V)
+    for key in ("loss", "dh", "dw"):
+        assert torch.equal(got[key], via_hook[key]), key
+
+
+def test_the_tensor_function_checks_its_own_arguments() -> None:
+    d = _data(seed=22)
+    h, w, y = d["h"].reshape(-1, H), d["w"], _rows(d["labels"])
+    teacher = SparseTeacher(ids=_rows(d["ids"]), logprobs=_rows(d["lp"]))
+    with pytest.raises(ContractError, match=r"^options.temperature: expected 1.0"):
+        linear_distillation_loss(h, w, y, teacher, options=LinearOptions(temperature=2.0))
+    with pytest.raises(ContractError, match=r"^teacher.ids: expected a tensor \[n=21, k\]"):
+        linear_distillation_loss(h, w, y, SparseTeacher(ids=d["ids"], logprobs=d["lp"]))
+    with pytest.raises(ContractError, match=r"^teacher.mask: expected a tensor \[n=21\]"):
+        linear_distillation_loss(
+            h, w, y, SparseTeacher(ids=teacher.ids, logprobs=teacher.logprobs, mask=d["mask"])
+        )
+    with pytest.raises(ContractError, match=r"^teacher: expected a torch_impl.processors.SparseTeacher"):
+        linear_distillation_loss(h, w, y, {"ids": teacher.ids})
+    with pytest.raises(ContractError, match=r"^sequences\[0\]: expected indices in \[0, 2\)"):
+        seq = torch.arange(S * B) % B
+        linear_distillation_loss(
+            h, w, y, teacher, config=DistillConfig(aggregation="seq-mean-token-sum"), sequences=(seq, 2)
+        )
+    bad = teacher.logprobs.clone()
+    bad[3, 0] = 0.5  # a logprob > 0 at a counted row
+    with pytest.raises(ContractError, match=r"^teacher.logprobs: expected finite logprobs <= 0"):
+        linear_distillation_loss(h, w, y, SparseTeacher(ids=teacher.ids, logprobs=bad))
+    with pytest.raises(TypeError, match=re.escape("vocab_start= -> LinearOptions(vocab=VocabShard")):
+        linear_distillation_loss(h, w, y, teacher, vocab_start=0)  # type: ignore[arg-type]
+
+
+def test_the_tensor_function_without_labels_counts_every_row() -> None:
+    """No labels: no row is ignored (the mask alone counts)."""
+    d = _data(seed=23)
+    d["labels"] = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
+    cfg = DistillConfig()
+    h, w = d["h"].reshape(-1, H), d["w"]
+    teacher = SparseTeacher(ids=_rows(d["ids"]), logprobs=_rows(d["lp"]), mask=_rows(d["mask"]))
+    with_labels = linear_distillation_loss(h, w, _rows(d["labels"]), teacher, config=cfg)
+    without = linear_distillation_loss(h, w, None, teacher, config=cfg)
+    assert torch.equal(with_labels.loss, without.loss)
+    torch.testing.assert_close(without.loss, _truth(d, cfg, dense=False)["loss"], rtol=1e-10, atol=1e-10)
 
 
 def test_sparse_aggregations_and_one_tile_per_token() -> None:
@@ -510,7 +617,7 @@ def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_p
         parallel=ParallelLayout(tp_size=2, tp_rank=rank, sequence_parallel=sequence_parallel),
         collectives=coll,
     )
-    out = distillation_loss(cfg, tile_elements=4 * half)(ctx)
+    out = distillation_loss(cfg, tile_rows=4)(ctx)
     out["loss"].backward()
     for key in ("loss", "kl", "top1_agreement"):
         torch.testing.assert_close(out[key], want[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")

@@ -313,7 +313,7 @@ def test_markers_are_read(tmp_path: Path) -> None:
     ]
 
 
-# ---- the README's processor and its reference: one pair that passes hookcheck ----
+# ---- the template processor and its reference: one pair that passes hookcheck ----
 
 PAIR = [
     "--processor",
@@ -328,7 +328,7 @@ PAIR = [
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_example_pair_passes_hookcheck(tp: int) -> None:
-    """``python -m jax_ref.check.hookcheck`` on the README's pair, as the README
+    """``python -m jax_ref.check.hookcheck`` on the template pair, as the docs
     shows it: every comparison passes (tp=1: fp32, bf16, fp16, tied, synthetic
     cases; tp=2: two gloo ranks against the reference sharded over two devices).
     tp=1 runs the command's ``main`` in this process (the same arguments, without
@@ -358,7 +358,7 @@ def test_example_pair_passes_hookcheck(tp: int) -> None:
     assert code == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
-    if tp == 2:  # the README shows this run's table: its header and rows are what hookcheck prints
+    if tp == 2:  # docs/writing-processors.md shows this run's table: its header and rows, hookcheck's
         shown = _readme_hookcheck_table()
         assert shown[0] in out.splitlines(), (shown[0], out)
         for row in shown[2:-1]:  # every column but the errors, which vary in their last digits
@@ -371,8 +371,9 @@ def _words(line: str) -> list[str]:
 
 
 def _readme_hookcheck_table() -> list[str]:
-    """The lines of the README's ```text block that shows the pair's ``hookcheck --tp 2`` output."""
-    text = (ROOT / "README.md").read_text()
+    """The lines of the ```text block of docs/writing-processors.md that shows the pair's
+    ``hookcheck --tp 2`` output."""
+    text = (ROOT / "docs" / "writing-processors.md").read_text()
     after = text.split("--context docs.examples.my_processor:make_context --tp 2", 1)[1]
     block = after.split("```text\n", 1)[1].split("```", 1)[0]
     return block.rstrip("\n").splitlines()
@@ -381,7 +382,7 @@ def _readme_hookcheck_table() -> list[str]:
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
 def test_example_pair_check_can_fail() -> None:
     """The check the pair passes is one that fails: the processor with the defect
-    of the README's earlier example (``z_y - lse``, i.e. ``-lse``, where the label
+    of the template's earlier example (``z_y - lse``, i.e. ``-lse``, where the label
     is ignored, where the contract defines 0) fails against the same reference."""
     import torch
 
@@ -431,11 +432,11 @@ def test_jax_ref_submodules_load_on_first_use() -> None:
     assert "module 'jax_ref' has no attribute 'no_such_name'" in out.stdout
 
 
-# ---- the README's processor as a template: what a caller may leave out ----
+# ---- the template processor: what a caller may leave out ----
 
 
 def _template_run(**call: Any) -> tuple[Any, dict[str, Any]]:
-    """The README's processor through the tiny GPT's hook, ``call`` the forward's extra
+    """The template processor through the tiny GPT's hook, ``call`` the forward's extra
     keywords; also the float64 truth from the stock model's logits (same weights)."""
     import torch
 
@@ -522,7 +523,7 @@ def test_template_without_labels_raises_a_contract_error() -> None:
 
 def by_hand_reference_sharded() -> None:
     """(Run in a fresh interpreter with two virtual CPU devices.) The by-hand reference
-    under ``shard_reference`` on two shards equals the README's reference (library
+    under ``shard_reference`` on two shards equals the template's reference (library
     formulas) on one, values and both gradients; without its collectives it fails."""
     import dataclasses
 

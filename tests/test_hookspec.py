@@ -12,6 +12,7 @@ import pytest
 
 import hookspec
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
+from tests.identity_collectives import identity_collectives
 
 
 def test_import_pulls_in_no_framework() -> None:
@@ -89,17 +90,8 @@ def test_mismatched_shapes_name_field_expected_actual(
     assert str(err).startswith(f"{field}: expected ")
 
 
-class _TwoRanks:
-    """A user's collectives over two ranks (stand-in: the reductions are not run here)."""
-
-    def all_reduce_sum(self, x: object, /) -> object:
-        return x
-
-    def all_reduce_max(self, x: object, /) -> object:
-        return x
-
-    def gather_hidden_states(self, x: object, /) -> object:
-        return np.concatenate([x, x])  # type: ignore[list-item]
+# A user's collectives over two ranks (stand-in: the reductions are not run here).
+_TwoRanks = identity_collectives("_TwoRanks", gather_hidden_states=lambda self, x: np.concatenate([x, x]))
 
 
 def test_sequence_parallel_hidden_states_are_a_tp_slice() -> None:
@@ -256,3 +248,48 @@ def test_collectives_recipe_runs_as_written() -> None:
 
     result = doctest.testmod(hookspec.collectives, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 15 and result.failed == 0
+
+
+def test_lazy_names_load_once_and_refuse_what_the_package_lacks() -> None:
+    """``hookspec.lazy.LazyNames``, the one lazy ``__getattr__`` of ``torch_impl``,
+    ``jax_ref`` and ``jax_ref.check``: a name loads from its module on first use and is
+    bound in the package; an unknown name is an ``AttributeError`` naming the package."""
+    import sys
+    import types
+
+    import pytest
+
+    from hookspec.lazy import LazyNames
+
+    pkg = types.ModuleType("lazy_pkg_for_test")
+    lazy = LazyNames(pkg.__name__, {"dumps": "json", "Path": "pathlib"})
+    pkg.__getattr__ = lazy.load  # type: ignore[method-assign]
+    sys.modules[pkg.__name__] = pkg
+    try:
+        import json
+
+        assert "dumps" not in vars(pkg)
+        assert pkg.dumps is json.dumps and vars(pkg)["dumps"] is json.dumps  # bound: loaded once
+        assert {"dumps", "Path"} <= set(lazy.names())
+        with pytest.raises(AttributeError, match="module 'lazy_pkg_for_test' has no attribute 'nope'"):
+            pkg.nope  # noqa: B018
+    finally:
+        del sys.modules[pkg.__name__]
+
+
+def test_the_tests_identity_collectives_have_exactly_the_methods_asked_for() -> None:
+    """tests.identity_collectives: the tests that ask which methods a user's
+    collectives has rely on the class having those and no more."""
+    from tests.identity_collectives import OPTIONAL, REQUIRED
+
+    methods = set(REQUIRED) | set(OPTIONAL)
+
+    def has(cls: type) -> set[str]:
+        return {m for m in methods if callable(getattr(cls(), m, None))}
+
+    assert has(identity_collectives("Spec10")) == set(REQUIRED)
+    assert has(identity_collectives("Gathers", "all_gather")) == {*REQUIRED, "all_gather"}
+    assert identity_collectives("Echo")().all_reduce_max(3.5) == 3.5
+    assert isinstance(identity_collectives("Checked")(), hookspec.Collectives)
+    with pytest.raises(ValueError, match="all_reduce_min"):
+        identity_collectives("Bad", "all_reduce_min")

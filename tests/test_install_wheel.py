@@ -22,16 +22,18 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TYPED = ("hookspec", "torch_impl", "jax_ref")
 PACKAGED = ("pyproject.toml", "README.md", "build_backend", "hookspec", "torch_impl", "jax_ref")
 
 CHECK = """
-import importlib.util, json
+import importlib.util, json, pathlib
 import torch
 import torch_impl
 from torch_impl.processors import selected_logprobs
@@ -53,6 +55,11 @@ with megatron_parallel():
         "torch": torch.__file__,
         "has_jax": importlib.util.find_spec("jax") is not None,
         "has_pytest": importlib.util.find_spec("pytest") is not None,
+        # PEP 561: each package says that it is typed
+        "py_typed": [
+            (pathlib.Path(importlib.util.find_spec(p).origin).parent / "py.typed").is_file()
+            for p in ("hookspec", "torch_impl", "jax_ref")
+        ],
     }))
 """
 
@@ -120,6 +127,8 @@ def test_wheel_installs_without_dependencies_into_a_bare_torch_megatron_env(
         check=True,
     )
     (wheel,) = (tmp_path / "dist").glob("mcore_hookspec-*.whl")
+    with zipfile.ZipFile(wheel) as whl:  # PEP 561: the marker of each package is in the wheel
+        assert {f"{p}/py.typed" for p in TYPED} <= set(whl.namelist()), sorted(whl.namelist())[:20]
 
     python = _bare_env(tmp_path / "env")
     subprocess.run(
@@ -139,6 +148,7 @@ def test_wheel_installs_without_dependencies_into_a_bare_torch_megatron_env(
     assert not result["has_jax"] and not result["has_pytest"], result  # only torch and megatron-core
     assert result["logprob_error"] < 1e-5 and result["entropy_error"] < 1e-5, result
     assert result["mean_logprob"] < -3.0, result  # about -log(64) for the untrained tiny model
+    assert result["py_typed"] == [True] * len(TYPED), result  # installed, a type checker sees the types
 
     if (src / "torch_impl" / "doctor.py").exists():  # the README's check of an installation
         doctor = subprocess.run(
@@ -187,13 +197,14 @@ def test_building_from_a_read_only_checkout_writes_nothing_into_it(tmp_path: pat
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert after == before, sorted(set(after) ^ set(before)) or "a file changed"
     if how == "wheel":
-        import zipfile
-
         (wheel,) = (tmp_path / "dist").glob("mcore_hookspec-*.whl")
-        tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+        names = set(zipfile.ZipFile(wheel).namelist())
+        tops = {n.split("/")[0] for n in names}
         assert {"hookspec", "torch_impl", "jax_ref"} <= tops and "build_backend" not in tops, tops
+        assert {f"{p}/py.typed" for p in TYPED} <= names, "PEP 561: each package's marker in the wheel"
     else:
         assert (tmp_path / "target" / "hookspec" / "__init__.py").exists()
+        assert all((tmp_path / "target" / p / "py.typed").is_file() for p in TYPED), "PEP 561 markers"
 
 
 def test_torch_extra_lower_bounds_are_the_tested_ones() -> None:

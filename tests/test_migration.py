@@ -332,8 +332,8 @@ def test_verl_fused_kernels_stay_on_with_mtp() -> None:
             None,
             labels=labels,
             loss_mask=loss_mask,
-            output_processor=selected_logprobs(entropy=True, vocab_chunk_size=16, token_chunk_size=4),
-            mtp_processor=cross_entropy_loss(vocab_chunk_size=16, token_chunk_size=4),
+            output_processor=selected_logprobs(entropy=True, tile_cols=16, tile_rows=4),
+            mtp_processor=cross_entropy_loss(tile_cols=16, tile_rows=4),
         )
         (-out["logprobs"].sum()).backward()
     assert watch.rows <= 4

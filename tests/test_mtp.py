@@ -215,7 +215,7 @@ def test_detached_head_trains_mtp_layers_but_not_the_head() -> None:
         return ctx.hidden_states.sum(-1).transpose(0, 1) * 0.0
 
     results = {}
-    fused = cross_entropy_loss(vocab_chunk_size=16, token_chunk_size=4)
+    fused = cross_entropy_loss(tile_cols=16, tile_rows=4)
     mtps = {
         "attached": default_mtp_loss,
         "detached": detached_head(default_mtp_loss),
@@ -252,7 +252,7 @@ def test_fused_mtp_processor_matches_and_never_materialises_the_logits() -> None
         return ctx.hidden_states.float().pow(2).mean(-1).transpose(0, 1)
 
     peaks, results = {}, {}
-    fused = cross_entropy_loss(vocab_chunk_size=16, token_chunk_size=4)
+    fused = cross_entropy_loss(tile_cols=16, tile_rows=4)
     for name, mtp in {"default": default_mtp_loss, "fused": fused}.items():
         model = enable_output_processor(build_mtp_gpt(vocab=72)).eval()
         with LogitWatch(vocab=72, hidden=32) as watch:

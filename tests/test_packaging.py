@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,3 +35,20 @@ def test_requirements_pin_the_two_megatron_releases() -> None:
     py311 = (ROOT / "requirements" / "py311.txt").read_text().split()
     assert "megatron-core==0.19.2" in py312 and "torch==2.13.0" in py312
     assert "megatron-core==0.16.1" in py311 and "torch==2.13.0" in py311
+
+
+def test_changelog_top_entry_is_the_version() -> None:
+    """``CHANGELOG.md``'s first ``## <version>`` is ``pyproject.toml``'s version: a
+    version is not bumped without its entry, nor an entry written for another."""
+    heads = re.findall(r"^## (\S+)\s*$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert heads, "CHANGELOG.md has no '## <version>' entry"
+    assert heads[0] == _project()["version"], (heads[0], _project()["version"])
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in heads), heads  # semantic versions
+    versions = [tuple(map(int, v.split("."))) for v in heads]
+    assert versions == sorted(versions, reverse=True), heads  # newest first
+
+
+def test_every_package_is_marked_typed() -> None:
+    """PEP 561: each package ships ``py.typed`` (tests/test_install_wheel.py checks the wheel)."""
+    for package in ("hookspec", "torch_impl", "jax_ref"):
+        assert (ROOT / package / "py.typed").is_file(), package

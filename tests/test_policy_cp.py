@@ -30,6 +30,7 @@ import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
 from tests.distributed import run_distributed
+from tests.identity_collectives import identity_collectives
 from tests.policy_truth import policy_truth
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.cp import cp_chunk_index, padded_cu_seqlens, thd_partition_index
@@ -267,7 +268,7 @@ def _check_case(
     w = p["w"][shard].clone().requires_grad_()
     ctx = _context(model, local, h, w, {"temperature": local["temperature"]}, psp)
     assert ctx.parallel.cp_size == CP and ctx.parallel.cp_rank == rank, ctx.parallel
-    out = selected_logprobs(entropy=True, vocab_chunk_size=7, token_chunk_size=5)(ctx)
+    out = selected_logprobs(entropy=True, tile_cols=7, tile_rows=5)(ctx)
     (local["c_lp"] * out["logprobs"] + local["c_ent"] * out["entropy"]).sum().backward()
     torch.testing.assert_close(out["logprobs"], t["sel_lp"][:, index], **TOL)
     torch.testing.assert_close(out["entropy"], t["sel_ent"][:, index], **TOL)
@@ -276,7 +277,7 @@ def _check_case(
 
     h = local["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
-    ce = cross_entropy_loss(vocab_chunk_size=7)(_context(model, local, h, w, None, psp))
+    ce = cross_entropy_loss(tile_cols=7)(_context(model, local, h, w, None, psp))
     (local["c_lp"] * ce).sum().backward()
     torch.testing.assert_close(ce, -t["ce_lp"][:, index], **TOL)
     torch.testing.assert_close(h.grad, t["ce_dh"][index], **TOL)
@@ -289,7 +290,7 @@ def _check_case(
         h = local["h"].clone().requires_grad_()
         w = p["w"][shard].clone().requires_grad_()
         batch = dataclasses.replace(local["batch"], **counts)
-        fn = policy_loss(cfg, vocab_chunk_size=7, token_chunk_size=5, fused_tile_elements=3 * V)
+        fn = policy_loss(cfg, tile_cols=7, tile_rows=3)
         out = fn(_context(model, local, h, w, batch, psp))
         out["loss"].backward()
         msg = f"{name} (rank {rank})"
@@ -445,20 +446,12 @@ def _one_rank_cp2(p: dict[str, Any], batch: PolicyBatch, collectives: Any, psp: 
     )
 
 
-class _CollectivesOfSpec11:
-    """A user's collectives written before spec 1.2: no context-parallel sum."""
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x.detach()
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def __repr__(self) -> str:
-        return "_CollectivesOfSpec11()"
+# A user's collectives written before spec 1.2: no context-parallel sum.
+_CollectivesOfSpec11 = identity_collectives(
+    "_CollectivesOfSpec11",
+    all_reduce_max=lambda self, x: x.detach(),
+    __repr__=lambda self: "_CollectivesOfSpec11()",
+)
 
 
 @pytest.mark.parametrize("collectives", [_CollectivesOfSpec11(), SingleProcessCollectives()], ids=repr)

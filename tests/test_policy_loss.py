@@ -11,6 +11,7 @@ formed in the forward pass (``fused=True``) and autograd through
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Any
 
@@ -20,12 +21,15 @@ import torch
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.policy_truth import policy_truth
 from torch_impl.processors import (
+    DistillConfig,
     PolicyBatch,
     PolicyLossConfig,
     RatioLevel,
     cross_entropy_loss,
+    distillation_loss,
     policy_loss,
     selected_logprobs,
+    topk_logprobs,
 )
 
 IGNORE = -100
@@ -85,9 +89,7 @@ def test_policy_loss_float64(name: str, fused: bool) -> None:
     truth = policy_truth(d["h"], d["w"], d["labels"], d["batch"], cfg)
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
-    out = policy_loss(cfg, vocab_chunk_size=13, token_chunk_size=4, fused_tile_elements=3 * V)(
-        _ctx(h, w, d["labels"], d["batch"])
-    )
+    out = policy_loss(cfg, tile_cols=13, tile_rows=3)(_ctx(h, w, d["labels"], d["batch"]))
     out["loss"].backward()
     tol = {"rtol": 1e-10, "atol": 1e-12}
     torch.testing.assert_close(out["loss"], truth["loss"], **tol)
@@ -465,24 +467,33 @@ def test_eps_high_is_a_deprecated_alias_of_effective_clip_high() -> None:
         assert cfg.eps_high == 0.28
 
 
-@pytest.mark.parametrize("name", ["selected_logprobs", "cross_entropy_loss", "policy_loss"])
-def test_chunk_size_is_a_deprecated_alias_of_vocab_chunk_size(name: str) -> None:
-    make: Any = {
-        "selected_logprobs": lambda **kw: selected_logprobs(entropy=True, **kw),
-        "cross_entropy_loss": cross_entropy_loss,
-        "policy_loss": lambda **kw: policy_loss(PolicyLossConfig(fused=False), **kw),
-    }[name]
-    d = _data(seed=10)
-    ctx = _ctx(d["h"], d["w"], d["labels"], d["batch"] if name == "policy_loss" else None)
-    with pytest.warns(DeprecationWarning, match="chunk_size is deprecated.*vocab_chunk_size") as rec:
-        old = make(chunk_size=7, token_chunk_size=5)
-    assert rec[0].filename == __file__
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new = make(vocab_chunk_size=7, token_chunk_size=5)
-    got, want = old(ctx), new(ctx)
-    for key in want if isinstance(want, dict) else [None]:
-        a, b = (got, want) if key is None else (got[key], want[key])
-        assert torch.equal(a, b), key
-    with pytest.raises(ContractError, match=r"^chunk_size: expected unset when vocab_chunk_size is given"):
-        make(chunk_size=7, vocab_chunk_size=7)
+_OLD_TILES = [
+    ("vocab_chunk_size", "tile_cols"),
+    ("token_chunk_size", "tile_rows"),
+    ("chunk_size", "tile_cols"),
+    ("fused_tile_elements", "tile_rows (= fused_tile_elements // V_local)"),
+    ("tile_elements", "tile_rows (= tile_elements // V_local)"),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), _OLD_TILES)
+@pytest.mark.parametrize(
+    "factory",
+    [
+        selected_logprobs,
+        cross_entropy_loss,
+        policy_loss,
+        lambda **kw: topk_logprobs(2, **kw),
+        lambda **kw: distillation_loss(DistillConfig(), **kw),
+    ],
+    ids=["selected_logprobs", "cross_entropy_loss", "policy_loss", "topk_logprobs", "distillation_loss"],
+)
+def test_a_factory_tile_keyword_of_the_earlier_signature_names_its_new_name(
+    factory: Any, old: str, new: str
+) -> None:
+    """The factories' tiles took LinearOptions' names (tile_rows, tile_cols): each
+    earlier keyword raises TypeError naming where it went, at the factory."""
+    with pytest.raises(TypeError, match=re.escape(f"{old}= -> {new}")):
+        factory(**{old: 7})
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['tile_row'\]$"):
+        factory(tile_row=7)

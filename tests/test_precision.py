@@ -168,7 +168,7 @@ CASES: dict[str, Case] = {
         PolicyLossConfig(entropy_coef=0.01)
     )(_ctx(h, w, d, d["batch"])),
     "policy_loss(GSPO)": lambda h, w, d, how: policy_loss(
-        PolicyLossConfig.gspo(clip_low=0.2, clip_high=0.2), token_chunk_size=37
+        PolicyLossConfig.gspo(clip_low=0.2, clip_high=0.2), tile_rows=37
     )(_ctx(h, w, d, d["batch"])),
     "topk_logprobs": lambda h, w, d, how: {
         k: v for k, v in topk_logprobs(K, entropy=True)(_ctx(h, w, d)).items() if k != "topk_ids"

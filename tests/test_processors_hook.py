@@ -45,9 +45,7 @@ def test_cross_entropy_equals_megatron_loss_and_gradients(tied: bool) -> None:
     (stock * cot).sum().backward()
     expected = _grads(model)
     torch_impl.enable_output_processor(model)
-    ours = model(
-        *_args(batch), labels=batch["labels"], output_processor=cross_entropy_loss(vocab_chunk_size=24)
-    )
+    ours = model(*_args(batch), labels=batch["labels"], output_processor=cross_entropy_loss(tile_cols=24))
     (ours * cot).sum().backward()
     got = _grads(model)
     keep = batch["labels"] != -100
@@ -72,7 +70,7 @@ def test_selected_logprobs_equal_stock_logits_with_context_temperature() -> None
     out = model(
         *_args(batch),
         labels=batch["labels"],
-        output_processor=selected_logprobs(entropy=True, vocab_chunk_size=10),
+        output_processor=selected_logprobs(entropy=True, tile_cols=10),
         output_processor_context=Sampling(t),
     )
     logp = (logits / t[..., None].double()).log_softmax(-1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, VocabShard
+from tests.identity_collectives import identity_collectives
 from torch_impl.processors import LinearOptions, linear_logprobs
 
 IGNORE = -100
@@ -278,21 +279,9 @@ def test_labels_outside_the_global_vocabulary_raise() -> None:
             linear_logprobs(h, w, y2)
 
 
-class _OtherRanksAbsent:
-    """Collectives of a group whose other ranks contribute nothing (the identity): enough
-    to check what a shard accepts, not what it computes."""
-
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def gather_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def all_reduce_sum_context_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+# Collectives of a group whose other ranks contribute nothing (the identity): enough to
+# check what a shard accepts, not what it computes.
+_OtherRanksAbsent = identity_collectives("_OtherRanksAbsent", "all_reduce_sum_context_parallel")
 
 
 def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:

@@ -150,7 +150,7 @@ def _tp2_model(rank: int, batch: dict[str, Any], cotangent: torch.Tensor, tied: 
     ours = model(
         *args,
         labels=batch["labels"],
-        output_processor=cross_entropy_loss(vocab_chunk_size=7, token_chunk_size=5),
+        output_processor=cross_entropy_loss(tile_cols=7, tile_rows=5),
     )
     (ours * cotangent).sum().backward()
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)

@@ -14,6 +14,7 @@ import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.distributed import GlooSequenceParallel, run_distributed
+from tests.identity_collectives import identity_collectives
 from torch_impl.processors import LinearOptions, linear_topk_logprobs, topk_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
@@ -192,9 +193,7 @@ def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
     args = (batch["input_ids"], batch["position_ids"], None)
     logits = model(*args).double()  # [b, s, V]
     torch_impl.enable_output_processor(model)
-    out = model(
-        *args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, vocab_chunk_size=24)
-    )
+    out = model(*args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, tile_cols=24))
     logp = logits.log_softmax(-1)
     want = torch.sort(logp, dim=-1, descending=True, stable=True)
     assert torch.equal(out["topk_ids"], want.indices[..., :5])
@@ -206,17 +205,7 @@ def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
     assert all(q.grad is not None for q in model.parameters() if q.requires_grad)
 
 
-class _OldCollectives:
-    """Collectives written for spec 1.0: no all_gather."""
-
-    def all_reduce_sum(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def all_reduce_max(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
-
-    def gather_hidden_states(self, x: torch.Tensor, /) -> torch.Tensor:
-        return x
+_OldCollectives = identity_collectives("_OldCollectives")  # written for spec 1.0: no all_gather
 
 
 def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> None:

@@ -52,17 +52,17 @@ def _inputs(seed: int = 0) -> dict[str, Any]:
 
 
 PROCESSORS: dict[str, Any] = {
-    "selected_logprobs": lambda: selected_logprobs(entropy=True, vocab_chunk_size=17, token_chunk_size=11),
-    "cross_entropy_loss": lambda: cross_entropy_loss(vocab_chunk_size=17, token_chunk_size=11),
+    "selected_logprobs": lambda: selected_logprobs(entropy=True, tile_cols=17, tile_rows=11),
+    "cross_entropy_loss": lambda: cross_entropy_loss(tile_cols=17, tile_rows=11),
     "policy_loss-fused": lambda: policy_loss(
-        PolicyLossConfig.grpo(entropy_coef=0.01, dual_clip=3.0), fused_tile_elements=7 * V
+        PolicyLossConfig.grpo(entropy_coef=0.01, dual_clip=3.0), tile_rows=7
     ),
     "policy_loss-autograd": lambda: policy_loss(
         PolicyLossConfig(kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01, fused=False),
-        vocab_chunk_size=17,
-        token_chunk_size=11,
+        tile_cols=17,
+        tile_rows=11,
     ),
-    "policy_loss-gspo": lambda: policy_loss(PolicyLossConfig.gspo(kl_coef=0.05), vocab_chunk_size=17),
+    "policy_loss-gspo": lambda: policy_loss(PolicyLossConfig.gspo(kl_coef=0.05), tile_cols=17),
 }
 
 

@@ -49,13 +49,12 @@ def test_linear_options_integer_fields(option: str, value: int) -> None:
 
 
 _FACTORIES: list[tuple[str, Callable[..., Any], str]] = [
-    ("selected_logprobs", selected_logprobs, "vocab_chunk_size"),
-    ("selected_logprobs", selected_logprobs, "token_chunk_size"),
-    ("cross_entropy_loss", cross_entropy_loss, "vocab_chunk_size"),
-    ("cross_entropy_loss", cross_entropy_loss, "token_chunk_size"),
-    ("policy_loss", policy_loss, "vocab_chunk_size"),
-    ("policy_loss", policy_loss, "token_chunk_size"),
-    ("policy_loss", policy_loss, "fused_tile_elements"),
+    ("selected_logprobs", selected_logprobs, "tile_cols"),
+    ("selected_logprobs", selected_logprobs, "tile_rows"),
+    ("cross_entropy_loss", cross_entropy_loss, "tile_cols"),
+    ("cross_entropy_loss", cross_entropy_loss, "tile_rows"),
+    ("policy_loss", policy_loss, "tile_cols"),
+    ("policy_loss", policy_loss, "tile_rows"),
 ]
 
 

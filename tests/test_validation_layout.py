@@ -16,22 +16,14 @@ import pytest
 
 import hookspec
 from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
+from tests.identity_collectives import identity_collectives
 
 V, H, B, S = 16, 4, 2, 8
 
 
-class _Group:
-    """A user's collectives written against the three methods of spec 1.0 (no
-    ``size``, no later optional methods): it must keep validating."""
-
-    def all_reduce_sum(self, x: Any, /) -> Any:
-        return x
-
-    def all_reduce_max(self, x: Any, /) -> Any:
-        return x
-
-    def gather_hidden_states(self, x: Any, /) -> Any:
-        return x
+# A user's collectives written against the three methods of spec 1.0 (no ``size``, no
+# later optional methods): it must keep validating.
+_Group = identity_collectives("_Group")
 
 
 class _Sized(_Group):

@@ -30,6 +30,7 @@ from torch_impl.processors import (
     PolicyLossConfig,
     aggregation_weights,
     cross_entropy_loss,
+    distillation_loss,
     kl_penalty,
     linear_logprobs,
     policy_loss,
@@ -274,23 +275,22 @@ def test_collectives_that_are_not_collectives_are_named(collectives: Any) -> Non
 @pytest.mark.parametrize(
     ("factory", "kwargs", "field"),
     [
-        (selected_logprobs, {"chunk_size": 0}, "chunk_size"),
-        (selected_logprobs, {"chunk_size": 2.5}, "chunk_size"),
-        (selected_logprobs, {"token_chunk_size": -1}, "token_chunk_size"),
-        (selected_logprobs, {"token_chunk_size": True}, "token_chunk_size"),
+        (selected_logprobs, {"tile_cols": 0}, "tile_cols"),
+        (selected_logprobs, {"tile_cols": 2.5}, "tile_cols"),
+        (selected_logprobs, {"tile_rows": -1}, "tile_rows"),
+        (selected_logprobs, {"tile_rows": True}, "tile_rows"),
         (selected_logprobs, {"entropy": "yes"}, "entropy"),
         (selected_logprobs, {"temperature": NAN}, "temperature"),
         (selected_logprobs, {"temperature": INF}, "temperature"),
-        (cross_entropy_loss, {"chunk_size": 0}, "chunk_size"),
-        (cross_entropy_loss, {"token_chunk_size": INF}, "token_chunk_size"),
-        (policy_loss, {"chunk_size": -4}, "chunk_size"),
-        (policy_loss, {"token_chunk_size": 0}, "token_chunk_size"),
-        (policy_loss, {"fused_tile_elements": 0}, "fused_tile_elements"),
-        (policy_loss, {"fused_tile_elements": NAN}, "fused_tile_elements"),
+        (cross_entropy_loss, {"tile_cols": 0}, "tile_cols"),
+        (cross_entropy_loss, {"tile_rows": INF}, "tile_rows"),
+        (policy_loss, {"tile_cols": -4}, "tile_cols"),
+        (policy_loss, {"tile_rows": 0}, "tile_rows"),
+        (policy_loss, {"tile_rows": NAN}, "tile_rows"),
+        (distillation_loss, {"tile_rows": 1.5}, "tile_rows"),
     ],
     ids=lambda v: getattr(v, "__name__", None) or repr(v),  # no address: the same ids in every process
 )
-@pytest.mark.filterwarnings("ignore:chunk_size is deprecated:DeprecationWarning")  # the alias is checked too
 def test_processor_options_are_checked_when_the_processor_is_made(
     factory: Any, kwargs: dict[str, Any], field: str
 ) -> None:

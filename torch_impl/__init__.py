@@ -1,14 +1,17 @@
 """torch_impl: the PyTorch / Megatron Core implementation of the hookspec contract.
 
 The names below load on first use (PEP 562): ``import torch_impl.processors``
-imports torch alone, never Megatron Core; the adapter imports the processors,
-never the reverse.
+imports torch alone, never Megatron Core. The call layer (the adapter, ``enable``,
+``mtp``, the schedule plan) and the processors do not import each other: a
+processor reaches the model through the hook's ``OutputContext`` only (the doctor,
+a tool above both, imports the processors to check them).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from hookspec.lazy import LazyNames
 
 if TYPE_CHECKING:
     from ._compat import InstalledMegatron, installed_megatron
@@ -47,37 +50,35 @@ __all__ = [
     "unwrap_model",
 ]
 
-_WHERE: dict[str, str] = {
-    "HookOptions": ".enable",
-    "InstalledMegatron": "._compat",
-    "MTPOptions": ".mtp",
-    "TorchCollectives": ".collectives",
-    "build_output_context": ".context",
-    "build_schedule_plan": ".schedule_plan",
-    "default_mtp_loss": ".mtp",
-    "detached_head": ".mtp",
-    "disable_output_processor": ".enable",
-    "enable_output_processor": ".enable",
-    "has_native_hook": ".enable",
-    "installed_megatron": "._compat",
-    "is_output_processor_enabled": ".enable",
-    "parallel_layout": ".context",
-    "plan_loss_func": ".schedule_plan",
-    "require_output_processor": ".enable",
-    "scaled_mtp_gradient": ".mtp",
-    "unwrap_model": ".enable",
-}
+_LAZY = LazyNames(
+    __name__,
+    {
+        "HookOptions": ".enable",
+        "InstalledMegatron": "._compat",
+        "MTPOptions": ".mtp",
+        "TorchCollectives": ".collectives",
+        "build_output_context": ".context",
+        "build_schedule_plan": ".schedule_plan",
+        "default_mtp_loss": ".mtp",
+        "detached_head": ".mtp",
+        "disable_output_processor": ".enable",
+        "enable_output_processor": ".enable",
+        "has_native_hook": ".enable",
+        "installed_megatron": "._compat",
+        "is_output_processor_enabled": ".enable",
+        "parallel_layout": ".context",
+        "plan_loss_func": ".schedule_plan",
+        "require_output_processor": ".enable",
+        "scaled_mtp_gradient": ".mtp",
+        "unwrap_model": ".enable",
+    },
+)
 """The module each public name lives in (a test keeps it equal to ``__all__``)."""
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # once: later lookups do not come here
-    return value
+    return _LAZY.load(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _LAZY.names()

@@ -16,8 +16,8 @@ inside the call.
 
 **When a deferred error surfaces** (the one rule; nothing else reads a result):
 
-1. A *checked call* is a processor call, a ``linear_logprobs`` or ``fused_token_loss``
-   call, one call of the hook, or a block under :func:`checked_call`; a check made
+1. A *checked call* is a processor call, a call of a tensor function (``linear_logprobs``,
+   ``linear_topk_logprobs``, ``fused_token_loss``, ``linear_distillation_loss``), one call of the hook, or a block under :func:`checked_call`; a check made
    outside all of them is a checked call of its own. Checked calls nest; only the
    outermost one counts.
 2. At the **entry** of a checked call, every earlier check whose copy has landed is
@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,7 +75,13 @@ class _Pending:
 
 
 _PENDING: collections.deque[_Pending] = collections.deque()
-_DEPTH = [0]  # how many checked calls are open (rule 1: only the outermost reads)
+
+
+class _Depth(threading.local):
+    open = 0  # how many checked calls this thread has open (rule 1: only the outermost reads)
+
+
+_DEPTH = _Depth()
 
 
 @contextlib.contextmanager
@@ -82,19 +89,19 @@ def checked_call() -> Iterator[None]:
     """One checked call (rule 1 of the module docstring); usable as a decorator. The
     outermost entry reads the landed results of earlier calls and raises for the first
     bad one (rule 2); the checks inside it only record."""
-    if _DEPTH[0] == 0:
+    if _DEPTH.open == 0:
         raise_pending_errors()
-    _DEPTH[0] += 1
+    _DEPTH.open += 1
     try:
         yield
     finally:
-        _DEPTH[0] -= 1
+        _DEPTH.open -= 1
 
 
 def _entry() -> None:
     """Where each check starts: a check outside every checked call is a call of its own
     and reads at its entry (rule 1); inside one it reads nothing (rule 2)."""
-    if _DEPTH[0] == 0:
+    if _DEPTH.open == 0:
         raise_pending_errors()
 
 

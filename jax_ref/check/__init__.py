@@ -17,8 +17,9 @@ Names load on first use, so that ``hookcheck`` can set JAX's flags first.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from hookspec.lazy import LazyNames
 
 __all__ = [
     "TOLERANCES",
@@ -41,30 +42,34 @@ __all__ = [
     "to_torch",
 ]
 
-_LAZY = {
-    "TOLERANCES": "comparison",
-    "Tolerance": "comparison",
-    "compare_run": "comparison",
-    "cross_check": "comparison",
-    "cross_check_tensor_parallel": "comparison",
-    "reference_inputs": "comparison",
-    "to_reference_tree": "comparison",
-    "CrossCheckReport": "report",
-    "Row": "report",
-    "combine": "report",
-    "TorchRun": "torch_run",
-    "run_on_context": "torch_run",
-    "run_through_hook": "torch_run",
-    "synthetic_context": "cases",
-    "build_case_model": "gpt_cases",
-    "case_batch": "gpt_cases",
-    "to_jax": "dlpack",
-    "to_torch": "dlpack",
-}
+_LAZY = LazyNames(
+    __name__,
+    {
+        "TOLERANCES": ".comparison",
+        "Tolerance": ".comparison",
+        "compare_run": ".comparison",
+        "cross_check": ".comparison",
+        "cross_check_tensor_parallel": ".comparison",
+        "reference_inputs": ".comparison",
+        "to_reference_tree": ".comparison",
+        "CrossCheckReport": ".report",
+        "Row": ".report",
+        "combine": ".report",
+        "TorchRun": ".torch_run",
+        "run_on_context": ".torch_run",
+        "run_through_hook": ".torch_run",
+        "synthetic_context": ".cases",
+        "build_case_model": ".gpt_cases",
+        "case_batch": ".gpt_cases",
+        "to_jax": ".dlpack",
+        "to_torch": ".dlpack",
+    },
+)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jax_ref.check' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return _LAZY.load(name)
+
+
+def __dir__() -> list[str]:
+    return _LAZY.names()

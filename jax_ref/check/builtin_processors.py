@@ -10,18 +10,29 @@ scale.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import torch
 
-from hookspec import Aggregation, DistillDivergence, KLEstimator, OutputContext, TeacherTail
+from hookspec import (
+    Aggregation,
+    DistillDivergence,
+    KLEstimator,
+    OutputContext,
+    Processor,
+    TeacherTail,
+    processor,
+)
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
+    LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
     SparseTeacher,
     cross_entropy_loss,
     distillation_loss,
+    linear_distillation_loss,
     policy_loss,
     selected_logprobs,
     topk_logprobs,
@@ -35,6 +46,7 @@ __all__ = [
     "DISTILL_DENSE_CONFIG",
     "DISTILL_RENORMALIZE",
     "DISTILL_RENORMALIZE_CONFIG",
+    "DISTILL_ROWS",
     "DISTILL_SPARSE",
     "DISTILL_SPARSE_CONFIG",
     "GRPO",
@@ -52,31 +64,30 @@ __all__ = [
     "CheckedDenseTeacher",
     "TemperatureContext",
     "dense_teacher_context",
+    "distillation_by_rows",
     "gspo_context",
     "policy_context",
     "sparse_teacher_context",
     "temperature_context",
 ]
 
-_TILES = {"vocab_chunk_size": 24, "token_chunk_size": 7}
+_ROWS, _COLS = 7, 24  # tile_rows x tile_cols
 
-LOGPROBS = selected_logprobs(entropy=True, **_TILES)
-LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, **_TILES)
-LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, **_TILES)
-CROSS_ENTROPY = cross_entropy_loss(
-    vocab_chunk_size=_TILES["vocab_chunk_size"], token_chunk_size=_TILES["token_chunk_size"]
-)
+LOGPROBS = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+CROSS_ENTROPY = cross_entropy_loss(tile_rows=_ROWS, tile_cols=_COLS)
 
 PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
-PPO = policy_loss(PPO_CONFIG, fused_tile_elements=200)  # fused: 3 tokens x 64 logits per tile
+PPO = policy_loss(PPO_CONFIG, tile_rows=3)  # fused: 3 tokens x 64 logits per tile
 GRPO_CONFIG = PolicyLossConfig.grpo(fused=False)
-GRPO = policy_loss(GRPO_CONFIG, **_TILES)
+GRPO = policy_loss(GRPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
 GSPO_CONFIG = PolicyLossConfig.gspo(kl_coef=0.02, kl_estimator="k1")
-GSPO = policy_loss(GSPO_CONFIG, **_TILES)
+GSPO = policy_loss(GSPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
 SEQ_SUM_CONFIG = PolicyLossConfig(
     aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
 )
-SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, fused_tile_elements=200)
+SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, tile_rows=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +136,77 @@ def gspo_context(ctx: OutputContext) -> PolicyBatch:
 
 # ---------------------------------------------------------------- top-k and distillation
 
-TOPK = topk_logprobs(5, entropy=True, **_TILES)
+TOPK = topk_logprobs(5, entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 DISTILL_SPARSE_CONFIG = DistillConfig(
     divergence=DistillDivergence.JSD, beta=0.3, tail=TeacherTail.BUCKET, temperature=1.5
 )
-DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_elements=200)
+DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_rows=3)
 DISTILL_RENORMALIZE_CONFIG = DistillConfig(aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN, temperature=1.5)
-DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_elements=200)
+DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_rows=3)
 DISTILL_DENSE_CONFIG = DistillConfig(divergence=DistillDivergence.REVERSE_KL, temperature=0.8)
-DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_elements=200)
+DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_rows=3)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...] -> [n, ...]`` in the hidden states' (``s``-major) row order."""
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
+
+
+def distillation_by_rows(
+    config: DistillConfig, /, *, tile_rows: int | None = 3, compute_dtype: torch.dtype | None = None
+) -> Processor:
+    """``distillation_loss(config)`` written as an adopter would on the tensor function
+    (``linear_distillation_loss``): the context's tensors as rows (a sequence per batch
+    row; no packed sequences, no MuP scale), its metrics the masked means of the
+    per-row results."""
+
+    def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
+        teacher = ctx.context
+        assert isinstance(teacher, (SparseTeacher, DenseTeacher))
+        hs, weight = typing.cast(torch.Tensor, ctx.hidden_states), typing.cast(torch.Tensor, ctx.vocab_weight)
+        b = int(hs.shape[1])
+        s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
+        labels = None if ctx.labels is None else _rows(typing.cast(torch.Tensor, ctx.labels))
+        given = teacher.mask if teacher.mask is not None else ctx.loss_mask
+        m = torch.ones(b * s, dtype=torch.float64, device=hs.device)
+        m = m if given is None else _rows(typing.cast(torch.Tensor, given)).double()
+        if isinstance(teacher, SparseTeacher):
+            rows: SparseTeacher | DenseTeacher = dataclasses.replace(
+                teacher, ids=_rows(teacher.ids), logprobs=_rows(teacher.logprobs), mask=m
+            )
+        else:
+            th = teacher.hidden_states
+            rows = dataclasses.replace(teacher, hidden_states=th.reshape(-1, th.shape[-1]), mask=m)
+        options = LinearOptions(
+            ignore_index=ctx.ignore_index,
+            vocab=ctx.vocab,
+            collectives=ctx.collectives,
+            compute_dtype=compute_dtype,
+            tile_rows=tile_rows,
+            check_values=ctx.check_values,
+        )
+        res = linear_distillation_loss(
+            hs.reshape(-1, hs.shape[-1]),
+            weight,
+            labels,
+            rows,
+            options=options,
+            config=config,
+            sequences=(torch.arange(b * s, device=hs.device) % b, b),
+        )
+        m = m if labels is None else torch.where(labels == ctx.ignore_index, 0.0, m)
+        m = m.to(device=res.kl.device, dtype=res.kl.dtype)
+        count = torch.where(m.sum() == 0, 1.0, m.sum())
+        return {
+            "loss": res.loss,
+            "kl": (torch.where(m > 0, res.kl, 0.0) * m).sum() / count,
+            "top1_agreement": (torch.where(m > 0, res.top1_agreement.to(m.dtype), 0.0) * m).sum() / count,
+        }
+
+    return processor(fn, name="linear_distillation_loss")
+
+
+DISTILL_ROWS = distillation_by_rows(DISTILL_SPARSE_CONFIG)
 
 _TEACHER_HIDDEN = 16
 _TEACHER_K = 6

@@ -142,6 +142,12 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:sparse_teacher_context",
     ),
     BuiltinCheck(
+        "linear_distillation_loss(sparse jsd, bucket)",
+        f"{_B}:DISTILL_ROWS",
+        _distill_ref(f"{_B}:DISTILL_SPARSE_CONFIG"),
+        f"{_B}:sparse_teacher_context",
+    ),
+    BuiltinCheck(
         "distillation_loss(sparse kl, renormalize)",
         f"{_B}:DISTILL_RENORMALIZE",
         _distill_ref(f"{_B}:DISTILL_RENORMALIZE_CONFIG"),

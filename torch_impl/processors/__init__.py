@@ -7,26 +7,35 @@ all epilogues on one tile engine (``docs/architecture.md``).
   :class:`PolicyLossConfig`), :func:`topk_logprobs`, :func:`distillation_loss`
   (:class:`DistillConfig`; :class:`SparseTeacher` or :class:`DenseTeacher`).
 - The tensor functions underneath, their options one :class:`LinearOptions`:
-  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`.
+  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`,
+  :func:`linear_distillation_loss` (:class:`DistillResult`).
 - Tile sizes per device (:data:`TILE_BYTES`, :data:`GRAD_BUFFER_BYTES`,
   :data:`TILES_BY_DEVICE`) and what ``backend="auto"`` runs (:func:`auto_choice`).
 """
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class
-from ._distill import DenseTeacher, DistillConfig, SparseTeacher, distillation_loss
+from ._distill import (
+    DenseTeacher,
+    DistillConfig,
+    DistillResult,
+    SparseTeacher,
+    distillation_loss,
+    linear_distillation_loss,
+)
 from ._fused import FusedLossResult, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
+from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
+from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
-from ._policy_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
-from ._processors import cross_entropy_loss, selected_logprobs
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
     "BackendChoice",
     "DenseTeacher",
     "DistillConfig",
+    "DistillResult",
     "FusedLossResult",
     "GRAD_BUFFER_BYTES",
     "LinearOptions",
@@ -47,6 +56,7 @@ __all__ = [
     "distillation_loss",
     "fused_token_loss",
     "kl_penalty",
+    "linear_distillation_loss",
     "linear_logprobs",
     "linear_topk_logprobs",
     "policy_loss",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +33,6 @@ __all__ = [
     "context_logit_scale",
     "context_field",
     "resolve_compute_dtype",
-    "resolve_vocab_chunk",
 ]
 
 
@@ -90,7 +88,7 @@ def check_int(field: str, value: Any, *, low: int | None = None, high: int | Non
     ``INT64_MAX``), where every integer option ends up (a tensor, a kernel
     argument). Raises ``ContractError(field, ...)``::
 
-        check_int("chunk_size", n, low=1)
+        check_int("tile_rows", n, low=1)
     """
     expected = f"an int {_interval(low, high, False, False)}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -219,27 +217,6 @@ def resolve_compute_dtype(
     if device.type == "cpu":
         return torch.float32
     return dtype
-
-
-def resolve_vocab_chunk(vocab_chunk_size: Any, chunk_size: Any, *, stacklevel: int) -> Any:
-    """``vocab_chunk_size``, or the deprecated ``chunk_size`` (its old name, kept one
-    release) with a ``DeprecationWarning``; ``stacklevel`` as the caller would pass it to
-    ``warnings.warn`` (so it points at the caller's caller). Both
-    given raises. Range checks are the caller's."""
-    if chunk_size is None:
-        return vocab_chunk_size
-    if vocab_chunk_size is not None:
-        raise ContractError(
-            "chunk_size",
-            expected="unset when vocab_chunk_size is given (it is its old name)",
-            actual=repr(chunk_size),
-        )
-    warnings.warn(
-        "chunk_size is deprecated: it is the vocabulary chunk; pass vocab_chunk_size",
-        DeprecationWarning,
-        stacklevel=stacklevel + 1,
-    )
-    return chunk_size
 
 
 UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = (

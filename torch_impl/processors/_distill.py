@@ -30,31 +30,41 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Never
 
 import torch
 
 from hookspec import (
     TAIL_FLOOR,
     Aggregation,
+    Collectives,
     ContractError,
     DistillDivergence,
     OutputContext,
     Processor,
     TeacherTail,
+    VocabShard,
     processor,
 )
+from hookspec.arrays import format_shape
 
-from ..value_checks import checked_call
+from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
-from ._inputs import Tile, counted_mask, hook_inputs, to_tokens
-from ._options import gather_rows, make_setup
-from ._policy import sequence_ids
-from ._policy_math import aggregation_weights, check_unused_count
+from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
+from ._loss_math import check_unused_count, weights_of
+from ._options import LinearOptions, prologue, refuse_unexpected
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
-__all__ = ["DenseTeacher", "DistillConfig", "SparseTeacher", "distillation_loss", "sparse_divergence"]
+__all__ = [
+    "DenseTeacher",
+    "DistillConfig",
+    "DistillResult",
+    "SparseTeacher",
+    "distillation_loss",
+    "linear_distillation_loss",
+    "sparse_divergence",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,21 +340,223 @@ def _fused_distill(
     return FormedInForward.apply(h, w, "distillation_loss", run)  # type: ignore[no-any-return]
 
 
-# ---------------------------------------------------------------- the processor
+# ---------------------------------------------------------------- the tensor function
 
 
-def _teacher(ctx: OutputContext) -> SparseTeacher | DenseTeacher:
-    teacher = ctx.context
+@dataclasses.dataclass(frozen=True)
+class DistillResult:
+    """What :func:`linear_distillation_loss` returns, in the accumulation dtype (fp32,
+    fp64 for fp64 inputs).
+
+    ``loss``: ``[]``, differentiable once in ``hidden`` and ``weight``;
+    ``kl``: ``[n]`` ``KL(teacher || student)`` per row; ``top1_agreement``: ``[n]``
+    bool, the student's argmax equal to the teacher's top-1. The two per-row
+    tensors carry no gradient.
+    """
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    top1_agreement: torch.Tensor
+
+
+Teacher = SparseTeacher | DenseTeacher
+
+
+def _checked_config(config: Any) -> DistillConfig:
+    config = DistillConfig() if config is None else config
+    if not isinstance(config, DistillConfig):
+        raise ContractError("config", expected="a DistillConfig", actual=type(config).__name__)
+    return config
+
+
+def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
+    """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are
+    ``None`` or finite ``> 0``, the one its aggregation reads (over ``cp``
+    context-parallel ranks: required)."""
     if not isinstance(teacher, (SparseTeacher, DenseTeacher)):
         raise ContractError(
-            "context",
-            expected="a torch_impl.processors.SparseTeacher or DenseTeacher (output_processor_context=)",
+            field,
+            expected="a torch_impl.processors.SparseTeacher or DenseTeacher",
             actual=type(teacher).__name__,
         )
+    check_counts(teacher, field)
+    check_unused_count(
+        config.aggregation,
+        global_tokens=teacher.global_tokens,
+        global_sequences=teacher.global_sequences,
+        prefix=f"{field}.",
+    )
+    _check_cp(teacher, config.aggregation, cp)
     return teacher
 
 
-def _check_cp(teacher: SparseTeacher | DenseTeacher, how: Aggregation, cp: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """Where a call's tokens come from: ``b`` x ``s`` tokens (rows ``s``-major),
+    ``student`` the local hidden states ``[s_local, b, h]``, the vocab shard and its
+    collectives; ``check_values``: read the teacher's values; ``field``: what errors
+    call the teacher."""
+
+    b: int
+    s: int
+    student: torch.Tensor
+    vocab: VocabShard
+    collectives: Collectives | None
+    check_values: bool
+    field: str
+
+
+def _fused(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    setup: TileSetup,
+    config: DistillConfig,
+    teacher: Teacher,
+    mask: torch.Tensor,
+    sequences: tuple[torch.Tensor, int],
+    at: _Tokens,
+) -> DistillResult:
+    """The loss of both doors, from the gathered rows ``h``, the checked ``mask``
+    ``[n]`` and ``sequences`` ``(segments [n], count)``, the teacher as ``[b, s]``
+    tokens."""
+    weights = weights_of(
+        mask,
+        sequences[0],
+        sequences[1],
+        config.aggregation,
+        global_tokens=teacher.global_tokens,
+        global_sequences=teacher.global_sequences,
+    )
+    if isinstance(teacher, SparseTeacher):
+        prepared = teacher.prepare(
+            at.b,
+            at.s,
+            weights != 0,
+            at.vocab.size,
+            dtype=setup.acc_dtype,
+            check_values=at.check_values,
+            field=at.field,
+        )
+    else:
+        prepared = teacher.prepare(at.student, at.vocab, at.collectives, at.field)
+    loss, kl, agree, lse = _fused_distill(h, weight, setup, config, prepared, weights)
+    # + 0 * sum(lse): NaN where the student's hidden states or weight hold NaN/inf anywhere
+    return DistillResult(loss=loss + 0.0 * lse.sum(), kl=kl, top1_agreement=agree)
+
+
+def _rows(field: str, value: Any, n: int, what: str) -> torch.Tensor:
+    """``value`` a tensor of ``n`` rows (``[n, ...]`` as ``what`` says)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != what.count(",") + 1 or value.shape[0] != n:
+        actual = format_shape(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ContractError(field, expected=f"a tensor {what}", actual=actual)
+    return value
+
+
+def _row_mask(mask: Any, setup: TileSetup, check_values: bool, labelled: bool) -> torch.Tensor:
+    """The teacher's ``mask`` ``[n]`` (ones when ``None``), an entry that is NaN,
+    infinite or negative NaN (and refused when ``check_values``), 0 at an ignored
+    label (``labelled``: labels were given)."""
+    n = int(setup.ignored.shape[0])
+    if mask is None:
+        m = torch.ones(n, dtype=setup.acc_dtype, device=setup.ignored.device)
+    else:
+        given = _rows("teacher.mask", mask, n, f"[n={n}]")
+        if check_values:
+            check_finite_deferred(given, field="teacher.mask", nonnegative=True)
+        m = given.detach().to(device=setup.ignored.device, dtype=setup.acc_dtype)
+        m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
+    return torch.where(setup.ignored, m * 0.0, m) if labelled else m
+
+
+def _row_sequences(
+    sequences: Any, n: int, device: torch.device, check_values: bool
+) -> tuple[torch.Tensor, int]:
+    if sequences is None:
+        return torch.zeros(n, dtype=torch.long, device=device), 1
+    if not isinstance(sequences, tuple) or len(sequences) != 2:
+        raise ContractError(
+            "sequences", expected="None or (segments [n], count)", actual=type(sequences).__name__
+        )
+    segments = _rows("sequences[0]", sequences[0], n, f"[n={n}]")
+    if segments.dtype.is_floating_point or segments.dtype == torch.bool or segments.is_complex():
+        raise ContractError("sequences[0]", expected="an integer dtype", actual=str(segments.dtype))
+    count = check_int("sequences[1]", sequences[1], low=1)
+    if check_values:
+        check_indices_deferred(segments, count, field="sequences[0]")
+    return segments.to(device=device, dtype=torch.long), count
+
+
+@checked_call()
+def linear_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    teacher: SparseTeacher | DenseTeacher,
+    /,
+    *,
+    options: LinearOptions | None = None,
+    config: DistillConfig | None = None,
+    sequences: tuple[torch.Tensor, int] | None = None,
+    **unexpected: Never,
+) -> DistillResult:
+    """The distillation loss of the student's rows ``hidden @ weight.T`` to a teacher,
+    vocab-parallel, its gradients formed in this call, never materialising the
+    logits. Equal to::
+
+        z = gather(hidden) @ weight_full.T * logit_scale / T      # [n, V], T = config.temperature
+        log Q = log_softmax(z)                                    # the student
+        log P = log_softmax(z_t)  (dense)  |  the teacher's k ids (sparse, config.tail)
+        D = divergence(P, Q)                                      # [n], config.divergence
+        M = where(labels == ignore_index, 0, teacher.mask)        # [n]; mask None: ones
+        loss = sum(aggregation_weights(M, segments, count, config.aggregation) * D)
+
+    with the formulas of ``hookspec.conventions`` (divergences, tails). ``teacher``
+    holds rows: :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or
+    :class:`DenseTeacher` ``hidden_states`` ``[n_local, h_t]`` (gathered as
+    ``hidden``, ``z_t = gather(hidden_states) @ weight.T * logit_scale / T``) and its
+    ``weight`` ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
+    ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
+    (read by the sequence means; ``None``: one sequence). ``options``:
+    :class:`LinearOptions` whose ``temperature`` stays 1 (the temperature is
+    ``config.temperature``); ``tile_rows`` whole rows a tile; ``check_values`` also
+    reads the teacher, the mask and the segments. No gradient reaches the teacher.
+
+    Cost: as :func:`distillation_loss`. Differentiable once (``create_graph=True``
+    raises).
+    """
+    config = _checked_config(config)
+    if isinstance(options, LinearOptions):
+        if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
+            raise ContractError(
+                "options.temperature",
+                expected="1.0: the distillation temperature is config.temperature",
+                actual=repr(options.temperature),
+            )
+        options = dataclasses.replace(options, temperature=config.temperature)
+    name = "linear_distillation_loss"
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected)
+    teacher = _checked_teacher(teacher, config, "teacher")
+    n, check = int(h.shape[0]), options.check_values
+    tokens: Teacher  # as b = 1, s = n tokens
+    if isinstance(teacher, SparseTeacher):
+        ids = _rows("teacher.ids", teacher.ids, n, f"[n={n}, k]")[None]
+        lp = _rows("teacher.logprobs", teacher.logprobs, n, f"[n={n}, k]")[None]
+        tokens = dataclasses.replace(teacher, ids=ids, logprobs=lp)
+    else:
+        th = _rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[0], "[n_local, h_t]")
+        tokens = dataclasses.replace(teacher, hidden_states=th[:, None])
+    local = int(weight.shape[0])
+    vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
+    at = _Tokens(1, n, hidden[:, None], vocab, options.collectives, check, "teacher")
+    mask = _row_mask(teacher.mask, setup, check, labels is not None)
+    sequences = _row_sequences(sequences, n, h.device, check)
+    return _fused(h, weight, setup, config, tokens, mask, sequences, at)
+
+
+# ---------------------------------------------------------------- the processor
+
+
+def _check_cp(teacher: Teacher, how: Aggregation, cp: int) -> None:
     if cp == 1:
         return
     if how == Aggregation.SEQ_MEAN_TOKEN_MEAN:
@@ -360,12 +572,33 @@ def _check_cp(teacher: SparseTeacher | DenseTeacher, how: Aggregation, cp: int) 
         )
 
 
+def _context_mask(ctx: OutputContext, x: HookInputs, teacher: Teacher) -> torch.Tensor:
+    """``M`` ``[b, s]``: the teacher's ``mask``, else the model's ``loss_mask``, else ones
+    (:func:`~._inputs.counted_mask`: 0 at an ignored label, bad entries refused)."""
+    if teacher.mask is not None:
+        return counted_mask(ctx, x, teacher.mask, "context.mask")
+    return counted_mask(ctx, x, ctx.loss_mask, "loss_mask")
+
+
+def _hook_tokens(ctx: OutputContext, x: HookInputs) -> _Tokens:
+    student = typing.cast(torch.Tensor, ctx.hidden_states)
+    vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
+    return _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
+
+
+def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum(M * values) / sum(M)`` (``values`` at ``M == 0`` ignored; an empty ``M``: 0)."""
+    denom = torch.where(m.sum() == 0, 1.0, m.sum())
+    return (torch.where(m > 0, values.to(m.dtype), 0.0) * m).sum() / denom
+
+
 def distillation_loss(
     config: DistillConfig | None = None,
     /,
     *,
-    tile_elements: int | None = None,
+    tile_rows: int | None = None,
     compute_dtype: torch.dtype | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """A processor returning the distillation loss and its metrics, scalars::
 
@@ -373,78 +606,26 @@ def distillation_loss(
          "kl": token-mean over M of KL(teacher || student),
          "top1_agreement": token-mean over M of [argmax student == teacher's top-1]}
 
-    with the teacher in the user context: :class:`SparseTeacher` (its top-k ids
-    and logprobs) or :class:`DenseTeacher` (its hidden states and output weight
-    shard). ``M``: the context's ``mask``, else the model's ``loss_mask``, else
-    every token; 0 where the label is the ignore index. Formulas:
-    ``hookspec.conventions`` (divergences, the two tails, agreement, the
-    teacher's validity); the metrics carry no gradient; no gradient reaches the
-    teacher.
-
-    Cost per tile of ``rows = tile_elements // V_local`` whole rows (default per
-    device: ``TILE_BYTES`` of fp32 logits), the gradient formed in the forward
-    pass: dense, three student GEMMs (logits, ``dh``, ``dW``) and the teacher's
-    logits; sparse ``bucket``, the three student GEMMs; sparse ``renormalize``,
-    the student's logits only (the gradient reaches the ``k`` ids' rows of ``W``,
-    ``O(rows k h)``). Vocab parallel: per tile a few all-reduces of ``[rows]`` and
-    ``[rows, k]`` values.
+    as :func:`linear_distillation_loss` computes them, the teacher the user context:
+    :class:`SparseTeacher` (top-k ids, logprobs ``[b, s, k]``) or :class:`DenseTeacher`
+    (hidden states ``[s, b, h_t]``, weight shard). ``M``: the context's ``mask``, else
+    ``loss_mask``, else ones; 0 at an ignored label. Tiles: ``tile_rows`` whole rows.
     """
-    config = DistillConfig() if config is None else config
-    if not isinstance(config, DistillConfig):
-        raise ContractError("config", expected="a DistillConfig", actual=type(config).__name__)
-    tile = Tile(
-        tile_elements=None if tile_elements is None else check_int("tile_elements", tile_elements, low=1)
-    )
+    refuse_unexpected("distillation_loss", unexpected)
+    config, tiles = _checked_config(config), LinearOptions(tile_rows=tile_rows, compute_dtype=compute_dtype)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "distillation_loss", needs_labels=False)
-        teacher = _teacher(ctx)
-        check_counts(teacher)
-        check_unused_count(
-            config.aggregation,
-            global_tokens=teacher.global_tokens,
-            global_sequences=teacher.global_sequences,
-            prefix="context.",
-        )
-        _check_cp(teacher, config.aggregation, ctx.parallel.cp_size)
-        options = dataclasses.replace(
-            x.tensor_options(tile, config.temperature, whole_rows=True), compute_dtype=compute_dtype
-        )
-        h = gather_rows(x.hidden, options)
-        setup = make_setup(h, x.weight, x.labels, options)
-        given, field = (
-            (teacher.mask, "context.mask") if teacher.mask is not None else (ctx.loss_mask, "loss_mask")
-        )
-        mask = counted_mask(ctx, x, given, field).to(setup.acc_dtype)
+        teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
+        options = x.tensor_options(tiles, config.temperature)
+        options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
+        mask = to_tokens(_context_mask(ctx, x, teacher).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        weights = to_tokens(
-            aggregation_weights(
-                mask,
-                segments,
-                count,
-                config.aggregation,
-                global_tokens=teacher.global_tokens,
-                global_sequences=teacher.global_sequences,
-            )
+        res = _fused(
+            h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), _hook_tokens(ctx, x)
         )
-        assert ctx.vocab is not None  # hook_inputs checked it
-        if isinstance(teacher, SparseTeacher):
-            prepared = teacher.prepare(
-                x.b, x.s, weights != 0, ctx.vocab.size, dtype=setup.acc_dtype, check_values=ctx.check_values
-            )
-        else:
-            prepared = teacher.prepare(
-                typing.cast(torch.Tensor, ctx.hidden_states), ctx.vocab, ctx.collectives
-            )
-        loss, kl, agree, lse = _fused_distill(h, x.weight, setup, config, prepared, weights)
-        m_rows = to_tokens(mask)
-        denom = torch.where(m_rows.sum() == 0, 1.0, m_rows.sum())
-        return {
-            # + 0 * sum(lse): NaN where the student's hidden states or weight hold NaN/inf anywhere
-            "loss": loss + 0.0 * lse.sum(),
-            "kl": (torch.where(m_rows > 0, kl, 0.0) * m_rows).sum() / denom,
-            "top1_agreement": (torch.where(m_rows > 0, agree.to(m_rows.dtype), 0.0) * m_rows).sum() / denom,
-        }
+        m = _masked_mean
+        return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
 
     return processor(fn, name="distillation_loss")

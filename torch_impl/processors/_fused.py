@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Never
 
 import torch
 
@@ -40,7 +40,7 @@ from ._engine import (
     logit_grad_coefficients,
     no_autocast,
 )
-from ._options import LinearOptions, gather_rows, make_setup, resolve_options
+from ._options import LinearOptions, prologue
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 
@@ -183,7 +183,7 @@ def fused_token_loss(
     *,
     options: LinearOptions | None = None,
     entropy_grad: bool = True,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
     with its gradients formed in this call (see the module docstring); ``logprobs``
@@ -204,14 +204,12 @@ def fused_token_loss(
     once: a second backward through the same call, or ``create_graph=True``, raises
     (:class:`~._engine.FormedInForward`).
     """
-    options = resolve_options("fused_token_loss", options, unexpected)
     if not callable(token_loss):
         raise ContractError(
             "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
         )
     check_bool("entropy_grad", entropy_grad)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options)
+    _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled())
     run = functools.partial(_sweep, h, weight, setup, calls)
     loss, logprobs, entropy = FormedInForward.apply(h, weight, "fused_token_loss", run)

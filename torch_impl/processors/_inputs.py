@@ -19,25 +19,22 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_finite_deferred, check_labels_deferred
+from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred
 from ._checks import (
     check_floating,
-    check_int,
     check_temperature,
     context_field,
     context_logit_scale,
-    resolve_vocab_chunk,
 )
 from ._options import LinearOptions
 
 __all__ = [
     "HookInputs",
     "counted_mask",
-    "Tile",
     "from_tokens",
     "hook_inputs",
     "resolve_temperature",
-    "tile_options",
+    "sequence_ids",
     "to_tokens",
 ]
 
@@ -50,41 +47,6 @@ def to_tokens(x: torch.Tensor) -> torch.Tensor:
 def from_tokens(v: torch.Tensor, b: int, s: int) -> torch.Tensor:
     """``[n, ...] -> [b, s, ...]``, the inverse of :func:`to_tokens`."""
     return v.view(s, b, *v.shape[1:]).transpose(0, 1).contiguous()
-
-
-@dataclasses.dataclass(frozen=True)
-class Tile:
-    """A processor's tile options; ``None``: the default per device."""
-
-    vocab_chunk_size: int | None = None
-    token_chunk_size: int | None = None
-    tile_elements: int | None = None  # the row sweep's logits a tile (rows = this // V_local)
-
-
-def tile_options(
-    *,
-    vocab_chunk_size: Any = None,
-    token_chunk_size: Any = None,
-    chunk_size: Any = None,
-    tile_elements: Any = None,
-    stacklevel: int = 3,
-) -> Tile:
-    """A processor factory's tile options, checked where they enter: each ``None``
-    (the default per device) or an int >= 1. ``chunk_size`` is the deprecated name
-    of ``vocab_chunk_size`` (one release: ``DeprecationWarning``; both given raises)."""
-    if chunk_size is not None:
-        vocab_chunk_size = check_int(
-            "chunk_size", resolve_vocab_chunk(vocab_chunk_size, chunk_size, stacklevel=stacklevel), low=1
-        )
-    checked = {
-        name: None if value is None else check_int(field, value, low=1)
-        for name, field, value in (
-            ("vocab_chunk_size", "vocab_chunk_size", vocab_chunk_size),
-            ("token_chunk_size", "token_chunk_size", token_chunk_size),
-            ("tile_elements", "fused_tile_elements", tile_elements),
-        )
-    }
-    return Tile(**checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +72,16 @@ class HookInputs:
         assert self.labels is not None, "hook_inputs(needs_labels=True) checked them"
         return self.labels
 
-    def tensor_options(
-        self, tile: Tile, temperature: float | torch.Tensor = 1.0, *, whole_rows: bool = False
-    ) -> LinearOptions:
-        """:attr:`options` with the processor's temperature and tile: rows by
-        ``token_chunk_size`` x ``vocab_chunk_size``, or for a row sweep
-        (``whole_rows``) ``tile_elements // V_local`` rows."""
-        rows, cols = tile.token_chunk_size, tile.vocab_chunk_size
-        if whole_rows:
-            rows, cols = None, None
-            if tile.tile_elements is not None:
-                rows = max(1, tile.tile_elements // max(1, int(self.weight.shape[0])))
-        return dataclasses.replace(self.options, temperature=temperature, tile_rows=rows, tile_cols=cols)
+    def tensor_options(self, tiles: LinearOptions, temperature: float | torch.Tensor = 1.0) -> LinearOptions:
+        """:attr:`options` with the processor's temperature and its factory's
+        ``tile_rows``, ``tile_cols`` and ``compute_dtype`` (``tiles``)."""
+        return dataclasses.replace(
+            self.options,
+            temperature=temperature,
+            tile_rows=tiles.tile_rows,
+            tile_cols=tiles.tile_cols,
+            compute_dtype=tiles.compute_dtype,
+        )
 
 
 def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:
@@ -193,6 +153,46 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         s=s,
         options=options,
     )
+
+
+def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(segments [b, s], count)``: each token's sequence. A row per sequence,
+    or, for packed (THD) input, the sequences of ``packed_seq_params``
+    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last
+    boundary form one more segment.
+
+    Under context parallel (``cp``) each rank holds ``1/cp`` of every
+    sequence, as Megatron splits it: the sequence cut into ``2 cp`` equal
+    chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r`` in order,
+    sequence after sequence. Rank ``r``'s boundaries are then ``cu / cp``, and
+    every ``cu`` must be a multiple of ``2 cp`` (checked by value as the labels
+    are, when ``ctx.check_values``)."""
+    psp = ctx.packed_seq_params
+    if psp is None:
+        return torch.arange(b, device=device)[:, None].expand(b, s), b
+    name = "cu_seqlens_q_padded"
+    cu = getattr(psp, name, None)
+    if cu is None:
+        name = "cu_seqlens_q"
+        cu = getattr(psp, name, None)
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1:
+        raise ContractError(
+            "packed_seq_params",
+            expected="cu_seqlens_q (a 1-D tensor) with batch 1 (THD)",
+            actual=f"batch {b}, cu_seqlens {cu}",
+        )
+    cp = ctx.parallel.cp_size
+    if cp > 1 and ctx.check_values:
+        check_multiple_deferred(
+            cu,
+            2 * cp,
+            field=f"packed_seq_params.{name}",
+            why=f" (2 * cp_size: each sequence is split into 2 * {cp} equal chunks; pad it, "
+            "as cu_seqlens_q_padded does)",
+        )
+    bounds = (cu.to(device=device, dtype=torch.long) // cp)[1:]
+    seg = torch.bucketize(torch.arange(s, device=device), bounds, right=True)
+    return seg[None, :], int(bounds.numel()) + 1
 
 
 def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int) -> float | torch.Tensor:

@@ -5,14 +5,14 @@ recomputing backward (:func:`linear_logprobs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Never
 
 import torch
 
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._options import LinearOptions, prologue, refuse_double_backward
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -70,7 +70,7 @@ def linear_logprobs(
     *,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
     never materialising the logits. Equal to::
@@ -100,9 +100,7 @@ def linear_logprobs(
         ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
         number. Differentiable once: a backward with ``create_graph=True`` raises.
     """
-    options = resolve_options("linear_logprobs", options, unexpected)
-    h = gather_rows(hidden, options)
     check_bool("with_entropy", with_entropy)
-    setup = make_setup(h, weight, labels, options)
+    _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
     logprobs, entropy = _LinearLogprobs.apply(h, weight, setup, with_entropy)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None)

@@ -32,10 +32,13 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "LinearOptions",
+    "RENAMED",
     "gather_rows",
     "resolve_options",
     "make_setup",
+    "prologue",
     "refuse_double_backward",
+    "refuse_unexpected",
 ]
 
 Backend = Literal["auto", "torch", "triton"]
@@ -114,11 +117,39 @@ class LinearOptions:
         check_bool("check_values", self.check_values)
 
 
-_MOVED = {k: k for k in ("temperature", "ignore_index", "collectives", "backend", "compute_dtype")}
-_MOVED |= {k: k for k in ("logit_scale", "check_values")} | {"token_chunk_size": "tile_rows"}
-_MOVED |= dict.fromkeys(("vocab_start", "vocab_size"), "vocab=VocabShard(start, end, size)")
-_MOVED |= dict.fromkeys(("vocab_chunk_size", "chunk_size"), "tile_cols")
-_MOVED["tile_elements"] = "tile_rows (= tile_elements // V_local)"
+# The keywords that left the signatures, and where each went: the tensor functions'
+# options moved into LinearOptions; the processor factories' tiles took its two names.
+RENAMED: dict[str, str] = {
+    "token_chunk_size": "tile_rows",
+    "vocab_chunk_size": "tile_cols",
+    "chunk_size": "tile_cols",
+    "tile_elements": "tile_rows (= tile_elements // V_local)",
+    "fused_tile_elements": "tile_rows (= fused_tile_elements // V_local)",
+    "vocab_start": "vocab=VocabShard(start, end, size)",
+    "vocab_size": "vocab=VocabShard(start, end, size)",
+}
+
+
+def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = False) -> None:
+    """Raise ``TypeError`` for keywords a signature does not take (``**unexpected:
+    Never``, so that a type checker refuses them too), naming where a moved one went:
+    a field of :class:`LinearOptions` (``options``: a tensor function's), else the
+    processor factory's ``tile_rows=`` / ``tile_cols=``."""
+    if not extra:
+        return
+    fields = {f.name for f in dataclasses.fields(LinearOptions)}
+    moved = []
+    for key in sorted(extra):
+        new = RENAMED.get(key, key if options and key in fields else None)
+        if new is not None and (options or new.startswith("tile_")):  # a factory takes the tiles only
+            moved.append(f"{key}= -> LinearOptions({new})" if options else f"{key}= -> {new}")
+    where = (
+        "into options=LinearOptions(...)"
+        if options
+        else "to tile_rows= and tile_cols= (LinearOptions' names)"
+    )
+    hint = f": the options moved {where}: {'; '.join(moved)}" if moved else ""
+    raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
 
 
 def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
@@ -126,10 +157,7 @@ def resolve_options(function: str, options: LinearOptions | None, extra: dict[st
     (``hookspec.collectives.checked_collectives``); a keyword of the earlier signature
     (``temperature=``, ``vocab_start=``, ...) raises ``TypeError`` naming its field of
     :class:`LinearOptions`."""
-    if extra:
-        moved = [f"{k}= -> LinearOptions({_MOVED[k]})" for k in extra if k in _MOVED]
-        hint = f": the options moved into options=LinearOptions(...): {'; '.join(moved)}" if moved else ""
-        raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
+    refuse_unexpected(function, extra, options=True)
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
         raise ContractError(
@@ -149,6 +177,24 @@ def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
         raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
     coll = options.collectives
     return hidden if coll is None else coll.gather_hidden_states(hidden)
+
+
+def prologue(
+    function: str,
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    options: LinearOptions | None,
+    unexpected: dict[str, Any],
+    *,
+    fold: bool = True,
+) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
+    """Every tensor function's first lines: ``(options, h, setup)``, the options
+    resolved (:func:`resolve_options`), ``hidden`` gathered (:func:`gather_rows`) and
+    the call's :class:`TileSetup` (:func:`make_setup`)."""
+    options = resolve_options(function, options, unexpected)
+    h = gather_rows(hidden, options)
+    return options, h, make_setup(h, weight, labels, options, fold=fold)
 
 
 def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:

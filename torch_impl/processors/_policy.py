@@ -1,5 +1,5 @@
 """The policy-loss processor: :class:`PolicyBatch` (its user context) and
-:func:`policy_loss`, on the formulas of :mod:`._policy_math`.
+:func:`policy_loss`, on the formulas of :mod:`._loss_math`.
 
 What each input may hold, one rule per kind of input (tested in
 ``tests/test_validation_processors.py``):
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable, Mapping
+from typing import Never
 
 import torch
 
@@ -44,21 +45,20 @@ from hookspec import (
 )
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_finite_deferred, check_multiple_deferred, checked_call
+from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_finite_number, check_floating
 from ._fused import fused_token_loss
 from ._inputs import (
     HookInputs,
-    Tile,
     counted_mask,
     from_tokens,
     hook_inputs,
     resolve_temperature,
-    tile_options,
+    sequence_ids,
     to_tokens,
 )
 from ._logprobs import linear_logprobs
-from ._policy_math import (
+from ._loss_math import (
     PolicyLossConfig,
     RatioLevel,
     check_unused_count,
@@ -69,13 +69,13 @@ from ._policy_math import (
     sequence_sums,
     weights_of,
 )
+from ._options import LinearOptions, refuse_unexpected
 
 __all__ = [
     "PolicyBatch",
     "TokenTerms",
     "context_parallel_sum",
     "policy_loss",
-    "sequence_ids",
 ]
 
 
@@ -162,46 +162,6 @@ def _policy_batch(ctx: OutputContext) -> PolicyBatch:
             else "",
         )
     return batch
-
-
-def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """``(segments [b, s], count)``: each token's sequence. A row per sequence,
-    or, for packed (THD) input, the sequences of ``packed_seq_params``
-    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last
-    boundary form one more segment.
-
-    Under context parallel (``cp``) each rank holds ``1/cp`` of every
-    sequence, as Megatron splits it: the sequence cut into ``2 cp`` equal
-    chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r`` in order,
-    sequence after sequence. Rank ``r``'s boundaries are then ``cu / cp``, and
-    every ``cu`` must be a multiple of ``2 cp`` (checked by value as the labels
-    are, when ``ctx.check_values``)."""
-    psp = ctx.packed_seq_params
-    if psp is None:
-        return torch.arange(b, device=device)[:, None].expand(b, s), b
-    name = "cu_seqlens_q_padded"
-    cu = getattr(psp, name, None)
-    if cu is None:
-        name = "cu_seqlens_q"
-        cu = getattr(psp, name, None)
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1:
-        raise ContractError(
-            "packed_seq_params",
-            expected="cu_seqlens_q (a 1-D tensor) with batch 1 (THD)",
-            actual=f"batch {b}, cu_seqlens {cu}",
-        )
-    cp = ctx.parallel.cp_size
-    if cp > 1 and ctx.check_values:
-        check_multiple_deferred(
-            cu,
-            2 * cp,
-            field=f"packed_seq_params.{name}",
-            why=f" (2 * cp_size: each sequence is split into 2 * {cp} equal chunks; pad it, "
-            "as cu_seqlens_q_padded does)",
-        )
-    bounds = (cu.to(device=device, dtype=torch.long) // cp)[1:]
-    seg = torch.bucketize(torch.arange(s, device=device), bounds, right=True)
-    return seg[None, :], int(bounds.numel()) + 1
 
 
 CpSum = Callable[[torch.Tensor], torch.Tensor]
@@ -415,7 +375,7 @@ def _fused_pass(
     rows: TokenRows,
     config: PolicyLossConfig,
     temperature: float | torch.Tensor,
-    tile: Tile,
+    tile: LinearOptions,
 ) -> _Pass:
     """Gradients formed in the forward pass, tile by tile (``fused_token_loss``)."""
 
@@ -428,7 +388,7 @@ def _fused_pass(
         x.weight,
         x.token_labels,
         tile_loss,
-        options=x.tensor_options(tile, temperature, whole_rows=True),
+        options=x.tensor_options(tile, temperature),
         entropy_grad=config.entropy_coef != 0.0,
     )
     terms = token_terms(res.logprobs, res.entropy, rows, config)
@@ -436,7 +396,7 @@ def _fused_pass(
 
 
 def _logprobs(
-    x: HookInputs, temperature: float | torch.Tensor, tile: Tile
+    x: HookInputs, temperature: float | torch.Tensor, tile: LinearOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)`` ``[n]`` by ``linear_logprobs`` (logits recomputed in backward)."""
     lr = linear_logprobs(
@@ -468,7 +428,7 @@ def _sequence_pass(
     batch: PolicyBatch,
     config: PolicyLossConfig,
     temperature: float | torch.Tensor,
-    tile: Tile,
+    tile: LinearOptions,
 ) -> tuple[_Pass, TokenRows, torch.Tensor | None]:
     """GSPO: ``(pass, rows, totals)``. Each sequence's ``sum M (logp - old)`` and
     ``n_k`` are summed over the context-parallel group in one collective, so
@@ -521,10 +481,9 @@ def policy_loss(
     config: PolicyLossConfig | None = None,
     /,
     *,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
-    fused_tile_elements: int | None = None,
-    chunk_size: int | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """A processor returning the policy loss and its metrics, each a scalar::
 
@@ -541,22 +500,17 @@ def policy_loss(
     ``exp(old - logp) - (old - logp) - 1``.
 
     With ``config.fused`` and a token ratio, the gradients are formed in the
-    forward pass (no logits recomputed, ``fused_tile_elements`` logits a
-    tile, default per device: ``FUSED_TILE_ELEMENTS`` on a CPU, 1 GiB of fp32
-    logits on CUDA); otherwise logprobs and entropy come from :func:`linear_logprobs`
-    (tile ``vocab_chunk_size`` x ``token_chunk_size``, default per device;
-    ``chunk_size``: the deprecated name of ``vocab_chunk_size``) and autograd
-    goes through them. Bad values: see this module's docstring.
+    forward pass (no logits recomputed, tiles of ``tile_rows`` whole rows);
+    otherwise logprobs and entropy come from :func:`linear_logprobs` (tiles of
+    ``tile_rows`` x ``tile_cols``) and autograd goes through them. The tile
+    names are :class:`LinearOptions`'; ``None``: the default per device. Bad
+    values: see this module's docstring.
     """
     config = PolicyLossConfig() if config is None else config
     if not isinstance(config, PolicyLossConfig):
         raise ContractError("config", expected="a PolicyLossConfig", actual=type(config).__name__)
-    tile = tile_options(
-        vocab_chunk_size=vocab_chunk_size,
-        token_chunk_size=token_chunk_size,
-        chunk_size=chunk_size,
-        tile_elements=fused_tile_elements,
-    )
+    refuse_unexpected("policy_loss", unexpected)
+    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 
     @checked_call()

@@ -29,12 +29,12 @@ def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -
     return value
 
 
-def check_counts(teacher: Any) -> None:
+def check_counts(teacher: Any, field: str = "context") -> None:
     """A teacher's ``global_tokens`` / ``global_sequences``: ``None`` or finite ``> 0``."""
     for name in ("global_tokens", "global_sequences"):
         value = getattr(teacher, name)
         if value is not None:
-            check_finite_number(f"context.{name}", value, low=0.0, low_open=True)
+            check_finite_number(f"{field}.{name}", value, low=0.0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,25 +81,29 @@ class SparseTeacher:
         *,
         dtype: torch.dtype,
         check_values: bool,
+        field: str = "context",
     ) -> PreparedTeacher:
-        """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at."""
+        """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at;
+        ``field``: what errors call it."""
         ids = self.ids
         if not isinstance(ids, torch.Tensor) or ids.dim() != 3:
             actual = format_shape(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ContractError("context.ids", expected=f"an integer tensor [b={b}, s={s}, k]", actual=actual)
+            raise ContractError(
+                f"{field}.ids", expected=f"an integer tensor [b={b}, s={s}, k]", actual=actual
+            )
         k = int(ids.shape[2])
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ContractError("context.ids", expected="an integer dtype", actual=str(ids.dtype))
-        _check_shape("context.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
+            raise ContractError(f"{field}.ids", expected="an integer dtype", actual=str(ids.dtype))
+        _check_shape(f"{field}.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
         if k < 1:
-            raise ContractError("context.ids", expected="k >= 1 ids per token", actual="k = 0")
-        check_floating("context.logprobs", self.logprobs)
-        _check_shape("context.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
+            raise ContractError(f"{field}.ids", expected="k >= 1 ids per token", actual="k = 0")
+        check_floating(f"{field}.logprobs", self.logprobs)
+        _check_shape(f"{field}.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
         device = counted.device
         ids = ids.transpose(0, 1).reshape(-1, k).to(device=device, dtype=torch.long)
         lp = self.logprobs.detach().transpose(0, 1).reshape(-1, k).to(device=device)
         if check_values:
-            _check_sparse_values(ids, lp, counted, vocab_size)
+            _check_sparse_values(ids, lp, counted, vocab_size, field)
         stand_in = torch.arange(k, device=device) % vocab_size
         return PreparedTeacher(
             ids=torch.where(counted[:, None], ids, stand_in),
@@ -107,17 +111,19 @@ class SparseTeacher:
         )
 
 
-def _check_sparse_values(ids: torch.Tensor, lp: torch.Tensor, counted: torch.Tensor, vocab_size: int) -> None:
+def _check_sparse_values(
+    ids: torch.Tensor, lp: torch.Tensor, counted: torch.Tensor, vocab_size: int, field: str
+) -> None:
     """The sparse teacher's rules at the counted tokens (``hookspec.conventions``): ids in
     range and distinct; logprobs finite, ``<= eps``, ``sum(exp) <= 1 + k eps``, the
     first the largest (``eps``: the logprobs' dtype's machine epsilon)."""
     k = ids.shape[1]
-    check_indices_deferred(torch.where(counted[:, None], ids, 0), vocab_size, field="context.ids")
+    check_indices_deferred(torch.where(counted[:, None], ids, 0), vocab_size, field=f"{field}.ids")
     if k > 1:
         sorted_ids = torch.sort(ids, dim=1).values
         dup = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(1) & counted
         check_condition_deferred(
-            dup, ids[:, 0], field="context.ids", expected="k distinct ids per token", noun="tokens"
+            dup, ids[:, 0], field=f"{field}.ids", expected="k distinct ids per token", noun="tokens"
         )
     eps = torch.finfo(lp.dtype).eps
     wide = lp.double()
@@ -126,7 +132,7 @@ def _check_sparse_values(ids: torch.Tensor, lp: torch.Tensor, counted: torch.Ten
     check_condition_deferred(
         bad,
         total.exp(),
-        field="context.logprobs",
+        field=f"{field}.logprobs",
         expected=f"finite logprobs <= 0 whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token",
         noun="tokens (their sum of exp)",
     )
@@ -135,7 +141,7 @@ def _check_sparse_values(ids: torch.Tensor, lp: torch.Tensor, counted: torch.Ten
         check_condition_deferred(
             not_first,
             lp[:, 0],
-            field="context.logprobs",
+            field=f"{field}.logprobs",
             expected="the first logprob the largest (ids[0] is the teacher's top-1)",
             noun="tokens (their first logprob)",
         )
@@ -167,36 +173,41 @@ class DenseTeacher:
     logit_scale: float = 1.0
 
     def prepare(
-        self, hidden: torch.Tensor, student_vocab: VocabShard, collectives: Collectives | None
+        self,
+        hidden: torch.Tensor,
+        student_vocab: VocabShard,
+        collectives: Collectives | None,
+        field: str = "context",
     ) -> PreparedTeacher:
-        """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local)."""
-        scale = check_finite_number("context.logit_scale", self.logit_scale, low=0.0, low_open=True)
+        """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local);
+        ``field``: what errors call it."""
+        scale = check_finite_number(f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True)
         th, tw = self.hidden_states, self.weight
-        check_floating("context.hidden_states", th)
-        check_floating("context.weight", tw)
+        check_floating(f"{field}.hidden_states", th)
+        check_floating(f"{field}.weight", tw)
         if th.dim() != 3 or tuple(th.shape[:2]) != tuple(hidden.shape[:2]):
             raise ContractError(
-                "context.hidden_states",
+                f"{field}.hidden_states",
                 expected=f"shape [{hidden.shape[0]}, {hidden.shape[1]}, h_t] like ctx.hidden_states",
                 actual=format_shape(th.shape),
             )
         local = student_vocab.end - student_vocab.start
         if tw.dim() != 2 or tw.shape[0] != local or tw.shape[1] != th.shape[2]:
             raise ContractError(
-                "context.weight",
+                f"{field}.weight",
                 expected=f"shape [V_local={local}, h_t={th.shape[2]}]",
                 actual=format_shape(tw.shape),
             )
         whole = student_vocab.start == 0 and student_vocab.end == student_vocab.size
         if self.vocab is None and not whole:
             raise ContractError(
-                "context.vocab",
+                f"{field}.vocab",
                 expected=f"the VocabShard of the teacher's weight rows: the student's is {student_vocab}",
                 actual="None",
             )
         if self.vocab is not None and self.vocab != student_vocab:
             raise ContractError(
-                "context.vocab", expected=f"the student's {student_vocab}", actual=repr(self.vocab)
+                f"{field}.vocab", expected=f"the student's {student_vocab}", actual=repr(self.vocab)
             )
         t_h = th.detach().to(hidden.device)
         t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h

@@ -7,7 +7,7 @@ both backends); the shards' candidates merged with ``Collectives.all_gather``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Never
 
 import torch
 
@@ -16,8 +16,8 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
-from ._inputs import from_tokens, hook_inputs, resolve_temperature, tile_options
-from ._options import LinearOptions, gather_rows, make_setup, refuse_double_backward, resolve_options
+from ._inputs import from_tokens, hook_inputs, resolve_temperature
+from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -192,6 +192,7 @@ class _TopkFunction(torch.autograd.Function):
         return (dh.to(h.dtype) if dh is not None else None), dw, None, None, None, None
 
 
+@checked_call()
 def linear_topk_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -201,7 +202,7 @@ def linear_topk_logprobs(
     labels: torch.Tensor | None = None,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
-    **unexpected: Any,
+    **unexpected: Never,
 ) -> TopkResult:
     """The ``k`` largest logprobs of ``hidden @ weight.T`` per row and their global
     ids, vocab-parallel, never materialising the logits. Equal to::
@@ -241,10 +242,9 @@ def linear_topk_logprobs(
         logprobs at the rows they touch (the log-sum-exp is NaN), never a finite
         number.
     """
-    options = resolve_options("linear_topk_logprobs", options, unexpected)
     check_bool("with_entropy", with_entropy)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options, fold=False)  # ties stay ties
+    name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
     values, ids, label, entropy = _TopkFunction.apply(h, weight, setup, k, gather, with_entropy)
@@ -262,8 +262,9 @@ def topk_logprobs(
     *,
     temperature: float | None = None,
     entropy: bool = False,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """A processor returning, per token, the ``k`` largest logprobs and their ids::
 
@@ -275,13 +276,16 @@ def topk_logprobs(
     ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1. At ``tp > 1`` the context's collectives need
     ``all_gather`` (spec 1.2). Cache a teacher's ``topk_logprobs`` and
-    ``topk_ids`` for :func:`distillation_loss`'s sparse form.
+    ``topk_ids`` for :func:`distillation_loss`'s sparse form. Tiles of
+    ``tile_rows`` x ``tile_cols`` (:class:`LinearOptions`' names; ``None``: the
+    default per device).
     """
+    refuse_unexpected("topk_logprobs", unexpected)
     k = check_int("k", k, low=1)
     if temperature is not None:
         check_temperature(temperature, 1)
     check_bool("entropy", entropy)
-    tile = tile_options(vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size)
+    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:

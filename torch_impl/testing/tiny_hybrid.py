@@ -1,8 +1,8 @@
-"""The tiny CPU ``HybridModel``, for the tests: the names of
-:mod:`torch_impl.tiny_hybrid`, its supported home, re-exported."""
+"""The tiny CPU ``HybridModel``, for the tests: :mod:`torch_impl.tiny_hybrid`, its one
+home, under the test-support roof. Its names and ``__all__`` are that module's, not a
+copy."""
 
 from __future__ import annotations
 
-from torch_impl.tiny_hybrid import build_tiny_hybrid, cpu_hybrid_stack_spec
-
-__all__ = ["build_tiny_hybrid", "cpu_hybrid_stack_spec"]
+from torch_impl.tiny_hybrid import *  # noqa: F403
+from torch_impl.tiny_hybrid import __all__ as __all__

@@ -1,4 +1,7 @@
-"""The policy-loss family as plain tensor maths on per-token values (any shape).
+"""The losses' maths on per-token values (any shape): the policy-loss family
+(:class:`PolicyLossConfig`, the ratios, the KL estimators, the PPO token loss) and the
+aggregations every loss shares (:func:`aggregation_weights`: the policy loss, the
+reduced cross entropy and distillation).
 
 Every formula is the one of ``hookspec.conventions``; these functions are what
 both paths of :func:`~torch_impl.processors.policy_loss` compute, and what its

@@ -7,7 +7,7 @@ The policy loss is in :mod:`._policy`.
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Never
 
 import torch
 
@@ -18,16 +18,15 @@ from ._checks import check_bool, check_finite_number, check_temperature, context
 from ._fused import fused_token_loss
 from ._inputs import (
     HookInputs,
-    Tile,
     counted_mask,
     from_tokens,
     hook_inputs,
     resolve_temperature,
-    tile_options,
     to_tokens,
 )
 from ._logprobs import linear_logprobs
-from ._policy_math import weights_of
+from ._loss_math import weights_of
+from ._options import LinearOptions, refuse_unexpected
 
 Reduction = Literal["none", "sum", "mean"]
 REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
@@ -42,9 +41,9 @@ def selected_logprobs(
     *,
     temperature: float | None = None,
     entropy: bool = False,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
-    chunk_size: int | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """A processor returning ``{"logprobs": [b, s], "entropy": [b, s]}`` (fp32)::
 
@@ -55,14 +54,14 @@ def selected_logprobs(
     ``T``: ``temperature`` if given, else the user context's ``temperature``
     when it has one that is not ``None`` (a number or ``[b, s]`` per token; the
     key of a mapping such as veRL's, or the attribute of an object such as
-    :class:`PolicyBatch`), else 1. Both given is an error.
+    :class:`PolicyBatch`), else 1. Both given is an error. Tiles of ``tile_rows``
+    x ``tile_cols`` (:class:`LinearOptions`' names; ``None``: the default per device).
     """
+    refuse_unexpected("selected_logprobs", unexpected)
     if temperature is not None:
         check_temperature(temperature, 1)
     check_bool("entropy", entropy)
-    tile = tile_options(
-        vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size, chunk_size=chunk_size
-    )
+    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -128,7 +127,7 @@ def _token_weights(
 
 
 def _reduced(
-    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: Tile
+    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: LinearOptions
 ) -> dict[str, torch.Tensor]:
     """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
     x = hook_inputs(ctx, "cross_entropy_loss")
@@ -139,7 +138,7 @@ def _reduced(
         wr = w[rows].to(lp.dtype)
         return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
 
-    options = x.tensor_options(tile, temp, whole_rows=True)
+    options = x.tensor_options(tile, temp)
     res = fused_token_loss(x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=False)
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
@@ -150,10 +149,9 @@ def cross_entropy_loss(
     *,
     reduction: Reduction = "none",
     temperature: float | None = None,
-    vocab_chunk_size: int | None = None,
-    token_chunk_size: int | None = None,
-    fused_tile_elements: int | None = None,
-    chunk_size: int | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    **unexpected: Never,
 ) -> Processor:
     """Megatron's ``compute_language_model_loss``, per token or reduced.
 
@@ -168,7 +166,7 @@ def cross_entropy_loss(
     then removes). ``T`` is ``temperature`` (default 1); a user context holding
     a ``temperature`` or ``global_tokens`` that is not ``None`` raises rather than
     being ignored (Megatron's loss has neither). Logits recomputed in backward
-    (:func:`linear_logprobs`, tile ``vocab_chunk_size`` x ``token_chunk_size``):
+    (:func:`linear_logprobs`, tiles of ``tile_rows`` x ``tile_cols``):
     four GEMM-equivalents ``2 n h V`` forward plus backward.
 
     ``reduction="sum"`` or ``"mean"``: ``{"loss": [], "tokens": []}`` (fp32)::
@@ -181,7 +179,7 @@ def cross_entropy_loss(
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
     three GEMM-equivalents on both backends, no logits recomputed
-    (``fused_tile_elements`` logits a tile, default per device). ``T``:
+    (tiles of ``tile_rows`` whole rows; ``None``: the default per device). ``T``:
     ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
     context's key or attribute, a finite number > 0) replaces ``sum(M)``,
@@ -192,15 +190,11 @@ def cross_entropy_loss(
     (``loss_mask``). A NaN or inf in the hidden states or weight makes the
     loss NaN.
     """
+    refuse_unexpected("cross_entropy_loss", unexpected)
     reduction = _check_reduction(reduction)
     if temperature is not None:
         check_temperature(temperature, 1)
-    tile = tile_options(
-        vocab_chunk_size=vocab_chunk_size,
-        token_chunk_size=token_chunk_size,
-        chunk_size=chunk_size,
-        tile_elements=fused_tile_elements,
-    )
+    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> torch.Tensor:
