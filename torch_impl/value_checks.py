@@ -17,9 +17,10 @@ inside the call.
 **When a deferred error surfaces** (the one rule; nothing else reads a result):
 
 1. A *checked call* is a processor call, a call of a tensor function (``linear_logprobs``,
-   ``linear_topk_logprobs``, ``fused_token_loss``, ``linear_distillation_loss``), one call of the hook, or a block under :func:`checked_call`; a check made
-   outside all of them is a checked call of its own. Checked calls nest; only the
-   outermost one counts.
+   ``linear_topk_logprobs``, ``fused_token_loss``, ``linear_distillation_loss``), one call
+   of the hook, or a block under :func:`checked_call`; a check made outside all of them is
+   a checked call of its own. Checked calls nest; only the outermost one counts (per
+   thread).
 2. At the **entry** of a checked call, every earlier check whose copy has landed is
    read, oldest first, and the first that found bad values raises
    :class:`hookspec.ContractError` (field, expected range, the values found, "found by
