@@ -41,6 +41,7 @@ __all__ = [
     "check_positive_deferred",
     "pending_checks",
     "raise_pending_errors",
+    "refuse_meta",
 ]
 
 
@@ -87,6 +88,7 @@ def _check(
     bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str, noun: str = "values"
 ) -> None:
     """Raise (CPU) or record (CUDA) the count, min and max of ``values[bad]``."""
+    refuse_meta(values, field=field)
     if values.device.type != "cuda":
         if bool(bad.any()):
             picked = values[bad]
@@ -109,6 +111,15 @@ def _check(
     _PENDING.append(_Pending(event, host, field, expected, noun))
 
 
+def refuse_meta(values: Any, *, field: str) -> None:
+    """A tensor on the ``meta`` device has a shape and no values: a value check (or any
+    computation) cannot read it. ``ContractError`` naming ``field``."""
+    if isinstance(values, torch.Tensor) and values.device.type == "meta":
+        raise ContractError(
+            field, expected="a tensor with values (on a CPU or an accelerator)", actual="a tensor on meta"
+        )
+
+
 def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
     """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
 
@@ -116,6 +127,7 @@ def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, fi
     deferred check whose result has landed.
     """
     raise_pending_errors()
+    refuse_meta(labels, field=field)
     if not isinstance(labels, torch.Tensor) or labels.device.type != "cuda":
         check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
         return

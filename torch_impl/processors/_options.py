@@ -74,6 +74,10 @@ class LinearOptions:
             ``tile_rows`` only.
         check_values: read the labels and a tensor temperature to check them
             (at once on a CPU, deferred without a host read on a GPU).
+
+    Two options are equal when their fields are, a tensor temperature by identity
+    (the same tensor object: comparing values would read them, a host read on a GPU,
+    and a tensor changed in place would change the options); the hash agrees.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -93,6 +97,12 @@ class LinearOptions:
             check_temperature(self.temperature, 1)
         elif self.temperature.dim() > 0:
             check_floating("temperature", self.temperature)
+            if self.temperature.dim() != 1:  # a [b, s] flattened would give each row another token's T
+                raise ContractError(
+                    "temperature",
+                    expected="a number or a tensor [n] (one per gathered row, s-major)",
+                    actual=format_shape(self.temperature.shape),
+                )
         put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
@@ -112,6 +122,22 @@ class LinearOptions:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         check_bool("check_values", self.check_values)
+
+    def _key(self) -> tuple[Any, ...]:
+        """The fields, a tensor temperature as its identity."""
+        t = self.temperature
+        temperature = ("tensor", id(t)) if isinstance(t, torch.Tensor) else ("number", t)
+        rest = (getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "temperature")
+        return (temperature, *rest)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, LinearOptions)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 _MOVED = {k: k for k in ("temperature", "ignore_index", "collectives", "backend", "compute_dtype")}
