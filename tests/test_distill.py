@@ -418,7 +418,9 @@ def _zero_probability(d: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("divergence", DIVS)
 @pytest.mark.parametrize("tail", list(TeacherTail))
-def test_a_zero_probability_teacher_id_against_float64(divergence: DistillDivergence, tail: TeacherTail) -> None:
+def test_a_zero_probability_teacher_id_against_float64(
+    divergence: DistillDivergence, tail: TeacherTail
+) -> None:
     """``-inf`` is probability 0 (``hookspec.conventions``): its terms weigh 0 in
     forward KL and JSD (finite values and gradients equal to float64's); the reverse
     KL of a student that gives the id mass is ``+inf``, as in float64. Refused before,
