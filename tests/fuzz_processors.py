@@ -827,6 +827,12 @@ def distill_case(d: Draw) -> Case:
             # whose tail (their rounding residue) float64 resolves
             lp_t = lp_t.float()
             d.note("teacher_dtype", F32)
+        if k >= 2 and divergence != "reverse-kl" and d.chance("teacher_zero_ids", 0.3):
+            # ids of probability 0 (-inf: a teacher that masks them), never the first;
+            # reverse KL is +inf there (hookspec.conventions), tested by value elsewhere
+            zero = d.rand(w.b, w.s, k) < 0.4
+            zero[..., 0] = False
+            lp_t = lp_t.masked_fill(zero, -math.inf)
     else:
         ht = d.int("h_teacher", 1, 5)
         t_hidden = d.randn(w.s, w.b, ht, dtype=d.pick("teacher_dtype", [F32, F64, torch.bfloat16], [4, 1, 1]))
@@ -864,6 +870,7 @@ def distill_case(d: Draw) -> Case:
             ids_empty=("context.ids",),
             logprobs_shape=("context.logprobs",),
             logprobs_int=("context.logprobs",),
+            teacher_meta=("context.ids", "context.logprobs"),
         )
         if w.check_values and counted:
             own.update(
@@ -883,6 +890,7 @@ def distill_case(d: Draw) -> Case:
             teacher_weight_rows=("context.weight",),
             teacher_logit_scale=("context.logit_scale",),
             teacher_vocab_other=("context.vocab",),
+            teacher_meta=("context.hidden_states", "context.weight"),
         )
         if w.tp > 1:
             own["teacher_vocab_missing"] = ("context.vocab",)
@@ -935,8 +943,12 @@ def distill_case(d: Draw) -> Case:
             s_ids[ci, cj, 1] = s_ids[ci, cj, 0]
         if "logprobs_positive" in muts and kk:
             s_lp[ci, cj, 0] = 0.5
-        if "logprobs_nan" in muts and kk:
-            s_lp[ci, cj, d.rng.randrange(kk)] = d.pick("bad_lp", [float("nan"), float("inf"), float("-inf")])
+        if "logprobs_nan" in muts and kk:  # -inf is probability 0: refused as the first only
+            bad_lp = d.pick("bad_lp", [float("nan"), float("inf"), float("-inf")])
+            s_lp[ci, cj, 0 if bad_lp == -math.inf else d.rng.randrange(kk)] = bad_lp
+        if "teacher_meta" in muts:
+            s_lp = s_lp.to("meta") if d.chance("meta_logprobs", 0.5) else s_lp
+            s_ids = s_ids.to("meta") if s_lp.device.type != "meta" else s_ids
         if "logprobs_mass" in muts and kk:
             s_lp[ci, cj] = math.log(1.5 / kk) if kk > 1 else 0.3
         if "logprobs_not_first" in muts and kk:
@@ -958,6 +970,8 @@ def distill_case(d: Draw) -> Case:
                 th = th[:, :, None]
             if "teacher_hidden_int" in muts:
                 th = th.long()
+            if "teacher_meta" in muts:
+                th, tw = th.to("meta"), tw.to("meta")
             if "teacher_weight_rows" in muts:
                 tw = torch.cat([tw, tw[:1]])
             if "teacher_logit_scale" in muts:
@@ -1013,7 +1027,9 @@ def distill_case(d: Draw) -> Case:
             lp64 = lp_t.detach().double().clone().requires_grad_()
             # the given logprobs are exact: the tails can be formed from them in float64
             # (1 - sum(exp(lp)) cancels in fp32), so they carry float64's rounding only
-            extras = [(lp64, 4 * unit(F64) * (ids.shape[-1] + lp64.detach().abs()))]
+            # a -inf (probability 0) is exact: no error bound, its NaN gradient unread
+            finite = torch.isfinite(lp64.detach())
+            extras = [(lp64, torch.where(finite, 4 * unit(F64) * (ids.shape[-1] + lp64.detach().abs()), 0.0))]
             log_p, log_q, _, _ = sparse_sets64(lp64, z, ids, tail)
             top_t = ids[..., 0]
         else:

@@ -151,7 +151,11 @@ def sparse_divergence(
         p_tail = -torch.expm1(torch.logsumexp(teacher_logprobs.double(), -1))
         q_tail = -torch.expm1(torch.logsumexp(log_q_ids, -1))
         if student_tail is not None:  # the accurate value, the expression's gradient
-            q_tail = q_tail + (student_tail.to(q_tail.dtype) - q_tail).detach()
+            # value + (x - x.detach()): the value exactly (x - x is 0); the earlier form
+            # x + (value - x).detach() rounded to 0 where the value is far below x's
+            # rounding (a tail of 8e-21 beside an expression of 1e-7 in float32 became
+            # TAIL_FLOOR: a forward KL of 11.8 for 6.64)
+            q_tail = student_tail.to(q_tail.dtype) + (q_tail - q_tail.detach())
         log_p_tail = torch.log(p_tail.clamp_min(TAIL_FLOOR)).to(lp_t.dtype)
         log_p = torch.cat([lp_t, log_p_tail[..., None]], -1)
         log_q = torch.cat([log_q_ids, torch.log(q_tail.clamp_min(TAIL_FLOOR))[..., None]], -1)
@@ -308,6 +312,7 @@ class _FusedDistill(torch.autograd.Function):
         cfg: DistillConfig,
         teacher: PreparedTeacher,
         weights: torch.Tensor,
+        grad_mode: bool,
     ) -> tuple[torch.Tensor, ...]:
         acc = setup.acc_dtype
         with no_autocast(h):
@@ -323,8 +328,10 @@ class _FusedDistill(torch.autograd.Function):
             renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
             dh, dw = eng.row_sweep(
                 make(eng, cfg, teacher, weights.to(acc), out),
-                need_dh=ctx.needs_input_grad[0],
-                need_dw=ctx.needs_input_grad[1],
+                # needs_input_grad is set under no_grad and inference mode too: the
+                # caller's grad mode (read before apply) says whether a gradient is wanted
+                need_dh=grad_mode and ctx.needs_input_grad[0],
+                need_dw=grad_mode and ctx.needs_input_grad[1],
                 zeros=renorm,
             )
         ctx.set_materialize_grads(False)
@@ -338,10 +345,10 @@ class _FusedDistill(torch.autograd.Function):
         refuse_double_backward("distillation_loss")
         dh, dw = ctx.saved_tensors
         if g is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         gh = (dh * g).to(ctx.dtypes[0]) if dh is not None else None
         gw = (dw * g).to(ctx.dtypes[1]) if dw is not None else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- the processor
@@ -450,7 +457,9 @@ def distillation_loss(
             prepared = teacher.prepare(
                 typing.cast(torch.Tensor, ctx.hidden_states), ctx.vocab, ctx.collectives
             )
-        loss, kl, agree, lse = _FusedDistill.apply(h, x.weight, setup, config, prepared, weights)
+        loss, kl, agree, lse = _FusedDistill.apply(
+            h, x.weight, setup, config, prepared, weights, torch.is_grad_enabled()
+        )
         m_rows = to_tokens(mask)
         denom = torch.where(m_rows.sum() == 0, 1.0, m_rows.sum())
         return {
