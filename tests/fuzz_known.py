@@ -39,7 +39,21 @@ def _bucket_gradient(result: Any) -> bool:
     return result.notes.get("tail") == "bucket" and result.notes.get("teacher") == "sparse" and grads
 
 
+def _topk_bf16_gradient(result: Any) -> bool:
+    grads = result.message.startswith(("d hidden: off", "d weight: off"))
+    return result.notes.get("compute_dtype") == "bfloat16" and grads
+
+
 KNOWN_FINDINGS: tuple[KnownFinding, ...] = (
+    KnownFinding(
+        name="topk-bf16-compute-gradient-beyond-its-bound",
+        entries=("linear_topk_logprobs",),
+        where="torch_impl/processors/_topk.py with compute_dtype=bfloat16, or the fuzzer's bf16 "
+        "error bound (tests/fuzz_world.py Precision): not yet told apart",
+        reproduction="seed 32, case 26513 (float32 inputs, bf16 GEMMs, one row per tile, k=1 with "
+        "entropy): d hidden off float64 by 4.07e-4 against a bound of 3.81e-4",
+        matches=_topk_bf16_gradient,
+    ),
     KnownFinding(
         name="bucket-tail-gradient-cancels",
         entries=("distillation_loss",),
@@ -70,9 +84,10 @@ KNOWN_FINDINGS: tuple[KnownFinding, ...] = (
         matches=_calls_backward,
     ),
 )
-"""Open: three. Two in the fused loss (found by the generators of user callables that close
+"""Open: four. Two in the fused loss (found by the generators of user callables that close
 over tensors requiring grad or call backward); one in the sparse bucket's gradient (found
-by the seed-12 run beside the tail value's rounding, which is fixed). The five the fuzzer found first (a
+by the seed-12 run beside the tail value's rounding, which is fixed); one a bf16 gradient
+of top-k 7% beyond the fuzzer's bound (the 80 000-case run of seed 32). The five the fuzzer found first (a
 VocabShard of None named as the weight; sparse distillation under inference mode; an unused
 count without its ``context.`` prefix; the bucket tails formed by cancellation; top-k with
 entropy keeping its graph through ``ctx``) and the sixth (sparse distillation under

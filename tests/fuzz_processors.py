@@ -861,7 +861,8 @@ def distill_case(d: Draw) -> Case:
     if w.check_values:
         own["teacher_mask_negative"] = ("context.mask",)
     if cp == 1:
-        own["cp_seq_mean_token_mean"] = ("parallel.cp_size",)
+        # a global_tokens drawn for token-mean is then an unused count: either refusal is right
+        own["cp_seq_mean_token_mean"] = ("parallel.cp_size",) + (("context.global_tokens",) if gt else ())
     if sparse:
         assert ids is not None and lp_t is not None
         own.update(

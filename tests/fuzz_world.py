@@ -342,8 +342,11 @@ def ctx_mutations(
         "hidden_meta",
         ("hidden_states", "vocab_weight"),
         lambda kw, r: kw.update(
-            hidden_states=kw["hidden_states"].detach().to("meta"),
-            vocab_weight=kw["vocab_weight"].detach().to("meta"),
+            {
+                k: kw[k].detach().to("meta")
+                for k in ("hidden_states", "vocab_weight")
+                if torch.is_tensor(kw[k])
+            }
         ),
     )
     put(

@@ -28,6 +28,7 @@ EXPECTED: dict[str, dict[str, bool]] = {
     "tp_reduce_noncontiguous_grad.py": {"0.16.1": True, "0.19.2": False},
     "moe_router_without_te.py": {"0.16.1": True, "0.19.2": False},
     "interleaved_gloo_batch_p2p.py": {"0.16.1": True, "0.19.2": True},
+    "destroy_model_parallel_leaves_groups.py": {"0.16.1": True, "0.19.2": True},
 }
 
 
@@ -79,5 +80,16 @@ def test_defect_shows_as_documented(script: str) -> None:
         assert report["shapes"] == [[2, 1, 4], [3, 1, 4]] and report["shapes_swapped"] is True, report
         call = report["variable_seq_lengths_call"]
         assert call["completed"] == [False, False] and call["gloo_size_mismatch"] is True, report
+    if script == "destroy_model_parallel_leaves_groups.py" and report["defect"]:
+        # the two names, and what they hold: two gloo groups (a listening socket and three
+        # threads each) that only dropping the reference frees (the control)
+        left = [
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+        ]
+        assert report["left"] == left, report
+        sockets, threads = report["listening_sockets"], report["threads"]
+        assert sockets[1] - sockets[0] == 2 and threads[1] - threads[0] == 6, report
+        assert report["freed_by_dropping"] is True, report
     if script == "moe_router_without_te.py" and not report["defect"]:
         assert report["transformer_engine"] or report["matches_matmul"] is True, report
