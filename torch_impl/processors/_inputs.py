@@ -28,7 +28,7 @@ from ._checks import (
     context_logit_scale,
     resolve_vocab_chunk,
 )
-from ._options import LinearOptions
+from ._options import LinearOptions, refuse_function_transforms
 
 __all__ = [
     "HookInputs",
@@ -180,6 +180,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     if ctx.vocab is None:
         raise ContractError("vocab", expected="the weight's VocabShard (start, end, size)", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
+    refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
     refuse_meta_tensors(ctx)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):

@@ -237,6 +237,29 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
         )
 
 
+def refuse_function_transforms(**tensors: Any) -> None:
+    """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
+    transform level is active), naming the first of ``tensors`` it wraps. The tensor
+    functions form their gradients in tiles outside autograd (old-style
+    ``autograd.Function``, no vmap rule); torch's own error ("must override the
+    setup_context staticmethod") named none of this."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None or functorch.maybe_current_level() is None:
+        return
+    wrapped = [
+        k
+        for k, v in tensors.items()
+        if isinstance(v, torch.Tensor) and functorch.is_functorch_wrapped_tensor(v)
+    ]
+    raise ContractError(
+        wrapped[0] if wrapped else next(iter(tensors)),
+        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
+        "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
+        "rows instead of vmap (the functions take any number of rows)",
+        actual="a call inside a torch.func transform",
+    )
+
+
 def make_setup(
     h: torch.Tensor, weight: Any, labels: Any, options: LinearOptions, *, fold: bool = True
 ) -> TileSetup:
@@ -245,6 +268,7 @@ def make_setup(
     may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
     equal logits must stay equal: top-k's ties)."""
     check_floating("weight", weight)
+    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
     n, hidden = h.shape
     if weight.dim() != 2 or weight.shape[1] != hidden:
         raise ContractError(
