@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -340,3 +343,46 @@ def test_torch_autograd_grad_is_the_supported_route_against_float64() -> None:
     want = (h64 @ w.double().T).log_softmax(-1).gather(1, y[:, None]).sum()
     (dh64,) = torch.autograd.grad(want, h64)
     torch.testing.assert_close(dh.double(), dh64, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- 5. Triton's mode, fixed at its import
+
+TRITON_ORDER = """
+import os, sys, torch
+if sys.argv[1] == "before":
+    os.environ["TRITON_INTERPRET"] = "1"
+import megatron.core  # imports triton
+os.environ["TRITON_INTERPRET"] = "1"
+from hookspec import ContractError
+from torch_impl.processors import LinearOptions, linear_logprobs
+g = torch.Generator().manual_seed(0)
+h, w = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+y = torch.tensor([0, 4, 2])
+try:
+    lp = linear_logprobs(h, w, y, options=LinearOptions(backend="triton")).logprobs
+except ContractError as exc:
+    print("refused", exc.field, "first imported" in str(exc) and "import megatron.core" in str(exc))
+else:
+    want = (h.double() @ w.double().T).log_softmax(-1).gather(1, y[:, None])[:, 0]
+    print("ran", bool(torch.allclose(lp.double(), want, atol=1e-5)))
+"""
+
+
+@pytest.mark.parametrize(("order", "outcome"), [("after", "refused backend True"), ("before", "ran True")])
+def test_triton_interpreter_set_after_triton_is_imported_is_named(order: str, outcome: str) -> None:
+    """``TRITON_INTERPRET=1`` set after ``import megatron.core`` (which imports Triton):
+    every ``backend="triton"`` call failed with Triton's ``InterpreterError`` ("Cannot
+    call @triton.jit'd outside of the scope of a kernel"); now a ``ContractError``
+    naming the order. Set before the import, the kernels run (the control)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_ORDER, order],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.stdout.strip().splitlines()[-1:] == [outcome], done.stdout + done.stderr[-2000:]

@@ -26,7 +26,7 @@ from ._checks import (
     resolve_compute_dtype,
 )
 from ._engine import TileSetup
-from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile
+from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
 
 __all__ = [
     "BACKENDS",
@@ -204,6 +204,9 @@ def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
             raise ContractError(
                 "backend", expected="'torch' or 'auto' (triton is not installed)", actual="'triton'"
             )
+        mismatch = triton_mode_mismatch()
+        if mismatch:
+            raise ContractError("backend", expected=f"a Triton in one mode: {mismatch}", actual="'triton'")
         if not (h.is_cuda or interpreting()):
             raise ContractError(
                 "backend",
