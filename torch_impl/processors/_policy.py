@@ -542,8 +542,8 @@ def policy_loss(
 
     With ``config.fused`` and a token ratio, the gradients are formed in the
     forward pass (no logits recomputed, ``fused_tile_elements`` logits a
-    tile, default per device: ``FUSED_TILE_ELEMENTS`` on a CPU, 1 GiB of fp32
-    logits on CUDA); otherwise logprobs and entropy come from :func:`linear_logprobs`
+    tile, default per device: ``TILE_BYTES`` of fp32 logits, 32 MiB on a CPU and
+    256 MiB on CUDA); otherwise logprobs and entropy come from :func:`linear_logprobs`
     (tile ``vocab_chunk_size`` x ``token_chunk_size``, default per device;
     ``chunk_size``: the deprecated name of ``vocab_chunk_size``) and autograd
     goes through them. Bad values: see this module's docstring.
