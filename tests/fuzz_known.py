@@ -40,8 +40,9 @@ def _bucket_gradient(result: Any) -> bool:
 
 
 def _topk_bf16_gradient(result: Any) -> bool:
-    grads = result.message.startswith(("d hidden: off", "d weight: off"))
-    return result.notes.get("compute_dtype") == "bfloat16" and grads
+    grads = "d hidden: off" in result.message or "d weight: off" in result.message
+    order = "topk_ids: not the top" in result.message
+    return result.notes.get("compute_dtype") == "bfloat16" and (grads or order)
 
 
 KNOWN_FINDINGS: tuple[KnownFinding, ...] = (
@@ -51,7 +52,8 @@ KNOWN_FINDINGS: tuple[KnownFinding, ...] = (
         where="torch_impl/processors/_topk.py with compute_dtype=bfloat16, or the fuzzer's bf16 "
         "error bound (tests/fuzz_world.py Precision): not yet told apart",
         reproduction="seed 32, case 26513 (float32 inputs, bf16 GEMMs, one row per tile, k=1 with "
-        "entropy): d hidden off float64 by 4.07e-4 against a bound of 3.81e-4",
+        "entropy): d hidden off float64 by 4.07e-4 against a bound of 3.81e-4; seed 33, case 7509: "
+        "the ids not float64's top 6 (-6.47619 taken over -6.47477, 1.4e-3 apart in bf16 GEMMs)",
         matches=_topk_bf16_gradient,
     ),
     KnownFinding(
