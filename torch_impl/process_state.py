@@ -8,7 +8,8 @@ test, a training script under torchrun).
   registered inside destroyed (:func:`process_groups_kept`);
 - :func:`megatron_parallel`: ``torch.distributed`` (gloo on loopback) and
   Megatron's model-parallel groups for the length of a block, reusing a caller's
-  and tearing down only what it made, the groups included;
+  and tearing down only what it made, the groups included (with the two groups
+  Megatron's ``destroy_model_parallel`` leaves referenced: :func:`groups_left_released`);
 - :func:`known_noise_silenced`: the known import-time notices of Megatron Core
   and torch on a CPU, silenced by message, nothing else.
 """
@@ -256,7 +257,9 @@ def megatron_parallel(
 
 
 def _holds_group(value: Any) -> bool:
-    group = torch.distributed.ProcessGroup
+    group = getattr(torch.distributed, "ProcessGroup", None)
+    if group is None:  # a torch built without distributed
+        return False
     if isinstance(value, group):
         return True
     return isinstance(value, (list, tuple)) and any(isinstance(v, group) for v in value)
