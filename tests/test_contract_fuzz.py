@@ -405,11 +405,11 @@ FIXED_FINDINGS = {  # each failed before its fix (the exception it raised then)
     # RuntimeError: element 0 of tensors does not require grad (seed 11, cases 42 and 49)
     "sparse-distillation-under-inference-mode-with-grads": _inference_mode_with_grads,
     "bucket-tail-value-rounds-to-the-floor": _bucket_tail_value,  # AssertionError: 23.9 vs 22.8
+    "bucket-tail-gradient-cancels": _bucket_tail_gradient,  # AssertionError: 65536 vs 0.2808 (seed 12, 950)
 }
 KNOWN_REPRODUCTIONS: dict[str, tuple[Callable[[], None], type[BaseException]]] = {
     "fused-loss-drops-other-leaves-gradients": (_learned_coefficient, AssertionError),
     "token-loss-calls-backward": (_calls_backward, RuntimeError),
-    "bucket-tail-gradient-cancels": (_bucket_tail_gradient, AssertionError),
     "topk-bf16-compute-gradient-beyond-its-bound": (_topk_bf16_case, AssertionError),
 }
 
