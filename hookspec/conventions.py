@@ -100,11 +100,16 @@ only a finite term (``k = V``, or a teacher whose listed mass rounds to 1, gives
 finite reverse KL).
 
 A sparse teacher is valid where it is read (the tokens that count), per token:
-``ids`` distinct, each in ``[0, V)``; ``lp_t`` finite, each ``<= eps`` and
-``sum(exp(lp_t)) <= 1 + k * eps`` (``eps``: the machine epsilon of ``lp_t``'s dtype,
-its rounding); ``lp_t[0] >= lp_t[j]`` for every ``j`` (``ids[0]`` is the teacher's
-top-1, which top-1 agreement reads). An invalid teacher raises ``ContractError``
-rather than giving a loss.
+``ids`` distinct, each in ``[0, V)``; ``lp_t`` neither NaN nor ``+inf``, each ``<= eps``
+and ``sum(exp(lp_t)) <= 1 + k * eps`` (``eps``: the machine epsilon of ``lp_t``'s dtype,
+its rounding); ``lp_t[0]`` finite and ``lp_t[0] >= lp_t[j]`` for every ``j``
+(``ids[0]`` is the teacher's top-1, which top-1 agreement reads). An invalid teacher
+raises ``ContractError`` naming the rule it breaks rather than giving a loss.
+
+``lp_t[j] = -inf`` is probability 0 (an id the teacher masks): ``P`` is 0 there, and
+by the rule above its terms are 0. Forward KL and JSD stay finite, with finite
+gradients; the reverse KL is ``+inf`` wherever the student gives that id mass (every
+finite logit does), as ``KL(Q || P)`` is: use forward KL or JSD with such teachers.
 
 Top-1 agreement: ``argmax(q) == argmax(p)`` (dense; ties: the smaller id), or
 ``argmax(q) == ids[0]`` (sparse).

@@ -1057,7 +1057,64 @@ def tools_case(d: Draw) -> Case:
     return Case(f"{tool}.main", call, check)
 
 
+# ---------------------------------------------------------------- options compared and hashed
+
+
+def options_compare_case(d: Draw) -> Case:
+    """Two ``LinearOptions`` (numbers or tensor temperatures, the same tensor or another
+    of equal values, other fields equal or not) compared with ``==`` and ``!=``, hashed,
+    put in a set and used as dict keys; the truth: a tensor temperature by identity, the
+    other fields by value."""
+    from torch_impl.processors import LinearOptions
+
+    n = d.int("n", 1, 6)
+    shared = d.rand(n).float()
+    pool: dict[str, Any] = {
+        "number": 1.5,
+        "int": 2,
+        "same_float": 2.0,
+        "shared": shared,
+        "shared_again": shared,
+        "copy": shared.clone(),
+        "grad": d.rand(n).float().requires_grad_(),
+        "float64": d.rand(n),
+        "scalar_tensor": torch.tensor(1.5),  # 0-dim: a tensor, compared by identity
+    }
+    names = [d.pick("temperature_a", sorted(pool)), d.pick("temperature_b", sorted(pool))]
+    other = [
+        {"tile_rows": d.pick("tile_rows_a", [None, 4])},
+        {"tile_rows": d.pick("tile_rows_b", [None, 4])},
+    ]
+    values = [pool[name] for name in names]
+
+    def key(value: Any) -> Any:  # a tensor, 0-dim included, by identity (the docstring's rule)
+        if isinstance(value, torch.Tensor):
+            return ("tensor", id(value))
+        return ("number", float(value))
+
+    def call() -> Any:
+        a, b = (LinearOptions(temperature=v, **o) for v, o in zip(values, other, strict=True))
+        return a, b, a == b, a != b, hash(a) == hash(b), len({a, b}), {a: 1, b: 2}[a]
+
+    def check(result: Any) -> list[str]:
+        a, _, eq, ne, same_hash, size, first = result
+        want = key(values[0]) == key(values[1]) and other[0] == other[1]
+        problems = []
+        if eq is not want or ne is want:
+            problems.append(f"== gave {eq}, != gave {ne}; expected equal: {want}")
+        if want and not same_hash:
+            problems.append("equal options with different hashes")
+        if size != (1 if want else 2) or first != (2 if want else 1):
+            problems.append(f"a set of both holds {size}; a dict keyed by both gives {first} for the first")
+        if a != a or hash(a) != hash(a):
+            problems.append("an options object unequal to itself")
+        return problems
+
+    return Case("LinearOptions ==", call, check)
+
+
 SURFACE_ENTRIES = {
+    "LinearOptions ==": (options_compare_case, 2),
     "constructors": (constructor_case, 8),
     "processor()": (processor_ctor_case, 1),
     "validate_context": (validate_context_case, 5),

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookspec import SingleProcessCollectives, VocabShard
+from hookspec import ContractError, SingleProcessCollectives, VocabShard
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs, linear_topk_logprobs
 from torch_impl.processors._backends import triton_available
 from torch_impl.processors._geometry import interpreting
@@ -33,7 +33,12 @@ from .fuzz_world import (
     magnitudes,
 )
 
-__all__ = ["TENSOR_ENTRIES"]
+__all__ = ["OTHER_LEAF", "TENSOR_ENTRIES"]
+
+REFUSED_LEARNED = "refused: the loss reaches another leaf"
+LEARNED_GRAD = "d learned coefficient"
+LEARNED_VALUE = 0.75
+OTHER_LEAF = "the loss's other leaf (a coefficient it closes over)"
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -77,6 +82,8 @@ def tensor_case(d: Draw) -> Case:
             temperature = (2.0 ** d.randint(-1, 2, (n,))).to(F32)
         else:
             temperature = (0.3 + 2 * d.rand(n)).to(d.pick("temperature_dtype", [F32, F64]))
+        if d.chance("temperature_requires_grad", 0.2):  # not differentiated: no gradient reaches it
+            temperature.requires_grad_()
     scale = d.pick("logit_scale", [1.0, 0.5, 2] if w.exact else [1.0, 0.5, 3, np.float64(1.5)])
     compute = d.pick("compute_dtype", [None, F32, F64, BF16], [8, 1, 1, 1])
     tile_rows = d.int("tile_rows", 1, max(1, n)) if d.chance("tiles", 0.5) else None
@@ -84,13 +91,12 @@ def tensor_case(d: Draw) -> Case:
     with_entropy = d.chance("with_entropy", 0.5)
     k = d.int("k", 1, V) if fn == "linear_topk_logprobs" else 0
     topk_labels = fn != "linear_topk_logprobs" or not d.chance("no_labels", 0.3)
-    loss_kind = (
-        d.pick("token_loss", ["weighted", "entropy", "nonlinear", "constant"])
-        if fn == "fused_token_loss"
-        else ""
-    )
+    kinds = ["weighted", "entropy", "nonlinear", "constant"] + (["learned"] if w.tp == 1 else [])
+    # "learned": the loss closes over a tensor that requires grad (a learned coefficient)
+    loss_kind = d.pick("token_loss", kinds) if fn == "fused_token_loss" else ""
     entropy_grad = loss_kind == "entropy" or d.chance("entropy_grad", 0.5)
     coef = d.randn(n, dtype=F64) if fn == "fused_token_loss" else None
+    learned = torch.tensor(LEARNED_VALUE, dtype=F64, requires_grad=True)
 
     cands: dict[str, tuple[str, ...]] = {
         "hidden_3d": ("hidden",),
@@ -102,12 +108,22 @@ def tensor_case(d: Draw) -> Case:
         "options_mapping": ("options",),
         "moved_keyword": ("TypeError",),
         "temperature_numel": ("temperature",),
+        "temperature_2d": ("temperature",),
+        "temperature_int": ("temperature",),
+        "temperature_meta": ("temperature",),
+        "hidden_meta": ("hidden",),
+        "weight_meta": ("weight",),
         "vocab_rows": ("vocab",),
     }
     if fn != "fused_token_loss":
         cands["with_entropy_str"] = ("with_entropy",)
     if fn != "linear_topk_logprobs" or topk_labels:
-        cands.update(labels_shape=("labels",), labels_float=("labels",), labels_list=("labels",))
+        cands.update(
+            labels_shape=("labels",),
+            labels_float=("labels",),
+            labels_list=("labels",),
+            labels_meta=("labels",),
+        )
     for name in BAD_OPTIONS:
         cands[f"bad_{name}"] = (name,)
     if w.check_values and topk_labels:
@@ -132,6 +148,7 @@ def tensor_case(d: Draw) -> Case:
             loss_float=("token_loss",),
             loss_not_callable=("token_loss",),
             entropy_grad_str=("entropy_grad",),
+            loss_calls_backward=("token_loss",),
         )
         if w.grads_wanted() and loss_kind != "entropy":
             cands["loss_reads_entropy"] = ("token_loss",)
@@ -156,6 +173,15 @@ def tensor_case(d: Draw) -> Case:
         )
     if "temperature_numel" in muts:
         temperature = torch.ones(n + 1)
+    if "temperature_2d" in muts:  # n values, another shape: never flattened
+        shape = d.pick(
+            "temperature_shape", [(n, 1), (1, n), (2, n // 2) if n % 2 == 0 and n > 2 else (n, 1, 1)]
+        )
+        temperature = torch.ones(shape)
+    if "temperature_int" in muts:
+        temperature = torch.ones(n, dtype=d.pick("temperature_int_dtype", [torch.int64, torch.bool]))
+    if "temperature_meta" in muts:
+        temperature = torch.ones(n, device="meta")
     kk: Any = k
     if "bad_k" in muts:
         kk = d.pick("bad_k", [0, -2, True, 1.0, "2", None])
@@ -195,8 +221,14 @@ def tensor_case(d: Draw) -> Case:
             return -(lp * c).sum()
         if loss_kind == "entropy":
             return (0.5 * ent - lp * c).sum()
+        if "loss_calls_backward" in muts:  # the product differentiates the loss itself
+            loss = -(lp * c).sum()
+            loss.backward(retain_graph=d.rng.random() < 0.5)
+            return loss
         if loss_kind == "nonlinear":
             return (lp.exp() * c).sum()
+        if loss_kind == "learned":
+            return -(lp * c * learned.to(lp.dtype)).sum()
         return torch.zeros((), dtype=lp.dtype)
 
     def call() -> Any:
@@ -224,6 +256,12 @@ def tensor_case(d: Draw) -> Case:
                 wt = w_leaf.long()
             if "weight_1d" in muts:
                 wt = w_leaf.reshape(-1)
+            if "hidden_meta" in muts:
+                hid, wt = h_leaf.detach().to("meta"), w_leaf.detach().to("meta")
+            if "weight_meta" in muts:
+                wt = w_leaf.detach().to("meta")
+            if "labels_meta" in muts:
+                lab = torch.zeros(n, dtype=torch.long, device="meta")
             if "labels_float" in muts:
                 lab = lab.float()
             if "labels_list" in muts:
@@ -267,7 +305,12 @@ def tensor_case(d: Draw) -> Case:
                 elif fn == "fused_token_loss":
                     tl: Any = 42 if "loss_not_callable" in muts else token_loss
                     eg: Any = "no" if "entropy_grad_str" in muts else entropy_grad
-                    res = fused_token_loss(hid, wt, lab, tl, options=options, entropy_grad=eg, **extra)
+                    try:
+                        res = fused_token_loss(hid, wt, lab, tl, options=options, entropy_grad=eg, **extra)
+                    except ContractError as exc:
+                        if loss_kind != "learned" or muts or exc.field != "token_loss":
+                            raise
+                        return {REFUSED_LEARNED: str(exc)}, None, weakref.ref(h_leaf)  # refusing is allowed
                     out = {"loss": res.loss, "logprobs": res.logprobs, "entropy": res.entropy}
                 else:
                     we = "yes" if "with_entropy_str" in muts else with_entropy
@@ -294,10 +337,13 @@ def tensor_case(d: Draw) -> Case:
                     if isinstance(out.get(key), torch.Tensor) and out[key].requires_grad
                 ]
                 if terms:
-                    gh, gw = torch.autograd.grad(
-                        torch.stack(terms).sum(), (h_leaf, w_leaf), allow_unused=True
+                    leaves = (h_leaf, w_leaf, learned) if loss_kind == "learned" else (h_leaf, w_leaf)
+                    gh, gw, *g_learned = torch.autograd.grad(
+                        torch.stack(terms).sum(), leaves, allow_unused=True
                     )
                     grads = (gh, gw)
+                    if g_learned:
+                        out[LEARNED_GRAD] = g_learned[0]
             return detached(out), grads, weakref.ref(h_leaf)
 
         outs = run_spmd(w.tp, run_rank, group)
@@ -315,7 +361,7 @@ def tensor_case(d: Draw) -> Case:
         H = w.hidden.detach().double().clone().requires_grad_()
         W = w.weight.detach().double().clone().requires_grad_()
         inv: Any = float(scale) / (
-            temperature.double()
+            temperature.detach().double()
             if isinstance(temperature, torch.Tensor) and temperature.dim()
             else float(temperature)
         )
@@ -326,6 +372,8 @@ def tensor_case(d: Draw) -> Case:
         logp, lp, ent = token_stats64(z, w.labels, w.ignore_index)
         assert lp is not None
         first = outs[0][0]
+        if REFUSED_LEARNED in first:  # refused by name: the contract's other choice
+            return []
         values: dict[str, torch.Tensor] = {}
         if fn == "linear_logprobs":
             values["logprobs"] = lp
@@ -339,6 +387,7 @@ def tensor_case(d: Draw) -> Case:
                 "entropy": (0.5 * entt - lpt * coef).sum(),
                 "nonlinear": (lpt.exp() * coef).sum(),
                 "constant": (lpt * 0).sum(),
+                "learned": -(lpt * coef).sum() * LEARNED_VALUE,
             }[loss_kind]
             values = {"loss": loss, "logprobs": lp, "entropy": ent}
         else:
@@ -387,6 +436,16 @@ def tensor_case(d: Draw) -> Case:
                 problems += [where + p for p in check_topk(logp.detach(), got_v, got_ids, k, w)]
                 if r > 0 and not torch.equal(out["ids"], outs[0][0]["ids"]):
                     problems.append(f"{where}ids differ from rank 0's")
+            if loss_kind == "learned" and got_grads is not None and cots:
+                want = (-(lpt * coef).sum() * cots["loss"]).detach()  # d (cot * loss) / d coefficient
+                got_l = out.get(LEARNED_GRAD)
+                if not isinstance(got_l, torch.Tensor):
+                    problems.append(
+                        f"{where}{OTHER_LEAF}: d coefficient is {got_l!r}, float64 {float(want):.6g}"
+                    )
+                else:
+                    tol_l = bounds("loss") * (1 + abs(float(cots["loss"])) / LEARNED_VALUE)
+                    problems += close(f"{where}{OTHER_LEAF}", got_l.double(), want.detach(), atol=tol_l)
             if got_grads is not None and cots:
                 scalar = _cot_scalar(fn, values, cots, w, k)
                 dH, dW = torch.autograd.grad(scalar, (H, W), retain_graph=True, allow_unused=True)

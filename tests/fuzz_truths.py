@@ -148,7 +148,10 @@ def kl_estimate64(logp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: 
 
 
 def _xlogy(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(w == 0, 0.0, w * (a - b)).sum(-1)
+    """``sum(w * (a - b))``, a term of weight 0 being 0; the double ``where`` keeps an
+    infinite ``a - b`` there (a teacher's probability 0) out of every gradient."""
+    zero = w == 0
+    return torch.where(zero, 0.0, w * torch.where(zero, 0.0, a - b)).sum(-1)
 
 
 def divergence64(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:

@@ -337,6 +337,28 @@ def ctx_mutations(
             kw["loss_mask"] = m
 
         put("loss_mask_value", ("loss_mask",), mask_bad)
+    # a tensor on the meta device (a shape without values), wherever it enters
+    put(
+        "hidden_meta",
+        ("hidden_states", "vocab_weight"),
+        lambda kw, r: kw.update(
+            {
+                k: kw[k].detach().to("meta")
+                for k in ("hidden_states", "vocab_weight")
+                if torch.is_tensor(kw[k])
+            }
+        ),
+    )
+    put(
+        "labels_meta",
+        ("labels",),
+        lambda kw, r: kw.__setitem__("labels", torch.zeros(b, s, dtype=torch.long, device="meta")),
+    )
+    put(
+        "loss_mask_meta",
+        ("loss_mask",),
+        lambda kw, r: kw.__setitem__("loss_mask", torch.ones(b, s, device="meta")),
+    )
     put("ignore_index_bool", ("ignore_index",), lambda kw, r: kw.__setitem__("ignore_index", True))
     put(
         "ignore_index_float",
@@ -496,7 +518,8 @@ class Bounds:
         for g, (_x, err) in zip(grads, self.leaves, strict=True):
             if g is None:
                 continue
-            spread = (g.abs() * err).reshape(*v.shape, -1).sum(-1) if v.dim() else (g.abs() * err).sum()
+            moved = torch.where(err == 0, 0.0, g.abs() * err)  # an exact input (err 0) moves nothing
+            spread = moved.reshape(*v.shape, -1).sum(-1) if v.dim() else moved.sum()
             total = total + spread
         return 4 * total + own
 

@@ -545,6 +545,60 @@ def test_sparse_teacher_holding_all_its_mass_in_k() -> None:
         _close(got, _truth(d, cfg, dense=False))
 
 
+def _zero_probability(d: dict[str, Any]) -> dict[str, Any]:
+    """A teacher that masks ids: ``-inf`` logprobs (probability 0) at counted tokens,
+    one id at one token, the last two at another, the last of every id at a third."""
+    lp = d["lp"].clone()
+    lp[0, 1, -1] = -math.inf
+    lp[2, 0, -2:] = -math.inf
+    lp[1, 4, 1:] = -math.inf
+    return {**d, "lp": lp}
+
+
+@pytest.mark.parametrize("divergence", DIVS)
+@pytest.mark.parametrize("tail", list(TeacherTail))
+def test_a_zero_probability_teacher_id_against_float64(
+    divergence: DistillDivergence, tail: TeacherTail
+) -> None:
+    """``-inf`` is probability 0 (``hookspec.conventions``): its terms weigh 0 in
+    forward KL and JSD (finite values and gradients equal to float64's); the reverse
+    KL of a student that gives the id mass is ``+inf``, as in float64. Refused before,
+    as logprobs outside a range that the message showed holding them."""
+    d = _zero_probability(_data(1))
+    cfg = DistillConfig(divergence=divergence, tail=tail, temperature=1.3, beta=0.6)
+    got = _run(d, cfg, dense=False) if divergence != DistillDivergence.REVERSE_KL else None
+    if got is None:
+        out = distillation_loss(cfg)(_ctx(d, _teacher(d, False)))
+        assert float(out["loss"].detach()) == math.inf == float(_truth(d, cfg, dense=False)["loss"])
+        return
+    _close(got, _truth(d, cfg, dense=False))
+    assert all(bool(torch.isfinite(v).all()) for v in got.values())
+
+
+@pytest.mark.parametrize(("value", "name"), [(math.nan, "NaN"), (math.inf, "+inf")])
+def test_nan_and_plus_inf_teacher_logprobs_are_named(value: float, name: str) -> None:
+    """Refused as what they are (they were reported as a sum of exp in a range that
+    held the bad tokens' values); the count of bad entries is the one given."""
+    d = _data()
+    d["lp"][1, 2, 3] = value
+    d["lp"][0, 5, 2:4] = value
+    with pytest.raises(ContractError) as info:
+        _run(d, DistillConfig(), dense=False)
+    assert info.value.field == "context.logprobs"
+    assert f"no {name}" in str(info.value) and f"2 tokens holding {name}" in str(info.value)
+    assert "[1.0, 2.0]" in str(info.value)  # one entry at one token, two at the other
+
+
+def test_a_first_logprob_of_minus_inf_is_refused() -> None:
+    """The top-1 has probability > 0: a ``-inf`` first logprob (every id masked) is
+    refused by name."""
+    d = _data()
+    d["lp"][1, 2, :] = -math.inf
+    with pytest.raises(ContractError, match="finite first logprob") as info:
+        _run(d, DistillConfig(), dense=False)
+    assert info.value.field == "context.logprobs"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -130,6 +130,39 @@ def test_divergences_match_numpy_and_their_gradients(kind: str, tail: str) -> No
     check_grads(of_student, (jnp.asarray(zs),), order=1, modes=("rev",))
 
 
+@pytest.mark.parametrize("kind", [d.value for d in DistillDivergence])
+@pytest.mark.parametrize("tail", [t.value for t in TeacherTail])
+def test_a_zero_probability_teacher_id_in_the_reference(kind: str, tail: str) -> None:
+    """``-inf`` teacher logprobs are probability 0 (``hookspec.conventions``): forward
+    KL and JSD finite, with finite gradients, equal to numpy's sum over the listed
+    ids without the zero-weight terms; reverse KL ``+inf``."""
+    rng = np.random.default_rng(2)
+    zs = rng.normal(size=(3, 11))
+    lq = zs - logsumexp(zs, -1, keepdims=True)
+    sq = lq[:, :4]
+    with np.errstate(divide="ignore"):
+        tp = np.log(np.array([[0.5, 0.2, 0.1, 0.0], [0.6, 0.0, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]]))
+        if tail == "renormalize":
+            log_p = tp - logsumexp(tp, -1, keepdims=True)
+            log_q = sq - logsumexp(sq, -1, keepdims=True)
+        else:
+            log_p = np.concatenate([tp, np.log(1 - np.exp(tp).sum(-1))[:, None]], -1)
+            log_q = np.concatenate([sq, np.log(1 - np.exp(sq).sum(-1))[:, None]], -1)
+    want = _np_divergence(log_p, log_q, kind, 0.3)
+    got = np.asarray(D.sparse_divergence(jnp.asarray(tp), jnp.asarray(sq), kind=kind, tail=tail, beta=0.3))
+    if kind == "reverse-kl":
+        assert np.isinf(got[:2]).all() and np.isfinite(got[2]) and np.isinf(want[:2]).all()
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-12)
+        return
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+    grad = jax.grad(
+        lambda z: D.sparse_divergence(
+            jnp.asarray(tp), jax.nn.log_softmax(z, -1)[:, :4], kind=kind, tail=tail, beta=0.3
+        ).sum()
+    )(jnp.asarray(zs))
+    assert np.isfinite(np.asarray(grad)).all()
+
+
 # ---------------------------------------------------------------- torch against the references
 
 

@@ -31,6 +31,7 @@ EXPECTED: dict[str, dict[str, bool]] = {
     "plan_mtp_overwrites_input_ids.py": {"0.16.1": True, "0.19.2": True},
     # the function is newer than both releases: shown on Megatron-LM main only (report 6)
     "mtp_layer_without_te.py": {"0.16.1": False, "0.19.2": False},
+    "destroy_model_parallel_leaves_groups.py": {"0.16.1": True, "0.19.2": True},
 }
 
 
@@ -92,5 +93,16 @@ def test_defect_shows_as_documented(script: str) -> None:
     if script == "mtp_layer_without_te.py":
         assert report["function_present"] is False and report["check_error"] is None, report
         assert report["mtp_model_builds"] is True, report
+    if script == "destroy_model_parallel_leaves_groups.py" and report["defect"]:
+        # the two names, and what they hold: two gloo groups (a listening socket and three
+        # threads each) that only dropping the reference frees (the control)
+        left = [
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+        ]
+        assert report["left"] == left, report
+        sockets, threads = report["listening_sockets"], report["threads"]
+        assert sockets[1] - sockets[0] == 2 and threads[1] - threads[0] == 6, report
+        assert report["freed_by_dropping"] is True, report
     if script == "moe_router_without_te.py" and not report["defect"]:
         assert report["transformer_engine"] or report["matches_matmul"] is True, report

@@ -8,7 +8,8 @@ test, a training script under torchrun).
   registered inside destroyed (:func:`process_groups_kept`);
 - :func:`megatron_parallel`: ``torch.distributed`` (gloo on loopback) and
   Megatron's model-parallel groups for the length of a block, reusing a caller's
-  and tearing down only what it made, the groups included;
+  and tearing down only what it made, the groups included (with the two groups
+  Megatron's ``destroy_model_parallel`` leaves referenced: :func:`groups_left_released`);
 - :func:`known_noise_silenced`: the known import-time notices of Megatron Core
   and torch on a CPU, silenced by message, nothing else.
 """
@@ -35,6 +36,8 @@ __all__ = [
     "CallerState",
     "callers_state_kept",
     "free_port",
+    "group_globals",
+    "groups_left_released",
     "known_noise_silenced",
     "megatron_parallel",
     "process_groups_kept",
@@ -234,6 +237,7 @@ def megatron_parallel(
             )
     try:
         with process_groups_kept():
+            held = group_globals(parallel_state)  # before: the caller's (or none)
             try:
                 if made_state:
                     parallel_state.initialize_model_parallel(
@@ -246,9 +250,57 @@ def megatron_parallel(
             finally:
                 if made_state:
                     parallel_state.destroy_model_parallel()
+                    groups_left_released(parallel_state, held)
     finally:
         if made_group:
             torch.distributed.destroy_process_group()
+
+
+def _holds_group(value: Any) -> bool:
+    group = getattr(torch.distributed, "ProcessGroup", None)
+    if group is None:  # a torch built without distributed
+        return False
+    if isinstance(value, group):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, group) for v in value)
+
+
+def group_globals(module: Any) -> dict[str, Any]:
+    """The globals of ``module`` that hold a process group (or a list of them), by
+    name: the enumeration :func:`groups_left_released` compares against."""
+    return {name: value for name, value in vars(module).items() if _holds_group(value)}
+
+
+def groups_left_released(module: Any, before: dict[str, Any]) -> list[str]:
+    """Put back, as they were before ``initialize_model_parallel``, the globals of
+    Megatron's ``parallel_state`` (``module``) that still hold a process group after
+    ``destroy_model_parallel``; returns their names.
+
+    Megatron Core 0.16.1 and 0.19.2 set ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``
+    and ``..._WITH_CP_GLOO`` (aliases of the data-parallel groups with one optimizer
+    instance) and never reset them (``docs/upstream.md``, report 7). Each keeps a gloo
+    group alive: a listening socket and its threads, for the life of the process.
+    Destroying the group (``torch.distributed.destroy_process_group``, done already
+    by :func:`process_groups_kept`) takes it out of torch's registry but frees
+    nothing while a reference remains, and no Megatron API resets these two: the
+    reference itself must go. The names are found by enumeration (every global that
+    holds a group now and did not hold that group before), not by a list, so a
+    release that leaves other groups behind is covered, and one that fixes its
+    ``destroy_model_parallel`` finds nothing to do.
+
+    This is the one place the project writes Megatron's module state, and only to
+    put back the value the caller had (None, for a process that never initialised
+    Megatron): it changes no behaviour of Megatron's, it finishes the teardown that
+    ``destroy_model_parallel`` documents ("Set the groups to none"). A later
+    ``initialize_model_parallel`` would overwrite them either way."""
+    left = [
+        name
+        for name, value in group_globals(module).items()
+        if name not in before or before[name] is not value
+    ]
+    for name in left:
+        setattr(module, name, before.get(name))  # the caller's value: None where it had none
+    return left
 
 
 KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (

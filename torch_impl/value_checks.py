@@ -63,6 +63,7 @@ __all__ = [
     "check_positive_deferred",
     "pending_checks",
     "raise_pending_errors",
+    "refuse_meta",
 ]
 
 
@@ -142,6 +143,7 @@ def _check(
     bad: torch.Tensor, values: torch.Tensor, *, field: str, expected: str, noun: str = "values"
 ) -> None:
     """Raise (CPU) or record (CUDA) the count, min and max of ``values[bad]``."""
+    refuse_meta(values, field=field)
     if not _defers(values):
         if bool(bad.any()):
             picked = values[bad]
@@ -171,6 +173,15 @@ def _copy_behind_event(stats: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return host, event
 
 
+def refuse_meta(values: Any, *, field: str) -> None:
+    """A tensor on the ``meta`` device has a shape and no values: a value check (or any
+    computation) cannot read it. ``ContractError`` naming ``field``."""
+    if isinstance(values, torch.Tensor) and values.device.type == "meta":
+        raise ContractError(
+            field, expected="a tensor with values (on a CPU or an accelerator)", actual="a tensor on meta"
+        )
+
+
 def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
     """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
 
@@ -178,6 +189,7 @@ def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, fi
     values of an earlier deferred check whose result has landed (rule 2).
     """
     _entry()
+    refuse_meta(labels, field=field)
     if not isinstance(labels, torch.Tensor) or not _defers(labels):
         check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
         return

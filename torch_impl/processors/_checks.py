@@ -19,7 +19,7 @@ import torch
 from hookspec import INT64_MAX, INT64_MIN, ContractError
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_labels_deferred, check_positive_deferred
+from ..value_checks import check_labels_deferred, check_positive_deferred, refuse_meta
 
 __all__ = [
     "UNSUPPORTED_LOGIT_OPTIONS",
@@ -150,13 +150,15 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
         raise ContractError(field, expected="a torch.Tensor", actual=type(x).__name__)
     if x.dtype not in _FLOATS:
         raise ContractError(field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch."))
+    refuse_meta(x, field=field)  # a shape without values: torch would fail deep inside
     return x
 
 
 def check_temperature(
     temperature: Any, n: int, *, field: str = "temperature", check_values: bool = True
 ) -> float | torch.Tensor:
-    """A finite ``T > 0``: a Python number, or a tensor of ``n`` values (one per token).
+    """A finite ``T > 0``: a Python number, or a tensor of shape ``[n]`` (one per token;
+    a ``[b, s]`` tensor is refused, not flattened: the rows are ``s``-major).
 
     Returns a float or a tensor ``[n]`` (float32, or float64 when given float64). A
     tensor's values are checked only with ``check_values``, without a host read on
@@ -167,10 +169,10 @@ def check_temperature(
             temperature = float(temperature)
         else:
             check_floating(field, temperature)
-            if temperature.numel() != n:
+            if tuple(temperature.shape) != (n,):  # the shape, not the count: a [b, s] is not [s * b]
                 raise ContractError(
                     field,
-                    expected=f"a number or one value per token ({n})",
+                    expected=f"a number or a tensor [n={n}] (one value per row, in the rows' order)",
                     actual=format_shape(temperature.shape),
                 )
             t = temperature.detach().reshape(n)
@@ -196,6 +198,7 @@ def check_token_labels(
         raise ContractError(
             "labels", expected=f"shape [n={n}] (one per hidden-state row)", actual=format_shape(labels.shape)
         )
+    refuse_meta(labels, field="labels")
     if check_values:
         check_labels_deferred(labels, vocab_size, ignore_index=ignore_index)
     return labels

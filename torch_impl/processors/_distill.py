@@ -131,7 +131,7 @@ def sparse_divergence(
     divergence: DistillDivergence,
     tail: TeacherTail,
     beta: float = 0.5,
-    student_tail: torch.Tensor | None = None,
+    student_log_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D, forward KL)`` per token ``[...]`` of a sparse teacher, from
     ``teacher_logprobs`` ``lp_t [..., k]``, the student's tempered logits at the
@@ -144,10 +144,12 @@ def sparse_divergence(
         D = divergence(log P, log Q)
 
     Differentiable in ``u`` and ``lse``. The teacher's tail is formed in float64 (its
-    ``logsumexp`` in the logprobs' own precision cancels); ``student_tail`` ``[...]``,
-    where given, is the value of the student's tail, summed over the entries outside
-    the ids (the expression above cancels where the tail is below the logits'
-    rounding); its gradient stays the expression's.
+    ``logsumexp`` in the logprobs' own precision cancels); ``student_log_tail``
+    ``[...]``, where given, is ``log(max(q_tail, TAIL_FLOOR))`` of the student's tail
+    summed over the entries outside the ids (the expression above cancels where the
+    tail is below the logits' rounding), taken as its own input: its gradient is the
+    caller's to carry to the logits (``d log q_tail / dz_j = [j outside] q_j / q_tail
+    - q_j``, no term of size ``1 / q_tail`` at the ids).
     """
     lp_t = teacher_logprobs.to(student_logits.dtype)
     if tail == TeacherTail.RENORMALIZE:
@@ -160,12 +162,12 @@ def sparse_divergence(
             )
         log_q_ids = student_logits - student_lse[..., None]
         p_tail = -torch.expm1(torch.logsumexp(teacher_logprobs.double(), -1))
-        q_tail = -torch.expm1(torch.logsumexp(log_q_ids, -1))
-        if student_tail is not None:  # the accurate value, the expression's gradient
-            q_tail = q_tail + (student_tail.to(q_tail.dtype) - q_tail).detach()
         log_p_tail = torch.log(p_tail.clamp_min(TAIL_FLOOR)).to(lp_t.dtype)
+        if student_log_tail is None:
+            q_tail = -torch.expm1(torch.logsumexp(log_q_ids, -1))
+            student_log_tail = torch.log(q_tail.clamp_min(TAIL_FLOOR))
         log_p = torch.cat([lp_t, log_p_tail[..., None]], -1)
-        log_q = torch.cat([log_q_ids, torch.log(q_tail.clamp_min(TAIL_FLOOR))[..., None]], -1)
+        log_q = torch.cat([log_q_ids, student_log_tail.to(log_q_ids.dtype)[..., None]], -1)
     d = divergence_of(log_p, log_q, divergence, beta)
     kl = (
         d
@@ -277,22 +279,36 @@ def _sparse_epilogue(
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
         with torch.enable_grad() if need else contextlib.nullcontext():
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
+            lqt_ = None if q_out is None else torch.log(q_out.clamp_min(TAIL_FLOOR)).requires_grad_(need)
             d, kl = sparse_divergence(
-                lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_tail=q_out
+                lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_log_tail=lqt_
             )
             total = _weighted(d, w)
-            gu, glse = torch.autograd.grad(total, (u_, lse_), allow_unused=True) if need else (None, None)
+            leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
+            grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
         agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
         _record(out, rows, total.detach(), kl.detach(), agree, lse)
+        gu = grads[0]
         if gu is None:
             return
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
             sink.add_sparse(rows, cols, gu)
             return
-        glse = torch.zeros_like(lse) if glse is None else glse
-        # dD/dz = glse * softmax(z) + gu at the ids
-        coef = Coefficients(a=-glse / stats.sumexp, b=None, g=torch.zeros_like(glse))
-        eng.row_grad(z, rows, stats, coef, sink, sparse=(cols, gu))
+        assert q_out is not None
+        zero = torch.zeros_like(lse)
+        glse = zero if grads[1] is None else grads[1]
+        # the tail's own gradient, 0 where the floor holds it (as clamp_min's)
+        gt = torch.where(q_out < TAIL_FLOOR, 0.0, zero if grads[2] is None else grads[2])
+        # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
+        # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
+        # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
+        q = eng.like("e", z) / stats.sumexp[:, None]  # exp(z - M) of the tempered tile, left there
+        listed = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+        listed.scatter_reduce_(1, cols.clamp(min=0), (cols >= 0).to(torch.uint8), "amax")  # -1s: no 1
+        outside = torch.where(listed.bool(), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
+        gz = q * (glse - gt)[:, None] + outside * gt[:, None]
+        gz.scatter_add_(1, cols.clamp(min=0), torch.where(cols >= 0, gu, 0.0).to(gz.dtype))
+        sink.put(rows, eng.untempered_grad(gz, rows))
 
     return epilogue
 
@@ -337,7 +353,7 @@ def _fused_distill(
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
         return (out.loss, out.kl, out.agree, out.lse), dh, dw
 
-    return FormedInForward.apply(h, w, "distillation_loss", run)  # type: ignore[no-any-return]
+    return FormedInForward.apply(h, w, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- the tensor function

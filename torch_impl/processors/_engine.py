@@ -443,15 +443,19 @@ def refuse_double_backward(name: str) -> None:
 
 class FormedInForward(torch.autograd.Function):
     """Gradients formed in the forward pass, scaled in the backward (the fused loss,
-    distillation): ``apply(h, w, name, run)`` returns the outputs of ``run(need_dh,
-    need_dw) -> (outputs, dh, dW)``, differentiable in ``h``, ``w`` through ``outputs[0]``
+    distillation): ``apply(h, w, name, run, grad)`` returns the outputs of ``run(need_dh,
+    need_dw) -> (outputs, dh, dW)``, a gradient needed where ``grad`` (the caller's grad
+    mode, read before ``apply``: ``needs_input_grad`` is set under ``no_grad`` and
+    inference mode too) and the input requires one; differentiable in ``h``, ``w`` through ``outputs[0]``
     only, a scalar of cotangent ``g``: ``(g * dh).to(h.dtype)`` (``dh`` rounded once),
     ``(g * dW).to(W.dtype)``, scaled in place and handed over: a second backward through
     the same call raises, as does ``create_graph=True``."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, name: str, run: Callable[..., Any]) -> Any:
-        outputs, dh, dw = run(ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, name: str, run: Callable[..., Any], grad: bool
+    ) -> Any:
+        outputs, dh, dw = run(grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1])
         ctx.name, ctx.grads, ctx.dtypes = name, (dh, dw), (h.dtype, w.dtype)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -467,7 +471,7 @@ class FormedInForward(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
             torch._foreach_mul_([x], g)
-        return *(None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None
+        return *(None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None, None
 
 
 # ---------------------------------------------------------------- the engine

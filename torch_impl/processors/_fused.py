@@ -212,5 +212,5 @@ def fused_token_loss(
     _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled())
     run = functools.partial(_sweep, h, weight, setup, calls)
-    loss, logprobs, entropy = FormedInForward.apply(h, weight, "fused_token_loss", run)
+    loss, logprobs, entropy = FormedInForward.apply(h, weight, "fused_token_loss", run, calls.grad)
     return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "KernelConfig",
     "grad_capacity",
     "interpreting",
+    "triton_mode_mismatch",
     "kernel_config",
     "row_tile",
     "sweep_tile",
@@ -71,6 +73,32 @@ class KernelConfig:
 def interpreting() -> bool:
     """Triton runs its kernels under the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_mode_mismatch() -> str:
+    """Why Triton cannot run in the mode ``TRITON_INTERPRET`` asks now, or ``""``.
+
+    ``@triton.jit`` picks the interpreter or the compiler when it decorates, and
+    ``import triton`` decorates its standard library (``tl.standard.max`` ...) at
+    once: a kernel decorated under the other mode (this package's, imported later)
+    calls library functions of the wrong kind and fails with Triton's
+    ``InterpreterError`` ("Cannot call @triton.jit'd outside of the scope of a
+    kernel"). ``import megatron.core`` imports Triton, so ``TRITON_INTERPRET=1``
+    must be set before it (in the environment, not in ``os.environ`` afterwards)."""
+    if "triton" not in sys.modules:
+        return ""  # imported from here on, in the mode the environment says now
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    imported_interpreting = isinstance(tl.standard.max, InterpretedFunction)
+    if imported_interpreting == interpreting():
+        return ""
+    return (
+        f"Triton was imported {'with' if imported_interpreting else 'without'} TRITON_INTERPRET=1 and it is "
+        f"{'unset' if imported_interpreting else 'set'} now: Triton fixes its interpreter mode when it is "
+        "first imported (import megatron.core imports it); set TRITON_INTERPRET before that import, "
+        "in the environment"
+    )
 
 
 def kernel_config(device: torch.device) -> KernelConfig:

@@ -19,14 +19,19 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
-from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred
+from ..value_checks import (
+    check_finite_deferred,
+    check_labels_deferred,
+    check_multiple_deferred,
+    refuse_meta,
+)
 from ._checks import (
     check_floating,
     check_temperature,
     context_field,
     context_logit_scale,
 )
-from ._options import LinearOptions
+from ._options import LinearOptions, refuse_function_transforms
 
 __all__ = [
     "HookInputs",
@@ -106,6 +111,22 @@ def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> t
     return mask
 
 
+def refuse_meta_tensors(ctx: OutputContext) -> None:
+    """Every tensor a processor may read (the context's fields, and the user context's
+    entries: a mapping's values or a dataclass's fields) has values: one on the
+    ``meta`` device is refused by name before torch fails deep inside."""
+    user = ctx.context
+    if isinstance(user, typing.Mapping):
+        named = [(f"context.{k}", v) for k, v in user.items()]
+    elif dataclasses.is_dataclass(user) and not isinstance(user, type):
+        named = [(f"context.{f.name}", getattr(user, f.name)) for f in dataclasses.fields(user)]
+    else:
+        named = []
+    named += [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]
+    for field, value in named:
+        refuse_meta(value, field=field)
+
+
 def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> HookInputs:
     """The one prologue of every processor: check what processor ``name`` reads from
     ``ctx`` (shapes and types, no values: ``hookspec.validate_context(check_values=
@@ -124,7 +145,9 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     if ctx.vocab is None:
         raise ContractError("vocab", expected="the weight's VocabShard (start, end, size)", actual="None")
     hs = check_floating("hidden_states", ctx.hidden_states)
+    refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
+    refuse_meta_tensors(ctx)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
         raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
     labels = None

@@ -98,7 +98,9 @@ def linear_logprobs(
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
         ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
-        number. Differentiable once: a backward with ``create_graph=True`` raises.
+        number. Differentiable once: a backward with ``create_graph=True`` raises,
+        and so does a call inside ``torch.func.vmap`` / ``grad`` (``ContractError``
+        naming the transformed input; use ``torch.autograd.grad``, and rows for vmap).
     """
     check_bool("with_entropy", with_entropy)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)

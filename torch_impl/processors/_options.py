@@ -26,7 +26,7 @@ from ._checks import (
     resolve_compute_dtype,
 )
 from ._engine import TileSetup, refuse_double_backward
-from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile
+from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
 
 __all__ = [
     "BACKENDS",
@@ -77,6 +77,10 @@ class LinearOptions:
             ``tile_rows`` only.
         check_values: read the labels and a tensor temperature to check them
             (at once on a CPU, deferred without a host read on a GPU).
+
+    Two options are equal when their fields are, a tensor temperature by identity
+    (the same tensor object: comparing values would read them, a host read on a GPU,
+    and a tensor changed in place would change the options); the hash agrees.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -96,6 +100,12 @@ class LinearOptions:
             check_temperature(self.temperature, 1)
         elif self.temperature.dim() > 0:
             check_floating("temperature", self.temperature)
+            if self.temperature.dim() != 1:  # a [b, s] flattened would give each row another token's T
+                raise ContractError(
+                    "temperature",
+                    expected="a number or a tensor [n] (one per gathered row, s-major)",
+                    actual=format_shape(self.temperature.shape),
+                )
         put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
@@ -115,6 +125,22 @@ class LinearOptions:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         check_bool("check_values", self.check_values)
+
+    def _key(self) -> tuple[Any, ...]:
+        """The fields, a tensor temperature as its identity."""
+        t = self.temperature
+        temperature = ("tensor", id(t)) if isinstance(t, torch.Tensor) else ("number", t)
+        rest = (getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "temperature")
+        return (temperature, *rest)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, LinearOptions)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 # The keywords that left the signatures, and where each went: the tensor functions'
@@ -212,6 +238,9 @@ def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
             raise ContractError(
                 "backend", expected="'torch' or 'auto' (triton is not installed)", actual="'triton'"
             )
+        mismatch = triton_mode_mismatch()
+        if mismatch:
+            raise ContractError("backend", expected=f"a Triton in one mode: {mismatch}", actual="'triton'")
         if not (h.is_cuda or interpreting()):
             raise ContractError(
                 "backend",
@@ -245,6 +274,29 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
         )
 
 
+def refuse_function_transforms(**tensors: Any) -> None:
+    """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
+    transform level is active), naming the first of ``tensors`` it wraps. The tensor
+    functions form their gradients in tiles outside autograd (old-style
+    ``autograd.Function``, no vmap rule); torch's own error ("must override the
+    setup_context staticmethod") named none of this."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None or functorch.maybe_current_level() is None:
+        return
+    wrapped = [
+        k
+        for k, v in tensors.items()
+        if isinstance(v, torch.Tensor) and functorch.is_functorch_wrapped_tensor(v)
+    ]
+    raise ContractError(
+        wrapped[0] if wrapped else next(iter(tensors)),
+        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
+        "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
+        "rows instead of vmap (the functions take any number of rows)",
+        actual="a call inside a torch.func transform",
+    )
+
+
 def make_setup(
     h: torch.Tensor, weight: Any, labels: Any, options: LinearOptions, *, fold: bool = True
 ) -> TileSetup:
@@ -253,6 +305,7 @@ def make_setup(
     may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
     equal logits must stay equal: top-k's ties)."""
     check_floating("weight", weight)
+    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
     n, hidden = h.shape
     if weight.dim() != 2 or weight.shape[1] != hidden:
         raise ContractError(

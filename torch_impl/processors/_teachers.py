@@ -56,9 +56,10 @@ class SparseTeacher:
     ``topk_logprobs(k)`` of a teacher, cached), ``[b, s, k]`` each.
 
     ``ids``: distinct global token ids, the first the teacher's top-1;
-    ``logprobs``: its logprobs there, at the distillation temperature: finite,
-    ``<= 0`` and summing (``exp``) to at most 1, up to the rounding of their dtype,
-    the first the largest (``hookspec.conventions``; checked at counted tokens: at
+    ``logprobs``: its logprobs there, at the distillation temperature: ``<= 0``
+    and summing (``exp``) to at most 1, up to the rounding of their dtype, the first
+    the largest and finite; ``-inf`` is probability 0 (an id the teacher masks),
+    NaN and ``+inf`` are refused (``hookspec.conventions``; checked at counted tokens: at
     once on a CPU, without a host read on a GPU). ``mask``: ``[b, s]`` weights
     (``None``: the model's ``loss_mask``, else every token; tokens labelled
     ``ignore_index`` never count). ``global_tokens`` / ``global_sequences``: as
@@ -115,8 +116,10 @@ def _check_sparse_values(
     ids: torch.Tensor, lp: torch.Tensor, counted: torch.Tensor, vocab_size: int, field: str
 ) -> None:
     """The sparse teacher's rules at the counted tokens (``hookspec.conventions``): ids in
-    range and distinct; logprobs finite, ``<= eps``, ``sum(exp) <= 1 + k eps``, the
-    first the largest (``eps``: the logprobs' dtype's machine epsilon)."""
+    range and distinct; logprobs neither NaN nor ``+inf`` (``-inf`` is probability 0),
+    the first finite, each ``<= eps``, ``sum(exp) <= 1 + k eps``, the first the largest
+    (``eps``: the logprobs' dtype's machine epsilon). Each rule is its own error, with
+    the values it reads."""
     k = ids.shape[1]
     check_indices_deferred(torch.where(counted[:, None], ids, 0), vocab_size, field=f"{field}.ids")
     if k > 1:
@@ -127,13 +130,38 @@ def _check_sparse_values(
         )
     eps = torch.finfo(lp.dtype).eps
     wide = lp.double()
-    total = torch.logsumexp(wide, 1)
-    bad = counted & ~(torch.isfinite(wide).all(1) & (wide.amax(1) <= eps) & (total <= math.log1p(k * eps)))
+    # NaN and +inf are no probability; -inf is probability 0 (a token the teacher masks)
+    for bad_value, what in ((torch.isnan(wide), "NaN"), (wide == math.inf, "+inf")):
+        rows = counted & bad_value.any(1)
+        check_condition_deferred(
+            rows,
+            bad_value.sum(1).double(),
+            field=f"{field}.logprobs",
+            expected=f"logprobs in [-inf, 0] (-inf: probability 0), no {what}",
+            noun=f"tokens holding {what} (their count of {what})",
+        )
+    first_zero = counted & (wide[:, 0] == -math.inf)
     check_condition_deferred(
-        bad,
+        first_zero,
+        wide[:, 0],
+        field=f"{field}.logprobs",
+        expected="a finite first logprob (ids[0] is the teacher's top-1: probability > 0)",
+        noun="tokens (their first logprob)",
+    )
+    top = wide.amax(1)
+    check_condition_deferred(
+        counted & (top > eps),
+        top,
+        field=f"{field}.logprobs",
+        expected=f"logprobs <= 0 (up to eps = {eps:.3g})",
+        noun="tokens (their largest logprob)",
+    )
+    total = torch.logsumexp(wide, 1)
+    check_condition_deferred(
+        counted & (total > math.log1p(k * eps)),
         total.exp(),
         field=f"{field}.logprobs",
-        expected=f"finite logprobs <= 0 whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token",
+        expected=f"logprobs whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token",
         noun="tokens (their sum of exp)",
     )
     if k > 1:
