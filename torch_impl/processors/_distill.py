@@ -50,7 +50,7 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Coefficients, Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
+from ._engine import Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
 from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_unused_count, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected

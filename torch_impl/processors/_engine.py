@@ -471,7 +471,8 @@ class FormedInForward(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
             torch._foreach_mul_([x], g)
-        return *(None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None, None
+        scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
+        return *scaled, None, None, None
 
 
 # ---------------------------------------------------------------- the engine

@@ -500,8 +500,8 @@ def policy_loss(
     ``exp(old - logp) - (old - logp) - 1``.
 
     With ``config.fused`` and a token ratio, the gradients are formed in the
-    forward pass (no logits recomputed, tiles of ``tile_rows`` whole rows, default per device: ``TILE_BYTES`` of fp32 logits,
-    32 MiB on a CPU and 256 MiB on CUDA);
+    forward pass (no logits recomputed, tiles of ``tile_rows`` whole rows, default
+    per device: ``TILE_BYTES`` of fp32 logits, 32 MiB on a CPU and 256 MiB on CUDA);
     otherwise logprobs and entropy come from :func:`linear_logprobs` (tiles of
     ``tile_rows`` x ``tile_cols``) and autograd goes through them. The tile
     names are :class:`LinearOptions`'; ``None``: the default per device. Bad
