@@ -50,7 +50,8 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Coefficients, Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
+from ._engine import Coefficients, Engine, FormedInForward, GradSink, Stats, TileSetup
+from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_unused_count, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
@@ -234,6 +235,27 @@ def _dense_terms(
 Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
+def _pick(eng: Engine, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
+    """The logits of a fresh tile at the local columns ``cols`` ``[r, k]`` (0 where -1)."""
+    return torch.where(cols >= 0, eng.logits_of(z.gather(1, cols.clamp(min=0)), rows), 0.0)
+
+
+def _row_argmax(eng: Engine, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, argmax)`` of each row of a fresh tile's logits."""
+    local_max, local_arg = z.max(1)  # the first maximal column
+    return eng.logits_of(local_max, rows), local_arg
+
+
+def _mass_outside(setup: TileSetup, e: torch.Tensor, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
+    """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
+    elsewhere; distinct), from the tile's ``e = exp(z - M)`` (:meth:`~._engine.Engine.row_stats`),
+    summed over those entries and the shards: no ``1 - sum`` to cancel."""
+    here = (cols >= 0).to(torch.uint8)
+    listed = torch.zeros(e.shape, dtype=torch.uint8, device=e.device)
+    listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax")  # -1s land on 0 without a 1
+    return setup.reduce_sum(torch.where(listed.bool(), 0.0, e).sum(1)) / stats.sumexp
+
+
 def _dense_epilogue(
     eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
@@ -244,7 +266,7 @@ def _dense_epilogue(
     t_inv = teacher.logit_scale / cfg.temperature
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        zs = eng.temper(z, rows, inplace=True)
+        zs = eng.logits_of(z, rows, inplace=True)
         zt = mm_into(
             eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
         )
@@ -252,7 +274,7 @@ def _dense_epilogue(
         d, kl, agree, lse, gz = _dense_terms(setup, cfg, zs, zt)
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
-            sink.put(rows, eng.untempered_grad(torch.where(w[:, None] != 0, gz * w[:, None], 0.0), rows))
+            sink.put(rows, torch.where(w[:, None] != 0, gz * w[:, None], 0.0))
         _record(out, rows, _weighted(d, w), kl, agree, lse)
 
     return epilogue
@@ -269,11 +291,11 @@ def _sparse_epilogue(
         ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
-        top = eng.row_argmax(z, rows)
-        u = setup.reduce_sum(eng.pick(z, rows, cols))  # each id lives in one shard
-        stats = eng.row_stats(z, rows, with_entropy=False)
-        lse, bucket = stats.lse, cfg.tail == TeacherTail.BUCKET
-        q_out = eng.mass_outside(z, rows, stats, cols) if bucket else None
+        top = _row_argmax(eng, z, rows)
+        u = setup.reduce_sum(_pick(eng, z, rows, cols))  # each id lives in one shard
+        stats, e = eng.row_stats(z, rows, with_entropy=False, exps=cfg.tail == TeacherTail.BUCKET)
+        lse = stats.lse
+        q_out = None if e is None else _mass_outside(setup, e, stats, cols)
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
         with torch.enable_grad() if need else contextlib.nullcontext():
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
@@ -292,7 +314,7 @@ def _sparse_epilogue(
         glse = torch.zeros_like(lse) if glse is None else glse
         # dD/dz = glse * softmax(z) + gu at the ids
         coef = Coefficients(a=-glse / stats.sumexp, b=None, g=torch.zeros_like(glse))
-        eng.row_grad(z, rows, stats, coef, sink, sparse=(cols, gu))
+        eng.row_grad(z, rows, stats.max, coef, sink, sparse=(cols, gu))
 
     return epilogue
 

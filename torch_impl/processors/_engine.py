@@ -22,6 +22,7 @@ import torch
 
 from hookspec import Collectives
 
+from ._gemm import gemm_into, mm_into, rowdot, scaled_
 from ._geometry import KernelConfig
 
 __all__ = [
@@ -32,14 +33,9 @@ __all__ = [
     "RowScale",
     "Stats",
     "TileSetup",
-    "addmm_into",
-    "gemm_into",
+    "combine",
     "logit_grad_coefficients",
-    "mm_into",
-    "no_autocast",
     "refuse_double_backward",
-    "rowdot",
-    "scaled_",
 ]
 
 
@@ -72,67 +68,6 @@ class TileSetup:
         if not isinstance(self.inv_t, torch.Tensor):
             return self.inv_t
         return self.inv_t[rows, None] if column else self.inv_t[rows]
-
-
-def scaled_(x: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
-    """``x *= factor`` in place (nothing for a factor of 1)."""
-    return x.mul_(factor) if isinstance(factor, torch.Tensor) or factor != 1.0 else x
-
-
-def no_autocast(x: torch.Tensor) -> torch.autocast:
-    """Autocast off on ``x``'s device: the engine chooses every dtype itself (a
-    caller's ``torch.autocast`` would run its GEMMs and row dots in bf16)."""
-    return torch.autocast(x.device.type, enabled=False)
-
-
-# ---------------------------------------------------------------- GEMMs
-
-
-_GEMM_OUT_DTYPE = (
-    "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
-)
-
-
-def _out_dtype_gemm(a: torch.Tensor) -> bool:
-    """cuBLAS multiplies bf16/fp16 operands into an fp32 output here
-    (``torch.mm(..., out_dtype=torch.float32)``, CUDA only, torch >= 2.8)."""
-    return _GEMM_OUT_DTYPE and a.is_cuda
-
-
-def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b``: operands of ``out``'s dtype multiply straight into it; bf16/fp16
-    operands into an fp32 ``out`` go through ``torch.mm(a, b, out_dtype=torch.float32,
-    out=out)`` on CUDA (fp32 accumulation, one fp32 result, no copy of either operand),
-    else are upcast first (the products of bf16 numbers are exact in fp32, so the
-    result is the same)."""
-    if a.dtype == out.dtype and b.dtype == out.dtype:
-        return torch.mm(a, b, out=out)
-    if _out_dtype_gemm(a) and a.dtype == b.dtype:
-        return torch.mm(a, b, out_dtype=out.dtype, out=out)
-    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-
-
-def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out += a @ b`` in place, dtypes as :func:`mm_into`."""
-    if a.dtype == out.dtype and b.dtype == out.dtype:
-        return out.addmm_(a, b)
-    if _out_dtype_gemm(a) and a.dtype == b.dtype:
-        try:
-            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
-            return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
-    return out.addmm_(a.to(out.dtype), b.to(out.dtype))
-
-
-def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
-    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
-    accumulator is written by its first GEMM, never zero-filled."""
-    return mm_into(out, a, b) if first else addmm_into(out, a, b)
-
-
-def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(1)`` without the ``[rows, cols]`` temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 # ---------------------------------------------------------------- statistics
@@ -195,6 +130,12 @@ _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
 None), the label's logit."""
 
 
+def _fresh_state(r: int, acc: torch.dtype, device: torch.device, *, with_entropy: bool) -> _State:
+    """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy)."""
+    m, s, t, zy = torch.zeros(4, r, dtype=acc, device=device).unbind(0)
+    return m.fill_(float("-inf")), s, (t if with_entropy else None), zy
+
+
 def _torch_stats_(
     z: torch.Tensor,
     e_buf: torch.Tensor,
@@ -248,6 +189,9 @@ class Coefficients:
     b: torch.Tensor | None
     g: torch.Tensor
 
+    def of_rows(self, rows: slice) -> Coefficients:
+        return Coefficients(self.a[rows], None if self.b is None else self.b[rows], self.g[rows])
+
 
 def logit_grad_coefficients(
     stats: Stats,
@@ -296,14 +240,13 @@ def _torch_grad_(
 
 @dataclasses.dataclass(frozen=True)
 class RowScale:
-    """Rows whose gradient was held unscaled (the fused loss's single pass), given by
-    the sink's ``on_flush`` for the rows it multiplies out: their logit gradient is
-    ``scale[:, None] * E`` plus ``label`` at the label's column (``label_col``, -1
-    where the label is in another shard)."""
+    """Rows whose gradient was held unscaled (:mod:`._single_pass`), given by the sink's
+    ``on_flush`` for the rows it multiplies out: their logit gradient, in the form the
+    GEMMs take, is ``scale[:, None] * E`` plus ``label`` at the label's column (where
+    it is in this shard)."""
 
     scale: torch.Tensor  # [r]
     label: torch.Tensor  # [r]
-    label_col: torch.Tensor  # [r] long
 
 
 class GradSink:
@@ -312,8 +255,13 @@ class GradSink:
     is multiplied out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (in ``W``'s dtype
     where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
     fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
-    ``on_flush(rows)``: called once per buffer of committed rows, before they are
-    multiplied out (also where no gradient is formed); its :class:`RowScale` scales them."""
+
+    An epilogue's two ways in, each the gradient of the tempered logits: :meth:`put`
+    (a tile of whole rows) and :meth:`add_sparse` (terms at a few columns). The
+    engine's own passes write the GEMMs' form straight into :meth:`tile` and
+    :meth:`commit` it; ``on_flush(rows)`` is called once per buffer of committed rows,
+    before they are multiplied out (also where no gradient is formed), and its
+    :class:`RowScale` scales them (:mod:`._single_pass`)."""
 
     def __init__(
         self,
@@ -347,6 +295,18 @@ class GradSink:
     def active(self) -> bool:
         return self.dh is not None or self.dw is not None
 
+    def put(self, rows: slice, gz: torch.Tensor) -> None:
+        """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
+        (acc dtype; scaled in place into the GEMMs' form)."""
+        self._hold(rows, self.engine.untempered_grad(gz, rows))
+
+    def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
+        """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
+        columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
+        without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
+        assert self.zeros, "sparse terms add to a zero-initialised sink"
+        self._sparse(rows, cols, self.engine.untempered_grad(g, rows))
+
     def tile(self, rows: slice) -> torch.Tensor:
         """The buffer rows for the tile ``rows`` (``[r, V_local]``, compute dtype)."""
         eng = self.engine
@@ -356,9 +316,17 @@ class GradSink:
             self.aliased = False
         return self.buf[self.held : self.held + rows.stop - rows.start]
 
-    def put(self, rows: slice, gz: torch.Tensor) -> None:
-        """Commit the tile's gradient ``gz`` ``[r, V_local]``: taken as the buffer itself
-        where one tile fills a buffer and ``gz`` is in the compute dtype, else copied."""
+    def commit(self, rows: slice) -> None:
+        """The tile ``rows`` is in the buffer; multiply out when full."""
+        if self.held == 0:
+            self.start = rows.start
+        self.held += rows.stop - rows.start
+        if self.held >= self.capacity or rows.stop >= self.engine.n:
+            self._flush()
+
+    def _hold(self, rows: slice, gz: torch.Tensor) -> None:
+        """Commit ``gz`` in the GEMMs' form: taken as the buffer itself where one tile
+        fills a buffer and ``gz`` is in the compute dtype, else copied."""
         r = rows.stop - rows.start
         if self.held == 0 and self.capacity <= r and gz.dtype == self.engine.setup.compute_dtype:
             self.start, self.buf, self.aliased = rows.start, gz, True
@@ -366,15 +334,7 @@ class GradSink:
             self.tile(rows).copy_(gz)
         self.commit(rows)
 
-    def commit(self, rows: slice) -> None:
-        """The tile ``rows`` is in the buffer; multiply out when full."""
-        if self.held == 0:
-            self.start = rows.start
-        self.held += rows.stop - rows.start
-        if self.held >= self.capacity or rows.stop >= self.engine.n:
-            self.flush()
-
-    def flush(self) -> None:
+    def _flush(self) -> None:
         if self.held == 0:
             return
         eng, setup = self.engine, self.engine.setup
@@ -397,16 +357,9 @@ class GradSink:
             gemm_into(self.dw, g.T, xs, first=not self.dw_written)
             self.dw_written = True
         if scale is not None:  # the label's column, formed in the accumulation dtype
-            self._sparse(slice(b0, b1), scale.label_col[:, None], scale.label[:, None])
+            self._sparse(slice(b0, b1), setup.labels_local[b0:b1, None], scale.label[:, None])
         if self.aliased:
             self.buf, self.aliased = None, False
-
-    def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
-        """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
-        columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
-        without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
-        assert self.zeros, "sparse terms add to a zero-initialised sink"
-        self._sparse(rows, cols, self.engine.untempered_grad(g, rows))
 
     def _sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
         """``dh[rows] += sum_j g[:, j] W[cols[:, j]]`` and ``dW[cols[i, j]] += g[i, j] h[i]``
@@ -422,7 +375,7 @@ class GradSink:
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
         ``dW`` in ``W``'s dtype."""
-        self.flush()
+        self._flush()
         dw = self.dw
         if dw is not None and dw.dtype != self.engine.w_dtype:
             dw = dw.to(self.engine.w_dtype)
@@ -475,7 +428,10 @@ class FormedInForward(torch.autograd.Function):
 
 class Engine:
     """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
-    compute dtype (times ``inv_t`` when folded), ``w`` the shard."""
+    compute dtype (times ``inv_t`` when folded), ``w`` the shard. How the temperature
+    is applied (folded into ``hs``, scaled per tile, or inside the Triton kernels) is
+    the engine's own: an epilogue reads a tile's values through :meth:`logits_of` and
+    hands the gradient of the tempered logits to the :class:`GradSink`."""
 
     def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
         self.setup = setup
@@ -496,7 +452,7 @@ class Engine:
     def triton(self) -> bool:
         return self.setup.kernel is not None
 
-    # -- buffers and GEMMs
+    # -- buffers, tiles and the temperature
 
     def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
@@ -531,33 +487,34 @@ class Engine:
         z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
 
-    def temper(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
-        """Values of a tile of :meth:`logits` (``[r, k]``, or ``[r]``) as tempered logits."""
+    def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
+        """Values read from a tile of :meth:`logits` (``[r, k]``, a gather or a max; or
+        ``[r]``; or the tile itself, ``inplace``) as the tempered logits ``z``."""
         if not self.triton:
             return values
         factor = self.setup.row_inv_t(rows, column=values.dim() == 2)
         return scaled_(values if inplace else values.clone(), factor)
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
-        """The gradient of tempered logits as the sink takes it: times ``inv_t`` unless
-        the temperature is folded into the hidden rows."""
+        """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
+        (in place) unless the temperature is folded into the hidden rows."""
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
-
-    def pick(self, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
-        """The tempered logits of a fresh tile at the local columns ``cols`` ``[r, k]``
-        (0 where -1)."""
-        return torch.where(cols >= 0, self.temper(z.gather(1, cols.clamp(min=0)), rows), 0.0)
-
-    def row_argmax(self, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(max, argmax)`` of each row of a fresh tile, the max tempered."""
-        local_max, local_arg = z.max(1)  # the first maximal column
-        return self.temper(local_max, rows), local_arg
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
         if dh is None or not self.setup.fold:
             return dh
         return scaled_(dh, self.setup.row_inv_t(slice(None)))
+
+    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
+        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
+        if self._label is None:
+            hit = self.setup.labels_local >= 0
+            col = self.setup.labels_local.clamp(min=0)[:, None]
+            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
+        hit, col, keep = self._label
+        return hit[rows], col[rows], keep[rows]
 
     def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
         """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
@@ -571,12 +528,7 @@ class Engine:
         for i0 in range(0, self.n, height):
             yield slice(i0, min(i0 + height, self.n))
 
-    # -- the statistics pass
-
-    def fresh_state(self, r: int, *, with_entropy: bool) -> _State:
-        """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy)."""
-        m, s, t, zy = torch.zeros(4, r, dtype=self.setup.acc_dtype, device=self.hs.device).unbind(0)
-        return m.fill_(float("-inf")), s, (t if with_entropy else None), zy
+    # -- the vocabulary sweep
 
     def stats_pass(self, z: torch.Tensor, rows: slice, cols: slice, state: _State) -> None:
         """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,
@@ -599,8 +551,8 @@ class Engine:
         on_tile: Callable[[torch.Tensor, slice, slice], None] | None = None,
     ) -> Stats:
         """The vocabulary sweep's forward: every row's global :class:`Stats`. ``on_tile``
-        sees each logits tile first (untouched; :meth:`temper` its values)."""
-        state = self.fresh_state(self.n, with_entropy=with_entropy)
+        sees each logits tile first (untouched; :meth:`logits_of` its values)."""
+        state = _fresh_state(self.n, self.setup.acc_dtype, self.hs.device, with_entropy=with_entropy)
         if self.n and self.local:
             for rows, cols in self.vocab_tiles():
                 if rows.start == 0:
@@ -611,8 +563,6 @@ class Engine:
                 m, s, t, zy = state
                 self.stats_pass(z, rows, cols, (m[rows], s[rows], None if t is None else t[rows], zy[rows]))
         return combine(*state, self.setup)
-
-    # -- the gradient pass
 
     def grad_pass(
         self,
@@ -637,11 +587,10 @@ class Engine:
         else:
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
-            inv_t = None if setup.fold else setup.row_inv_t(rows)
             target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            gz = _torch_grad_(z, e, coef, target, inv_t)
+            gz = _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows))
         if sparse is not None:
-            self._scatter_sparse(gz, rows, cols, sparse)
+            self._scatter_sparse(gz, rows, cols.start, sparse)
         return gz.to(cdt)
 
     def _kernel_grad(
@@ -665,12 +614,12 @@ class Engine:
         return logit_grad_(z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out)
 
     def _scatter_sparse(
-        self, gz: torch.Tensor, rows: slice, cols: slice, sparse: tuple[torch.Tensor, torch.Tensor]
+        self, gz: torch.Tensor, rows: slice, col0: int, sparse: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        """``gz[i, where[i, j] - cols.start] += g[i, j]`` (times ``inv_t`` unless folded)
-        for the columns in this tile."""
+        """``gz[i, where[i, j] - col0] += g[i, j]`` (in the GEMMs' form) for the columns in
+        this tile."""
         where, g = sparse
-        local = where - cols.start
+        local = where - col0
         g = self.untempered_grad(
             torch.where((where >= 0) & (local >= 0) & (local < gz.shape[1]), g, 0.0), rows
         )
@@ -710,8 +659,7 @@ class Engine:
                 wc = self.weight(cols)
             z = self.logits(rows, wc)
             part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-            tile_coef = Coefficients(coef.a[rows], None if coef.b is None else coef.b[rows], coef.g[rows])
-            gz = self.grad_pass(z, rows, cols, stats.max[rows], tile_coef, sparse=part)
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.of_rows(rows), sparse=part)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
@@ -744,10 +692,7 @@ class Engine:
 
         def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
             part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-            tile_coef = Coefficients(coef.a[rows], None if coef.b is None else coef.b[rows], coef.g[rows])
-            self.row_grad(
-                z, rows, dataclasses.replace(stats, max=stats.max[rows]), tile_coef, sink, sparse=part
-            )
+            self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=part)
 
         return epilogue
 
@@ -773,126 +718,55 @@ class Engine:
                 epilogue(self.logits(rows, wc), rows, sink)
         return sink.result()
 
-    def row_stats(self, z: torch.Tensor, rows: slice, *, with_entropy: bool = True) -> Stats:
-        """The exact :class:`Stats` of a whole-row tile, combined over the shards: one
-        all-reduce max, one all-reduce sum. The torch form leaves ``z - M`` in ``z`` and
-        ``exp(z - M)`` in the ``"e"`` buffer for :meth:`row_grad`; the Triton form
-        leaves ``z`` as it was."""
+    def row_stats(
+        self, z: torch.Tensor, rows: slice, *, with_entropy: bool = True, exps: bool = False
+    ) -> tuple[Stats, torch.Tensor | None]:
+        """The exact :class:`Stats` of a whole-row tile, combined over the shards (one
+        all-reduce max, one all-reduce sum), and with ``exps`` the tile's ``exp(z - M)``
+        ``[r, V_local]`` (of the tempered logits; valid until :meth:`row_grad`). The
+        torch form leaves ``z - M`` in ``z`` and ``exp(z - M)`` in the ``"e"`` buffer for
+        :meth:`row_grad`; the Triton form leaves ``z`` as it was."""
         setup = self.setup
         if self.triton:
-            state = self.fresh_state(rows.stop - rows.start, with_entropy=with_entropy)
+            state = _fresh_state(rows.stop - rows.start, setup.acc_dtype, z.device, with_entropy=with_entropy)
             self.stats_pass(z, rows, slice(0, self.local), state)
-            return combine(*state, setup, rows)
+            stats = combine(*state, setup, rows)
+            if not exps:
+                return stats, None
+            return stats, torch.exp(self.logits_of(z, rows) - stats.max[:, None], out=self.like("e", z))
         big_m = setup.reduce_max(z.amax(1))
         hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
         parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else [])
-        return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
-
-    def mass_outside(self, z: torch.Tensor, rows: slice, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
-        """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
-        elsewhere; distinct), summed over those entries and the shards: no ``1 - sum``
-        to cancel. After :meth:`row_stats` on the same tile."""
-        if self.triton:
-            e = torch.exp(self.temper(z, rows) - stats.max[:, None], out=self.like("e", z))
-        else:
-            e = self.like("e", z)  # exp(z - M), left by row_stats
-        here = (cols >= 0).to(torch.uint8)
-        listed = torch.zeros(e.shape, dtype=torch.uint8, device=e.device)
-        listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax")  # -1s land on 0 without a 1
-        return self.setup.reduce_sum(torch.where(listed.bool(), 0.0, e).sum(1)) / stats.sumexp
+        stats = _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
+        return stats, (e if exps else None)
 
     def row_grad(
         self,
         z: torch.Tensor,
         rows: slice,
-        stats: Stats,
+        big_m: torch.Tensor,
         coef: Coefficients,
         sink: GradSink,
         *,
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """The gradient of a whole-row tile after :meth:`row_stats`, into ``sink``; ``sparse``
-        as :meth:`grad_pass`."""
+        """The gradient of a whole-row tile after :meth:`row_stats` (``big_m``: its rows'
+        ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`."""
         setup = self.setup
+        cdt = setup.compute_dtype
+        in_tile = self.triton and not (sparse is not None and cdt != z.dtype)  # into the sink's buffer
         if not self.triton:
-            e = self.like("e", z)
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, e, coef, self.label_columns(rows)[:2], inv_t)
-            if sparse is not None:
-                self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
-            sink.put(rows, gz)
-            return
-        if sparse is not None and setup.compute_dtype != z.dtype:  # add them in fp32, then round
-            gz = self._kernel_grad(z, rows, 0, stats.max, coef, out=None, dtype=z.dtype)
-            self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
-            sink.put(rows, gz)
-            return
-        gz = self._kernel_grad(z, rows, 0, stats.max, coef, out=sink.tile(rows), dtype=setup.compute_dtype)
+            gz = _torch_grad_(z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t)
+        else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
+            out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)
+            gz = self._kernel_grad(z, rows, 0, big_m, coef, out=out, dtype=dtype)
         if sparse is not None:
-            self._scatter_sparse(gz, rows, slice(0, self.local), sparse)
-        sink.commit(rows)
-
-    def exp_rows(self, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: torch.Tensor) -> None:
-        """The fused loss's single pass over a whole-row tile: ``out`` gets ``E = exp(z - c)``
-        (0 at the label's column), and ``vec`` (``[5, r]``, acc dtype: a view of the
-        call's ``[5, n]``) the rows' local ``c, m, s, t, zy``, combined later over a
-        whole buffer by :meth:`vector_stats`. One launch on the Triton backend (``c <= M``,
-        see ``EXP_RANGE``); the torch form takes ``c = m``::
-
-            m = max_j z_j;  s = sum_j exp(z_j - c);  t = sum_j exp(z_j - c) (z_j - c)
-            zy = z_y (local; any value where the label is in another shard)
-        """
-        setup = self.setup
-        c, m, s, t, zy = vec.unbind(0)
-        if self.triton:
-            from ._triton_kernels import exp_rows_
-
-            assert setup.kernel is not None
-            flags = self.buffer("flags", 1, rows.stop - rows.start, torch.int8)[0]
-            inv_t = setup.row_inv_t(rows, column=False)
-            exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
-            return
-        _, col, keep = self.label_columns(rows)
-        torch.gather(z, 1, col, out=zy[:, None])
-        torch.amax(z, 1, out=c)
-        m.copy_(c)
-        z.sub_(c[:, None])
-        e = torch.exp(z, out=out if out.dtype == z.dtype else self.like("e", z))
-        torch.sum(e, 1, out=s)
-        torch.bmm(e.unsqueeze(1), z.unsqueeze(2), out=t.view(-1, 1, 1))
-        if e is not out:
-            out.copy_(e)
-        out.scatter_reduce_(1, col, keep, "prod")
-
-    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
-        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
-        if self._label is None:
-            hit = self.setup.labels_local >= 0
-            col = self.setup.labels_local.clamp(min=0)[:, None]
-            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
-        hit, col, keep = self._label
-        return hit[rows], col[rows], keep[rows]
-
-    def vector_stats(self, vec: torch.Tensor, rows: slice) -> Stats:
-        """The :class:`Stats` of the rows ``rows`` of :meth:`exp_rows`' vectors ``vec``
-        (``[5, n]``; a buffer's rows at once), combined over the shards."""
-        c, m, s, t, zy = vec[:, rows]
-        k = torch.exp(c - m)  # relative to the local max, as combine() takes them
-        return combine(m, s * k, k * (t + (c - m) * s), zy, self.setup, rows)
-
-    def row_scale(self, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients) -> RowScale:
-        """The :class:`RowScale` of the rows ``rows`` of :meth:`exp_rows`' vectors from
-        their :class:`Stats` and coefficients (``b`` None)::
-
-            dz = -a exp(z - M) + g [j == y]
-               = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
-        """
-        c, zy = vec[0, rows], vec[4, rows]
-        f = 1.0 if self.setup.fold else self.setup.row_inv_t(rows, column=False)
-        scale = -coef.a * torch.exp(c - stats.max) * f
-        label = (coef.g - coef.a * torch.exp(zy - stats.max)) * f
-        return RowScale(scale=scale, label=label, label_col=self.setup.labels_local[rows])
+            self._scatter_sparse(gz, rows, 0, sparse)
+        if in_tile:
+            sink.commit(rows)
+        else:
+            sink._hold(rows, gz)
