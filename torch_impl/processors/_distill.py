@@ -50,11 +50,12 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Coefficients, Engine, FormedInForward, GradSink, Stats, TileSetup
+from ._engine import Coefficients, Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_unused_count, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
+from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
 __all__ = [

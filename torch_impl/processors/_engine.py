@@ -1,73 +1,42 @@
 """The one tile engine under every processor (``docs/architecture.md``).
 
 It forms the logits ``z = h @ W.T * logit_scale / T`` of the gathered rows and this
-rank's vocabulary shard a tile at a time, each tile one ``torch.mm`` with an fp32
-output (:func:`mm_into`), reduces each row over the shards, and turns a tile's logit
-gradient into ``dh`` and ``dW`` with two more GEMMs. Two sweeps (tile sizes:
-:mod:`._geometry`): the vocabulary sweep (:meth:`Engine.forward_stats`, the online
-statistics; :meth:`Engine.backward`, the tiles recomputed: four GEMMs in all) and the
-row sweep (:meth:`Engine.row_sweep`: whole rows, exact statistics, the gradient formed
-in the forward pass into a :class:`GradSink`: three GEMMs). Each memory-bound pass has
-a torch form and a Triton form (:mod:`._triton_kernels`), chosen by ``backend``; no
-pass reads a device value back to the host.
+rank's vocabulary shard a tile at a time (:class:`~._tiles.Tiles`: one ``torch.mm``
+with an fp32 output each, :func:`~._gemm.mm_into`), reduces each row over the
+shards, and turns a tile's logit gradient into ``dh`` and ``dW`` with two more GEMMs.
+Two sweeps (tile sizes: :mod:`._geometry`): the vocabulary sweep
+(:meth:`Engine.forward_stats`, the online statistics; :meth:`Engine.backward`, the
+tiles recomputed: four GEMMs in all) and the row sweep (:meth:`Engine.row_sweep`:
+whole rows, exact statistics, the gradient formed in the forward pass into a
+:class:`~._sink.GradSink`: three GEMMs; the fused loss's single pass on it:
+:mod:`._single_pass`). Each memory-bound pass has a torch form and a Triton form
+(:mod:`._triton_kernels`), chosen by ``backend``; no pass reads a device value back
+to the host. The temperature stays inside: an epilogue sees tempered logits
+(:meth:`~._tiles.Tiles.logits_of`) and hands over the gradient of the tempered logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hookspec import Collectives
-
-from ._gemm import gemm_into, mm_into, rowdot, scaled_
-from ._geometry import KernelConfig
+from ._gemm import gemm_into, rowdot, scaled_
+from ._sink import GradSink, RowScale
+from ._tiles import Tiles, TileSetup
 
 __all__ = [
     "Coefficients",
     "Engine",
     "FormedInForward",
-    "GradSink",
-    "RowScale",
     "Stats",
     "TileSetup",
     "combine",
     "logit_grad_coefficients",
     "refuse_double_backward",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class TileSetup:
-    """What the sweeps need, checked (built by :mod:`._options`)."""
-
-    labels_local: torch.Tensor  # [n] long: the label's row in this shard, or -1
-    ignored: torch.Tensor  # [n] bool
-    inv_t: torch.Tensor | float  # [n] (acc dtype) or a number: logit_scale / T
-    fold: bool  # inv_t is folded into the hidden rows (torch backend, fp32/fp64 compute)
-    compute_dtype: torch.dtype
-    acc_dtype: torch.dtype
-    vocab_start: int
-    vocab_size: int
-    tile: tuple[int, int]  # (rows, cols) of the vocabulary sweep
-    row_tile: int  # rows of the row sweep's whole-row tiles
-    grad_capacity: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
-    collectives: Collectives | None
-    kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
-
-    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce_max(x) if self.collectives is not None else x
-
-    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce_sum(x) if self.collectives is not None else x
-
-    def row_inv_t(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
-        """``inv_t`` of the rows: ``[r, 1]`` (``[r]`` without ``column``) or a number."""
-        if not isinstance(self.inv_t, torch.Tensor):
-            return self.inv_t
-        return self.inv_t[rows, None] if column else self.inv_t[rows]
 
 
 # ---------------------------------------------------------------- statistics
@@ -235,153 +204,6 @@ def _torch_grad_(
     return gz if inv_t is None else scaled_(gz, inv_t)
 
 
-# ---------------------------------------------------------------- gradient sink
-
-
-@dataclasses.dataclass(frozen=True)
-class RowScale:
-    """Rows whose gradient was held unscaled (:mod:`._single_pass`), given by the sink's
-    ``on_flush`` for the rows it multiplies out: their logit gradient, in the form the
-    GEMMs take, is ``scale[:, None] * E`` plus ``label`` at the label's column (where
-    it is in this shard)."""
-
-    scale: torch.Tensor  # [r]
-    label: torch.Tensor  # [r]
-
-
-class GradSink:
-    """``dh`` and ``dW`` from the row sweep's logit gradients: tiles go into a buffer
-    ``G`` of ``setup.grad_capacity`` rows (compute dtype); a full buffer, and the last,
-    is multiplied out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (in ``W``'s dtype
-    where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
-    fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
-
-    An epilogue's two ways in, each the gradient of the tempered logits: :meth:`put`
-    (a tile of whole rows) and :meth:`add_sparse` (terms at a few columns). The
-    engine's own passes write the GEMMs' form straight into :meth:`tile` and
-    :meth:`commit` it; ``on_flush(rows)`` is called once per buffer of committed rows,
-    before they are multiplied out (also where no gradient is formed), and its
-    :class:`RowScale` scales them (:mod:`._single_pass`)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        need_dh: bool,
-        need_dw: bool,
-        zeros: bool = False,
-        on_flush: Callable[[slice], RowScale | None] | None = None,
-    ) -> None:
-        self.engine = engine
-        setup = engine.setup
-        n, local, hid = engine.n, engine.local, engine.hs.shape[1]
-        dev = engine.hs.device
-        self.capacity = setup.grad_capacity
-        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
-        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
-        self.dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
-        self.zeros = zeros or n == 0 or local == 0
-        make = torch.zeros if self.zeros else torch.empty
-        self.dh = make((n, hid), dtype=setup.acc_dtype, device=dev) if need_dh else None
-        self.dw = make((local, hid), dtype=self.dw_dtype, device=dev) if need_dw else None
-        self.dw_written = self.zeros
-        self.buf: torch.Tensor | None = None
-        self.aliased = False  # buf is the caller's tile itself (one tile a buffer)
-        self.start = 0  # first row held in the buffer
-        self.held = 0  # rows held
-        self.on_flush = on_flush
-
-    @property
-    def active(self) -> bool:
-        return self.dh is not None or self.dw is not None
-
-    def put(self, rows: slice, gz: torch.Tensor) -> None:
-        """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
-        (acc dtype; scaled in place into the GEMMs' form)."""
-        self._hold(rows, self.engine.untempered_grad(gz, rows))
-
-    def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
-        """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
-        columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
-        without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
-        assert self.zeros, "sparse terms add to a zero-initialised sink"
-        self._sparse(rows, cols, self.engine.untempered_grad(g, rows))
-
-    def tile(self, rows: slice) -> torch.Tensor:
-        """The buffer rows for the tile ``rows`` (``[r, V_local]``, compute dtype)."""
-        eng = self.engine
-        cdt = eng.setup.compute_dtype
-        if self.aliased or self.buf is None:
-            self.buf = torch.empty((min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
-            self.aliased = False
-        return self.buf[self.held : self.held + rows.stop - rows.start]
-
-    def commit(self, rows: slice) -> None:
-        """The tile ``rows`` is in the buffer; multiply out when full."""
-        if self.held == 0:
-            self.start = rows.start
-        self.held += rows.stop - rows.start
-        if self.held >= self.capacity or rows.stop >= self.engine.n:
-            self._flush()
-
-    def _hold(self, rows: slice, gz: torch.Tensor) -> None:
-        """Commit ``gz`` in the GEMMs' form: taken as the buffer itself where one tile
-        fills a buffer and ``gz`` is in the compute dtype, else copied."""
-        r = rows.stop - rows.start
-        if self.held == 0 and self.capacity <= r and gz.dtype == self.engine.setup.compute_dtype:
-            self.start, self.buf, self.aliased = rows.start, gz, True
-        else:
-            self.tile(rows).copy_(gz)
-        self.commit(rows)
-
-    def _flush(self) -> None:
-        if self.held == 0:
-            return
-        eng, setup = self.engine, self.engine.setup
-        b0, b1 = self.start, self.start + self.held
-        self.held = 0
-        scale = None if self.on_flush is None else self.on_flush(slice(b0, b1))
-        if self.buf is None or not self.active:
-            return
-        g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
-        w = eng.weight_all()
-        if self.dh is not None:
-            dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
-            gemm_into(dh, g, w, first=not self.zeros)
-            if scale is not None:
-                dh.mul_(scale.scale[:, None])
-        if self.dw is not None:
-            xs = (
-                x if scale is None else (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
-            )
-            gemm_into(self.dw, g.T, xs, first=not self.dw_written)
-            self.dw_written = True
-        if scale is not None:  # the label's column, formed in the accumulation dtype
-            self._sparse(slice(b0, b1), setup.labels_local[b0:b1, None], scale.label[:, None])
-        if self.aliased:
-            self.buf, self.aliased = None, False
-
-    def _sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
-        """``dh[rows] += sum_j g[:, j] W[cols[:, j]]`` and ``dW[cols[i, j]] += g[i, j] h[i]``
-        (elementwise, no GEMM; -1 columns count nothing)."""
-        eng, acc = self.engine, self.engine.setup.acc_dtype
-        g, safe = torch.where(cols >= 0, g, 0.0), cols.clamp(min=0)
-        if self.dh is not None:
-            self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(1)  # [r, k, h] -> [r, h]
-        if self.dw is not None:
-            contrib = g.unsqueeze(2) * eng.hs[rows].to(acc).unsqueeze(1)  # [r, k, h]
-            self.dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype))
-
-    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
-        ``dW`` in ``W``'s dtype."""
-        self._flush()
-        dw = self.dw
-        if dw is not None and dw.dtype != self.engine.w_dtype:
-            dw = dw.to(self.engine.w_dtype)
-        return self.engine.unfold_dh(self.dh), dw
-
-
 def refuse_double_backward(name: str) -> None:
     """Called first in a custom backward: under ``create_graph=True`` (grad mode on in
     backward) the gradient would have no graph, and its own gradient (a Hessian-vector
@@ -426,107 +248,8 @@ class FormedInForward(torch.autograd.Function):
 # ---------------------------------------------------------------- the engine
 
 
-class Engine:
-    """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
-    compute dtype (times ``inv_t`` when folded), ``w`` the shard. How the temperature
-    is applied (folded into ``hs``, scaled per tile, or inside the Triton kernels) is
-    the engine's own: an epilogue reads a tile's values through :meth:`logits_of` and
-    hands the gradient of the tempered logits to the :class:`GradSink`."""
-
-    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
-        self.setup = setup
-        hs = h.detach().to(setup.compute_dtype)
-        if setup.fold:  # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile
-            hs = hs * (
-                setup.inv_t.to(hs.dtype)[:, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
-            )
-        self.hs = hs
-        self.w = w.detach()
-        self.w_dtype = w.dtype
-        self.n, self.local = int(hs.shape[0]), int(w.shape[0])
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._w_all: torch.Tensor | None = None
-        self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def triton(self) -> bool:
-        return self.setup.kernel is not None
-
-    # -- buffers, tiles and the temperature
-
-    def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
-        allocate and page-fault a fresh tile each step."""
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < r * c or buf.dtype != dtype:
-            buf = torch.empty(r * c, dtype=dtype, device=self.hs.device)
-            self._bufs[name] = buf
-        return buf[: r * c].view(r, c)
-
-    def like(self, name: str, z: torch.Tensor) -> torch.Tensor:
-        """A reused buffer of ``z``'s shape and dtype."""
-        return self.buffer(name, z.shape[0], z.shape[1], z.dtype)
-
-    def weight(self, cols: slice) -> torch.Tensor:
-        """``W[cols]`` in the compute dtype."""
-        if self._w_all is not None:
-            return self._w_all[cols]
-        return self.w[cols].to(self.setup.compute_dtype)
-
-    def weight_all(self) -> torch.Tensor:
-        """The whole shard in the compute dtype (kept for the call)."""
-        if self._w_all is None:
-            self._w_all = self.w.to(self.setup.compute_dtype)
-        return self._w_all
-
-    def logits(self, rows: slice, wc: torch.Tensor) -> torch.Tensor:
-        """The tile ``h[rows] @ wc.T`` ``[r, c]`` in the accumulation dtype: tempered on
-        the torch backend (unless folded), untempered on the Triton backend (its
-        kernels apply ``inv_t``)."""
-        x = self.hs[rows]
-        z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
-        return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
-
-    def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
-        """Values read from a tile of :meth:`logits` (``[r, k]``, a gather or a max; or
-        ``[r]``; or the tile itself, ``inplace``) as the tempered logits ``z``."""
-        if not self.triton:
-            return values
-        factor = self.setup.row_inv_t(rows, column=values.dim() == 2)
-        return scaled_(values if inplace else values.clone(), factor)
-
-    def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
-        """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
-        (in place) unless the temperature is folded into the hidden rows."""
-        return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
-
-    def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
-        """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
-        if dh is None or not self.setup.fold:
-            return dh
-        return scaled_(dh, self.setup.row_inv_t(slice(None)))
-
-    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
-        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
-        if self._label is None:
-            hit = self.setup.labels_local >= 0
-            col = self.setup.labels_local.clamp(min=0)[:, None]
-            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
-        hit, col, keep = self._label
-        return hit[rows], col[rows], keep[rows]
-
-    def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
-        """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
-        rows, cols = self.setup.tile
-        for j0 in range(0, self.local, cols):
-            for i0 in range(0, self.n, rows):
-                yield slice(i0, min(i0 + rows, self.n)), slice(j0, min(j0 + cols, self.local))
-
-    def row_tiles(self) -> Iterator[slice]:
-        height = self.setup.row_tile
-        for i0 in range(0, self.n, height):
-            yield slice(i0, min(i0 + height, self.n))
+class Engine(Tiles):
+    """The passes and the two sweeps over one call's :class:`~._tiles.Tiles`."""
 
     # -- the vocabulary sweep
 

@@ -35,7 +35,6 @@ from ._engine import (
     Coefficients,
     Engine,
     FormedInForward,
-    GradSink,
     Stats,
     TileSetup,
     logit_grad_coefficients,
@@ -43,6 +42,7 @@ from ._engine import (
 from ._gemm import no_autocast
 from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
+from ._sink import GradSink
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 

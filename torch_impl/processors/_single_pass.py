@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from ._engine import Coefficients, Engine, GradSink, RowScale, Stats, combine
+from ._engine import Coefficients, Engine, Stats, combine
+from ._sink import GradSink, RowScale
 
 __all__ = ["exp_rows", "row_scale", "single_pass", "vector_stats"]
 
