@@ -369,11 +369,13 @@ class Engine(Tiles):
         acc = setup.acc_dtype
         n, local, hid = self.n, self.local, self.hs.shape[1]
         dev = self.hs.device
-        if n == 0 or local == 0:
-            dh0 = torch.zeros((n, hid), dtype=acc, device=dev) if need_dh else None
-            return dh0, (torch.zeros((local, hid), dtype=self.w_dtype, device=dev) if need_dw else None)
-        if self.triton and self._rows_outer():
-            return self.row_sweep(self._regrad(stats, coef, sparse), need_dh=need_dh, need_dw=need_dw)
+        if n == 0 or local == 0 or (self.triton and self._rows_outer()):  # zeros, or whole rows
+
+            def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
+                part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
+                self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=part)
+
+            return self.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
         direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
         dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
@@ -406,18 +408,6 @@ class Engine(Tiles):
         by_cols = ((-(-local // cols) - 1) * n + (-(-n // rows) - 1) * local) * hid * 8
         size = self.w_dtype.itemsize if self.w_dtype == self.setup.compute_dtype else 4
         return (-(-n // self.setup.grad_capacity) - 1) * local * hid * 2 * size < by_cols
-
-    def _regrad(
-        self, stats: Stats, coef: Coefficients, sparse: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> Callable[[torch.Tensor, slice, GradSink], None]:
-        """The row sweep's epilogue of :meth:`backward` (the Triton form of :meth:`row_grad`
-        reads the statistics' ``max`` only)."""
-
-        def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-            part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-            self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=part)
-
-        return epilogue
 
     # -- the row sweep
 
