@@ -53,7 +53,7 @@ from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Coefficients, Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
-from ._loss_math import check_unused_count, weights_of
+from ._loss_math import check_unused_count, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
@@ -276,7 +276,7 @@ def _dense_epilogue(
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
             sink.put(rows, torch.where(w[:, None] != 0, gz * w[:, None], 0.0))
-        _record(out, rows, _weighted(d, w), kl, agree, lse)
+        _record(out, rows, weighted_sum(d, w), kl, agree, lse)
 
     return epilogue
 
@@ -303,7 +303,7 @@ def _sparse_epilogue(
             d, kl = sparse_divergence(
                 lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_tail=q_out
             )
-            total = _weighted(d, w)
+            total = weighted_sum(d, w)
             gu, glse = torch.autograd.grad(total, (u_, lse_), allow_unused=True) if need else (None, None)
         agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
         _record(out, rows, total.detach(), kl.detach(), agree, lse)
@@ -318,11 +318,6 @@ def _sparse_epilogue(
         eng.row_grad(z, rows, stats.max, coef, sink, sparse=(cols, gu))
 
     return epilogue
-
-
-def _weighted(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The tile's loss ``sum(w * D)``, a token of weight 0 counting nothing (its ``D`` may be NaN)."""
-    return (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum()
 
 
 def _record(
@@ -609,12 +604,6 @@ def _hook_tokens(ctx: OutputContext, x: HookInputs) -> _Tokens:
     return _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
 
 
-def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``sum(M * values) / sum(M)`` (``values`` at ``M == 0`` ignored; an empty ``M``: 0)."""
-    denom = torch.where(m.sum() == 0, 1.0, m.sum())
-    return (torch.where(m > 0, values.to(m.dtype), 0.0) * m).sum() / denom
-
-
 def distillation_loss(
     config: DistillConfig | None = None,
     /,
@@ -648,7 +637,7 @@ def distillation_loss(
         res = _fused(
             h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), _hook_tokens(ctx, x)
         )
-        m = _masked_mean
+        m = masked_mean
         return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
 
     return processor(fn, name="distillation_loss")
