@@ -421,8 +421,9 @@ class Engine(Tiles):
         on_flush: Callable[[slice], RowScale | None] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Tiles of whole rows: ``epilogue(z, rows, sink)`` gets each tile's logits
-        (:meth:`logits` of the whole shard) and puts its gradient into ``sink``
-        (:meth:`GradSink.tile`, :meth:`GradSink.commit`; ``on_flush`` as
+        (:meth:`logits` of the whole shard: :meth:`row_stats`, :meth:`row_grad`, or
+        :meth:`logits_of` its values) and puts its gradient into ``sink``
+        (:meth:`GradSink.put`, :meth:`GradSink.add_sparse`; ``zeros``, ``on_flush`` as
         :class:`GradSink`'s). Returns ``(dh, dW)`` as :meth:`GradSink.result`."""
         sink = GradSink(self, need_dh=need_dh, need_dw=need_dw, zeros=zeros, on_flush=on_flush)
         if self.n and self.local:
