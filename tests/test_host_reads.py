@@ -304,6 +304,21 @@ TENSOR_FUNCTIONS: dict[str, Call] = {
     "linear_topk_logprobs": lambda d, b: P.linear_topk_logprobs(
         _rows(d)[0], d["w_leaf"], k=K, labels=_rows(d)[2], with_entropy=True, options=_options(b)
     ),
+    "linear_distillation_loss(sparse, bucket)": lambda d, b: P.linear_distillation_loss(
+        *_rows(d),
+        SparseTeacher(
+            ids=d["sparse"].ids.transpose(0, 1).reshape(-1, K),
+            logprobs=d["sparse"].logprobs.transpose(0, 1).reshape(-1, K),
+            mask=d["sparse"].mask.T.reshape(-1),
+        ),
+        options=_options(b),
+        config=DistillConfig(tail="bucket"),
+    ),
+    "linear_distillation_loss(dense)": lambda d, b: P.linear_distillation_loss(
+        *_rows(d),
+        DenseTeacher(hidden_states=d["dense"].hidden_states.reshape(-1, 12), weight=d["dense"].weight),
+        options=_options(b),
+    ),
 }
 WITH_BACKEND = set(TENSOR_FUNCTIONS)
 

@@ -50,10 +50,12 @@ from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Engine, FormedInForward, GradSink, TileSetup, mm_into, no_autocast, scaled_
+from ._engine import Engine, FormedInForward, Stats, TileSetup
+from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
-from ._loss_math import check_unused_count, weights_of
+from ._loss_math import check_unused_count, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
+from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
 
 __all__ = [
@@ -236,6 +238,31 @@ def _dense_terms(
 Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
+def _pick(eng: Engine, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
+    """The logits of a fresh tile at the local columns ``cols`` ``[r, k]`` (0 where -1)."""
+    return torch.where(cols >= 0, eng.logits_of(z.gather(1, cols.clamp(min=0)), rows), 0.0)
+
+
+def _row_argmax(eng: Engine, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, argmax)`` of each row of a fresh tile's logits."""
+    local_max, local_arg = z.max(1)  # the first maximal column
+    return eng.logits_of(local_max, rows), local_arg
+
+
+def _mass_outside(setup: TileSetup, e: torch.Tensor, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
+    """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
+    elsewhere; distinct), from the tile's ``e = exp(z - M)`` (:meth:`~._engine.Engine.row_stats`),
+    summed over those entries and the shards: no ``1 - sum`` to cancel."""
+    return setup.reduce_sum(torch.where(_listed(cols, e.shape), 0.0, e).sum(1)) / stats.sumexp
+
+
+def _listed(cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``[r, V_local]`` bool: the columns ``cols`` ``[r, k]`` name (-1: none)."""
+    here = (cols >= 0).to(torch.uint8)
+    listed = torch.zeros(shape, dtype=torch.uint8, device=cols.device)
+    return listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+
+
 def _dense_epilogue(
     eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
@@ -246,7 +273,7 @@ def _dense_epilogue(
     t_inv = teacher.logit_scale / cfg.temperature
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        zs = eng.temper(z, rows, inplace=True)
+        zs = eng.logits_of(z, rows, inplace=True)
         zt = mm_into(
             eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
         )
@@ -254,8 +281,8 @@ def _dense_epilogue(
         d, kl, agree, lse, gz = _dense_terms(setup, cfg, zs, zt)
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
-            sink.put(rows, eng.untempered_grad(torch.where(w[:, None] != 0, gz * w[:, None], 0.0), rows))
-        _record(out, rows, _weighted(d, w), kl, agree, lse)
+            sink.put(rows, torch.where(w[:, None] != 0, gz * w[:, None], 0.0))
+        _record(out, rows, weighted_sum(d, w), kl, agree, lse)
 
     return epilogue
 
@@ -271,11 +298,11 @@ def _sparse_epilogue(
         ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
-        top = eng.row_argmax(z, rows)
-        u = setup.reduce_sum(eng.pick(z, rows, cols))  # each id lives in one shard
-        stats = eng.row_stats(z, rows, with_entropy=False)
-        lse, bucket = stats.lse, cfg.tail == TeacherTail.BUCKET
-        q_out = eng.mass_outside(z, rows, stats, cols) if bucket else None
+        top = _row_argmax(eng, z, rows)
+        u = setup.reduce_sum(_pick(eng, z, rows, cols))  # each id lives in one shard
+        stats, e = eng.row_stats(z, rows, with_entropy=False, exps=cfg.tail == TeacherTail.BUCKET)
+        lse = stats.lse
+        q_out = None if e is None else _mass_outside(setup, e, stats, cols)
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
         with torch.enable_grad() if need else contextlib.nullcontext():
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
@@ -283,7 +310,7 @@ def _sparse_epilogue(
             d, kl = sparse_divergence(
                 lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_log_tail=lqt_
             )
-            total = _weighted(d, w)
+            total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
         agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
@@ -294,7 +321,7 @@ def _sparse_epilogue(
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
             sink.add_sparse(rows, cols, gu)
             return
-        assert q_out is not None
+        assert q_out is not None and e is not None
         zero = torch.zeros_like(lse)
         glse = zero if grads[1] is None else grads[1]
         # the tail's own gradient, 0 where the floor holds it (as clamp_min's)
@@ -302,20 +329,13 @@ def _sparse_epilogue(
         # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
         # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
         # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
-        q = eng.like("e", z) / stats.sumexp[:, None]  # exp(z - M) of the tempered tile, left there
-        listed = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-        listed.scatter_reduce_(1, cols.clamp(min=0), (cols >= 0).to(torch.uint8), "amax")  # -1s: no 1
-        outside = torch.where(listed.bool(), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
+        q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
+        outside = torch.where(_listed(cols, q.shape), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
         gz.scatter_add_(1, cols.clamp(min=0), torch.where(cols >= 0, gu, 0.0).to(gz.dtype))
-        sink.put(rows, eng.untempered_grad(gz, rows))
+        sink.put(rows, gz)
 
     return epilogue
-
-
-def _weighted(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The tile's loss ``sum(w * D)``, a token of weight 0 counting nothing (its ``D`` may be NaN)."""
-    return (torch.where(w != 0, d, 0.0) * w.to(d.dtype)).sum()
 
 
 def _record(
@@ -602,12 +622,6 @@ def _hook_tokens(ctx: OutputContext, x: HookInputs) -> _Tokens:
     return _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
 
 
-def _masked_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``sum(M * values) / sum(M)`` (``values`` at ``M == 0`` ignored; an empty ``M``: 0)."""
-    denom = torch.where(m.sum() == 0, 1.0, m.sum())
-    return (torch.where(m > 0, values.to(m.dtype), 0.0) * m).sum() / denom
-
-
 def distillation_loss(
     config: DistillConfig | None = None,
     /,
@@ -641,7 +655,7 @@ def distillation_loss(
         res = _fused(
             h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), _hook_tokens(ctx, x)
         )
-        m = _masked_mean
+        m = masked_mean
         return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
 
     return processor(fn, name="distillation_loss")

@@ -9,7 +9,7 @@ A tile holds whole rows, so its statistics are exact, and so is the loss's gradi
 in them, hence the tile's logit gradient, which the engine multiplies into ``dh`` and
 ``dW``: three GEMMs, not the four of a forward pass and a recomputing backward.
 Without a gradient through the entropy (``entropy_grad=False``) each tile is read
-once (:meth:`~._engine.Engine.exp_rows`: ``exp(z - c)`` kept unscaled, the rows'
+once (:func:`~._single_pass.single_pass`: ``exp(z - c)`` kept unscaled, the rows'
 statistics into ``[n]`` vectors) and ``token_loss`` is called once per gradient
 buffer of rows, where the engine scales that buffer: a tile costs its logits GEMM
 and one pass, whatever the loss does. With it, the loss's gradient is needed before
@@ -32,15 +32,17 @@ from hookspec.arrays import format_shape
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import (
+    Coefficients,
     Engine,
     FormedInForward,
-    GradSink,
-    RowScale,
+    Stats,
     TileSetup,
     logit_grad_coefficients,
-    no_autocast,
 )
+from ._gemm import no_autocast
 from ._options import LinearOptions, prologue
+from ._single_pass import single_pass
+from ._sink import GradSink
 
 __all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
 
@@ -140,36 +142,27 @@ def _sweep(
     lp_ent = torch.empty((2, eng.n), dtype=acc, device=h.device)
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw
-    single = not (active and calls.entropy_grad)  # one pass a tile, the loss once a buffer
-    vec = torch.empty((5, eng.n), dtype=acc, device=h.device)
+
+    def loss_of(stats: Stats, rows: slice, need: bool) -> Coefficients | None:
+        nonlocal total
+        assert stats.entropy is not None
+        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
+        loss, g_lp, g_h = calls(stats.logprobs, stats.entropy, rows, need)
+        total = total + loss.to(acc)
+        return logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc) if need else None
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        nonlocal total
-        if single:
-            out = sink.tile(rows) if active else eng.buffer("E", z.shape[0], z.shape[1], setup.compute_dtype)
-            eng.exp_rows(z, rows, out, vec[:, rows])
-            return sink.commit(rows)
-        stats = eng.row_stats(z, rows)
-        assert stats.entropy is not None
-        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
-        loss, g_lp, g_h = calls(stats.logprobs, stats.entropy, rows, True)
-        total = total + loss.to(acc)
-        eng.row_grad(z, rows, stats, logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc), sink)
-
-    def on_flush(rows: slice) -> RowScale | None:
-        nonlocal total
-        if not single:
-            return None
-        stats = eng.vector_stats(vec, rows)
-        assert stats.entropy is not None
-        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
-        loss, g_lp, _ = calls(stats.logprobs, stats.entropy, rows, active)
-        total = total + loss.to(acc)
-        coef = logit_grad_coefficients(stats, g_lp, None, ignored[rows], acc)
-        return eng.row_scale(vec, rows, stats, coef) if active else None
+        stats, _ = eng.row_stats(z, rows)
+        coef = loss_of(stats, rows, True)
+        assert coef is not None
+        eng.row_grad(z, rows, stats.max, coef, sink)
 
     with no_autocast(h):
-        dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, on_flush=on_flush)
+        if active and calls.entropy_grad:
+            dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
+        else:  # one pass a tile, the loss once a buffer
+            on_stats = functools.partial(loss_of, need=active)
+            dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
     return (total, lp_ent[0], lp_ent[1]), dh, dw
 
 

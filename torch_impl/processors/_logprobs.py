@@ -11,7 +11,8 @@ import torch
 
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
+from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients
+from ._gemm import no_autocast
 from ._options import LinearOptions, prologue, refuse_double_backward
 
 __all__ = ["LogprobResult", "linear_logprobs"]

@@ -30,11 +30,13 @@ __all__ = [
     "check_unused_count",
     "kl_penalty",
     "kl_terms",
+    "masked_mean",
     "ppo_token_loss",
     "segment_sum",
     "sequence_log_ratio",
     "sequence_ratio_of",
     "sequence_sums",
+    "weighted_sum",
     "weights_of",
 ]
 
@@ -362,3 +364,17 @@ def weights_of(
         return m / k
     per_tok = n_k[segments]
     return m / (torch.where(per_tok == 0, 1.0, per_tok) * k)
+
+
+def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum(w * x)``, ``x`` not read where ``w == 0`` (a NaN weight gives NaN)."""
+    return (torch.where(w != 0, x, 0.0) * w).sum()
+
+
+def masked_mean(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
+    ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN.
+    ``total``: the denominator instead of ``sum(m)`` (the sum over the ranks)."""
+    total = m.sum() if total is None else total
+    x = torch.where(m > 0, x.to(m.dtype), 0.0)
+    return (x * m).sum() / torch.where(total == 0, 1.0, total)

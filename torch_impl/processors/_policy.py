@@ -63,10 +63,12 @@ from ._loss_math import (
     RatioLevel,
     check_unused_count,
     kl_terms,
+    masked_mean,
     ppo_token_loss,
     segment_sum,
     sequence_ratio_of,
     sequence_sums,
+    weighted_sum,
     weights_of,
 )
 from ._options import LinearOptions, refuse_unexpected
@@ -290,20 +292,6 @@ def token_terms(
     return TokenTerms(loss=total, pg=pg, kl=kl, clipped=clipped, dual=dual, log_ratio=log_ratio)
 
 
-def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``sum(w * x)``, ``x`` not read where ``w == 0`` (a NaN weight gives NaN)."""
-    return (torch.where(w != 0, x, 0.0) * w).sum()
-
-
-def _masked_mean(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
-    ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN.
-    ``total``: the denominator instead of ``sum(m)`` (the sum over the ranks)."""
-    total = m.sum() if total is None else total
-    x = torch.where(m > 0, x.to(m.dtype), 0.0)
-    return (x * m).sum() / torch.where(total == 0, 1.0, total)
-
-
 # ---------------------------------------------------------------- the processor
 
 
@@ -465,15 +453,15 @@ def _metrics(
         # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
         # or the weight holds NaN/inf, even at an uncounted token.
         "loss": p.loss + 0.0 * p.entropy.detach().sum(),
-        "pg_loss": _weighted_sum(p.terms.pg.detach(), w),
-        "entropy": _masked_mean(p.entropy.detach(), m, total),
-        "clip_fraction": _masked_mean(p.terms.clipped, m, total),
-        "approx_kl": _masked_mean(approx_kl, m, total),
+        "pg_loss": weighted_sum(p.terms.pg.detach(), w),
+        "entropy": masked_mean(p.entropy.detach(), m, total),
+        "clip_fraction": masked_mean(p.terms.clipped, m, total),
+        "approx_kl": masked_mean(approx_kl, m, total),
     }
     if p.terms.kl is not None:
-        out["kl"] = _weighted_sum(p.terms.kl.detach(), w)
+        out["kl"] = weighted_sum(p.terms.kl.detach(), w)
     if p.terms.dual is not None:
-        out["dual_clip_fraction"] = _masked_mean(p.terms.dual, m, total)
+        out["dual_clip_fraction"] = masked_mean(p.terms.dual, m, total)
     return out
 
 

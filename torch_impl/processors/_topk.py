@@ -15,7 +15,8 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
-from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients, no_autocast
+from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients
+from ._gemm import no_autocast
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
 from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
 
@@ -108,7 +109,7 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
 
     def on_tile(z: torch.Tensor, rows: slice, cols: slice) -> None:
         tv, ti = _tile_topk(z, k_local, setup.vocab_start + cols.start)
-        tv = eng.temper(tv, rows)
+        tv = eng.logits_of(tv, rows)
         if cols.start == 0:
             top_v[rows, : tv.shape[1]], top_i[rows, : ti.shape[1]] = tv, ti
             return

@@ -1,0 +1,158 @@
+"""The row sweep's gradient sink (:class:`GradSink`): logit-gradient tiles of whole
+rows into a buffer, multiplied out into ``dh`` and ``dW`` a buffer at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from ._gemm import gemm_into
+from ._tiles import Tiles
+
+__all__ = ["GradSink", "RowScale"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScale:
+    """Rows whose gradient was held unscaled (:mod:`._single_pass`), given by the sink's
+    ``on_flush`` for the rows it multiplies out: their logit gradient, in the form the
+    GEMMs take, is ``scale[:, None] * E`` plus ``label`` at the label's column (where
+    it is in this shard)."""
+
+    scale: torch.Tensor  # [r]
+    label: torch.Tensor  # [r]
+
+
+class GradSink:
+    """``dh`` and ``dW`` from the row sweep's logit gradients: tiles go into a buffer
+    ``G`` of ``setup.grad_capacity`` rows (compute dtype); a full buffer, and the last,
+    is multiplied out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (in ``W``'s dtype
+    where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
+    fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
+
+    An epilogue's two ways in, each the gradient of the tempered logits: :meth:`put`
+    (a tile of whole rows) and :meth:`add_sparse` (terms at a few columns). The
+    engine's own passes write the GEMMs' form straight into :meth:`tile` and
+    :meth:`commit` it; ``on_flush(rows)`` is called once per buffer of committed rows,
+    before they are multiplied out (also where no gradient is formed), and its
+    :class:`RowScale` scales them (:mod:`._single_pass`)."""
+
+    def __init__(
+        self,
+        engine: Tiles,
+        *,
+        need_dh: bool,
+        need_dw: bool,
+        zeros: bool = False,
+        on_flush: Callable[[slice], RowScale | None] | None = None,
+    ) -> None:
+        self.engine = engine
+        setup = engine.setup
+        n, local, hid = engine.n, engine.local, engine.hs.shape[1]
+        dev = engine.hs.device
+        self.capacity = setup.grad_capacity
+        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
+        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
+        self.dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
+        self.zeros = zeros or n == 0 or local == 0
+        make = torch.zeros if self.zeros else torch.empty
+        self.dh = make((n, hid), dtype=setup.acc_dtype, device=dev) if need_dh else None
+        self.dw = make((local, hid), dtype=self.dw_dtype, device=dev) if need_dw else None
+        self.dw_written = self.zeros
+        self.buf: torch.Tensor | None = None
+        self.aliased = False  # buf is the caller's tile itself (one tile a buffer)
+        self.start = 0  # first row held in the buffer
+        self.held = 0  # rows held
+        self.on_flush = on_flush
+
+    @property
+    def active(self) -> bool:
+        return self.dh is not None or self.dw is not None
+
+    def put(self, rows: slice, gz: torch.Tensor) -> None:
+        """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
+        (acc dtype; scaled in place into the GEMMs' form)."""
+        self._hold(rows, self.engine.untempered_grad(gz, rows))
+
+    def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
+        """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
+        columns, -1 elsewhere; ``g``: the gradient of the tempered logits, acc dtype),
+        without a GEMM: ``O(r k h)``. Needs ``zeros=True``."""
+        assert self.zeros, "sparse terms add to a zero-initialised sink"
+        self._sparse(rows, cols, self.engine.untempered_grad(g, rows))
+
+    def tile(self, rows: slice) -> torch.Tensor:
+        """The buffer rows for the tile ``rows`` (``[r, V_local]``, compute dtype)."""
+        eng = self.engine
+        cdt = eng.setup.compute_dtype
+        if self.aliased or self.buf is None:
+            self.buf = torch.empty((min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
+            self.aliased = False
+        return self.buf[self.held : self.held + rows.stop - rows.start]
+
+    def commit(self, rows: slice) -> None:
+        """The tile ``rows`` is in the buffer; multiply out when full."""
+        if self.held == 0:
+            self.start = rows.start
+        self.held += rows.stop - rows.start
+        if self.held >= self.capacity or rows.stop >= self.engine.n:
+            self._flush()
+
+    def _hold(self, rows: slice, gz: torch.Tensor) -> None:
+        """Commit ``gz`` in the GEMMs' form: taken as the buffer itself where one tile
+        fills a buffer and ``gz`` is in the compute dtype, else copied."""
+        r = rows.stop - rows.start
+        if self.held == 0 and self.capacity <= r and gz.dtype == self.engine.setup.compute_dtype:
+            self.start, self.buf, self.aliased = rows.start, gz, True
+        else:
+            self.tile(rows).copy_(gz)
+        self.commit(rows)
+
+    def _flush(self) -> None:
+        if self.held == 0:
+            return
+        eng, setup = self.engine, self.engine.setup
+        b0, b1 = self.start, self.start + self.held
+        self.held = 0
+        scale = None if self.on_flush is None else self.on_flush(slice(b0, b1))
+        if self.buf is None or not self.active:
+            return
+        g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
+        w = eng.weight_all()
+        if self.dh is not None:
+            dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
+            gemm_into(dh, g, w, first=not self.zeros)
+            if scale is not None:
+                dh.mul_(scale.scale[:, None])
+        if self.dw is not None:
+            xs = (
+                x if scale is None else (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
+            )
+            gemm_into(self.dw, g.T, xs, first=not self.dw_written)
+            self.dw_written = True
+        if scale is not None:  # the label's column, formed in the accumulation dtype
+            self._sparse(slice(b0, b1), setup.labels_local[b0:b1, None], scale.label[:, None])
+        if self.aliased:
+            self.buf, self.aliased = None, False
+
+    def _sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
+        """``dh[rows] += sum_j g[:, j] W[cols[:, j]]`` and ``dW[cols[i, j]] += g[i, j] h[i]``
+        (elementwise, no GEMM; -1 columns count nothing)."""
+        eng, acc = self.engine, self.engine.setup.acc_dtype
+        g, safe = torch.where(cols >= 0, g, 0.0), cols.clamp(min=0)
+        if self.dh is not None:
+            self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(1)  # [r, k, h] -> [r, h]
+        if self.dw is not None:
+            contrib = g.unsqueeze(2) * eng.hs[rows].to(acc).unsqueeze(1)  # [r, k, h]
+            self.dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype))
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
+        ``dW`` in ``W``'s dtype."""
+        self._flush()
+        dw = self.dw
+        if dw is not None and dw.dtype != self.engine.w_dtype:
+            dw = dw.to(self.engine.w_dtype)
+        return self.engine.unfold_dh(self.dh), dw

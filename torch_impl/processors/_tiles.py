@@ -1,0 +1,151 @@
+"""One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
+checked (:class:`TileSetup`, built by :mod:`._options`): the hidden rows and the
+vocabulary shard in the compute dtype, the logits ``z = h @ W.T * logit_scale / T``
+a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from hookspec import Collectives
+
+from ._gemm import mm_into, scaled_
+from ._geometry import KernelConfig
+
+__all__ = ["TileSetup", "Tiles"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSetup:
+    """What the sweeps need, checked (built by :mod:`._options`)."""
+
+    labels_local: torch.Tensor  # [n] long: the label's row in this shard, or -1
+    ignored: torch.Tensor  # [n] bool
+    inv_t: torch.Tensor | float  # [n] (acc dtype) or a number: logit_scale / T
+    fold: bool  # inv_t is folded into the hidden rows (torch backend, fp32/fp64 compute)
+    compute_dtype: torch.dtype
+    acc_dtype: torch.dtype
+    vocab_start: int
+    vocab_size: int
+    tile: tuple[int, int]  # (rows, cols) of the vocabulary sweep
+    row_tile: int  # rows of the row sweep's whole-row tiles
+    grad_capacity: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
+    collectives: Collectives | None
+    kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
+
+    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_max(x) if self.collectives is not None else x
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_sum(x) if self.collectives is not None else x
+
+    def row_inv_t(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
+        """``inv_t`` of the rows: ``[r, 1]`` (``[r]`` without ``column``) or a number."""
+        if not isinstance(self.inv_t, torch.Tensor):
+            return self.inv_t
+        return self.inv_t[rows, None] if column else self.inv_t[rows]
+
+
+class Tiles:
+    """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
+    compute dtype (times ``inv_t`` when folded), ``w`` the shard, reused buffers, and
+    the temperature. How it is applied (folded into ``hs``, scaled per tile, or inside
+    the Triton kernels) is this class's own: an epilogue reads a tile's values through
+    :meth:`logits_of` and hands the gradient of the tempered logits to a
+    :class:`~._sink.GradSink`, which takes it into the GEMMs' form (:meth:`untempered_grad`)."""
+
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
+        self.setup = setup
+        hs = h.detach().to(setup.compute_dtype)
+        if setup.fold:  # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile
+            hs = hs * (
+                setup.inv_t.to(hs.dtype)[:, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
+            )
+        self.hs = hs
+        self.w = w.detach()
+        self.w_dtype = w.dtype
+        self.n, self.local = int(hs.shape[0]), int(w.shape[0])
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._w_all: torch.Tensor | None = None
+        self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def triton(self) -> bool:
+        return self.setup.kernel is not None
+
+    def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
+        allocate and page-fault a fresh tile each step."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < r * c or buf.dtype != dtype:
+            buf = torch.empty(r * c, dtype=dtype, device=self.hs.device)
+            self._bufs[name] = buf
+        return buf[: r * c].view(r, c)
+
+    def like(self, name: str, z: torch.Tensor) -> torch.Tensor:
+        """A reused buffer of ``z``'s shape and dtype."""
+        return self.buffer(name, z.shape[0], z.shape[1], z.dtype)
+
+    def weight(self, cols: slice) -> torch.Tensor:
+        """``W[cols]`` in the compute dtype."""
+        if self._w_all is not None:
+            return self._w_all[cols]
+        return self.w[cols].to(self.setup.compute_dtype)
+
+    def weight_all(self) -> torch.Tensor:
+        """The whole shard in the compute dtype (kept for the call)."""
+        if self._w_all is None:
+            self._w_all = self.w.to(self.setup.compute_dtype)
+        return self._w_all
+
+    def logits(self, rows: slice, wc: torch.Tensor) -> torch.Tensor:
+        """The tile ``h[rows] @ wc.T`` ``[r, c]`` in the accumulation dtype: tempered on
+        the torch backend (unless folded), untempered on the Triton backend (its
+        kernels apply ``inv_t``)."""
+        x = self.hs[rows]
+        z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
+        return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
+
+    def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
+        """Values read from a tile of :meth:`logits` (``[r, k]``, a gather or a max; or
+        ``[r]``; or the tile itself, ``inplace``) as the tempered logits ``z``."""
+        if not self.triton:
+            return values
+        factor = self.setup.row_inv_t(rows, column=values.dim() == 2)
+        return scaled_(values if inplace else values.clone(), factor)
+
+    def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
+        (in place) unless the temperature is folded into the hidden rows."""
+        return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
+
+    def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
+        """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
+        if dh is None or not self.setup.fold:
+            return dh
+        return scaled_(dh, self.setup.row_inv_t(slice(None)))
+
+    def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
+        its column (clamped), and 0 there (compute dtype), else 1; made once a call."""
+        if self._label is None:
+            hit = self.setup.labels_local >= 0
+            col = self.setup.labels_local.clamp(min=0)[:, None]
+            self._label = (hit, col, (~hit).to(self.setup.compute_dtype)[:, None])
+        hit, col, keep = self._label
+        return hit[rows], col[rows], keep[rows]
+
+    def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
+        """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
+        rows, cols = self.setup.tile
+        for j0 in range(0, self.local, cols):
+            for i0 in range(0, self.n, rows):
+                yield slice(i0, min(i0 + rows, self.n)), slice(j0, min(j0 + cols, self.local))
+
+    def row_tiles(self) -> Iterator[slice]:
+        height = self.setup.row_tile
+        for i0 in range(0, self.n, height):
+            yield slice(i0, min(i0 + height, self.n))
