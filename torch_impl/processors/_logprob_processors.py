@@ -127,7 +127,7 @@ def _token_weights(
 
 
 def _reduced(
-    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: LinearOptions
+    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: LinearOptions, z_loss: float
 ) -> dict[str, torch.Tensor]:
     """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
     x = hook_inputs(ctx, "cross_entropy_loss")
@@ -138,8 +138,20 @@ def _reduced(
         wr = w[rows].to(lp.dtype)
         return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
 
+    def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
+        wr = w[rows].to(lse.dtype)
+        return z_loss * (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+
     options = x.tensor_options(tile, temp)
-    res = fused_token_loss(x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=False)
+    res = fused_token_loss(
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        tile_loss,
+        options=options,
+        entropy_grad=False,
+        lse_loss=lse_loss if z_loss != 0.0 else None,
+    )
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
     return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
@@ -149,11 +161,13 @@ def cross_entropy_loss(
     *,
     reduction: Reduction = "none",
     temperature: float | None = None,
+    z_loss: float = 0.0,
     tile_rows: int | None = None,
     tile_cols: int | None = None,
     **unexpected: Never,
 ) -> Processor:
-    """Megatron's ``compute_language_model_loss``, per token or reduced.
+    """Megatron's ``compute_language_model_loss``, per token or reduced, with an
+    optional z-loss.
 
     ``reduction="none"`` (the default): the per-token loss ``[b, s]`` (fp32),
     unreduced and without the loss mask, like Megatron's (apply ``loss_mask`` as
@@ -163,7 +177,14 @@ def cross_entropy_loss(
 
     One difference: where ``labels == ctx.ignore_index`` the loss is ``0`` with a
     zero gradient (Megatron returns the logsumexp there, which the loss mask
-    then removes). ``T`` is ``temperature`` (default 1); a user context holding
+    then removes). With ``z_loss`` (a finite weight ``>= 0``; default 0: none) each
+    counted token adds ``z_loss * lse ** 2``, ``lse = logsumexp(z)`` the
+    log-partition of the same tempered logits (all shards), 0 where the label is
+    ignored (``hookspec.conventions``)::
+
+        loss = -log_softmax(z)[labels] + z_loss * logsumexp(z) ** 2
+
+    ``T`` is ``temperature`` (default 1); a user context holding
     a ``temperature`` or ``global_tokens`` that is not ``None`` raises rather than
     being ignored (Megatron's loss has neither). Logits recomputed in backward
     (:func:`linear_logprobs`, tiles of ``tile_rows`` x ``tile_cols``):
@@ -174,11 +195,11 @@ def cross_entropy_loss(
         M = loss_mask * (labels != ignore_index)      # [b, s]; loss_mask None: ones
         w = M                                         # "sum"
         w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
-        loss = sum(w * -logprobs)                     # logprobs as above, at T
+        loss = sum(w * (-logprobs + z_loss * lse ** 2))   # logprobs, lse as above, at T
         tokens = sum(M)                               # this rank's counted tokens, detached
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
-    three GEMM-equivalents on both backends, no logits recomputed
+    three GEMM-equivalents on both backends with or without the z-loss, no logits recomputed
     (tiles of ``tile_rows`` whole rows; ``None``: the default per device). ``T``:
     ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
@@ -194,6 +215,7 @@ def cross_entropy_loss(
     reduction = _check_reduction(reduction)
     if temperature is not None:
         check_temperature(temperature, 1)
+    z_loss = check_finite_number("z_loss", z_loss, low=0.0)
     tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
@@ -214,11 +236,14 @@ def cross_entropy_loss(
             x.token_labels,
             options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
         )
-        return from_tokens(-res.logprobs, x.b, x.s)
+        loss = -res.logprobs
+        if z_loss != 0.0:
+            loss = loss + z_loss * torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse.square())
+        return from_tokens(loss, x.b, x.s)
 
     @checked_call()
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        return _reduced(ctx, reduction, temperature, tile)
+        return _reduced(ctx, reduction, temperature, tile, z_loss)
 
     if reduction == "none":
         return processor(fn, name="cross_entropy_loss")
