@@ -298,3 +298,108 @@ def test_tp2_lse_and_lse_loss_against_float64() -> None:
     p = _problem(5)
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
     run_distributed(_tp2, p, _truth(p), backends, tp=2)
+
+
+# ---------------------------------------------------------------- class weights
+
+
+def _weighted_truth(
+    p: dict[str, torch.Tensor], cw: torch.Tensor, reduction: str, z_loss: float, mask: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """``hookspec.conventions``' class-weighted cross entropy in float64; with no mask,
+    ``F.cross_entropy(weight=cw, ignore_index=-100)`` (the peers' definition) plus
+    Liger-Kernel's unweighted z-loss."""
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    z = torch.einsum("sbh,vh->bsv", h, w) * SCALE
+    y = p["y"]
+    lse = torch.logsumexp(z, -1)
+    counted = y != IGNORE
+    if mask is None:
+        ce = torch.nn.functional.cross_entropy(
+            z.reshape(-1, V), y.reshape(-1), weight=cw, ignore_index=IGNORE, reduction=reduction
+        )
+        zl = torch.where(counted, lse**2, 0.0)
+        zl = {"none": zl.reshape(-1), "sum": zl.sum(), "mean": zl.sum() / counted.sum()}[reduction]
+        loss = ce + z_loss * zl
+        loss = loss.reshape(B, S) if reduction == "none" else loss
+    else:
+        m = torch.where(counted, mask, 0.0)
+        cwy = torch.where(counted, cw[y.clamp(min=0)], 0.0)
+        lp = z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1)
+        ce, zl = (m * cwy * -lp).sum(), (m * lse**2).sum()
+        loss = ce / (m * cwy).sum() + z_loss * zl / m.sum() if reduction == "mean" else ce + z_loss * zl
+    cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
+    (loss * cot).sum().backward() if reduction == "none" else loss.backward()
+    assert h.grad is not None and w.grad is not None
+    return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_class_weights_against_float64(
+    reduction: str, dtype: torch.dtype, masked: bool, backend: str
+) -> None:
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernels take fp32/bf16/fp16")
+    if masked and reduction == "none":
+        pytest.skip("the unreduced loss reads no mask")
+    p = _ce_problem(6)
+    cw = (torch.rand(V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2).float().double()
+    cw[3] = 0.0  # a class that counts nothing
+    z_loss = 0.02
+    truth = _weighted_truth(p, cw, reduction, z_loss, p["mask"] if masked else None)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=h,
+        labels=p["y"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        loss_mask=p["mask"].float() if masked else None,
+        scale_logits=lambda x: x * SCALE,
+    )
+    proc = cross_entropy_loss(reduction=reduction, z_loss=z_loss, class_weights=cw.float(), tile_rows=4)
+    out = proc(ctx)
+    loss = out if reduction == "none" else out["loss"]
+    cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
+    (loss * cot.to(loss.dtype)).sum().backward() if reduction == "none" else loss.backward()
+    assert h.grad is not None and w.grad is not None
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for got, want in ((loss, truth["loss"]), (h.grad, truth["dh"]), (w.grad, truth["dw"])):
+        torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_class_weights_checked_by_name() -> None:
+    p = _ce_problem(7)
+    for bad in (torch.ones(V, dtype=torch.long), torch.ones(2, V), [1.0] * V):
+        with pytest.raises(ContractError, match=r"^class_weights: expected None or a floating tensor \[V\]"):
+            cross_entropy_loss(class_weights=bad)
+    with pytest.raises(ContractError, match=r"^class_weights: expected a tensor \[V=29\]"):
+        cross_entropy_loss(reduction="mean", class_weights=torch.ones(V + 1))(_ctx(p["h"], p["w"], p))
+    for value in (float("nan"), -1.0, float("inf")):
+        cw = torch.ones(V)
+        cw[5] = value
+        with pytest.raises(ContractError, match=r"^class_weights: expected finite values >= 0"):
+            cross_entropy_loss(reduction="sum", class_weights=cw)(_ctx(p["h"], p["w"], p))
+    ctx = OutputContext(
+        hidden_states=p["h"],
+        labels=p["y"],
+        vocab_weight=p["w"],
+        vocab=VocabShard(0, V, V),
+        context={"global_tokens": 10},
+    )
+    with pytest.raises(ContractError, match=r"^context\.global_tokens: expected None with class_weights"):
+        cross_entropy_loss(reduction="mean", class_weights=torch.ones(V))(ctx)
+
+
+def test_unit_class_weights_equal_none() -> None:
+    p = _ce_problem(8)
+    for reduction in ("none", "sum", "mean"):
+        a = cross_entropy_loss(reduction=reduction, class_weights=torch.ones(V))(_ctx(p["h"], p["w"], p))
+        b = cross_entropy_loss(reduction=reduction)(_ctx(p["h"], p["w"], p))
+        if reduction == "none":
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-15, atol=1e-15)
