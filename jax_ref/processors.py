@@ -107,20 +107,28 @@ def selected_logprobs(*, temperature: float | None = None, entropy: bool = False
     return selected_logprobs_reference
 
 
-def cross_entropy_loss(*, z_loss: float = 0.0, temperature: float = 1.0) -> Reference:
-    """Unreduced cross entropy ``[b, s]`` with an optional z-loss (``hookspec.conventions``),
-    0 at ignored labels::
+def cross_entropy_loss(
+    *, z_loss: float = 0.0, temperature: float = 1.0, class_weights: Any = None
+) -> Reference:
+    """Unreduced cross entropy ``[b, s]`` with an optional z-loss and class weights
+    ``cw [V]`` (``hookspec.conventions``), 0 at ignored labels::
 
         lse = logsumexp(z)                                  # over every shard, at temperature
-        loss = where(labels == ignore_index, 0, -logprob + z_loss * lse ** 2)
+        loss = where(labels == ignore_index, 0, -cw[labels] * logprob + z_loss * lse ** 2)
     """
 
     def cross_entropy_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
         res = _token_results(hidden, weight, inputs, temperature=temperature, with_entropy=False)
+        assert inputs.labels is not None  # _token_results refused None
+        ignored = inputs.labels == inputs.ignore_index
+        ce = -res.logprobs
+        if class_weights is not None:
+            cw = jnp.asarray(class_weights, dtype=ce.dtype)
+            ce = jnp.where(ignored, 0.0, cw[jnp.where(ignored, 0, inputs.labels)] * ce)
         if z_loss == 0.0:
-            return -res.logprobs
+            return ce
         assert res.lse is not None
-        return jnp.where(inputs.labels == inputs.ignore_index, 0.0, z_loss * res.lse**2) - res.logprobs
+        return jnp.where(ignored, 0.0, z_loss * res.lse**2) + ce
 
     return cross_entropy_reference
 

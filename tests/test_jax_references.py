@@ -114,6 +114,15 @@ def test_lse_and_the_z_loss_reference_match_numpy(data):
         labels == -100, 0.0, -_np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2
     )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+    cw = np.linspace(0.0, 2.0, weight.shape[0])
+    weighted = P.cross_entropy_loss(z_loss=0.03, temperature=0.8, class_weights=cw)(
+        hs, jnp.asarray(weight), inputs
+    )
+    cwy = np.where(labels == -100, 0.0, cw[np.where(labels == -100, 0, labels)])
+    want_w = np.where(
+        labels == -100, 0.0, -cwy * _np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2
+    )
+    np.testing.assert_allclose(np.asarray(weighted), want_w, rtol=1e-12, atol=1e-12)
     plain = P.cross_entropy_loss()(hs, jnp.asarray(weight), inputs)
     np.testing.assert_allclose(np.asarray(plain), -_np_logprobs(z, labels, np.ones(labels.shape)), rtol=1e-12)
 
