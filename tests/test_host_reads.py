@@ -314,6 +314,15 @@ TENSOR_FUNCTIONS: dict[str, Call] = {
         entropy_grad=False,
         lse_loss=lambda lse, rows: 1e-3 * lse.square().sum(),
     ),
+    "linear_distillation_loss(sparse)": lambda d, b: P.linear_distillation_loss(
+        *_rows(d),
+        SparseTeacher(
+            ids=d["sparse"].ids.transpose(0, 1).reshape(-1, K),
+            logprobs=d["sparse"].logprobs.transpose(0, 1).reshape(-1, K),
+            mask=d["batch"].mask.T.reshape(-1),
+        ),
+        options=_options(b),
+    ),
     "linear_topk_logprobs": lambda d, b: P.linear_topk_logprobs(
         _rows(d)[0], d["w_leaf"], k=K, labels=_rows(d)[2], with_entropy=True, options=_options(b)
     ),
