@@ -15,6 +15,24 @@ returns the negative; we do not)::
     p = softmax(z / T)
     entropy = logsumexp(z / T) - sum(p * z / T)            # >= 0
 
+Log-partition and z-loss, per token, over the whole vocabulary (every shard), at
+temperature ``T``; the z-loss of a cross entropy weighted by ``z_loss >= 0``, 0 at an
+ignored label, aggregated with the cross entropy's own token weights (token-mean:
+divided by the same count; Liger-Kernel's ``lse_square_scale``, Cut Cross-Entropy's
+``compute_z_loss`` times its weight)::
+
+    lse = logsumexp(z / T)                                 # d lse / d(z / T) = softmax(z / T)
+    loss = -logprob + z_loss * lse ** 2                    # the token's loss with a z-loss
+
+Class weights ``cw [V]`` (finite, ``>= 0``) of a cross entropy, as
+``torch.nn.functional.cross_entropy(weight=cw)`` and Liger-Kernel's ``ce_weight``
+define them, under a mask ``M`` (0 at an ignored label); the z-loss is not weighted
+by them (Liger-Kernel's)::
+
+    token loss:  -cw[y] * logprob + z_loss * lse ** 2
+    sum:         sum(M * cw[y] * -logprob) + z_loss * sum(M * lse ** 2)
+    mean:        sum(M * cw[y] * -logprob) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
+
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
 gradient is zero, and it counts in no aggregation. Any other label outside

@@ -23,7 +23,7 @@ from jax import lax
 from hookspec import ContractError
 
 from .inputs import ReferenceInputs
-from .references import aggregate, clipped_objective, gspo_ratio, kl_penalty, linear_logprobs
+from .references import LinearLogprobs, aggregate, clipped_objective, gspo_ratio, kl_penalty, linear_logprobs
 
 __all__ = [
     "Reference",
@@ -71,10 +71,18 @@ def token_logprobs_of(
     ``temperature``: a number or ``[b, s]``; the user context's temperature is
     not read here (:func:`context_temperature` does that).
     """
+    res = _token_results(hidden, weight, inputs, temperature=temperature, with_entropy=with_entropy)
+    return res.logprobs, res.entropy
+
+
+def _token_results(
+    hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs, *, temperature: Any, with_entropy: bool
+) -> LinearLogprobs:
+    """:func:`token_logprobs_of`'s :class:`LinearLogprobs` (``[b, s]`` each, ``lse`` too)."""
     if inputs.labels is None:
         raise ContractError("labels", expected="token ids [b, s] (the reference needs them)", actual="None")
     h = inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
-    res = linear_logprobs(
+    return linear_logprobs(
         h,
         weight,
         inputs.labels,
@@ -85,7 +93,6 @@ def token_logprobs_of(
         logit_scale=inputs.logit_scale,
         collectives=inputs.collectives,
     )
-    return res.logprobs, res.entropy
 
 
 def selected_logprobs(*, temperature: float | None = None, entropy: bool = False) -> Reference:
@@ -100,12 +107,28 @@ def selected_logprobs(*, temperature: float | None = None, entropy: bool = False
     return selected_logprobs_reference
 
 
-def cross_entropy_loss() -> Reference:
-    """Unreduced cross entropy ``[b, s]``: ``-logprob`` (0 at ignored labels)."""
+def cross_entropy_loss(
+    *, z_loss: float = 0.0, temperature: float = 1.0, class_weights: Any = None
+) -> Reference:
+    """Unreduced cross entropy ``[b, s]`` with an optional z-loss and class weights
+    ``cw [V]`` (``hookspec.conventions``), 0 at ignored labels::
+
+        lse = logsumexp(z)                                  # over every shard, at temperature
+        loss = where(labels == ignore_index, 0, -cw[labels] * logprob + z_loss * lse ** 2)
+    """
 
     def cross_entropy_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
-        lp, _ = token_logprobs_of(hidden, weight, inputs)
-        return -lp
+        res = _token_results(hidden, weight, inputs, temperature=temperature, with_entropy=False)
+        assert inputs.labels is not None  # _token_results refused None
+        ignored = inputs.labels == inputs.ignore_index
+        ce = -res.logprobs
+        if class_weights is not None:
+            cw = jnp.asarray(class_weights, dtype=ce.dtype)
+            ce = jnp.where(ignored, 0.0, cw[jnp.where(ignored, 0, inputs.labels)] * ce)
+        if z_loss == 0.0:
+            return ce
+        assert res.lse is not None
+        return jnp.where(ignored, 0.0, z_loss * res.lse**2) + ce
 
     return cross_entropy_reference
 

@@ -102,10 +102,13 @@ def token_entropy(logits: jax.Array, /, *, temperature: Any = 1.0) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class LinearLogprobs:
-    """``logprobs`` ``[...]`` (0 at ignored labels); ``entropy`` ``[...]`` or None."""
+    """``logprobs`` ``[...]`` (0 at ignored labels); ``entropy`` ``[...]`` or None;
+    ``lse`` ``[...]``: ``logsumexp(z)`` over every shard, every token (None only where
+    a caller builds the result without it)."""
 
     logprobs: jax.Array
     entropy: jax.Array | None = None
+    lse: jax.Array | None = None
 
 
 def linear_logprobs(
@@ -152,7 +155,7 @@ def linear_logprobs(
     entropy = None
     if with_entropy:
         entropy = lse - collectives.all_reduce_sum(jnp.sum(e * z, axis=-1)) / se
-    return LinearLogprobs(logprobs=logprobs, entropy=entropy)
+    return LinearLogprobs(logprobs=logprobs, entropy=entropy, lse=lse)
 
 
 def kl_penalty(

@@ -209,6 +209,8 @@ def cross_entropy_case(d: Draw) -> Case:
         "bad_tile_cols": ("tile_cols",),
         "bad_tile_rows": ("tile_rows",),
         "global_tokens_with": ("context.global_tokens",),
+        "bad_z_loss": ("z_loss",),
+        "bad_class_weights": ("class_weights",),
     }
     if not reduced:
         factory["temperature_in_context"] = ("context.temperature",)
@@ -227,6 +229,19 @@ def cross_entropy_case(d: Draw) -> Case:
         kwargs["reduction"] = d.pick("bad_reduction", ["avg", "None", None, "MEAN"])
     if "bad_temperature" in muts:
         kwargs["temperature"] = d.pick("bad_temperature", [v for v in BAD_POSITIVE if v is not None])
+    z_loss = d.pick("z_loss", [0.0, 1e-4, 0.05, np.float32(0.01)], [3, 1, 1, 1])
+    if z_loss:
+        kwargs["z_loss"] = z_loss
+    if "bad_z_loss" in muts:
+        kwargs["z_loss"] = d.pick("bad_z_loss", [-1e-3, float("nan"), float("inf"), "0.1", True, None])
+    cw: torch.Tensor | None = None
+    if gt is None and d.chance("class_weights", 0.3):  # global_tokens with class weights is refused
+        cw = (2 * d.rand(w.V)).to(d.pick("class_weights_dtype", [F32, F64]))
+        kwargs["class_weights"] = cw
+    if "bad_class_weights" in muts:
+        kwargs["class_weights"] = d.pick(
+            "bad_class_weights", [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V]
+        )
     more: dict[str, Any] = {}
     if gt is not None:
         more["global_tokens"] = gt
@@ -255,12 +270,21 @@ def cross_entropy_case(d: Draw) -> Case:
         z = _logits(w, H, W, inv)
         _, lp, _ = token_stats64(z, w.labels, w.ignore_index)
         assert lp is not None
+        zl = torch.where(w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2)
+        ignored = w.labels == w.ignore_index
+        cwy = 1.0 if cw is None else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
         if not reduced:
-            return {"loss": -lp}, z, inv
+            return {"loss": zl - cwy * lp}, z, inv
         m = _counted(w, loss_mask)
-        count = float(m.sum()) if gt is None else float(gt)
-        weights = m if reduction == "sum" else (m / count if count != 0 else m * 0)
-        loss = -(torch.where(weights != 0, lp, 0.0) * weights).sum()
+
+        def mean(v: torch.Tensor) -> torch.Tensor:
+            count = float(v.sum()) if gt is None else float(gt)
+            return v if reduction == "sum" else (v / count if count != 0 else v * 0)
+
+        weights, mw = mean(m * cwy), mean(m)
+        loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() - (
+            torch.where(weights != 0, lp, 0.0) * weights
+        ).sum()
         return {"loss": loss, "tokens": m.sum()}, z, inv
 
     def compare(values: dict[str, torch.Tensor], tol: Bounds) -> Compare:

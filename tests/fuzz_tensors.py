@@ -197,6 +197,7 @@ def tensor_case(d: Draw) -> Case:
     if not muts:
         if fn == "linear_logprobs":
             cots = {"logprobs": d.randn(n, dtype=F64), "entropy": d.randn(n, dtype=F64)}
+            cots["lse"] = d.randn(n, dtype=F64)
         elif fn == "fused_token_loss":
             cots = {"loss": d.randn(1, dtype=F64)[0]}
         else:
@@ -301,7 +302,7 @@ def tensor_case(d: Draw) -> Case:
                 if fn == "linear_logprobs":
                     we: Any = "yes" if "with_entropy_str" in muts else with_entropy
                     res: Any = linear_logprobs(hid, wt, lab, options=options, with_entropy=we, **extra)
-                    out = {"logprobs": res.logprobs, "entropy": res.entropy}
+                    out = {"logprobs": res.logprobs, "entropy": res.entropy, "lse": res.lse}
                 elif fn == "fused_token_loss":
                     tl: Any = 42 if "loss_not_callable" in muts else token_loss
                     eg: Any = "no" if "entropy_grad_str" in muts else entropy_grad
@@ -377,6 +378,7 @@ def tensor_case(d: Draw) -> Case:
         values: dict[str, torch.Tensor] = {}
         if fn == "linear_logprobs":
             values["logprobs"] = lp
+            values["lse"] = torch.logsumexp(z, -1)  # every token, whatever its label
             if with_entropy:
                 values["entropy"] = ent
         elif fn == "fused_token_loss":

@@ -213,6 +213,25 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         ),
         3.0,
     ),
+    # the z-loss: its gradient a term of the same coefficient, no GEMM more
+    "cross_entropy_loss(reduction='mean', z_loss)": (
+        lambda d, h, w: cross_entropy_loss(reduction="mean", z_loss=1e-3, tile_rows=_rows(d, w))(
+            OutputContext(
+                hidden_states=h,
+                labels=d["y"],
+                vocab_weight=w,
+                vocab=VocabShard(0, V, V),
+                loss_mask=d["batch"].mask,
+            )
+        ),
+        3.0,
+    ),
+    "cross_entropy_loss(z_loss)": (
+        lambda d, h, w: cross_entropy_loss(z_loss=1e-3, **d["tile"])(
+            OutputContext(hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V))
+        ),
+        4.0,
+    ),
     "policy_loss(GRPO, fused)": (
         lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), tile_rows=_rows(d, w))(ctx_of(d, h, w)),
         3.0,
@@ -252,6 +271,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
 ROW_SWEEP = {
     "fused_token_loss",
     "cross_entropy_loss(reduction='mean')",
+    "cross_entropy_loss(reduction='mean', z_loss)",
     "policy_loss(GRPO, fused)",
     "distillation_loss(dense)",
     "distillation_loss(sparse, bucket)",

@@ -262,6 +262,12 @@ PROCESSORS: dict[str, Call] = {
     "cross_entropy_loss(mean)": lambda d, b: P.cross_entropy_loss(reduction="mean")(
         _ctx(d, loss_mask=d["batch"].mask)
     ),
+    "cross_entropy_loss(mean, z_loss, class_weights)": lambda d, b: P.cross_entropy_loss(
+        reduction="mean", z_loss=1e-3, class_weights=d["w_leaf"].detach()[:, 0].abs()
+    )(_ctx(d, loss_mask=d["batch"].mask)),
+    "cross_entropy_loss(none, z_loss, class_weights)": lambda d, b: P.cross_entropy_loss(
+        z_loss=1e-3, class_weights=d["w_leaf"].detach()[:, 0].abs()
+    )(_ctx(d)),
     "policy_loss(GRPO, fused)": lambda d, b: P.policy_loss(PolicyLossConfig.grpo())(_ctx(d, d["batch"])),
     "policy_loss(PPO, autograd)": lambda d, b: P.policy_loss(
         PolicyLossConfig(fused=False, entropy_coef=0.01)
@@ -301,6 +307,22 @@ TENSOR_FUNCTIONS: dict[str, Call] = {
     "fused_token_loss(entropy_grad=False)": lambda d, b: P.fused_token_loss(
         *_rows(d), lambda lp, ent, rows: -lp.sum(), options=_options(b), entropy_grad=False
     ),
+    "fused_token_loss(lse_loss)": lambda d, b: P.fused_token_loss(
+        *_rows(d),
+        lambda lp, ent, rows: -lp.sum(),
+        options=_options(b),
+        entropy_grad=False,
+        lse_loss=lambda lse, rows: 1e-3 * lse.square().sum(),
+    ),
+    "linear_distillation_loss(sparse)": lambda d, b: P.linear_distillation_loss(
+        *_rows(d),
+        SparseTeacher(
+            ids=d["sparse"].ids.transpose(0, 1).reshape(-1, K),
+            logprobs=d["sparse"].logprobs.transpose(0, 1).reshape(-1, K),
+            mask=d["batch"].mask.T.reshape(-1),
+        ),
+        options=_options(b),
+    ),
     "linear_topk_logprobs": lambda d, b: P.linear_topk_logprobs(
         _rows(d)[0], d["w_leaf"], k=K, labels=_rows(d)[2], with_entropy=True, options=_options(b)
     ),
@@ -332,7 +354,7 @@ def _loss(out: Any) -> torch.Tensor:
     else:
         parts = [
             getattr(out, f).sum()
-            for f in ("loss", "logprobs", "entropy", "label_logprobs")
+            for f in ("loss", "logprobs", "entropy", "label_logprobs", "lse")
             if isinstance(getattr(out, f, None), torch.Tensor) and getattr(out, f).requires_grad
         ]
     assert parts, f"no output carries a gradient: {type(out).__name__}"

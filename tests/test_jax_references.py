@@ -91,6 +91,42 @@ def test_linear_logprobs_gradients(data):
     assert float(jnp.abs(dh).max()) == 0.0
 
 
+def test_lse_and_the_z_loss_reference_match_numpy(data):
+    """``lse`` at every token (ignored labels too), its gradient, and the cross-entropy
+    reference with a z-loss: ``-logprob + z_loss * lse ** 2``, 0 at ignored labels."""
+    from jax_ref import processors as P
+
+    hidden, weight, labels, temp = data
+    res = R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp)
+    z = hidden @ weight.T
+    lse = logsumexp(z / temp[..., None], axis=-1)
+    np.testing.assert_allclose(np.asarray(res.lse), lse, rtol=1e-13, atol=1e-13)
+
+    def f(h, w):
+        return R.linear_logprobs(h, w, jnp.asarray(labels), temperature=temp).lse
+
+    check_grads(jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev",))
+    inputs = jax_ref.ReferenceInputs(labels=jnp.asarray(labels), vocab_size=weight.shape[0])
+    hs = jnp.asarray(hidden.transpose(1, 0, 2))  # [s, b, h]
+    got = P.cross_entropy_loss(z_loss=0.03, temperature=0.8)(hs, jnp.asarray(weight), inputs)
+    lse8 = logsumexp(z / 0.8, axis=-1)
+    want = np.where(
+        labels == -100, 0.0, -_np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+    cw = np.linspace(0.0, 2.0, weight.shape[0])
+    weighted = P.cross_entropy_loss(z_loss=0.03, temperature=0.8, class_weights=cw)(
+        hs, jnp.asarray(weight), inputs
+    )
+    cwy = np.where(labels == -100, 0.0, cw[np.where(labels == -100, 0, labels)])
+    want_w = np.where(
+        labels == -100, 0.0, -cwy * _np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2
+    )
+    np.testing.assert_allclose(np.asarray(weighted), want_w, rtol=1e-12, atol=1e-12)
+    plain = P.cross_entropy_loss()(hs, jnp.asarray(weight), inputs)
+    np.testing.assert_allclose(np.asarray(plain), -_np_logprobs(z, labels, np.ones(labels.shape)), rtol=1e-12)
+
+
 def test_strongly_negative_logits_are_finite():
     z = jnp.full((2, 5, 11), -1e4) + jnp.linspace(0, 1, 11)
     y = jnp.zeros((2, 5), jnp.int64)

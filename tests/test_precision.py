@@ -161,6 +161,27 @@ CASES: dict[str, Case] = {
     "cross_entropy_loss(mean)": lambda h, w, d, how: cross_entropy_loss(reduction="mean")(
         _ctx(h, w, d, loss_mask=d["mask"])
     ),
+    "cross_entropy_loss(z_loss)": lambda h, w, d, how: {
+        "loss": cross_entropy_loss(z_loss=0.01)(_ctx(h, w, d))
+    },
+    "cross_entropy_loss(mean, z_loss)": lambda h, w, d, how: cross_entropy_loss(
+        reduction="mean", z_loss=0.01
+    )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "fused_token_loss(lse_loss)": lambda h, w, d, how: {
+        k: v
+        for k, v in vars(
+            fused_token_loss(
+                _rows(h),
+                w,
+                _labels(d),
+                lambda lp, ent, rows: -lp.sum(),
+                options=_opts(how),
+                entropy_grad=False,
+                lse_loss=lambda lse, rows: 1e-3 * lse.square().sum(),
+            )
+        ).items()
+        if k in ("loss", "lse")
+    },
     "policy_loss(GRPO, fused)": lambda h, w, d, how: policy_loss(PolicyLossConfig.grpo())(
         _ctx(h, w, d, d["batch"])
     ),

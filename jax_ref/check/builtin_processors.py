@@ -42,6 +42,7 @@ from .examples import current_logprobs
 
 __all__ = [
     "CROSS_ENTROPY",
+    "CROSS_ENTROPY_Z_LOSS",
     "DISTILL_DENSE",
     "DISTILL_DENSE_CONFIG",
     "DISTILL_RENORMALIZE",
@@ -77,6 +78,7 @@ LOGPROBS = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 CROSS_ENTROPY = cross_entropy_loss(tile_rows=_ROWS, tile_cols=_COLS)
+CROSS_ENTROPY_Z_LOSS = cross_entropy_loss(z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS)
 
 PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
 PPO = policy_loss(PPO_CONFIG, tile_rows=3)  # fused: 3 tokens x 64 logits per tile

@@ -120,6 +120,9 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     ),
     BuiltinCheck("cross_entropy_loss", f"{_B}:CROSS_ENTROPY", _ref("cross_entropy_loss")),
     BuiltinCheck(
+        "cross_entropy_loss(z_loss)", f"{_B}:CROSS_ENTROPY_Z_LOSS", _ref("cross_entropy_loss", z_loss=0.01)
+    ),
+    BuiltinCheck(
         "policy_loss(ppo, fused)", f"{_B}:PPO", _policy_reference(f"{_B}:PPO_CONFIG"), f"{_B}:policy_context"
     ),
     BuiltinCheck(

@@ -168,20 +168,25 @@ def logit_grad_coefficients(
     g_h: torch.Tensor | None,
     ignored: torch.Tensor,
     acc_dtype: torch.dtype,
+    *,
+    g_lse: torch.Tensor | None = None,
 ) -> Coefficients:
-    """The coefficients of the gradient of ``sum(g_lp * logprobs + g_h * entropy)``::
+    """The coefficients of the gradient of ``sum(g_lp * logprobs + g_h * entropy +
+    g_lse * lse)``::
 
     d logprob / dz_j = [j == y] - p_j
     d entropy / dz_j = -p_j (log p_j + H)        # p_j = exp(z_j - M) / S
+    d lse / dz_j = p_j                           # a -= g_lse / S (every row, ignored too)
     """
     n = stats.max.shape[0]
     g = torch.zeros(n, dtype=acc_dtype, device=stats.max.device) if g_lp is None else g_lp.to(acc_dtype)
     g = torch.where(ignored, 0.0, g)
     inv_s = 1.0 / stats.sumexp
+    lead = g if g_lse is None else g - g_lse.to(acc_dtype)
     if g_h is None or stats.entropy is None:
-        return Coefficients(g * inv_s, None, g)
+        return Coefficients(lead * inv_s, None, g)
     gh = g_h.to(acc_dtype)
-    a = (g + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
+    a = (lead + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
     return Coefficients(a, gh * inv_s, g)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Never
+from typing import Any, Never
 
 import torch
 
@@ -44,7 +44,7 @@ from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
 from ._sink import GradSink
 
-__all__ = ["FusedLossResult", "TokenLoss", "fused_token_loss"]
+__all__ = ["FusedLossResult", "LseLoss", "TokenLoss", "fused_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
 """``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of the
@@ -55,14 +55,21 @@ arguments; its gradient to any other tensor requiring grad (a learned coefficien
 reaches that tensor through the returned loss. It returns the loss: one that calls
 ``backward()`` itself is refused."""
 
+LseLoss = Callable[[torch.Tensor, slice], torch.Tensor]
+"""``(lse [r], rows) -> scalar``: a further summed, weighted loss of the same rows'
+``logsumexp(z)`` (a z-loss: ``sum(w[rows] * lse ** 2)``), called beside the
+:data:`TokenLoss` on the same spans, with the same contract."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedLossResult:
-    """``loss``: scalar, differentiable in ``hidden`` and ``weight``; ``logprobs``, ``entropy``: ``[n]``."""
+    """``loss``: scalar, differentiable in ``hidden`` and ``weight``; ``logprobs``, ``entropy``,
+    ``lse`` (``logsumexp(z)``, every row): ``[n]``, detached."""
 
     loss: torch.Tensor
     logprobs: torch.Tensor
     entropy: torch.Tensor
+    lse: torch.Tensor
 
 
 _RETURNS = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
@@ -85,39 +92,53 @@ def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
     return False
 
 
-class _Calls:
-    """``token_loss`` on spans of rows: ``(loss, d loss / d logprobs, d loss / d entropy)``,
-    the loss checked against the :data:`TokenLoss` contract (a constant one has zero
-    gradients: None), and its graph to other tensors kept (``grad``: grad mode was on)."""
+def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``loss`` as the :data:`TokenLoss` contract has it, else a ``ContractError`` naming ``name``."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+        actual = type(loss).__name__
+        if isinstance(loss, torch.Tensor):
+            dtype = str(loss.dtype).removeprefix("torch.")
+            actual = f"a {dtype} tensor of shape {format_shape(loss.shape)}"
+        raise ContractError(name, expected=_RETURNS, actual=f"it returned {actual}")
+    if any(x.grad is not None for x in args):
+        raise ContractError(
+            name,
+            expected="a callable returning its loss, which the fused loss differentiates itself",
+            actual="it called backward() (the gradient is formed from the loss it returns)",
+        )
+    return loss
 
-    def __init__(self, token_loss: TokenLoss, entropy_grad: bool, grad: bool) -> None:
-        self.fn, self.entropy_grad, self.grad = token_loss, entropy_grad, grad
+
+class _Calls:
+    """``token_loss`` (and ``lse_loss``) on spans of rows: ``(loss, d loss / d logprobs,
+    d loss / d entropy, d loss / d lse)``, each loss checked against the :data:`TokenLoss`
+    contract (a constant one has zero gradients: None), and its graph to other tensors
+    kept (``grad``: grad mode was on)."""
+
+    def __init__(
+        self, token_loss: TokenLoss, entropy_grad: bool, grad: bool, lse_loss: LseLoss | None = None
+    ) -> None:
+        self.fn, self.entropy_grad, self.grad, self.lse_fn = token_loss, entropy_grad, grad, lse_loss
         self.graph: torch.Tensor | None = None
 
     def __call__(
-        self, lp_v: torch.Tensor, ent_v: torch.Tensor, rows: slice, need: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        self, lp_v: torch.Tensor, ent_v: torch.Tensor, lse_v: torch.Tensor, rows: slice, need: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         with torch.enable_grad():
             lp, ent = lp_v.detach().requires_grad_(), ent_v.detach().requires_grad_()
-            loss = self.fn(lp, ent, rows)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-                actual = type(loss).__name__
-                if isinstance(loss, torch.Tensor):
-                    dtype = str(loss.dtype).removeprefix("torch.")
-                    actual = f"a {dtype} tensor of shape {format_shape(loss.shape)}"
-                raise ContractError("token_loss", expected=_RETURNS, actual=f"it returned {actual}")
-            if lp.grad is not None or ent.grad is not None:
-                raise ContractError(
-                    "token_loss",
-                    expected="a callable returning its loss, which the fused loss differentiates itself",
-                    actual="it called backward() (the gradient is formed from the loss it returns)",
-                )
-            keep = self.grad and loss.requires_grad and _reaches_others(loss, (lp, ent))
-            g_lp = g_h = None
+            loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
+            args: tuple[torch.Tensor, ...] = (lp, ent)
+            if self.lse_fn is not None:
+                lse = lse_v.detach().requires_grad_()
+                part = _checked_loss("lse_loss", self.lse_fn(lse, rows), (lse,))
+                loss, args = loss + part.to(loss.dtype), (lp, ent, lse)
+            keep = self.grad and loss.requires_grad and _reaches_others(loss, args)
+            grads: tuple[torch.Tensor | None, ...] = (None, None, None)
             if need and loss.requires_grad:
-                g_lp, g_h = torch.autograd.grad(loss, (lp, ent), allow_unused=True, retain_graph=keep)
+                grads = torch.autograd.grad(loss, args, allow_unused=True, retain_graph=keep)
             if keep:
                 self.graph = loss if self.graph is None else self.graph + loss
+        g_lp, g_h, g_lse = (*grads, None)[:3]
         if g_h is not None and not self.entropy_grad:
             raise ContractError(
                 "token_loss",
@@ -125,7 +146,7 @@ class _Calls:
                 actual="its gradient reaches the entropy",
                 hint="pass entropy_grad=True",
             )
-        return loss.detach(), g_lp, g_h
+        return loss.detach(), g_lp, g_h, g_lse
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (differentiable in the hidden rows and weight) also carrying the
@@ -136,20 +157,20 @@ class _Calls:
 def _sweep(
     h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, need_dh: bool, need_dw: bool
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor | None]:
-    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy), dh, dW)``."""
+    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse), dh, dW)``."""
     eng = Engine(h, w, setup)
     acc, ignored = setup.acc_dtype, setup.ignored
-    lp_ent = torch.empty((2, eng.n), dtype=acc, device=h.device)
+    lp_ent = torch.empty((3, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw
 
     def loss_of(stats: Stats, rows: slice, need: bool) -> Coefficients | None:
         nonlocal total
         assert stats.entropy is not None
-        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy))
-        loss, g_lp, g_h = calls(stats.logprobs, stats.entropy, rows, need)
+        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy, stats.lse))
+        loss, g_lp, g_h, g_lse = calls(stats.logprobs, stats.entropy, stats.lse, rows, need)
         total = total + loss.to(acc)
-        return logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc) if need else None
+        return logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc, g_lse=g_lse) if need else None
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         stats, _ = eng.row_stats(z, rows)
@@ -163,7 +184,7 @@ def _sweep(
         else:  # one pass a tile, the loss once a buffer
             on_stats = functools.partial(loss_of, need=active)
             dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
-    return (total, lp_ent[0], lp_ent[1]), dh, dw
+    return (total, lp_ent[0], lp_ent[1], lp_ent[2]), dh, dw
 
 
 @checked_call()
@@ -176,6 +197,7 @@ def fused_token_loss(
     *,
     options: LinearOptions | None = None,
     entropy_grad: bool = True,
+    lse_loss: LseLoss | None = None,
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
@@ -190,7 +212,10 @@ def fused_token_loss(
     depend on its arguments gives zero gradients; its gradient to other tensors
     requiring grad is carried by ``loss``. ``entropy_grad=False`` declares that the
     loss has no gradient through the entropy (a ``ContractError`` if it has): each tile
-    is then read once instead of twice. The gradients are formed only when autograd
+    is then read once instead of twice. ``lse_loss`` (:data:`LseLoss`, or ``None``):
+    a loss of the rows' ``lse = logsumexp(z)`` added on the same spans (a z-loss), its
+    gradient ``d lse / dz_j = softmax(z)_j`` folded into the same pass (no GEMM more,
+    and no second read of a tile). The gradients are formed only when autograd
     needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
     until backward (``dh`` in the accumulation dtype, rounded once after the upstream
     gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``. Differentiable
@@ -202,8 +227,12 @@ def fused_token_loss(
             "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
         )
     check_bool("entropy_grad", entropy_grad)
+    if lse_loss is not None and not callable(lse_loss):
+        raise ContractError(
+            "lse_loss", expected="None or a callable (lse, rows) -> scalar", actual=repr(lse_loss)
+        )
     _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
-    calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled())
+    calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
-    loss, logprobs, entropy = FormedInForward.apply(h, weight, "fused_token_loss", run, calls.grad)
-    return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy)
+    loss, logprobs, entropy, lse = FormedInForward.apply(h, weight, "fused_token_loss", run, calls.grad)
+    return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy, lse=lse)

@@ -12,8 +12,9 @@ from typing import Any, Literal, Never
 import torch
 
 from hookspec import Aggregation, ContractError, OutputContext, Processor, processor
+from hookspec.arrays import format_shape
 
-from ..value_checks import checked_call
+from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_bool, check_finite_number, check_temperature, context_field
 from ._fused import fused_token_loss
 from ._inputs import (
@@ -102,18 +103,46 @@ def _global_tokens(ctx: OutputContext, reduction: Reduction) -> float | None:
     return check_finite_number("context.global_tokens", value, low=0.0, low_open=True)
 
 
+def _class_weights_of(ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor) -> torch.Tensor:
+    """``cw[labels]`` ``[n]`` (acc dtype, rows' order; 0 where the label is ignored), the
+    weights checked ``[V]`` here and finite and ``>= 0`` (deferred on a GPU) when
+    ``ctx.check_values``."""
+    size = ctx.vocab.size if ctx.vocab is not None else 0
+    if tuple(class_weights.shape) != (size,):
+        raise ContractError(
+            "class_weights",
+            expected=f"a tensor [V={size}] (the whole vocabulary)",
+            actual=format_shape(class_weights.shape),
+        )
+    if ctx.check_values:
+        check_finite_deferred(class_weights, field="class_weights", nonnegative=True)
+    cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
+    cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))
+    y = x.token_labels
+    ignored = y == ctx.ignore_index
+    return torch.where(ignored, 0.0, cw[torch.where(ignored, 0, y).clamp(0, max(size - 1, 0))])
+
+
 def _token_weights(
-    ctx: OutputContext, x: HookInputs, reduction: Reduction
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w [n], M [n])`` in row order with ``loss = -sum(w * logprobs)``: ``M`` is
-    ``loss_mask`` (every token when ``None``; checked ``>= 0`` and finite), 0 at an
-    ignored label; ``w = M`` (sum) or the token mean's ``M / count`` of
-    :func:`~torch_impl.processors.aggregation_weights`, ``count`` the context's
-    ``global_tokens`` else ``sum(M)`` (an exactly-0 ``sum(M)`` gives ``w = 0``)."""
+    ctx: OutputContext, x: HookInputs, reduction: Reduction, cwy: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w [n], wz [n], M [n])`` in row order with ``loss = -sum(w * logprobs) +
+    z_loss * sum(wz * lse ** 2)``: ``M`` is ``loss_mask`` (every token when ``None``;
+    checked ``>= 0`` and finite), 0 at an ignored label; ``wz = M`` (sum) or the token
+    mean's ``M / count`` of :func:`~torch_impl.processors.aggregation_weights`,
+    ``count`` the context's ``global_tokens`` else ``sum(M)`` (an exactly-0 ``sum(M)``
+    gives 0); ``w = wz``, or with ``cwy`` (the class weight of each row's label) the
+    same of ``M * cwy`` (the mean then divides by ``sum(M * cwy)``)."""
     m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
     count = _global_tokens(ctx, reduction)
+    if cwy is not None and count is not None:
+        raise ContractError(
+            "context.global_tokens",
+            expected="None with class_weights (the mean divides by the counted tokens' class weights)",
+            actual=repr(count),
+        )
     if reduction == "sum":
-        return m, m
+        return (m if cwy is None else m * cwy), m, m
     if count is None and ctx.parallel.cp_size > 1:
         raise ContractError(
             "context.global_tokens",
@@ -123,23 +152,47 @@ def _token_weights(
             hint="or use reduction='sum' and divide by the count yourself",
         )
     segments = torch.zeros(m.shape, dtype=torch.long, device=m.device)
-    return weights_of(m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None), m
+
+    def mean_weights(v: torch.Tensor) -> torch.Tensor:
+        return weights_of(v, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None)
+
+    wz = mean_weights(m)
+    return (wz if cwy is None else mean_weights(m * cwy)), wz, m
 
 
 def _reduced(
-    ctx: OutputContext, reduction: Reduction, temperature: float | None, tile: LinearOptions
+    ctx: OutputContext,
+    reduction: Reduction,
+    temperature: float | None,
+    tile: LinearOptions,
+    z_loss: float,
+    class_weights: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
     x = hook_inputs(ctx, "cross_entropy_loss")
     temp = resolve_temperature(temperature, ctx, x.b, x.s)
-    w, m = _token_weights(ctx, x, reduction)
+    # the z-loss unweighted by the class weights, as Liger-Kernel's
+    cwy = None if class_weights is None else _class_weights_of(ctx, x, class_weights)
+    w, wz, m = _token_weights(ctx, x, reduction, cwy)
 
     def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         wr = w[rows].to(lp.dtype)
         return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
 
+    def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
+        wr = wz[rows].to(lse.dtype)
+        return z_loss * (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+
     options = x.tensor_options(tile, temp)
-    res = fused_token_loss(x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=False)
+    res = fused_token_loss(
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        tile_loss,
+        options=options,
+        entropy_grad=False,
+        lse_loss=lse_loss if z_loss != 0.0 else None,
+    )
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
     return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
@@ -149,11 +202,14 @@ def cross_entropy_loss(
     *,
     reduction: Reduction = "none",
     temperature: float | None = None,
+    z_loss: float = 0.0,
+    class_weights: torch.Tensor | None = None,
     tile_rows: int | None = None,
     tile_cols: int | None = None,
     **unexpected: Never,
 ) -> Processor:
-    """Megatron's ``compute_language_model_loss``, per token or reduced.
+    """Megatron's ``compute_language_model_loss``, per token or reduced, with an
+    optional z-loss.
 
     ``reduction="none"`` (the default): the per-token loss ``[b, s]`` (fp32),
     unreduced and without the loss mask, like Megatron's (apply ``loss_mask`` as
@@ -163,7 +219,14 @@ def cross_entropy_loss(
 
     One difference: where ``labels == ctx.ignore_index`` the loss is ``0`` with a
     zero gradient (Megatron returns the logsumexp there, which the loss mask
-    then removes). ``T`` is ``temperature`` (default 1); a user context holding
+    then removes). With ``z_loss`` (a finite weight ``>= 0``; default 0: none) each
+    counted token adds ``z_loss * lse ** 2``, ``lse = logsumexp(z)`` the
+    log-partition of the same tempered logits (all shards), 0 where the label is
+    ignored (``hookspec.conventions``)::
+
+        loss = -log_softmax(z)[labels] + z_loss * logsumexp(z) ** 2
+
+    ``T`` is ``temperature`` (default 1); a user context holding
     a ``temperature`` or ``global_tokens`` that is not ``None`` raises rather than
     being ignored (Megatron's loss has neither). Logits recomputed in backward
     (:func:`linear_logprobs`, tiles of ``tile_rows`` x ``tile_cols``):
@@ -174,11 +237,22 @@ def cross_entropy_loss(
         M = loss_mask * (labels != ignore_index)      # [b, s]; loss_mask None: ones
         w = M                                         # "sum"
         w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
-        loss = sum(w * -logprobs)                     # logprobs as above, at T
+        loss = sum(w * (-logprobs + z_loss * lse ** 2))   # logprobs, lse as above, at T
+
+    ``class_weights`` (``[V]``, finite, ``>= 0``; ``None``: every class 1), as
+    ``torch.nn.functional.cross_entropy(weight=)`` and Liger-Kernel's ``ce_weight``
+    define them: the cross-entropy term of each token is weighted by ``cw[labels]``,
+    the mean divides it by ``sum(M * cw[labels])``; the z-loss term keeps the
+    unweighted ``w`` (``hookspec.conventions``)::
+
+        loss = -cw[labels] * logprobs + z_loss * lse ** 2      # "none"; 0 where ignored
+        loss = sum(M * cw[y] * -logprobs) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)   # "mean"
+
+    (``global_tokens`` with class weights and ``"mean"`` is refused.)
         tokens = sum(M)                               # this rank's counted tokens, detached
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
-    three GEMM-equivalents on both backends, no logits recomputed
+    three GEMM-equivalents on both backends with or without the z-loss, no logits recomputed
     (tiles of ``tile_rows`` whole rows; ``None``: the default per device). ``T``:
     ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
@@ -194,6 +268,18 @@ def cross_entropy_loss(
     reduction = _check_reduction(reduction)
     if temperature is not None:
         check_temperature(temperature, 1)
+    z_loss = check_finite_number("z_loss", z_loss, low=0.0)
+    if class_weights is not None and (
+        not isinstance(class_weights, torch.Tensor)
+        or class_weights.dim() != 1
+        or not class_weights.dtype.is_floating_point
+    ):
+        actual = (
+            f"a {str(class_weights.dtype).removeprefix('torch.')} tensor {format_shape(class_weights.shape)}"
+            if isinstance(class_weights, torch.Tensor)
+            else type(class_weights).__name__
+        )
+        raise ContractError("class_weights", expected="None or a floating tensor [V]", actual=actual)
     tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
@@ -214,11 +300,16 @@ def cross_entropy_loss(
             x.token_labels,
             options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
         )
-        return from_tokens(-res.logprobs, x.b, x.s)
+        loss = -res.logprobs
+        if class_weights is not None:
+            loss = loss * _class_weights_of(ctx, x, class_weights)
+        if z_loss != 0.0:
+            loss = loss + z_loss * torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse.square())
+        return from_tokens(loss, x.b, x.s)
 
     @checked_call()
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        return _reduced(ctx, reduction, temperature, tile)
+        return _reduced(ctx, reduction, temperature, tile, z_loss, class_weights)
 
     if reduction == "none":
         return processor(fn, name="cross_entropy_loss")

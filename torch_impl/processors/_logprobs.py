@@ -25,17 +25,21 @@ class LogprobResult:
     ``logprobs``: ``[n]``, ``0.0`` where the label is the ignore index.
     ``entropy``: ``[n]`` (every token, whatever its label), or ``None`` when not
     requested.
+    ``lse``: ``[n]``, ``logsumexp(z)`` of the tempered logits over the whole
+    vocabulary (every shard), every token whatever its label; differentiable
+    (``d lse / dz_j = softmax(z)_j``): a z-loss ``lse ** 2`` is a token loss.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
+    lse: torch.Tensor
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with no_autocast(h):
             stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy)
         ctx.set_materialize_grads(False)
@@ -45,19 +49,21 @@ class _LinearLogprobs(torch.autograd.Function):
         entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
         if stats.entropy is None:
             ctx.mark_non_differentiable(entropy)
-        return stats.logprobs, entropy
+        return stats.logprobs, entropy, stats.lse
 
     @staticmethod
-    def backward(ctx: Any, g_lp: torch.Tensor | None, g_h: torch.Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, g_lp: torch.Tensor | None, g_h: torch.Tensor | None, g_lse: torch.Tensor | None
+    ) -> tuple[Any, ...]:
         refuse_double_backward("linear_logprobs")
         h, w = ctx.saved_tensors
         setup: TileSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (g_lp is None and g_h is None) or not (need_dh or need_dw):
+        if (g_lp is None and g_h is None and g_lse is None) or not (need_dh or need_dw):
             return None, None, None, None
         stats: Stats = ctx.stats
         with no_autocast(h):
-            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype)
+            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse)
             dh, dw = Engine(h, w, setup).backward(stats, coef, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(h.dtype) if dh is not None else None), dw, None, None
 
@@ -79,6 +85,7 @@ def linear_logprobs(
         z = gather(hidden) @ weight_full.T * logit_scale / T     # [n, V], fp32
         logprobs = where(labels == ignore_index, 0, log_softmax(z)[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)        # >= 0
+        lse = logsumexp(z)                                       # every token
 
     where ``weight_full`` stacks every rank's shard and ``gather`` is
     ``collectives.gather_hidden_states`` (sequence parallel); ``T``,
@@ -105,5 +112,5 @@ def linear_logprobs(
     """
     check_bool("with_entropy", with_entropy)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
-    logprobs, entropy = _LinearLogprobs.apply(h, weight, setup, with_entropy)
-    return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None)
+    logprobs, entropy, lse = _LinearLogprobs.apply(h, weight, setup, with_entropy)
+    return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None, lse=lse)
