@@ -167,8 +167,9 @@ def _sweep(
     def loss_of(stats: Stats, rows: slice, need: bool) -> Coefficients | None:
         nonlocal total
         assert stats.entropy is not None
-        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy, stats.lse))
-        loss, g_lp, g_h, g_lse = calls(stats.logprobs, stats.entropy, stats.lse, rows, need)
+        lse = stats.lse  # a property: formed once
+        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
+        loss, g_lp, g_h, g_lse = calls(stats.logprobs, stats.entropy, lse, rows, need)
         total = total + loss.to(acc)
         return logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc, g_lse=g_lse) if need else None
 
