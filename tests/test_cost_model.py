@@ -166,6 +166,13 @@ def backward_of(out: Any) -> None:
     loss.backward()
 
 
+def _masked(d: dict[str, Any], h: torch.Tensor, w: torch.Tensor) -> OutputContext:
+    """The one-shard context of the draw ``d`` with its batch's loss mask."""
+    return OutputContext(
+        hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V), loss_mask=d["batch"].mask
+    )
+
+
 # name -> (forward(d, h, w), GEMM-equivalents)
 CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], Any], float]] = {
     "linear_logprobs+entropy": (
@@ -202,27 +209,13 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         4.0,
     ),
     "cross_entropy_loss(reduction='mean')": (
-        lambda d, h, w: cross_entropy_loss(reduction="mean", tile_rows=_rows(d, w))(
-            OutputContext(
-                hidden_states=h,
-                labels=d["y"],
-                vocab_weight=w,
-                vocab=VocabShard(0, V, V),
-                loss_mask=d["batch"].mask,
-            )
-        ),
+        lambda d, h, w: cross_entropy_loss(reduction="mean", tile_rows=_rows(d, w))(_masked(d, h, w)),
         3.0,
     ),
     # the z-loss: its gradient a term of the same coefficient, no GEMM more
     "cross_entropy_loss(reduction='mean', z_loss)": (
         lambda d, h, w: cross_entropy_loss(reduction="mean", z_loss=1e-3, tile_rows=_rows(d, w))(
-            OutputContext(
-                hidden_states=h,
-                labels=d["y"],
-                vocab_weight=w,
-                vocab=VocabShard(0, V, V),
-                loss_mask=d["batch"].mask,
-            )
+            _masked(d, h, w)
         ),
         3.0,
     ),

@@ -41,6 +41,15 @@ DENSE_REF = D.distillation_loss(B.DISTILL_DENSE_CONFIG)
 # ---------------------------------------------------------------- references against numpy
 
 
+def _np_tailed(tp: np.ndarray, sq: np.ndarray, tail: str) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher's and the student's logprobs at the k ids as the tail rule reads them:
+    renormalised over the ids, or with the mass outside them as one more entry."""
+    if tail == "renormalize":
+        return tp - logsumexp(tp, -1, keepdims=True), sq - logsumexp(sq, -1, keepdims=True)
+    log_p = np.concatenate([tp, np.log(1 - np.exp(tp).sum(-1))[:, None]], -1)
+    return log_p, np.concatenate([sq, np.log(1 - np.exp(sq).sum(-1))[:, None]], -1)
+
+
 def _np_divergence(log_p: np.ndarray, log_q: np.ndarray, kind: str, beta: float) -> np.ndarray:
     p, q = np.exp(log_p), np.exp(log_q)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -110,12 +119,7 @@ def test_divergences_match_numpy_and_their_gradients(kind: str, tail: str) -> No
     np.testing.assert_allclose(np.asarray(dense), _np_divergence(lp_t, lq, kind, 0.3), rtol=1e-12, atol=1e-13)
     ids = np.argsort(-lp_t, -1, kind="stable")[:, :k]
     tp, sq = np.take_along_axis(lp_t, ids, -1), np.take_along_axis(lq, ids, -1)
-    if tail == "renormalize":
-        log_p = tp - logsumexp(tp, -1, keepdims=True)
-        log_q = sq - logsumexp(sq, -1, keepdims=True)
-    else:
-        log_p = np.concatenate([tp, np.log(1 - np.exp(tp).sum(-1))[:, None]], -1)
-        log_q = np.concatenate([sq, np.log(1 - np.exp(sq).sum(-1))[:, None]], -1)
+    log_p, log_q = _np_tailed(tp, sq, tail)
     got = D.sparse_divergence(jnp.asarray(tp), jnp.asarray(sq), kind=kind, tail=tail, beta=0.3)
     np.testing.assert_allclose(
         np.asarray(got), _np_divergence(log_p, log_q, kind, 0.3), rtol=1e-12, atol=1e-13
@@ -142,12 +146,7 @@ def test_a_zero_probability_teacher_id_in_the_reference(kind: str, tail: str) ->
     sq = lq[:, :4]
     with np.errstate(divide="ignore"):
         tp = np.log(np.array([[0.5, 0.2, 0.1, 0.0], [0.6, 0.0, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]]))
-        if tail == "renormalize":
-            log_p = tp - logsumexp(tp, -1, keepdims=True)
-            log_q = sq - logsumexp(sq, -1, keepdims=True)
-        else:
-            log_p = np.concatenate([tp, np.log(1 - np.exp(tp).sum(-1))[:, None]], -1)
-            log_q = np.concatenate([sq, np.log(1 - np.exp(sq).sum(-1))[:, None]], -1)
+        log_p, log_q = _np_tailed(tp, sq, tail)
     want = _np_divergence(log_p, log_q, kind, 0.3)
     got = np.asarray(D.sparse_divergence(jnp.asarray(tp), jnp.asarray(sq), kind=kind, tail=tail, beta=0.3))
     if kind == "reverse-kl":
