@@ -1,19 +1,7 @@
-"""Which backend ``backend="auto"`` runs, per class of device: a table filled from
-GPU measurements, and the rule for a class that has none.
-
-Both backends form every GEMM with ``torch.mm`` (cuBLAS on a GPU). They differ in
-the memory-bound work on each logits chunk: the ``"triton"`` backend does it in one
-Triton kernel per pass (a read for the statistics; a read and an in-place write for
-the logit gradient), the ``"torch"`` backend in a few torch ops (the CPU path and the
-in-repo reference). A device class with no measurement gets ``"triton"``, the design
-whose cost follows from the measured GEMM floor plus a few passes over the logits;
-a CPU gets ``"torch"``. Where Triton is not importable, ``"torch"`` everywhere.
-
-``MEASURED_CHOICES`` holds a row per device class only where the GPU benchmark
-(``benchmarks/gpu_logprobs.py``, results in ``docs/gpu-results.md``) measured both
-backends on that class in one run. H200: the run of 2026-11-26 (commit 49dd243),
-Triton faster on all 9 size and path pairs measured (logs in
-``docs/gpu-runs/2026-11-26-h200/bench.log``).
+"""Which backend ``backend="auto"`` runs, per class of device (``docs/processors.md``,
+"Backends and tiles"): ``MEASURED_CHOICES``, a row per class where the GPU benchmark
+(``benchmarks/gpu_logprobs.py``, ``docs/gpu-results.md``) measured both backends in one
+run; ``"triton"`` on an unmeasured GPU; ``"torch"`` on a CPU or without Triton.
 """
 
 from __future__ import annotations
@@ -66,21 +54,7 @@ _UNMEASURED_GPU = BackendChoice(
 _CPU = BackendChoice("torch", measured=False, source="the CPU path (torch ops; Triton would be interpreted)")
 _NO_TRITON = BackendChoice("torch", measured=False, source="triton is not installed")
 
-_KNOWN = (
-    "GH200",
-    "H200",
-    "H100",
-    "H800",
-    "H20",
-    "B200",
-    "B100",
-    "GB200",
-    "A100",
-    "A800",
-    "L40S",
-    "L4",
-    "A10",
-)
+_KNOWN = tuple("GH200 H200 H100 H800 H20 B200 B100 GB200 A100 A800 L40S L4 A10".split())  # first match wins
 
 
 def device_class(name: str, capability: tuple[int, int]) -> str:

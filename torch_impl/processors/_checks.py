@@ -1,10 +1,6 @@
-"""Input checks shared by the processors: each raises ``hookspec.ContractError``
-naming the field, what was expected and what was given.
-
-Numbers (options, counts, coefficients) are checked once, where they enter: a
-Python or NumPy number, finite, in its range (:func:`check_finite_number`,
-:func:`check_int`). Tensors are checked by shape and dtype only, never by value,
-except where a docstring says so.
+"""Input checks shared by the processors, each raising ``hookspec.ContractError``
+naming the field, the expected and the given. Numbers are checked once, where they
+enter; tensors by shape and dtype only, except where a docstring says so.
 """
 
 from __future__ import annotations
@@ -84,9 +80,8 @@ def check_finite_number(
 
 def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
-    ``[low, high]``, and always within int64 (``hookspec.INT64_MIN`` to
-    ``INT64_MAX``), where every integer option ends up (a tensor, a kernel
-    argument). Raises ``ContractError(field, ...)``::
+    ``[low, high]`` and within int64 (every integer option ends up in a tensor or a
+    kernel argument). Raises ``ContractError(field, ...)``::
 
         check_int("tile_rows", n, low=1)
     """
@@ -207,12 +202,8 @@ def check_token_labels(
 def resolve_compute_dtype(
     device: torch.device, dtype: torch.dtype, override: torch.dtype | None
 ) -> torch.dtype:
-    """The dtype the matmuls run in.
-
-    ``override`` if given; float64 stays float64; on a CPU, float32 (most CPUs
-    have no fast bf16/fp16 GEMM, and fp32 products are the more accurate);
-    elsewhere the input dtype (the GEMM accumulates in fp32 on GPUs).
-    """
+    """The dtype the matmuls run in: ``override`` if given; float64 stays float64; on a
+    CPU float32 (no fast bf16/fp16 GEMM there); elsewhere the input dtype."""
     if override is not None:
         return check_compute_dtype(override)
     if dtype == torch.float64:

@@ -1,26 +1,11 @@
-"""Distillation to a teacher through the hook, without logits: :func:`distillation_loss`
-with its configuration (:class:`DistillConfig`), on the formulas of
+"""Distillation to a teacher without logits: :func:`linear_distillation_loss`, the
+processor :func:`distillation_loss` and :class:`DistillConfig`, on the formulas of
 ``hookspec.conventions``; the teachers are :mod:`._teachers`.
 
-The loss is a weighted sum of per-token divergences with weights known in advance
-(the aggregations of ``policy_loss``, :func:`aggregation_weights`), so its gradients
-are formed in the forward pass: two epilogues on the engine's row sweep
-(:mod:`._engine`), whose tiles hold whole rows of the student's logits (and, dense,
-the teacher's tile of the same rows), reduced over the vocab shards:
-
-- sparse teacher: the engine's row statistics (``M``, ``S``) and the student's
-  logits at the teacher's ids; ``bucket``: the engine's logit gradient with the
-  ids' terms added before rounding (three GEMMs); ``renormalize``: the gradient at
-  the ``k`` ids only (one GEMM, ``O(n k h)`` more);
-- dense teacher: the joint statistics of the two tiles in torch ops (four GEMMs:
-  the student's three and the teacher's logits).
-
-Bad values, one rule per kind (as ``policy_loss``): the mask is read at every
-token (NaN, inf or negative: ``ContractError`` naming the mask, at once on a CPU;
-on a GPU from a later check without a host read, the loss NaN until then); the
-teacher's tensors are read at counted tokens only and checked there
-(``hookspec.conventions``); the student's hidden states and weight at every token (a
-NaN anywhere makes the loss NaN).
+The gradients are formed in the forward pass by two epilogues on the engine's row
+sweep (sparse teacher, dense teacher); their GEMMs and the bad-value rules (the mask
+at every token, as ``policy_loss``; the teacher at counted tokens) are
+``docs/processors.md``'s "Distillation".
 """
 
 from __future__ import annotations
@@ -52,11 +37,11 @@ from ..value_checks import check_finite_deferred, check_indices_deferred, checke
 from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
-from ._inputs import HookInputs, counted_mask, hook_inputs, sequence_ids, to_tokens
-from ._loss_math import check_unused_count, masked_mean, weighted_sum, weights_of
+from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
+from ._loss_math import check_counts, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
-from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_counts
+from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher
 
 __all__ = [
     "DenseTeacher",
@@ -191,6 +176,12 @@ class _Outputs:
     lse: torch.Tensor
     loss: torch.Tensor
 
+    def record(
+        self, rows: slice, loss: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor, lse: torch.Tensor
+    ) -> None:
+        self.kl[rows], self.agree[rows], self.lse[rows] = kl, agree, lse
+        self.loss = self.loss + loss.to(self.loss.dtype)
+
 
 def _argmax_ids(
     setup: TileSetup, local: tuple[torch.Tensor, torch.Tensor], big_m: torch.Tensor
@@ -238,17 +229,6 @@ def _dense_terms(
 Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
-def _pick(eng: Engine, z: torch.Tensor, rows: slice, cols: torch.Tensor) -> torch.Tensor:
-    """The logits of a fresh tile at the local columns ``cols`` ``[r, k]`` (0 where -1)."""
-    return torch.where(cols >= 0, eng.logits_of(z.gather(1, cols.clamp(min=0)), rows), 0.0)
-
-
-def _row_argmax(eng: Engine, z: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(max, argmax)`` of each row of a fresh tile's logits."""
-    local_max, local_arg = z.max(1)  # the first maximal column
-    return eng.logits_of(local_max, rows), local_arg
-
-
 def _mass_outside(setup: TileSetup, e: torch.Tensor, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
     """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
     elsewhere; distinct), from the tile's ``e = exp(z - M)`` (:meth:`~._engine.Engine.row_stats`),
@@ -282,7 +262,7 @@ def _dense_epilogue(
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
             sink.put(rows, torch.where(w[:, None] != 0, gz * w[:, None], 0.0))
-        _record(out, rows, weighted_sum(d, w), kl, agree, lse)
+        out.record(rows, weighted_sum(d, w), kl, agree, lse)
 
     return epilogue
 
@@ -298,8 +278,10 @@ def _sparse_epilogue(
         ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
-        top = _row_argmax(eng, z, rows)
-        u = setup.reduce_sum(_pick(eng, z, rows, cols))  # each id lives in one shard
+        local_max, local_arg = z.max(1)  # the first maximal column of the fresh tile
+        top = (eng.logits_of(local_max, rows), local_arg)
+        picked = eng.logits_of(z.gather(1, cols.clamp(min=0)), rows)
+        u = setup.reduce_sum(torch.where(cols >= 0, picked, 0.0))  # each id lives in one shard
         stats, e = eng.row_stats(z, rows, with_entropy=False, exps=cfg.tail == TeacherTail.BUCKET)
         lse = stats.lse
         q_out = None if e is None else _mass_outside(setup, e, stats, cols)
@@ -314,7 +296,7 @@ def _sparse_epilogue(
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
         agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
-        _record(out, rows, total.detach(), kl.detach(), agree, lse)
+        out.record(rows, total.detach(), kl.detach(), agree, lse)
         gu = grads[0]
         if gu is None:
             return
@@ -338,13 +320,6 @@ def _sparse_epilogue(
     return epilogue
 
 
-def _record(
-    out: _Outputs, rows: slice, loss: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor, lse: torch.Tensor
-) -> None:
-    out.kl[rows], out.agree[rows], out.lse[rows] = kl, agree, lse
-    out.loss = out.loss + loss.to(out.loss.dtype)
-
-
 def _fused_distill(
     h: torch.Tensor,
     w: torch.Tensor,
@@ -361,12 +336,9 @@ def _fused_distill(
         with no_autocast(h):
             eng = Engine(h, w, setup)
             n = eng.n
-            out = _Outputs(
-                kl=torch.zeros(n, dtype=acc, device=h.device),
-                agree=torch.zeros(n, dtype=torch.bool, device=h.device),
-                lse=torch.zeros(n, dtype=acc, device=h.device),
-                loss=torch.zeros((), dtype=acc, device=h.device),
-            )
+            kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (n, n, ()))
+            agree = torch.zeros(n, dtype=torch.bool, device=h.device)
+            out = _Outputs(kl=kl, agree=agree, lse=lse, loss=loss)
             make = _sparse_epilogue if teacher.ids is not None else _dense_epilogue
             renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
             epilogue = make(eng, cfg, teacher, weights.to(acc), out)
@@ -415,8 +387,7 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
             expected="a torch_impl.processors.SparseTeacher or DenseTeacher",
             actual=type(teacher).__name__,
         )
-    check_counts(teacher, field)
-    check_unused_count(
+    check_counts(
         config.aggregation,
         global_tokens=teacher.global_tokens,
         global_sequences=teacher.global_sequences,
@@ -608,20 +579,6 @@ def _check_cp(teacher: Teacher, how: Aggregation, cp: int) -> None:
         )
 
 
-def _context_mask(ctx: OutputContext, x: HookInputs, teacher: Teacher) -> torch.Tensor:
-    """``M`` ``[b, s]``: the teacher's ``mask``, else the model's ``loss_mask``, else ones
-    (:func:`~._inputs.counted_mask`: 0 at an ignored label, bad entries refused)."""
-    if teacher.mask is not None:
-        return counted_mask(ctx, x, teacher.mask, "context.mask")
-    return counted_mask(ctx, x, ctx.loss_mask, "loss_mask")
-
-
-def _hook_tokens(ctx: OutputContext, x: HookInputs) -> _Tokens:
-    student = typing.cast(torch.Tensor, ctx.hidden_states)
-    vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
-    return _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
-
-
 def distillation_loss(
     config: DistillConfig | None = None,
     /,
@@ -650,11 +607,15 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        mask = to_tokens(_context_mask(ctx, x, teacher).to(setup.acc_dtype))
+        # M: the teacher's mask, else the model's loss_mask, else ones (0 at an ignored label)
+        own = teacher.mask is not None
+        given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
+        mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        res = _fused(
-            h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), _hook_tokens(ctx, x)
-        )
+        student = typing.cast(torch.Tensor, ctx.hidden_states)
+        vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
+        at = _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
+        res = _fused(h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), at)
         m = masked_mean
         return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
 

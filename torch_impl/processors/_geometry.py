@@ -78,13 +78,10 @@ def interpreting() -> bool:
 def triton_mode_mismatch() -> str:
     """Why Triton cannot run in the mode ``TRITON_INTERPRET`` asks now, or ``""``.
 
-    ``@triton.jit`` picks the interpreter or the compiler when it decorates, and
-    ``import triton`` decorates its standard library (``tl.standard.max`` ...) at
-    once: a kernel decorated under the other mode (this package's, imported later)
-    calls library functions of the wrong kind and fails with Triton's
-    ``InterpreterError`` ("Cannot call @triton.jit'd outside of the scope of a
-    kernel"). ``import megatron.core`` imports Triton, so ``TRITON_INTERPRET=1``
-    must be set before it (in the environment, not in ``os.environ`` afterwards)."""
+    ``import triton`` fixes the mode of its standard library (``tl.standard.max``);
+    a kernel decorated later under the other mode fails with ``InterpreterError``.
+    ``import megatron.core`` imports Triton, so ``TRITON_INTERPRET=1`` must be set
+    in the environment before it."""
     if "triton" not in sys.modules:
         return ""  # imported from here on, in the mode the environment says now
     import triton.language as tl

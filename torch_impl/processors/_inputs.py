@@ -1,11 +1,6 @@
 """What every processor reads from the hook's :class:`~hookspec.OutputContext`,
-checked: the hidden rows, the vocab shard, the labels in row order, the
-temperature, and the layout helpers between ``[b, s]`` and the rows.
-
-Layout (Megatron's): ``ctx.hidden_states`` ``[s, b, h]`` (``[s/tp, b, h]`` under
-sequence parallel), ``ctx.labels`` and every per-token input ``[b, s]``, every
-per-token output ``[b, s]``. Inside, tokens are the rows of
-``hidden_states.reshape(-1, h)``, i.e. ``s``-major.
+checked, and the layout helpers between ``[b, s]`` and the rows: tokens are the rows
+of ``hidden_states.reshape(-1, h)`` (``[s, b, h]``), ``s``-major (``docs/processors.md``).
 """
 
 from __future__ import annotations
@@ -111,27 +106,11 @@ def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> t
     return mask
 
 
-def refuse_meta_tensors(ctx: OutputContext) -> None:
-    """Every tensor a processor may read (the context's fields, and the user context's
-    entries: a mapping's values or a dataclass's fields) has values: one on the
-    ``meta`` device is refused by name before torch fails deep inside."""
-    user = ctx.context
-    if isinstance(user, typing.Mapping):
-        named = [(f"context.{k}", v) for k, v in user.items()]
-    elif dataclasses.is_dataclass(user) and not isinstance(user, type):
-        named = [(f"context.{f.name}", getattr(user, f.name)) for f in dataclasses.fields(user)]
-    else:
-        named = []
-    named += [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]
-    for field, value in named:
-        refuse_meta(value, field=field)
-
-
 def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> HookInputs:
     """The one prologue of every processor: check what processor ``name`` reads from
-    ``ctx`` (shapes and types, no values: ``hookspec.validate_context(check_values=
-    False)``, as the hook does before a call, so that a direct call is checked too;
-    the labels' range where the hook has not checked it) and return it as rows."""
+    ``ctx`` (shapes and types by ``hookspec.validate_context(check_values=False)``, so
+    that a direct call is checked too; the labels' range where the hook has not) and
+    return it as rows."""
     if not isinstance(ctx, OutputContext):
         raise ContractError(
             f"processor {name!r}", expected="a hookspec.OutputContext", actual=type(ctx).__name__
@@ -147,7 +126,17 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
-    refuse_meta_tensors(ctx)
+    # a tensor on the meta device (the context's fields, the user context's entries)
+    # is refused by name before torch fails deep inside
+    user = ctx.context
+    if isinstance(user, typing.Mapping):
+        named = [(f"context.{k}", v) for k, v in user.items()]
+    elif dataclasses.is_dataclass(user) and not isinstance(user, type):
+        named = [(f"context.{f.name}", getattr(user, f.name)) for f in dataclasses.fields(user)]
+    else:
+        named = []
+    for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
+        refuse_meta(value, field=field)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
         raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
     labels = None
@@ -179,17 +168,12 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
 
 
 def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """``(segments [b, s], count)``: each token's sequence. A row per sequence,
-    or, for packed (THD) input, the sequences of ``packed_seq_params``
-    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last
-    boundary form one more segment.
-
-    Under context parallel (``cp``) each rank holds ``1/cp`` of every
-    sequence, as Megatron splits it: the sequence cut into ``2 cp`` equal
-    chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r`` in order,
-    sequence after sequence. Rank ``r``'s boundaries are then ``cu / cp``, and
-    every ``cu`` must be a multiple of ``2 cp`` (checked by value as the labels
-    are, when ``ctx.check_values``)."""
+    """``(segments [b, s], count)``: each token's sequence. A row per sequence, or,
+    for packed (THD) input, the sequences of ``packed_seq_params``
+    (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last boundary
+    form one more segment. Under context parallel each rank holds chunks ``r`` and
+    ``2 cp - 1 - r`` of every sequence (Megatron's split): its boundaries are
+    ``cu / cp``, every ``cu`` a multiple of ``2 cp`` (checked with ``check_values``)."""
     psp = ctx.packed_seq_params
     if psp is None:
         return torch.arange(b, device=device)[:, None].expand(b, s), b

@@ -1,11 +1,7 @@
-"""The losses' maths on per-token values (any shape): the policy-loss family
-(:class:`PolicyLossConfig`, the ratios, the KL estimators, the PPO token loss) and the
-aggregations every loss shares (:func:`aggregation_weights`: the policy loss, the
-reduced cross entropy and distillation).
-
-Every formula is the one of ``hookspec.conventions``; these functions are what
-both paths of :func:`~torch_impl.processors.policy_loss` compute, and what its
-tests compare against in float64.
+"""The losses' maths on per-token values (any shape), the formulas of
+``hookspec.conventions``: the policy-loss family (:class:`PolicyLossConfig`, the
+ratios, the KL estimators, the PPO token loss) and the aggregations every loss
+shares (:func:`aggregation_weights`).
 """
 
 from __future__ import annotations
@@ -27,13 +23,12 @@ __all__ = [
     "PolicyLossConfig",
     "RatioLevel",
     "aggregation_weights",
-    "check_unused_count",
+    "check_counts",
     "kl_penalty",
     "kl_terms",
     "masked_mean",
     "ppo_token_loss",
     "segment_sum",
-    "sequence_log_ratio",
     "sequence_ratio_of",
     "sequence_sums",
     "weighted_sum",
@@ -224,22 +219,6 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor, count: int) -> tor
     return out.index_add(0, segments.reshape(-1), flat)
 
 
-def sequence_log_ratio(
-    logp: torch.Tensor,
-    old: torch.Tensor,
-    mask: torch.Tensor,
-    segments: torch.Tensor,
-    count: int,
-    *,
-    clamp: float | None,
-) -> torch.Tensor:
-    """GSPO's ``log s_k = sum_t M_t (logp_t - old_t) / sum_t M_t`` over each
-    sequence ``k``, broadcast back to its tokens (same shape as ``logp``); ``0``
-    for a sequence whose ``sum_t M_t`` is exactly 0, NaN where it is NaN."""
-    num, den = sequence_sums(logp, old, mask, segments, count)
-    return sequence_ratio_of(num, den, segments, clamp=clamp)
-
-
 def sequence_sums(
     logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,27 +235,33 @@ def sequence_sums(
 def sequence_ratio_of(
     num: torch.Tensor, den: torch.Tensor, segments: torch.Tensor, *, clamp: float | None
 ) -> torch.Tensor:
-    """``clamp(num_k / den_k)`` broadcast to each token's sequence (``0`` where ``den_k == 0``)."""
+    """GSPO's ``log s_k = clamp(num_k / den_k)`` (:func:`sequence_sums`) broadcast to
+    each token's sequence (``0`` where ``den_k == 0``, NaN where it is NaN)."""
     per_seq = num / torch.where(den == 0, 1.0, den)
     return _clamp(per_seq[segments], clamp)
 
 
-def check_unused_count(
-    how: Aggregation, *, global_tokens: Any, global_sequences: Any, prefix: str = ""
+def check_counts(
+    how: Aggregation | None, *, global_tokens: Any, global_sequences: Any, prefix: str = ""
 ) -> None:
-    """Refuse the count ``how`` does not read: ``global_sequences`` with token-mean,
-    ``global_tokens`` with the two sequence means (given, it would be ignored)."""
-    unused, used = (
-        ("global_sequences", "global_tokens")
-        if how == Aggregation.TOKEN_MEAN
-        else ("global_tokens", "global_sequences")
+    """Each count ``None`` or a finite number ``> 0``; and (``how`` given) refuse the one
+    ``how`` does not read: ``global_sequences`` with token-mean, ``global_tokens`` with
+    the two sequence means (given, it would be ignored). Errors name ``{prefix}<count>``."""
+    counts = {"global_tokens": global_tokens, "global_sequences": global_sequences}
+    for name, count in counts.items():
+        if count is not None:
+            check_finite_number(f"{prefix}{name}", count, low=0.0, low_open=True)
+    if how is None:
+        return
+    token_mean = how == Aggregation.TOKEN_MEAN
+    used, unused = (
+        ("global_tokens", "global_sequences") if token_mean else ("global_sequences", "global_tokens")
     )
-    value = global_sequences if unused == "global_sequences" else global_tokens
-    if value is not None:
+    if counts[unused] is not None:
         raise ContractError(
             f"{prefix}{unused}",
             expected=f"None with aggregation {how.value!r}, which divides by {used} and never reads it",
-            actual=repr(value),
+            actual=repr(counts[unused]),
         )
 
 
@@ -300,16 +285,11 @@ def aggregation_weights(
     ``n_k != 0``. ``global_tokens`` / ``global_sequences`` (finite numbers
     > 0) replace ``sum(M)`` / ``K`` (counts over the ranks that share the
     loss). A mask whose sum is exactly 0 gives ``w = 0``. An entry of ``M``
-    that is NaN, infinite or negative raises ``ContractError`` (``mask``): at
-    once on a CPU, from a later check on a GPU (no host read), where until
-    then it makes the weights it reaches NaN (all of them for token-mean, its
-    sequence's otherwise), never 0.
+    that is NaN, infinite or negative raises ``ContractError`` (``mask``; on a
+    GPU deferred, the weights it reaches NaN until then, never 0).
     """
     how = check_enum("aggregation", Aggregation, how)
-    for name, value in (("global_tokens", global_tokens), ("global_sequences", global_sequences)):
-        if value is not None:
-            check_finite_number(name, value, low=0.0, low_open=True)
-    check_unused_count(how, global_tokens=global_tokens, global_sequences=global_sequences)
+    check_counts(how, global_tokens=global_tokens, global_sequences=global_sequences)
     if not isinstance(mask, torch.Tensor) or mask.is_complex():
         raise ContractError("mask", expected="a real tensor", actual=type(mask).__name__)
     if (

@@ -1,28 +1,10 @@
 """The policy-loss processor: :class:`PolicyBatch` (its user context) and
 :func:`policy_loss`, on the formulas of :mod:`._loss_math`.
 
-What each input may hold, one rule per kind of input (tested in
-``tests/test_validation_processors.py``):
-
-- The mask ``M`` (``PolicyBatch.mask``, else the model's ``loss_mask``) is read
-  at every token: an entry that is NaN, infinite or negative, wherever it is,
-  raises ``ContractError`` (``context.mask`` or ``loss_mask``), checked as the
-  labels are: at once on a CPU, without a host read on a GPU
-  (``torch_impl.value_checks``: the error comes at a later check, and until
-  then the loss and every metric are NaN, never "empty"). Only a mask summing
-  to exactly 0 is empty (loss 0, zero gradient).
-- The batch's per-token values (``old_logprobs``, ``advantages``,
-  ``ref_logprobs``) are read at counted tokens only (``M > 0`` and a label
-  that is not the ignore index): a NaN or inf elsewhere changes nothing; at a
-  counted token it raises ``ContractError`` (``context.<field>``), checked as
-  the mask is (on a GPU the loss is NaN until the deferred check reports).
-- With ``check_values=False`` (the model enabled so) nothing is checked by
-  value: a bad mask entry or counted value makes the loss NaN instead.
-- The model's outputs (hidden states, output weight) are read at every token:
-  a NaN or inf anywhere, counted or not, makes the loss NaN (its gradient
-  would be NaN anyway: the tile products reach every row of the weight).
-- Numbers (``global_tokens``, ``global_sequences``, a scalar temperature) and
-  a per-token temperature are checked where they enter: ``ContractError``.
+What each input may hold (the mask at every token, the batch's values at counted
+tokens only, the model's outputs at every token, numbers where they enter): the
+table "What each input may hold" in ``docs/processors.md``
+(``tests/test_validation_processors.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ from hookspec import (
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, checked_call
-from ._checks import check_finite_number, check_floating
+from ._checks import check_floating
 from ._fused import fused_token_loss
 from ._inputs import (
     HookInputs,
@@ -61,7 +43,7 @@ from ._logprobs import linear_logprobs
 from ._loss_math import (
     PolicyLossConfig,
     RatioLevel,
-    check_unused_count,
+    check_counts,
     kl_terms,
     masked_mean,
     ppo_token_loss,
@@ -96,20 +78,14 @@ class PolicyBatch:
     - ``ref_logprobs``: the reference policy's logprobs, needed when ``kl_coef != 0``.
     - ``temperature``: the sampling temperature, a number or ``[b, s]``.
     - ``global_tokens`` / ``global_sequences``: the token / sequence counts of
-      the whole loss when it is split over ranks (context or data parallel),
-      finite numbers ``> 0`` (Python or NumPy, not tensors: ``.item()``):
-      they replace the local ``sum(mask)`` / number of sequences in the
-      aggregation, so that the ranks' losses sum to the global loss. Give the
-      one the aggregation reads (token-mean: ``global_tokens``; the sequence
-      means: ``global_sequences``): the other is refused, not ignored. Under
-      context parallel they are optional: the processor sums each sequence's
-      count over the context-parallel group itself
-      (``Collectives.all_reduce_sum_context_parallel``); give them for the
-      ranks beyond it (data parallel).
+      the whole loss split over ranks, finite numbers ``> 0`` (not tensors): they
+      replace the local ``sum(mask)`` / number of sequences, so that the ranks'
+      losses sum to the global loss. Give the one the aggregation reads (the
+      other is refused); under context parallel they are optional (the group's
+      sums are taken): give them for the data-parallel ranks beyond it.
 
-    The values of ``old_logprobs``, ``advantages`` and ``ref_logprobs`` at
-    tokens that do not count are never read (those at counted tokens must be
-    finite).
+    ``old_logprobs``, ``advantages`` and ``ref_logprobs`` are read at counted
+    tokens only.
     """
 
     old_logprobs: torch.Tensor
@@ -139,10 +115,8 @@ class PolicyBatch:
                     "context.mask", expected="a tensor [b, s]", actual=type(self.mask).__name__
                 )
             _check_bs("context.mask", self.mask, b, s)
-        for name in ("global_tokens", "global_sequences"):
-            value = getattr(self, name)
-            if value is not None:
-                check_finite_number(f"context.{name}", value, low=0.0, low_open=True)
+        counts = {"global_tokens": self.global_tokens, "global_sequences": self.global_sequences}
+        check_counts(None, **counts, prefix="context.")
 
 
 def _check_bs(field: str, value: torch.Tensor, b: int, s: int) -> None:
@@ -167,6 +141,10 @@ def _policy_batch(ctx: OutputContext) -> PolicyBatch:
 
 
 CpSum = Callable[[torch.Tensor], torch.Tensor]
+_Sequences = tuple[torch.Tensor, torch.Tensor, int, CpSum | None]
+"""The checked mask ``M`` ``[b, s]`` (NaN where an entry is bad), each token's
+sequence ``segments`` ``[b, s]``, their ``count``, and the context-parallel sum
+(``None``: the sums here are whole)."""
 
 
 def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext) -> CpSum | None:
@@ -174,14 +152,12 @@ def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: Outp
     sums whole with (``ctx.collectives.all_reduce_sum_context_parallel``), or
     ``None`` at ``cp_size`` 1.
 
-    A collectives object that predates the method (spec 1.1), or the one-rank
-    :class:`~hookspec.SingleProcessCollectives`, is taken where the loss does
-    not need it: a token ratio with token-mean and ``global_tokens``, or
-    seq-mean-token-sum and ``global_sequences`` (each rank's share is then its
-    own tokens' terms; its metrics are its own tokens' means). GSPO's sequence
-    ratio and seq-mean-token-mean need every rank's part of each sequence: they
-    raise ``ContractError`` naming the method, as does a collectives object
-    whose ``cp_size`` is not ``parallel.cp_size``.
+    Collectives without the method (spec 1.1), or the one-rank
+    :class:`~hookspec.SingleProcessCollectives`, are taken where the loss does not
+    need it (token-mean with ``global_tokens``, seq-mean-token-sum with
+    ``global_sequences``); GSPO and seq-mean-token-mean then raise
+    ``ContractError`` naming the method, as does a ``cp_size`` that is not
+    ``parallel.cp_size``.
     """
     cp = ctx.parallel.cp_size
     if cp == 1:
@@ -237,13 +213,7 @@ class TokenRows:
 
     def take(self, rows: slice) -> TokenRows:
         """The rows ``rows`` of every field."""
-        return TokenRows(
-            mask=self.mask[rows],
-            weights=self.weights[rows],
-            old=self.old[rows],
-            adv=self.adv[rows],
-            ref=None if self.ref is None else self.ref[rows],
-        )
+        return TokenRows(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,18 +276,6 @@ class _Pass:
     terms: TokenTerms
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sequences:
-    """The checked mask ``M`` ``[b, s]`` (NaN where an entry is bad), each token's
-    sequence ``segments`` ``[b, s]`` of ``count``, and the context-parallel sum
-    (``None``: the sums here are whole)."""
-
-    mask: torch.Tensor
-    segments: torch.Tensor
-    count: int
-    cp_sum: CpSum | None
-
-
 def _checked_mask(ctx: OutputContext, x: HookInputs, batch: PolicyBatch) -> torch.Tensor:
     """``M`` ``[b, s]``; with ``ctx.check_values``, the mask's values at every
     token and the batch's at the counted ones checked (deferred on a GPU)."""
@@ -338,17 +296,11 @@ def _rows(
 ) -> TokenRows:
     """The batch as rows, with the aggregation's weights (``totals``: each
     sequence's ``n_k`` summed over the context-parallel group, or ``None``)."""
-    device = seqs.mask.device
-    weights = weights_of(
-        seqs.mask,
-        seqs.segments,
-        seqs.count,
-        config.aggregation,
-        global_tokens=batch.global_tokens,
-        global_sequences=batch.global_sequences,
-        totals=totals,
-    )
-    mask_t = to_tokens(seqs.mask)
+    mask, segments, count, _ = seqs
+    device = mask.device
+    counts = {"global_tokens": batch.global_tokens, "global_sequences": batch.global_sequences}
+    weights = weights_of(mask, segments, count, config.aggregation, **counts, totals=totals)
+    mask_t = to_tokens(mask)
     return TokenRows(
         mask=mask_t,
         weights=to_tokens(weights),
@@ -358,13 +310,7 @@ def _rows(
     )
 
 
-def _fused_pass(
-    x: HookInputs,
-    rows: TokenRows,
-    config: PolicyLossConfig,
-    temperature: float | torch.Tensor,
-    tile: LinearOptions,
-) -> _Pass:
+def _fused_pass(x: HookInputs, rows: TokenRows, config: PolicyLossConfig, options: LinearOptions) -> _Pass:
     """Gradients formed in the forward pass, tile by tile (``fused_token_loss``)."""
 
     def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
@@ -376,24 +322,16 @@ def _fused_pass(
         x.weight,
         x.token_labels,
         tile_loss,
-        options=x.tensor_options(tile, temperature),
+        options=options,
         entropy_grad=config.entropy_coef != 0.0,
     )
     terms = token_terms(res.logprobs, res.entropy, rows, config)
     return _Pass(loss=res.loss, logp=res.logprobs, entropy=res.entropy, terms=terms)
 
 
-def _logprobs(
-    x: HookInputs, temperature: float | torch.Tensor, tile: LinearOptions
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs(x: HookInputs, options: LinearOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)`` ``[n]`` by ``linear_logprobs`` (logits recomputed in backward)."""
-    lr = linear_logprobs(
-        x.hidden,
-        x.weight,
-        x.token_labels,
-        options=x.tensor_options(tile, temperature),
-        with_entropy=True,
-    )
+    lr = linear_logprobs(x.hidden, x.weight, x.token_labels, options=options, with_entropy=True)
     return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
 
 
@@ -415,8 +353,7 @@ def _sequence_pass(
     seqs: _Sequences,
     batch: PolicyBatch,
     config: PolicyLossConfig,
-    temperature: float | torch.Tensor,
-    tile: LinearOptions,
+    options: LinearOptions,
 ) -> tuple[_Pass, TokenRows, torch.Tensor | None]:
     """GSPO: ``(pass, rows, totals)``. Each sequence's ``sum M (logp - old)`` and
     ``n_k`` are summed over the context-parallel group in one collective, so
@@ -425,14 +362,15 @@ def _sequence_pass(
         num, n = cp_sum(stack([sum_k M (logp - old), sum_k M]))    # [2, count]
         log_ratio = clamp(num / n)[segments]
     """
-    logp, entropy = _logprobs(x, temperature, tile)
+    mask, segments, count, cp_sum = seqs
+    logp, entropy = _logprobs(x, options)
     old = batch.old_logprobs.to(device=logp.device, dtype=logp.dtype)
-    num, den = sequence_sums(from_tokens(logp, x.b, x.s), old, seqs.mask, seqs.segments, seqs.count)
+    num, den = sequence_sums(from_tokens(logp, x.b, x.s), old, mask, segments, count)
     totals = None
-    if seqs.cp_sum is not None:
-        num, den = seqs.cp_sum(torch.stack([num, den])).unbind(0)
+    if cp_sum is not None:
+        num, den = cp_sum(torch.stack([num, den])).unbind(0)
         totals = den.detach()
-    log_ratio = to_tokens(sequence_ratio_of(num, den, seqs.segments, clamp=config.log_ratio_clamp))
+    log_ratio = to_tokens(sequence_ratio_of(num, den, segments, clamp=config.log_ratio_clamp))
     rows = _rows(seqs, batch, config, totals)
     return _autograd_pass(logp, entropy, rows, config, log_ratio), rows, totals
 
@@ -507,27 +445,23 @@ def policy_loss(
         x = hook_inputs(ctx, "policy_loss")
         batch = _policy_batch(ctx)
         batch.validate(x.b, x.s, need_ref=config.kl_coef != 0.0)
-        check_unused_count(
-            config.aggregation,
-            global_tokens=batch.global_tokens,
-            global_sequences=batch.global_sequences,
-            prefix="context.",
-        )
+        counts = {"global_tokens": batch.global_tokens, "global_sequences": batch.global_sequences}
+        check_counts(config.aggregation, **counts, prefix="context.")
         cp_sum = context_parallel_sum(config, batch, ctx)
         mask = _checked_mask(ctx, x, batch)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        seqs = _Sequences(mask=mask, segments=segments, count=count, cp_sum=cp_sum)
-        temperature = resolve_temperature(None, ctx, x.b, x.s)
+        seqs = (mask, segments, count, cp_sum)
+        options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
         if config.ratio == RatioLevel.SEQUENCE:
-            p, rows, totals = _sequence_pass(x, seqs, batch, config, temperature, tile)
-            return _metrics(p, rows, config, totals)
-        # one collective: each sequence's token count over the context-parallel group
-        totals = None if cp_sum is None else cp_sum(segment_sum(mask, segments, count))
-        rows = _rows(seqs, batch, config, totals)
-        if fused:
-            p = _fused_pass(x, rows, config, temperature, tile)
+            p, rows, totals = _sequence_pass(x, seqs, batch, config, options)
         else:
-            p = _autograd_pass(*_logprobs(x, temperature, tile), rows, config)
+            # one collective: each sequence's token count over the context-parallel group
+            totals = None if cp_sum is None else cp_sum(segment_sum(mask, segments, count))
+            rows = _rows(seqs, batch, config, totals)
+            if fused:
+                p = _fused_pass(x, rows, config, options)
+            else:
+                p = _autograd_pass(*_logprobs(x, options), rows, config)
         return _metrics(p, rows, config, totals)
 
     return processor(fn, name="policy_loss")

@@ -18,7 +18,7 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_condition_deferred, check_indices_deferred
 from ._checks import check_finite_number, check_floating
 
-__all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher", "check_counts"]
+__all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher"]
 
 
 def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
@@ -27,14 +27,6 @@ def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -
     if tuple(value.shape) != want:
         raise ContractError(field, expected=f"shape {expected}", actual=format_shape(value.shape))
     return value
-
-
-def check_counts(teacher: Any, field: str = "context") -> None:
-    """A teacher's ``global_tokens`` / ``global_sequences``: ``None`` or finite ``> 0``."""
-    for name in ("global_tokens", "global_sequences"):
-        value = getattr(teacher, name)
-        if value is not None:
-            check_finite_number(f"{field}.{name}", value, low=0.0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,49 +122,28 @@ def _check_sparse_values(
         )
     eps = torch.finfo(lp.dtype).eps
     wide = lp.double()
+
+    def refuse(bad: torch.Tensor, values: torch.Tensor, expected: str, noun: str) -> None:
+        """``ContractError`` at the counted tokens where ``bad`` holds, with ``values``."""
+        check_condition_deferred(
+            counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
+        )
+
     # NaN and +inf are no probability; -inf is probability 0 (a token the teacher masks)
     for bad_value, what in ((torch.isnan(wide), "NaN"), (wide == math.inf, "+inf")):
-        rows = counted & bad_value.any(1)
-        check_condition_deferred(
-            rows,
-            bad_value.sum(1).double(),
-            field=f"{field}.logprobs",
-            expected=f"logprobs in [-inf, 0] (-inf: probability 0), no {what}",
-            noun=f"tokens holding {what} (their count of {what})",
-        )
-    first_zero = counted & (wide[:, 0] == -math.inf)
-    check_condition_deferred(
-        first_zero,
-        wide[:, 0],
-        field=f"{field}.logprobs",
-        expected="a finite first logprob (ids[0] is the teacher's top-1: probability > 0)",
-        noun="tokens (their first logprob)",
-    )
-    top = wide.amax(1)
-    check_condition_deferred(
-        counted & (top > eps),
-        top,
-        field=f"{field}.logprobs",
-        expected=f"logprobs <= 0 (up to eps = {eps:.3g})",
-        noun="tokens (their largest logprob)",
-    )
-    total = torch.logsumexp(wide, 1)
-    check_condition_deferred(
-        counted & (total > math.log1p(k * eps)),
-        total.exp(),
-        field=f"{field}.logprobs",
-        expected=f"logprobs whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token",
-        noun="tokens (their sum of exp)",
-    )
+        expected = f"logprobs in [-inf, 0] (-inf: probability 0), no {what}"
+        noun = f"tokens holding {what} (their count of {what})"
+        refuse(bad_value.any(1), bad_value.sum(1).double(), expected, noun)
+    first = "tokens (their first logprob)"
+    expected = "a finite first logprob (ids[0] is the teacher's top-1: probability > 0)"
+    refuse(wide[:, 0] == -math.inf, wide[:, 0], expected, first)
+    top, total = wide.amax(1), torch.logsumexp(wide, 1)
+    refuse(top > eps, top, f"logprobs <= 0 (up to eps = {eps:.3g})", "tokens (their largest logprob)")
+    expected = f"logprobs whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token"
+    refuse(total > math.log1p(k * eps), total.exp(), expected, "tokens (their sum of exp)")
     if k > 1:
-        not_first = counted & (lp[:, 1:] > lp[:, :1]).any(1)
-        check_condition_deferred(
-            not_first,
-            lp[:, 0],
-            field=f"{field}.logprobs",
-            expected="the first logprob the largest (ids[0] is the teacher's top-1)",
-            noun="tokens (their first logprob)",
-        )
+        expected = "the first logprob the largest (ids[0] is the teacher's top-1)"
+        refuse((lp[:, 1:] > lp[:, :1]).any(1), lp[:, 0], expected, first)
 
 
 @dataclasses.dataclass(frozen=True)
