@@ -13,13 +13,7 @@ from typing import Literal
 
 import torch
 
-__all__ = [
-    "MEASURED_CHOICES",
-    "BackendChoice",
-    "auto_choice",
-    "device_class",
-    "triton_available",
-]
+__all__ = ["MEASURED_CHOICES", "BackendChoice", "auto_choice", "device_class", "triton_available"]
 
 BackendName = Literal["torch", "triton"]
 

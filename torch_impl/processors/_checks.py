@@ -25,6 +25,7 @@ __all__ = [
     "check_finite_number",
     "check_floating",
     "check_int",
+    "check_shape",
     "check_temperature",
     "context_logit_scale",
     "context_field",
@@ -69,11 +70,9 @@ def check_finite_number(
         x = float(value)
     except OverflowError:  # an int beyond the float range (10**400)
         raise ContractError(field, expected=expected, actual=f"{value!r} (beyond the float range)") from None
-    if not math.isfinite(x):
-        raise ContractError(field, expected=expected, actual=repr(value))
-    if low is not None and (x <= low if low_open else x < low):
-        raise ContractError(field, expected=expected, actual=repr(value))
-    if high is not None and (x >= high if high_open else x > high):
+    below = low is not None and (x <= low if low_open else x < low)
+    above = high is not None and (x >= high if high_open else x > high)
+    if not math.isfinite(x) or below or above:
         raise ContractError(field, expected=expected, actual=repr(value))
     return x
 
@@ -147,6 +146,15 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
         raise ContractError(field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch."))
     refuse_meta(x, field=field)  # a shape without values: torch would fail deep inside
     return x
+
+
+def check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
+    """``value`` a tensor of shape ``want`` (``expected`` says it: ``"[b=2, s=3]"``)."""
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(field, expected=f"a torch.Tensor {expected}", actual=type(value).__name__)
+    if tuple(value.shape) != want:
+        raise ContractError(field, expected=f"shape {expected}", actual=format_shape(value.shape))
+    return value
 
 
 def check_temperature(

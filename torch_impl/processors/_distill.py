@@ -38,7 +38,7 @@ from ._checks import check_enum, check_finite_number, check_int
 from ._engine import Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
-from ._loss_math import check_counts, masked_mean, weighted_sum, weights_of
+from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher
@@ -79,11 +79,8 @@ class DistillConfig:
         put(self, "divergence", check_enum("divergence", DistillDivergence, self.divergence))
         put(self, "tail", check_enum("tail", TeacherTail, self.tail))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
-        put(
-            self,
-            "beta",
-            check_finite_number("beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True),
-        )
+        beta = check_finite_number("beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True)
+        put(self, "beta", beta)
         put(self, "temperature", check_finite_number("temperature", self.temperature, low=0.0, low_open=True))
 
 
@@ -130,13 +127,11 @@ def sparse_divergence(
                      log Q = [u - lse, log(max(-expm1(logsumexp(u) - lse), TAIL_FLOOR))]
         D = divergence(log P, log Q)
 
-    Differentiable in ``u`` and ``lse``. The teacher's tail is formed in float64 (its
-    ``logsumexp`` in the logprobs' own precision cancels); ``student_log_tail``
-    ``[...]``, where given, is ``log(max(q_tail, TAIL_FLOOR))`` of the student's tail
-    summed over the entries outside the ids (the expression above cancels where the
-    tail is below the logits' rounding), taken as its own input: its gradient is the
-    caller's to carry to the logits (``d log q_tail / dz_j = [j outside] q_j / q_tail
-    - q_j``, no term of size ``1 / q_tail`` at the ids).
+    Differentiable in ``u`` and ``lse``. The teacher's tail is formed in float64.
+    ``student_log_tail`` ``[...]``, where given, replaces the student's tail term
+    (``log(max(q_tail, TAIL_FLOOR))`` summed outside the ids, where the expression
+    above cancels), a leaf whose gradient the caller carries to the logits
+    (``d log q_tail / dz_j = [j outside] q_j / q_tail - q_j``).
     """
     lp_t = teacher_logprobs.to(student_logits.dtype)
     if tail == TeacherTail.RENORMALIZE:
@@ -387,12 +382,7 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
             expected="a torch_impl.processors.SparseTeacher or DenseTeacher",
             actual=type(teacher).__name__,
         )
-    check_counts(
-        config.aggregation,
-        global_tokens=teacher.global_tokens,
-        global_sequences=teacher.global_sequences,
-        prefix=f"{field}.",
-    )
+    check_counts(config.aggregation, **global_counts(teacher), prefix=f"{field}.")
     _check_cp(teacher, config.aggregation, cp)
     return teacher
 
@@ -426,14 +416,7 @@ def _fused(
     """The loss of both doors, from the gathered rows ``h``, the checked ``mask``
     ``[n]`` and ``sequences`` ``(segments [n], count)``, the teacher as ``[b, s]``
     tokens."""
-    weights = weights_of(
-        mask,
-        sequences[0],
-        sequences[1],
-        config.aggregation,
-        global_tokens=teacher.global_tokens,
-        global_sequences=teacher.global_sequences,
-    )
+    weights = weights_of(mask, *sequences, config.aggregation, **global_counts(teacher))
     if isinstance(teacher, SparseTeacher):
         prepared = teacher.prepare(
             at.b,
@@ -517,19 +500,16 @@ def linear_distillation_loss(
         M = where(labels == ignore_index, 0, teacher.mask)        # [n]; mask None: ones
         loss = sum(aggregation_weights(M, segments, count, config.aggregation) * D)
 
-    with the formulas of ``hookspec.conventions`` (divergences, tails). ``teacher``
-    holds rows: :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or
-    :class:`DenseTeacher` ``hidden_states`` ``[n_local, h_t]`` (gathered as
-    ``hidden``, ``z_t = gather(hidden_states) @ weight.T * logit_scale / T``) and its
-    ``weight`` ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
+    with the formulas of ``hookspec.conventions``. ``teacher`` holds rows:
+    :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or :class:`DenseTeacher`
+    ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``, ``z_t =
+    gather(hidden_states) @ weight.T * logit_scale / T``) and ``weight``
+    ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
     ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
-    (read by the sequence means; ``None``: one sequence). ``options``:
-    :class:`LinearOptions` whose ``temperature`` stays 1 (the temperature is
-    ``config.temperature``); ``tile_rows`` whole rows a tile; ``check_values`` also
-    reads the teacher, the mask and the segments. No gradient reaches the teacher.
-
-    Cost: as :func:`distillation_loss`. Differentiable once (``create_graph=True``
-    raises).
+    (``None``: one). ``options``: :class:`LinearOptions` whose ``temperature`` stays 1
+    (the temperature is ``config.temperature``); ``check_values`` also reads the
+    teacher, the mask and the segments. No gradient reaches the teacher;
+    differentiable once (``create_graph=True`` raises).
     """
     config = _checked_config(config)
     if isinstance(options, LinearOptions):

@@ -14,18 +14,8 @@ import torch
 from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
-from ..value_checks import (
-    check_finite_deferred,
-    check_labels_deferred,
-    check_multiple_deferred,
-    refuse_meta,
-)
-from ._checks import (
-    check_floating,
-    check_temperature,
-    context_field,
-    context_logit_scale,
-)
+from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred, refuse_meta
+from ._checks import check_floating, check_temperature, context_field, context_logit_scale
 from ._options import LinearOptions, refuse_function_transforms
 
 __all__ = [

@@ -24,6 +24,7 @@ __all__ = [
     "RatioLevel",
     "aggregation_weights",
     "check_counts",
+    "global_counts",
     "kl_penalty",
     "kl_terms",
     "masked_mean",
@@ -72,10 +73,8 @@ class PolicyLossConfig:
     an entropy penalty); ``log_ratio_clamp > 0`` or ``None``; every number
     finite; ``fused`` a bool.
 
-    Deprecated for one release (``DeprecationWarning``): ``ratio`` given as the
-    strings ``"token"``/``"sequence"`` (pass :class:`RatioLevel`), and the
-    property ``eps_high`` (read :attr:`effective_clip_high`). The clip bounds
-    are named ``clip_low``/``clip_high`` throughout.
+    Deprecated for one release (``DeprecationWarning``): ``ratio`` as a string
+    (pass :class:`RatioLevel`) and ``eps_high`` (read :attr:`effective_clip_high`).
     """
 
     clip_low: float = 0.2
@@ -113,10 +112,8 @@ class PolicyLossConfig:
         put("kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
         put("entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
         if self.log_ratio_clamp is not None:
-            put(
-                "log_ratio_clamp",
-                check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True),
-            )
+            clamp = check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True)
+            put("log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
         put("kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
         put("aggregation", check_enum("aggregation", Aggregation, self.aggregation))
@@ -239,6 +236,11 @@ def sequence_ratio_of(
     each token's sequence (``0`` where ``den_k == 0``, NaN where it is NaN)."""
     per_seq = num / torch.where(den == 0, 1.0, den)
     return _clamp(per_seq[segments], clamp)
+
+
+def global_counts(owner: Any) -> dict[str, Any]:
+    """The ``global_tokens`` and ``global_sequences`` of a batch or a teacher, as keywords."""
+    return {"global_tokens": owner.global_tokens, "global_sequences": owner.global_sequences}
 
 
 def check_counts(

@@ -25,10 +25,9 @@ from hookspec import (
     SingleProcessCollectives,
     processor,
 )
-from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, checked_call
-from ._checks import check_floating
+from ._checks import check_floating, check_shape
 from ._fused import fused_token_loss
 from ._inputs import (
     HookInputs,
@@ -44,6 +43,7 @@ from ._loss_math import (
     PolicyLossConfig,
     RatioLevel,
     check_counts,
+    global_counts,
     kl_terms,
     masked_mean,
     ppo_token_loss,
@@ -55,12 +55,7 @@ from ._loss_math import (
 )
 from ._options import LinearOptions, refuse_unexpected
 
-__all__ = [
-    "PolicyBatch",
-    "TokenTerms",
-    "context_parallel_sum",
-    "policy_loss",
-]
+__all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,22 +103,14 @@ class PolicyBatch:
                     )
                 continue
             check_floating(f"context.{name}", value)
-            _check_bs(f"context.{name}", value, b, s)
+            check_shape(f"context.{name}", value, (b, s), f"[b={b}, s={s}] like labels")
         if self.mask is not None:
             if not isinstance(self.mask, torch.Tensor):
                 raise ContractError(
                     "context.mask", expected="a tensor [b, s]", actual=type(self.mask).__name__
                 )
-            _check_bs("context.mask", self.mask, b, s)
-        counts = {"global_tokens": self.global_tokens, "global_sequences": self.global_sequences}
-        check_counts(None, **counts, prefix="context.")
-
-
-def _check_bs(field: str, value: torch.Tensor, b: int, s: int) -> None:
-    if tuple(value.shape) != (b, s):
-        raise ContractError(
-            field, expected=f"shape [b={b}, s={s}] like labels", actual=format_shape(value.shape)
-        )
+            check_shape("context.mask", self.mask, (b, s), f"[b={b}, s={s}] like labels")
+        check_counts(None, **global_counts(self), prefix="context.")
 
 
 def _policy_batch(ctx: OutputContext) -> PolicyBatch:
@@ -298,8 +285,7 @@ def _rows(
     sequence's ``n_k`` summed over the context-parallel group, or ``None``)."""
     mask, segments, count, _ = seqs
     device = mask.device
-    counts = {"global_tokens": batch.global_tokens, "global_sequences": batch.global_sequences}
-    weights = weights_of(mask, segments, count, config.aggregation, **counts, totals=totals)
+    weights = weights_of(mask, segments, count, config.aggregation, **global_counts(batch), totals=totals)
     mask_t = to_tokens(mask)
     return TokenRows(
         mask=mask_t,
@@ -349,11 +335,7 @@ def _autograd_pass(
 
 
 def _sequence_pass(
-    x: HookInputs,
-    seqs: _Sequences,
-    batch: PolicyBatch,
-    config: PolicyLossConfig,
-    options: LinearOptions,
+    x: HookInputs, seqs: _Sequences, batch: PolicyBatch, config: PolicyLossConfig, options: LinearOptions
 ) -> tuple[_Pass, TokenRows, torch.Tensor | None]:
     """GSPO: ``(pass, rows, totals)``. Each sequence's ``sum M (logp - old)`` and
     ``n_k`` are summed over the context-parallel group in one collective, so
@@ -417,21 +399,17 @@ def policy_loss(
          "approx_kl"}
 
     ``loss`` is :class:`PolicyLossConfig`'s formula aggregated with its
-    ``aggregation``, over the tokens of ``PolicyBatch.mask`` (the user context)
-    whose label is not the ignore index. ``pg_loss`` and ``kl`` are its terms,
-    aggregated the same way (``kl`` only with ``ref_logprobs``). The metrics are
-    token means over the mask, detached: ``entropy``; ``clip_fraction`` (the
-    clipped branch taken); ``dual_clip_fraction`` (with ``dual_clip``);
-    ``approx_kl`` = k3 between the old and the current policy,
-    ``exp(old - logp) - (old - logp) - 1``.
+    ``aggregation`` over the tokens of ``PolicyBatch.mask`` (the user context) whose
+    label is not the ignore index; ``pg_loss`` and ``kl`` (with ``ref_logprobs``) are
+    its terms aggregated alike. The rest are detached token means over the mask:
+    ``entropy``, ``clip_fraction``, ``dual_clip_fraction`` (with ``dual_clip``),
+    ``approx_kl`` = ``exp(old - logp) - (old - logp) - 1``.
 
-    With ``config.fused`` and a token ratio, the gradients are formed in the
-    forward pass (no logits recomputed, tiles of ``tile_rows`` whole rows, default
-    per device: ``TILE_BYTES`` of fp32 logits, 32 MiB on a CPU and 256 MiB on CUDA);
-    otherwise logprobs and entropy come from :func:`linear_logprobs` (tiles of
-    ``tile_rows`` x ``tile_cols``) and autograd goes through them. The tile
-    names are :class:`LinearOptions`'; ``None``: the default per device. Bad
-    values: see this module's docstring.
+    With ``config.fused`` and a token ratio, the gradients are formed in the forward
+    pass (tiles of ``tile_rows`` whole rows, by default ``TILE_BYTES`` of fp32 logits,
+    32 MiB on a CPU and 256 MiB on CUDA); otherwise autograd goes through
+    :func:`linear_logprobs` (tiles of ``tile_rows`` x ``tile_cols``). ``None``: the
+    default per device (:class:`LinearOptions`).
     """
     config = PolicyLossConfig() if config is None else config
     if not isinstance(config, PolicyLossConfig):
@@ -445,8 +423,7 @@ def policy_loss(
         x = hook_inputs(ctx, "policy_loss")
         batch = _policy_batch(ctx)
         batch.validate(x.b, x.s, need_ref=config.kl_coef != 0.0)
-        counts = {"global_tokens": batch.global_tokens, "global_sequences": batch.global_sequences}
-        check_counts(config.aggregation, **counts, prefix="context.")
+        check_counts(config.aggregation, **global_counts(batch), prefix="context.")
         cp_sum = context_parallel_sum(config, batch, ctx)
         mask = _checked_mask(ctx, x, batch)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)

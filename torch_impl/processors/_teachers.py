@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
@@ -16,17 +15,9 @@ from hookspec import Collectives, ContractError, VocabShard
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_condition_deferred, check_indices_deferred
-from ._checks import check_finite_number, check_floating
+from ._checks import check_finite_number, check_floating, check_shape
 
 __all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher"]
-
-
-def _check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ContractError(field, expected=f"a torch.Tensor {expected}", actual=type(value).__name__)
-    if tuple(value.shape) != want:
-        raise ContractError(field, expected=f"shape {expected}", actual=format_shape(value.shape))
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +39,11 @@ class SparseTeacher:
     ``topk_logprobs(k)`` of a teacher, cached), ``[b, s, k]`` each.
 
     ``ids``: distinct global token ids, the first the teacher's top-1;
-    ``logprobs``: its logprobs there, at the distillation temperature: ``<= 0``
-    and summing (``exp``) to at most 1, up to the rounding of their dtype, the first
-    the largest and finite; ``-inf`` is probability 0 (an id the teacher masks),
-    NaN and ``+inf`` are refused (``hookspec.conventions``; checked at counted tokens: at
-    once on a CPU, without a host read on a GPU). ``mask``: ``[b, s]`` weights
-    (``None``: the model's ``loss_mask``, else every token; tokens labelled
-    ``ignore_index`` never count). ``global_tokens`` / ``global_sequences``: as
-    :class:`PolicyBatch`'s (counts over the ranks that share the loss). Read at
-    counted tokens only.
+    ``logprobs``: its logprobs there, at the distillation temperature, by the rules
+    of ``hookspec.conventions`` (``-inf`` is probability 0; checked at counted
+    tokens). ``mask``: ``[b, s]`` weights (``None``: the model's ``loss_mask``, else
+    every token; tokens labelled ``ignore_index`` never count). ``global_tokens`` /
+    ``global_sequences``: as :class:`PolicyBatch`'s. Read at counted tokens only.
     """
 
     ids: torch.Tensor
@@ -87,11 +74,11 @@ class SparseTeacher:
         k = int(ids.shape[2])
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise ContractError(f"{field}.ids", expected="an integer dtype", actual=str(ids.dtype))
-        _check_shape(f"{field}.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
+        check_shape(f"{field}.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
         if k < 1:
             raise ContractError(f"{field}.ids", expected="k >= 1 ids per token", actual="k = 0")
         check_floating(f"{field}.logprobs", self.logprobs)
-        _check_shape(f"{field}.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
+        check_shape(f"{field}.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
         device = counted.device
         ids = ids.transpose(0, 1).reshape(-1, k).to(device=device, dtype=torch.long)
         lp = self.logprobs.detach().transpose(0, 1).reshape(-1, k).to(device=device)
@@ -152,13 +139,10 @@ class DenseTeacher:
     its output weight shard.
 
     ``hidden_states``: ``[s, b, h_t]`` in the layout of the student's
-    ``ctx.hidden_states`` (``[s/tp, b, h_t]`` under sequence parallel);
-    ``weight``: ``[V_local, h_t]``; ``vocab``: the vocabulary rows the weight
-    holds, which must be the student's (``ctx.vocab``); required where the
-    student's weight is a shard of the vocabulary (``None``: the whole
-    vocabulary). ``h_t`` may differ from the student's. ``logit_scale``: the
-    teacher model's own factor on its logits (MuP's output multiplier; the
-    student's comes from its model): the teacher's logits are
+    ``ctx.hidden_states``; ``weight``: ``[V_local, h_t]`` (``h_t`` may differ from
+    the student's); ``vocab``: the weight's rows, the student's ``ctx.vocab``
+    (required where that is a shard; ``None``: the whole vocabulary).
+    ``logit_scale``: the teacher's own factor (MuP): its logits are
     ``hidden_states @ weight.T * logit_scale / T``. No gradient reaches them.
     ``mask``, ``global_tokens``, ``global_sequences``: as :class:`SparseTeacher`.
     """
