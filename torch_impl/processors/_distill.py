@@ -356,10 +356,10 @@ def _fused_distill(
     """``(loss, kl, agree, lse)``, the gradients formed in the forward pass
     (:class:`~._engine.FormedInForward`)."""
 
-    def run(need_dh: bool, need_dw: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
+    def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
         acc = setup.acc_dtype
         with no_autocast(h):
-            eng = Engine(h, w, setup)
+            eng = Engine(h, w, setup, need_db=need_db)
             n = eng.n
             out = _Outputs(
                 kl=torch.zeros(n, dtype=acc, device=h.device),
@@ -371,9 +371,9 @@ def _fused_distill(
             renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
             epilogue = make(eng, cfg, teacher, weights.to(acc), out)
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
-        return (out.loss, out.kl, out.agree, out.lse), dh, dw
+        return (out.loss, out.kl, out.agree, out.lse), dh, dw, eng.db
 
-    return FormedInForward.apply(h, w, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
+    return FormedInForward.apply(h, w, setup.bias, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- the tensor function
@@ -533,13 +533,14 @@ def linear_distillation_loss(
     options: LinearOptions | None = None,
     config: DistillConfig | None = None,
     sequences: tuple[torch.Tensor, int] | None = None,
+    bias: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> DistillResult:
     """The distillation loss of the student's rows ``hidden @ weight.T`` to a teacher,
     vocab-parallel, its gradients formed in this call, never materialising the
     logits. Equal to::
 
-        z = gather(hidden) @ weight_full.T * logit_scale / T      # [n, V], T = config.temperature
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], T = config.temperature
         log Q = log_softmax(z)                                    # the student
         log P = log_softmax(z_t)  (dense)  |  the teacher's k ids (sparse, config.tail)
         D = divergence(P, Q)                                      # [n], config.divergence
@@ -556,6 +557,8 @@ def linear_distillation_loss(
     :class:`LinearOptions` whose ``temperature`` stays 1 (the temperature is
     ``config.temperature``); ``tile_rows`` whole rows a tile; ``check_values`` also
     reads the teacher, the mask and the segments. No gradient reaches the teacher.
+    ``bias``: the student's ``[V_local]`` or ``None``, as
+    :func:`~torch_impl.processors.linear_logprobs`' (added before the temperature).
 
     Cost: as :func:`distillation_loss`. Differentiable once (``create_graph=True``
     raises).
@@ -570,7 +573,7 @@ def linear_distillation_loss(
             )
         options = dataclasses.replace(options, temperature=config.temperature)
     name = "linear_distillation_loss"
-    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected)
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
     n, check = int(h.shape[0]), options.check_values
     tokens: Teacher  # as b = 1, s = n tokens
