@@ -151,7 +151,9 @@ class Tiles:
             g = g * (w[:, None] if isinstance(w, torch.Tensor) else w)
             self.db.index_add_(0, cols.clamp(min=0).reshape(-1), g.reshape(-1).to(self.db.dtype))
             return
-        wv = w if isinstance(w, torch.Tensor) else torch.full((g.shape[0],), w, device=g.device)
+        wv = (
+            w if isinstance(w, torch.Tensor) else torch.full((g.shape[0],), w, dtype=g.dtype, device=g.device)
+        )
         addmm_into(self.db[cols].view(1, -1), wv.to(g.dtype)[None], g)
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
