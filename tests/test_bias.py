@@ -258,8 +258,8 @@ def test_recomputed_backward_twice_and_create_graph_refused() -> None:
     [
         ([0.0] * V, "a torch.Tensor"),
         (torch.zeros(V, dtype=torch.long), "floating dtype"),
-        (torch.zeros(V + 1, dtype=torch.float64), r"shape \[V_local=23\]"),
-        (torch.zeros(1, V, dtype=torch.float64), r"shape \[V_local=23\]"),
+        (torch.zeros(V + 1, dtype=torch.float64), r"shape \[V_local\]: \[23\]"),
+        (torch.zeros(1, V, dtype=torch.float64), r"shape \[V_local\]: \[23\]"),
         (torch.zeros(V, dtype=torch.float32), "weight's dtype"),
         (torch.full((V,), float("nan"), dtype=torch.float64), "finite"),
         (torch.zeros(V, dtype=torch.float64).index_fill(0, torch.tensor([4]), float("inf")), "finite"),

@@ -261,25 +261,15 @@ class FormedInForward(torch.autograd.Function):
 
 
 class Recomputed(torch.autograd.Function):
-    """Gradients recomputed in the backward by the vocabulary sweep (the logprobs, top-k):
-    ``apply(h, w, b, name, setup, run)`` returns the outputs of ``run(engine) ->
-    (outputs, frozen, grad_of)`` (``frozen``: outputs without a gradient; run under
-    ``no_autocast``), differentiable in ``h``, ``w`` and the bias ``b`` (or None):
-    ``grad_of(*cotangents) -> (stats, coef, sparse)`` (None: no gradient) feeds
-    :meth:`Engine.backward` on a fresh engine. ``grad_of`` holds detached values only
-    (outputs on ctx would be a cycle). A second backward (``retain_graph=True``)
-    recomputes; ``create_graph=True`` raises."""
+    """Gradients recomputed by the vocabulary sweep (the logprobs, top-k): ``apply(h, w, b,
+    name, setup, run)`` returns the outputs of ``run(engine) -> (outputs, frozen,
+    grad_of)`` (``frozen``: those without a gradient), differentiable in ``h``, ``w``
+    and the bias ``b`` (or None): ``grad_of(*cotangents) -> (stats, coef, sparse)``
+    (None: no gradient; detached values only, no cycle through ctx) feeds
+    :meth:`Engine.backward`. A second backward recomputes; ``create_graph=True`` raises."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        h: torch.Tensor,
-        w: torch.Tensor,
-        b: Any,
-        name: str,
-        setup: TileSetup,
-        run: Callable[..., Any],
-    ) -> Any:
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, setup: Any, run: Any) -> Any:
         with no_autocast(h):
             outputs, frozen, ctx.grad_of = run(Engine(h, w, setup))
         ctx.set_materialize_grads(False)

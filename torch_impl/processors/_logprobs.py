@@ -5,14 +5,14 @@ recomputing backward (:func:`linear_logprobs`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any, Never
 
 import torch
 
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, Recomputed, TileSetup, logit_grad_coefficients
+from ._engine import Engine, Recomputed, logit_grad_coefficients
 from ._options import LinearOptions, prologue
 
 __all__ = ["LogprobResult", "linear_logprobs"]
@@ -35,23 +35,22 @@ class LogprobResult:
     lse: torch.Tensor
 
 
-def _logprobs(setup: TileSetup, with_entropy: bool) -> Callable[[Engine], Any]:
-    """The run of :class:`~._engine.Recomputed`: the sweep's statistics, and their gradient's terms."""
+def _run(with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
+    """:class:`~._engine.Recomputed`'s run: the sweep's statistics and their gradient's terms."""
+    stats, setup = eng.forward_stats(with_entropy=with_entropy), eng.setup
+    kept = stats.detached()
+    entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
 
-    def run(eng: Engine) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], Any]:
-        stats = eng.forward_stats(with_entropy=with_entropy)
-        kept = stats.detached()
-        entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
+    def grad_of(g_lp: Any, g_h: Any, g_lse: Any) -> Any:
+        if g_lp is None and g_h is None and g_lse is None:
+            return None
+        return (
+            kept,
+            logit_grad_coefficients(kept, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse),
+            None,
+        )
 
-        def grad_of(g_lp: Any, g_h: Any, g_lse: Any) -> Any:
-            if g_lp is None and g_h is None and g_lse is None:
-                return None
-            coef = logit_grad_coefficients(kept, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse)
-            return kept, coef, None
-
-        return (stats.logprobs, entropy, stats.lse), (() if with_entropy else (entropy,)), grad_of
-
-    return run
+    return (stats.logprobs, entropy, stats.lse), (() if with_entropy else (entropy,)), grad_of
 
 
 @checked_call()
@@ -101,6 +100,6 @@ def linear_logprobs(
     """
     check_bool("with_entropy", with_entropy)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected, bias=bias)
-    run = _logprobs(setup, with_entropy)
+    run = functools.partial(_run, with_entropy)
     logprobs, entropy, lse = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None, lse=lse)

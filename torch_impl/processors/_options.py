@@ -233,14 +233,14 @@ def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Ten
     """The output layer's bias: ``[V_local]``, ``weight``'s dtype and device, finite
     (read when ``check_values``: at once on a CPU, deferred on a GPU)."""
     check_floating("bias", bias)
-    local = int(weight.shape[0])
-    if bias.shape != (local,):
-        raise ContractError("bias", expected=f"shape [V_local={local}]", actual=format_shape(bias.shape))
-    if bias.dtype != weight.dtype:
-        dtype = str(bias.dtype).removeprefix("torch.")
-        raise ContractError("bias", expected=f"weight's dtype {weight.dtype}", actual=dtype)
-    if bias.device != weight.device:
-        raise ContractError("bias", expected=f"on {weight.device}", actual=str(bias.device))
+    shape = ("shape [V_local]", format_shape(weight.shape[:1]), format_shape(bias.shape))
+    for what, want, got in [
+        shape,
+        ("dtype", weight.dtype, bias.dtype),
+        ("device", weight.device, bias.device),
+    ]:
+        if want != got:
+            raise ContractError("bias", expected=f"the weight's {what}: {want}", actual=str(got))
     if check_values:
         check_finite_deferred(bias, field="bias")
     return bias

@@ -113,10 +113,7 @@ class Tiles:
         z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
         if self.b is not None:
             f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
-            if isinstance(f, torch.Tensor):
-                z.addr_(f, self.b[cols])
-            else:
-                z.add_(self.b[cols], alpha=f)
+            z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(self.b[cols], alpha=f)
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
 
     def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
@@ -139,10 +136,9 @@ class Tiles:
         cols: slice | torch.Tensor = slice(None),
         scale: torch.Tensor | None = None,
     ) -> None:
-        """``db[cols] += sum_i w_i g[i]`` (``db = sum_i dL/du_i``; nothing without ``db``)
-        for ``g`` in the GEMMs' form: ``[r, c]`` of the columns ``cols``, or ``[r, k]``
-        at the local columns ``cols`` (-1: none, ``g`` 0 there); ``w = scale * inv_t``
-        where folded, ``scale`` (1 when None) else."""
+        """``db[cols] += sum_i w_i g[i]`` (``db = sum_i dL/du_i``) for ``g`` in the GEMMs' form,
+        ``[r, c]`` of the columns ``cols``, or ``[r, k]`` at the local columns ``cols`` (-1:
+        none, ``g`` 0 there); ``w = scale`` (1 when None), times ``inv_t`` where folded."""
         if self.db is None:
             return
         w = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0

@@ -7,7 +7,7 @@ both backends); the shards' candidates merged with ``Collectives.all_gather``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any, Never
 
 import torch
@@ -16,7 +16,7 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
-from ._engine import Coefficients, Engine, Recomputed, TileSetup, logit_grad_coefficients
+from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
 from ._options import LinearOptions, prologue, refuse_unexpected
 
@@ -133,40 +133,37 @@ def _merge_shards(
     return top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
 
 
-def _topk(setup: TileSetup, k: int, gather: Any, with_entropy: bool) -> Callable[[Engine], Any]:
-    """The run of :class:`~._engine.Recomputed`: the top-k and statistics, and the terms of
-    their gradient::
+def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
+    """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their gradient's terms::
 
-        dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
+    dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
     """
+    top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
+    stats, setup, acc = (
+        eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile),
+        eng.setup,
+        eng.setup.acc_dtype,
+    )
+    values, ids = _merge_shards(top_v, top_i, k, gather)
+    values = values - stats.lse[:, None]
+    entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
+    kept, local = stats.detached(), ids - setup.vocab_start
+    local = torch.where((local >= 0) & (local < eng.local), local, -1)
 
-    def run(eng: Engine) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], Any]:
-        top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
-        stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
-        values, ids = _merge_shards(top_v, top_i, k, gather)
-        values = values - stats.lse[:, None]
-        entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
-        kept, local, acc = stats.detached(), ids - setup.vocab_start, setup.acc_dtype
-        local = torch.where((local >= 0) & (local < eng.local), local, -1)
+    def grad_of(g_val: Any, _g_ids: Any, g_lab: Any, g_ent: Any) -> Any:
+        if g_ent is not None and (not g_ent.numel() or kept.entropy is None):
+            g_ent = None
+        if g_val is None and g_lab is None and g_ent is None:
+            return None
+        g_lab = (
+            torch.zeros_like(kept.max) if g_lab is None else torch.where(setup.ignored, 0.0, g_lab.to(acc))
+        )
+        total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
+        coef = logit_grad_coefficients(kept, total, g_ent, torch.zeros_like(setup.ignored), acc)
+        sparse = None if g_val is None else (local, g_val.to(acc))
+        return kept, Coefficients(coef.a, coef.b, g_lab), sparse
 
-        def grad_of(g_val: Any, _g_ids: Any, g_lab: Any, g_ent: Any) -> Any:
-            if g_ent is not None and (not g_ent.numel() or kept.entropy is None):
-                g_ent = None
-            if g_val is None and g_lab is None and g_ent is None:
-                return None
-            g_lab = (
-                torch.zeros_like(kept.max)
-                if g_lab is None
-                else torch.where(setup.ignored, 0.0, g_lab.to(acc))
-            )
-            total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
-            coef = logit_grad_coefficients(kept, total, g_ent, torch.zeros_like(setup.ignored), acc)
-            sparse = None if g_val is None else (local, g_val.to(acc))
-            return kept, Coefficients(coef.a, coef.b, g_lab), sparse
-
-        return (values, ids, stats.logprobs, entropy), (ids,), grad_of
-
-    return run
+    return (values, ids, stats.logprobs, entropy), (ids,), grad_of
 
 
 @checked_call()
@@ -226,7 +223,7 @@ def linear_topk_logprobs(
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
-    run = _topk(setup, k, gather, with_entropy)
+    run = functools.partial(_run, k, gather, with_entropy)
     values, ids, label, entropy = Recomputed.apply(h, weight, setup.bias, name, setup, run)
     return TopkResult(
         logprobs=values,
