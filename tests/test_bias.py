@@ -284,29 +284,45 @@ def test_bad_bias_refused_by_name(bias: Any, match: str) -> None:
 # ---------------------------------------------------------------- bf16
 
 
-def _bf16_run(p: dict[str, torch.Tensor], how: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``linear_logprobs`` (entropy, lse) with a bias: ``how`` "ours" at bf16 compute
-    on the bf16 inputs; "materialised": the logits ``addmm(b, h, W.T)`` formed in
-    ``dtype`` (bf16: the naive path, rounded once; float64: the truth), then the maths
-    on them (hidden = logits, weight = identity)."""
+def _bf16_run(p: dict[str, torch.Tensor], fn: str, how: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``fn`` (``linear_logprobs`` with entropy and lse, or the fused loss's single
+    pass) with a bias: ``how`` "ours" at bf16 compute on the bf16 inputs;
+    "materialised": the logits ``addmm(b, h, W.T)`` formed in ``dtype`` (bf16: the
+    naive path, rounded once; float64: the truth), then the maths on them (hidden =
+    the logits, weight = the identity)."""
     h, w, b = (p[k].to(torch.bfloat16).to(dtype).requires_grad_() for k in ("h", "w", "b"))
-    opts = LinearOptions(temperature=p["t"].float(), logit_scale=SCALE, compute_dtype=dtype)
+    t = p["t"].float()
     if how == "ours":
-        r = linear_logprobs(h, w, p["y"], options=opts, bias=b, with_entropy=True)
+        args, bias, opts = (h, w), b, LinearOptions(temperature=t, logit_scale=SCALE, compute_dtype=dtype)
     else:
         z = torch.addmm(b, h, w.T)
         zf = z.float() if dtype == torch.bfloat16 else z
-        eye = torch.eye(zf.shape[1], dtype=zf.dtype)
-        opts = LinearOptions(temperature=p["t"].float(), logit_scale=SCALE)
-        r = linear_logprobs(zf, eye, p["y"], options=opts, with_entropy=True)
-    assert r.entropy is not None
-    out = {"lp": r.logprobs, "ent": r.entropy, "lse": r.lse}
-    total = sum((v.double() * p["c_" + k]).sum() for k, v in out.items())
+        args, bias, opts = (
+            (zf, torch.eye(zf.shape[1], dtype=zf.dtype)),
+            None,
+            LinearOptions(temperature=t, logit_scale=SCALE),
+        )
+    if fn == "fused":
+        f = fused_token_loss(
+            *args,
+            p["y"],
+            lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+            options=opts,
+            entropy_grad=False,
+            bias=bias,
+        )
+        out, total = {"lp": f.logprobs, "lse": f.lse}, f.loss
+    else:
+        r = linear_logprobs(*args, p["y"], options=opts, with_entropy=True, bias=bias)
+        assert r.entropy is not None
+        out = {"lp": r.logprobs, "ent": r.entropy, "lse": r.lse}
+        total = sum((v.double() * p["c_" + k]).sum() for k, v in out.items())
     grads = torch.autograd.grad(total, (h, w, b))
     return {**{k: v.detach() for k, v in out.items()}, **dict(zip(("dh", "dw", "db"), grads, strict=True))}
 
 
-def test_bf16_compute_against_float64_beside_the_naive_path(backend: str) -> None:
+@pytest.mark.parametrize("fn", ["logprobs", "fused"])
+def test_bf16_compute_against_float64_beside_the_naive_path(fn: str, backend: str) -> None:
     """Each value and gradient within a third of the naive bf16 path's error, or twice
     the bf16 rounding of the float64 result (tests/test_precision.py's rule)."""
     g = torch.Generator().manual_seed(7)
@@ -321,9 +337,9 @@ def test_bf16_compute_against_float64_beside_the_naive_path(backend: str) -> Non
         "t": torch.rand(n, generator=g, dtype=torch.float64) + 0.5,
         **{f"c_{k}": torch.randn(n, generator=g, dtype=torch.float64) for k in ("lp", "ent", "lse")},
     }
-    truth = _bf16_run(p, "materialised", torch.float64)
-    ours = _bf16_run(p, "ours", torch.bfloat16)
-    naive = _bf16_run(p, "materialised", torch.bfloat16)
+    truth = _bf16_run(p, fn, "materialised", torch.float64)
+    ours = _bf16_run(p, fn, "ours", torch.bfloat16)
+    naive = _bf16_run(p, fn, "materialised", torch.bfloat16)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b).norm() / b.norm())
@@ -334,7 +350,7 @@ def test_bf16_compute_against_float64_beside_the_naive_path(backend: str) -> Non
             rel(naive[key], want),
             rel(want.to(torch.bfloat16), want),
         )
-        assert err <= max(naive_err / 3, 2 * rounding), (backend, key, err, naive_err, rounding)
+        assert err <= max(naive_err / 3, 2 * rounding), (fn, backend, key, err, naive_err, rounding)
 
 
 # ---------------------------------------------------------------- tp=2
