@@ -222,10 +222,6 @@ def refuse_double_backward(name: str) -> None:
         )
 
 
-def _as(x: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    return None if x is None or dtype is None else x.to(dtype)
-
-
 class FormedInForward(torch.autograd.Function):
     """Gradients formed in the forward pass, scaled in the backward (the fused loss,
     distillation): ``apply(h, w, b, name, run, grad)`` returns the outputs of ``run(need_dh,
@@ -238,9 +234,7 @@ class FormedInForward(torch.autograd.Function):
     ``create_graph=True``."""
 
     @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, run: Callable[..., Any], grad: bool
-    ) -> Any:
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, run: Any, grad: bool) -> Any:
         outputs, *grads = run(*(grad and need for need in ctx.needs_input_grad[:3]))
         ctx.name, ctx.grads, ctx.dtypes = name, grads, [None if x is None else x.dtype for x in (h, w, b)]
         ctx.mark_non_differentiable(*outputs[1:])
@@ -257,7 +251,8 @@ class FormedInForward(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
             torch._foreach_mul_([x], g)
-        return *(_as(x, t) for x, t in zip(grads, ctx.dtypes, strict=True)), None, None, None
+        scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
+        return *scaled, None, None, None
 
 
 class Recomputed(torch.autograd.Function):
@@ -290,7 +285,8 @@ class Recomputed(torch.autograd.Function):
             stats, coef, sparse = terms
             eng = Engine(h, w, ctx.setup, need_db=need_db)
             dh, dw = eng.backward(stats, coef, need_dh=need_dh, need_dw=need_dw, sparse=sparse)
-        return _as(dh, h.dtype), dw, _as(eng.db, None if b is None else b.dtype), None, None, None
+        db = None if eng.db is None else eng.db.to(b.dtype)
+        return (None if dh is None else dh.to(h.dtype)), dw, db, None, None, None
 
 
 # ---------------------------------------------------------------- the engine

@@ -155,15 +155,10 @@ class _Calls:
 
 
 def _sweep(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    setup: TileSetup,
-    calls: _Calls,
-    need_dh: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, *need: bool
+) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
     """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse), dh, dW, db)``."""
+    need_dh, need_dw, need_db = need
     eng = Engine(h, w, setup, need_db=need_db)
     acc, ignored = setup.acc_dtype, setup.ignored
     lp_ent = torch.empty((3, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse

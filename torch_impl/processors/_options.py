@@ -234,11 +234,8 @@ def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Ten
     (read when ``check_values``: at once on a CPU, deferred on a GPU)."""
     check_floating("bias", bias)
     shape = ("shape [V_local]", format_shape(weight.shape[:1]), format_shape(bias.shape))
-    for what, want, got in [
-        shape,
-        ("dtype", weight.dtype, bias.dtype),
-        ("device", weight.device, bias.device),
-    ]:
+    checks = [shape, ("dtype", weight.dtype, bias.dtype), ("device", weight.device, bias.device)]
+    for what, want, got in checks:
         if want != got:
             raise ContractError("bias", expected=f"the weight's {what}: {want}", actual=str(got))
     if check_values:

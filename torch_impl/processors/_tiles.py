@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -129,13 +130,7 @@ class Tiles:
         (in place) unless the temperature is folded into the hidden rows."""
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
 
-    def bias_grad_(
-        self,
-        g: torch.Tensor,
-        rows: slice,
-        cols: slice | torch.Tensor = slice(None),
-        scale: torch.Tensor | None = None,
-    ) -> None:
+    def bias_grad_(self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None) -> None:
         """``db[cols] += sum_i w_i g[i]`` (``db = sum_i dL/du_i``) for ``g`` in the GEMMs' form,
         ``[r, c]`` of the columns ``cols``, or ``[r, k]`` at the local columns ``cols`` (-1:
         none, ``g`` 0 there); ``w = scale`` (1 when None), times ``inv_t`` where folded."""
@@ -147,10 +142,8 @@ class Tiles:
             g = g * (w[:, None] if isinstance(w, torch.Tensor) else w)
             self.db.index_add_(0, cols.clamp(min=0).reshape(-1), g.reshape(-1).to(self.db.dtype))
             return
-        wv = (
-            w if isinstance(w, torch.Tensor) else torch.full((g.shape[0],), w, dtype=g.dtype, device=g.device)
-        )
-        addmm_into(self.db[cols].view(1, -1), wv.to(g.dtype)[None], g)
+        wv = w.to(g.dtype) if isinstance(w, torch.Tensor) else g.new_full((g.shape[0],), w)
+        addmm_into(self.db[cols].view(1, -1), wv[None], g)
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
