@@ -61,6 +61,7 @@ class Workload:
     h: int = 4096  # hidden
     v: int = 151936  # vocabulary (one shard at tp = 1)
     elt: int = 2  # bf16
+    bias: bool = False  # an output-layer bias: an add per logit, a column sum per gradient tile
 
 
 WORKLOAD = Workload()
@@ -143,8 +144,19 @@ def logprobs_entropy(w: Workload = WORKLOAD) -> Prediction:
             passes += [Pass("gradient kernel: read fp32, write bf16 in place", k, 0, r * c * 6)]
             passes += [_gemm("dh += gz @ W[cols]", r, c, w.h, out=4, elt=w.elt, accumulate=True, count=k)]
             passes += [_gemm("dW[cols] = gz.T @ h", c, r, w.h, out=w.elt, elt=w.elt, count=k)]
-    peak = rows * cols * 4 + w.n * w.h * 4 + w.v * w.h * w.elt + w.n * w.h * w.elt
-    return Prediction("logprobs + entropy", 4, _merge(passes), peak)
+            passes += _bias_passes(w, r, c, k, twice=True)
+    peak = rows * cols * 4 + w.n * w.h * 4 + w.v * w.h * w.elt + w.n * w.h * w.elt + w.bias * w.v * 8
+    return Prediction("logprobs + entropy" + ", with a bias" * w.bias, 4, _merge(passes), peak)
+
+
+def _bias_passes(w: Workload, r: int, c: int, k: int, *, twice: bool = False) -> list[Pass]:
+    """A bias on ``k`` tiles ``[r, c]``: ``b`` added to the fp32 logits tile (read and
+    written; ``twice``: the backward's recomputed tile too), and ``db`` the column sum
+    of the gradient tile (a GEMV reading it once; memory-bound: no GEMM flops)."""
+    if not w.bias:
+        return []
+    add = Pass("bias add: read and write the fp32 tile", k * (1 + twice), 0, r * c * 8 + c * 4)
+    return [add, Pass("db += column sum of the gradient (GEMV)", k, 0, r * c * w.elt + c * 8)]
 
 
 def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: str) -> Prediction:
@@ -154,7 +166,9 @@ def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: st
     for r, k in _tiles(w.n, rows):
         passes.append(_gemm("logits", r, w.h, w.v, out=4, elt=w.elt, count=k))
         passes += [dataclasses.replace(p, count=p.count * k) for p in epilogue(r)]
+        passes += _bias_passes(w, r, w.v, k)[:1]
     for i, (g, k) in enumerate(_tiles(w.n, buffer)):
+        passes += _bias_passes(w, g, w.v, k)[1:]
         passes.append(_gemm("dh = G @ W", g, w.v, w.h, out=4, elt=w.elt, count=k))
         first = i == 0
         passes.append(
@@ -165,8 +179,10 @@ def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: st
                 _gemm("dW += G.T @ h", w.v, g, w.h, out=w.elt, elt=w.elt, accumulate=True, count=k - 1)
             )
     passes.append(Pass("backward: dW *= incoming gradient", 1, 0, 2 * w.v * w.h * w.elt))
-    peak = rows * w.v * 4 + buffer * w.v * w.elt + w.v * w.h * w.elt + w.n * w.h * (4 + w.elt)
-    return Prediction(design, 3, _merge(passes), peak)
+    peak = (
+        rows * w.v * 4 + buffer * w.v * w.elt + w.v * w.h * w.elt + w.n * w.h * (4 + w.elt) + w.bias * w.v * 8
+    )
+    return Prediction(design + ", with a bias" * w.bias, 3, _merge(passes), peak)
 
 
 def fused_single_pass(w: Workload = WORKLOAD) -> Prediction:
@@ -268,6 +284,8 @@ DESIGNS: dict[str, Callable[[], Prediction]] = {
     "fused_two_pass": fused_two_pass,
     "fused_before": fused_before,
     "fused_buffer_reducing": fused_buffer_two_pass_reducing,
+    "logprobs_entropy_bias": lambda: logprobs_entropy(Workload(bias=True)),
+    "fused_single_pass_bias": lambda: fused_single_pass(Workload(bias=True)),
 }
 
 

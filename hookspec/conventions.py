@@ -9,6 +9,12 @@ Selected-token logprob with temperature::
 
     logprob = z[y] / T - logsumexp(z / T)                  # <= 0
 
+The logits of the output layer, hidden state ``h [H]``, weight ``W [V, H]``, an
+optional bias ``b [V]`` (0 when absent; each vocabulary shard holds its part and
+its gradient), and the scale ``logit_scale`` (1 unless a config sets one)::
+
+    z = (h @ W.T + b) * logit_scale                        # d z / d b = logit_scale
+
 Entropy of the tempered distribution, non-negative (NeMo RL's chunked entropy
 returns the negative; we do not)::
 

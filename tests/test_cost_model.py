@@ -12,7 +12,9 @@ interpreter, do not. The floor:
   logits again, ``dh`` and ``dW``;
 - a scalar loss whose gradients are formed in the forward pass
   (``fused_token_loss``, the fused policy loss, the reduced cross entropy): 3.0,
-  no logits recomputed.
+  no logits recomputed;
+- an output-layer bias adds ``1 / h``: the column sum of each gradient tile for
+  ``db``, a GEMV ``[1, r] @ [r, c]`` (``2 n V`` flops in all).
 
 A GEMM moved into a kernel makes a count fall below the floor, a recompute makes it
 rise above it; both fail (see the self-tests at the end). No timing is asserted.
@@ -153,6 +155,10 @@ def _distill(how: str) -> Callable[[dict[str, Any], torch.Tensor, torch.Tensor],
     return lambda d, h, w: distillation_loss(cfg, tile_rows=_rows(d, w))(ctx_of(d, h, w, d[teacher]))
 
 
+def _bias(w: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(-1, 1, w.shape[0], dtype=w.dtype).requires_grad_()
+
+
 def backward_of(out: Any) -> None:
     """Forward's result to a scalar with every output used, then backward."""
     if isinstance(out, dict):
@@ -196,6 +202,25 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
             options=LinearOptions(backend=d["backend"], tile_rows=_rows(d, w)),
         ),
         3.0,
+    ),
+    # a bias: one more column sum per gradient tile, a GEMV [1, r] @ [r, c] (2 n V in all)
+    "linear_logprobs(bias)": (
+        lambda d, h, w: linear_logprobs(
+            h.reshape(-1, H), w, d["y"].T.reshape(-1), options=LinearOptions(**d["kw"]), bias=_bias(w)
+        ),
+        4.0 + 1 / H,
+    ),
+    "fused_token_loss(bias, single pass)": (
+        lambda d, h, w: fused_token_loss(
+            h.reshape(-1, H),
+            w,
+            d["y"].T.reshape(-1),
+            lambda lp, ent, rows: (lp * 0.3).sum(),
+            options=LinearOptions(backend=d["backend"], tile_rows=_rows(d, w)),
+            entropy_grad=False,
+            bias=_bias(w),
+        ),
+        3.0 + 1 / H,
     ),
     "selected_logprobs(entropy=True)": (
         lambda d, h, w: selected_logprobs(entropy=True, **d["tile"])(ctx_of(d, h, w)),
@@ -263,6 +288,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
 
 ROW_SWEEP = {
     "fused_token_loss",
+    "fused_token_loss(bias, single pass)",
     "cross_entropy_loss(reduction='mean')",
     "cross_entropy_loss(reduction='mean', z_loss)",
     "policy_loss(GRPO, fused)",

@@ -161,7 +161,7 @@ def test_every_custom_autograd_function_differentiates_twice_or_refuses_by_name(
     analytic value) or refuses ``create_graph=True`` by name, first thing in
     ``backward`` (the two of this package are also run above, on both backends)."""
     found = _autograd_functions()
-    assert {"_LinearLogprobs", "FormedInForward"} <= set(found)
+    assert {"Recomputed", "FormedInForward"} <= set(found)
     wrong = []
     for name, (module, node) in found.items():
         if name in DIFFERENTIABLE:

@@ -326,10 +326,10 @@ def _fused_distill(
     """``(loss, kl, agree, lse)``, the gradients formed in the forward pass
     (:class:`~._engine.FormedInForward`)."""
 
-    def run(need_dh: bool, need_dw: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
+    def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
         acc = setup.acc_dtype
         with no_autocast(h):
-            eng = Engine(h, w, setup)
+            eng = Engine(h, w, setup, need_db=need_db)
             n = eng.n
             kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (n, n, ()))
             agree = torch.zeros(n, dtype=torch.bool, device=h.device)
@@ -338,9 +338,9 @@ def _fused_distill(
             renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
             epilogue = make(eng, cfg, teacher, weights.to(acc), out)
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
-        return (out.loss, out.kl, out.agree, out.lse), dh, dw
+        return (out.loss, out.kl, out.agree, out.lse), dh, dw, eng.db
 
-    return FormedInForward.apply(h, w, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
+    return FormedInForward.apply(h, w, setup.bias, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- the tensor function
@@ -487,13 +487,14 @@ def linear_distillation_loss(
     options: LinearOptions | None = None,
     config: DistillConfig | None = None,
     sequences: tuple[torch.Tensor, int] | None = None,
+    bias: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> DistillResult:
     """The distillation loss of the student's rows ``hidden @ weight.T`` to a teacher,
     vocab-parallel, its gradients formed in this call, never materialising the
     logits. Equal to::
 
-        z = gather(hidden) @ weight_full.T * logit_scale / T      # [n, V], T = config.temperature
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], T = config.temperature
         log Q = log_softmax(z)                                    # the student
         log P = log_softmax(z_t)  (dense)  |  the teacher's k ids (sparse, config.tail)
         D = divergence(P, Q)                                      # [n], config.divergence
@@ -508,8 +509,9 @@ def linear_distillation_loss(
     ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
     (``None``: one). ``options``: :class:`LinearOptions` whose ``temperature`` stays 1
     (the temperature is ``config.temperature``); ``check_values`` also reads the
-    teacher, the mask and the segments. No gradient reaches the teacher;
-    differentiable once (``create_graph=True`` raises).
+    teacher, the mask and the segments. ``bias``: the student's ``[V_local]`` or
+    ``None``, as :func:`~torch_impl.processors.linear_logprobs`'. No gradient reaches
+    the teacher; differentiable once (``create_graph=True`` raises).
     """
     config = _checked_config(config)
     if isinstance(options, LinearOptions):
@@ -521,7 +523,7 @@ def linear_distillation_loss(
             )
         options = dataclasses.replace(options, temperature=config.temperature)
     name = "linear_distillation_loss"
-    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected)
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
     n, check = int(h.shape[0]), options.check_values
     tokens: Teacher  # as b = 1, s = n tokens

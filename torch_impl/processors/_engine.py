@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._gemm import gemm_into, rowdot, scaled_
+from ._gemm import gemm_into, no_autocast, rowdot, scaled_
 from ._sink import GradSink, RowScale
 from ._tiles import Tiles, TileSetup
 
@@ -31,6 +31,7 @@ __all__ = [
     "Coefficients",
     "Engine",
     "FormedInForward",
+    "Recomputed",
     "Stats",
     "TileSetup",
     "combine",
@@ -223,20 +224,19 @@ def refuse_double_backward(name: str) -> None:
 
 class FormedInForward(torch.autograd.Function):
     """Gradients formed in the forward pass, scaled in the backward (the fused loss,
-    distillation): ``apply(h, w, name, run, grad)`` returns the outputs of ``run(need_dh,
-    need_dw) -> (outputs, dh, dW)``, a gradient needed where ``grad`` (the caller's grad
-    mode, read before ``apply``: ``needs_input_grad`` is set under ``no_grad`` and
-    inference mode too) and the input requires one; differentiable in ``h``, ``w`` through ``outputs[0]``
-    only, a scalar of cotangent ``g``: ``(g * dh).to(h.dtype)`` (``dh`` rounded once),
-    ``(g * dW).to(W.dtype)``, scaled in place and handed over: a second backward through
-    the same call raises, as does ``create_graph=True``."""
+    distillation): ``apply(h, w, b, name, run, grad)`` returns the outputs of ``run(need_dh,
+    need_dw, need_db) -> (outputs, dh, dW, db)``, a gradient needed where ``grad`` (the
+    caller's grad mode, read before ``apply``: ``needs_input_grad`` is set under
+    ``no_grad`` and inference mode too) and the input (``b`` the bias or None) requires
+    one; differentiable through ``outputs[0]`` only, a scalar of cotangent ``g``: ``(g *
+    dh).to(h.dtype)`` (``dh`` rounded once), likewise ``dW``, ``db``, scaled in place and
+    handed over: a second backward through the same call raises, as does
+    ``create_graph=True``."""
 
     @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, name: str, run: Callable[..., Any], grad: bool
-    ) -> Any:
-        outputs, dh, dw = run(grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1])
-        ctx.name, ctx.grads, ctx.dtypes = name, (dh, dw), (h.dtype, w.dtype)
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, run: Any, grad: bool) -> Any:
+        outputs, *grads = run(*(grad and need for need in ctx.needs_input_grad[:3]))
+        ctx.name, ctx.grads, ctx.dtypes = name, grads, [None if x is None else x.dtype for x in (h, w, b)]
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
@@ -253,6 +253,40 @@ class FormedInForward(torch.autograd.Function):
             torch._foreach_mul_([x], g)
         scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
         return *scaled, None, None, None
+
+
+class Recomputed(torch.autograd.Function):
+    """Gradients recomputed by the vocabulary sweep (the logprobs, top-k): ``apply(h, w, b,
+    name, setup, run)`` returns the outputs of ``run(engine) -> (outputs, frozen,
+    grad_of)`` (``frozen``: those without a gradient), differentiable in ``h``, ``w``
+    and the bias ``b`` (or None): ``grad_of(*cotangents) -> (stats, coef, sparse)``
+    (None: no gradient; detached values only, no cycle through ctx) feeds
+    :meth:`Engine.backward`. A second backward recomputes; ``create_graph=True`` raises."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, setup: Any, run: Any) -> Any:
+        with no_autocast(h):
+            outputs, frozen, ctx.grad_of = run(Engine(h, w, setup))
+        ctx.set_materialize_grads(False)
+        ctx.name, ctx.setup = name, setup
+        ctx.save_for_backward(h, w, b)
+        ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
+        refuse_double_backward(ctx.name)
+        h, w, b = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        with no_autocast(h):
+            terms = ctx.grad_of(*cotangents) if need_dh or need_dw or need_db else None
+            if terms is None:
+                return None, None, None, None, None, None
+            stats, coef, sparse = terms
+            eng = Engine(h, w, ctx.setup, need_db=need_db)
+            dh, dw = eng.backward(stats, coef, need_dh=need_dh, need_dw=need_dw, sparse=sparse)
+        db = None if eng.db is None else eng.db.to(b.dtype)
+        return (None if dh is None else dh.to(h.dtype)), dw, db, None, None, None
 
 
 # ---------------------------------------------------------------- the engine
@@ -290,7 +324,7 @@ class Engine(Tiles):
             for rows, cols in self.vocab_tiles():
                 if rows.start == 0:
                     wc = self.weight(cols)
-                z = self.logits(rows, wc)
+                z = self.logits(rows, wc, cols)
                 if on_tile is not None:
                     on_tile(z, rows, cols)
                 m, s, t, zy = state
@@ -392,13 +426,14 @@ class Engine(Tiles):
         for rows, cols in self.vocab_tiles():
             if rows.start == 0:
                 wc = self.weight(cols)
-            z = self.logits(rows, wc)
+            z = self.logits(rows, wc, cols)
             part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
             gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.of_rows(rows), sparse=part)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
                 gemm_into(dw[cols], gz.T, self.hs[rows], first=rows.start == 0)
+            self.bias_grad_(gz, rows, cols)
         if dw is not None and dw.dtype != self.w_dtype:
             dw = dw.to(self.w_dtype)
         return self.unfold_dh(dh), dw

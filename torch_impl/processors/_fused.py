@@ -155,14 +155,15 @@ class _Calls:
 
 
 def _sweep(
-    h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, need_dh: bool, need_dw: bool
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, torch.Tensor | None]:
-    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse), dh, dW)``."""
-    eng = Engine(h, w, setup)
+    h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, *need: bool
+) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
+    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse), dh, dW, db)``."""
+    need_dh, need_dw, need_db = need
+    eng = Engine(h, w, setup, need_db=need_db)
     acc, ignored = setup.acc_dtype, setup.ignored
     lp_ent = torch.empty((3, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse
     total = torch.zeros((), dtype=acc, device=h.device)
-    active = need_dh or need_dw
+    active = need_dh or need_dw or need_db
 
     def loss_of(stats: Stats, rows: slice, need: bool) -> Coefficients | None:
         nonlocal total
@@ -185,7 +186,7 @@ def _sweep(
         else:  # one pass a tile, the loss once a buffer
             on_stats = functools.partial(loss_of, need=active)
             dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
-    return (total, lp_ent[0], lp_ent[1], lp_ent[2]), dh, dw
+    return (total, lp_ent[0], lp_ent[1], lp_ent[2]), dh, dw, eng.db
 
 
 @checked_call()
@@ -199,6 +200,7 @@ def fused_token_loss(
     options: LinearOptions | None = None,
     entropy_grad: bool = True,
     lse_loss: LseLoss | None = None,
+    bias: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
@@ -219,9 +221,10 @@ def fused_token_loss(
     and no second read of a tile). The gradients are formed only when autograd
     needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
     until backward (``dh`` in the accumulation dtype, rounded once after the upstream
-    gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``. Differentiable
-    once: a second backward through the same call, or ``create_graph=True``, raises
-    (:class:`~._engine.FormedInForward`).
+    gradient's scale). ``bias``: ``[V_local]`` or ``None``, as
+    :func:`~torch_impl.processors.linear_logprobs`'. Cost: three GEMM-equivalents
+    ``2 n h V_local``. Differentiable once: a second backward through the same call,
+    or ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
     """
     if not callable(token_loss):
         raise ContractError(
@@ -232,8 +235,10 @@ def fused_token_loss(
         raise ContractError(
             "lse_loss", expected="None or a callable (lse, rows) -> scalar", actual=repr(lse_loss)
         )
-    _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
+    _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected, bias=bias)
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
-    loss, logprobs, entropy, lse = FormedInForward.apply(h, weight, "fused_token_loss", run, calls.grad)
+    loss, logprobs, entropy, lse = FormedInForward.apply(
+        h, weight, setup.bias, "fused_token_loss", run, calls.grad
+    )
     return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy, lse=lse)

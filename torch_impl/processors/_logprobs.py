@@ -5,15 +5,15 @@ recomputing backward (:func:`linear_logprobs`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Never
 
 import torch
 
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients
-from ._gemm import no_autocast
-from ._options import LinearOptions, prologue, refuse_double_backward
+from ._engine import Engine, Recomputed, logit_grad_coefficients
+from ._options import LinearOptions, prologue
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -35,37 +35,22 @@ class LogprobResult:
     lse: torch.Tensor
 
 
-class _LinearLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with no_autocast(h):
-            stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy)
-        ctx.set_materialize_grads(False)
-        ctx.setup = setup
-        ctx.stats = stats.detached()  # no cycle through ctx
-        ctx.save_for_backward(h, w)
-        entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
-        if stats.entropy is None:
-            ctx.mark_non_differentiable(entropy)
-        return stats.logprobs, entropy, stats.lse
+def _run(with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
+    """:class:`~._engine.Recomputed`'s run: the sweep's statistics and their gradient's terms."""
+    stats, setup = eng.forward_stats(with_entropy=with_entropy), eng.setup
+    kept = stats.detached()
+    entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
 
-    @staticmethod
-    def backward(
-        ctx: Any, g_lp: torch.Tensor | None, g_h: torch.Tensor | None, g_lse: torch.Tensor | None
-    ) -> tuple[Any, ...]:
-        refuse_double_backward("linear_logprobs")
-        h, w = ctx.saved_tensors
-        setup: TileSetup = ctx.setup
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (g_lp is None and g_h is None and g_lse is None) or not (need_dh or need_dw):
-            return None, None, None, None
-        stats: Stats = ctx.stats
-        with no_autocast(h):
-            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse)
-            dh, dw = Engine(h, w, setup).backward(stats, coef, need_dh=need_dh, need_dw=need_dw)
-        return (dh.to(h.dtype) if dh is not None else None), dw, None, None
+    def grad_of(g_lp: Any, g_h: Any, g_lse: Any) -> Any:
+        if g_lp is None and g_h is None and g_lse is None:
+            return None
+        return (
+            kept,
+            logit_grad_coefficients(kept, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse),
+            None,
+        )
+
+    return (stats.logprobs, entropy, stats.lse), (() if with_entropy else (entropy,)), grad_of
 
 
 @checked_call()
@@ -77,12 +62,13 @@ def linear_logprobs(
     *,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
+    bias: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
     never materialising the logits. Equal to::
 
-        z = gather(hidden) @ weight_full.T * logit_scale / T     # [n, V], fp32
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], fp32
         logprobs = where(labels == ignore_index, 0, log_softmax(z)[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)        # >= 0
         lse = logsumexp(z)                                       # every token
@@ -102,6 +88,8 @@ def linear_logprobs(
         labels: ``[n]`` global token ids of the gathered rows, or ``ignore_index``.
         options: :class:`LinearOptions` (default: ``LinearOptions()``).
         with_entropy: also return the entropy of ``softmax(z)``.
+        bias: ``[V_local]`` (``weight``'s dtype and device), this rank's part of
+            ``bias_full`` (0 when ``None``); differentiable.
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
@@ -111,6 +99,7 @@ def linear_logprobs(
         naming the transformed input; use ``torch.autograd.grad``, and rows for vmap).
     """
     check_bool("with_entropy", with_entropy)
-    _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
-    logprobs, entropy, lse = _LinearLogprobs.apply(h, weight, setup, with_entropy)
+    _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected, bias=bias)
+    run = functools.partial(_run, with_entropy)
+    logprobs, entropy, lse = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
     return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None, lse=lse)

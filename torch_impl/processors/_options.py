@@ -14,6 +14,7 @@ from hookspec import IGNORE_INDEX, Collectives, ContractError, SingleProcessColl
 from hookspec.arrays import format_shape
 from hookspec.collectives import checked_collectives
 
+from ..value_checks import check_finite_deferred
 from ._backends import auto_choice, triton_available
 from ._checks import (
     check_bool,
@@ -214,13 +215,32 @@ def prologue(
     unexpected: dict[str, Any],
     *,
     fold: bool = True,
+    bias: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
     """Every tensor function's first lines: ``(options, h, setup)``, the options
     resolved (:func:`resolve_options`), ``hidden`` gathered (:func:`gather_rows`) and
-    the call's :class:`TileSetup` (:func:`make_setup`)."""
+    the call's :class:`TileSetup` (:func:`make_setup`), ``bias`` checked
+    (:func:`check_bias`) into it."""
     options = resolve_options(function, options, unexpected)
     h = gather_rows(hidden, options)
-    return options, h, make_setup(h, weight, labels, options, fold=fold)
+    setup = make_setup(h, weight, labels, options, fold=fold)
+    if bias is None:
+        return options, h, setup
+    return options, h, dataclasses.replace(setup, bias=check_bias(bias, weight, options.check_values))
+
+
+def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:
+    """The output layer's bias: ``[V_local]``, ``weight``'s dtype and device, finite
+    (read when ``check_values``: at once on a CPU, deferred on a GPU)."""
+    check_floating("bias", bias)
+    shape = ("shape [V_local]", format_shape(weight.shape[:1]), format_shape(bias.shape))
+    checks = [shape, ("dtype", weight.dtype, bias.dtype), ("device", weight.device, bias.device)]
+    for what, want, got in checks:
+        if want != got:
+            raise ContractError("bias", expected=f"the weight's {what}: {want}", actual=str(got))
+    if check_values:
+        check_finite_deferred(bias, field="bias")
+    return bias
 
 
 def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:

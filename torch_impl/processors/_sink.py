@@ -69,7 +69,7 @@ class GradSink:
 
     @property
     def active(self) -> bool:
-        return self.dh is not None or self.dw is not None
+        return self.dh is not None or self.dw is not None or self.engine.db is not None
 
     def put(self, rows: slice, gz: torch.Tensor) -> None:
         """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
@@ -132,6 +132,7 @@ class GradSink:
             )
             gemm_into(self.dw, g.T, xs, first=not self.dw_written)
             self.dw_written = True
+        eng.bias_grad_(g, slice(b0, b1), scale=None if scale is None else scale.scale)
         if scale is not None:  # the label's column, formed in the accumulation dtype
             self._sparse(slice(b0, b1), setup.labels_local[b0:b1, None], scale.label[:, None])
         if self.aliased:
@@ -142,6 +143,7 @@ class GradSink:
         (elementwise, no GEMM; -1 columns count nothing)."""
         eng, acc = self.engine, self.engine.setup.acc_dtype
         g, safe = torch.where(cols >= 0, g, 0.0), cols.clamp(min=0)
+        eng.bias_grad_(g, rows, cols)
         if self.dh is not None:
             self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(1)  # [r, k, h] -> [r, h]
         if self.dw is not None:

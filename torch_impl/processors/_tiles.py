@@ -1,18 +1,19 @@
 """One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
 checked (:class:`TileSetup`, built by :mod:`._options`): the hidden rows and the
-vocabulary shard in the compute dtype, the logits ``z = h @ W.T * logit_scale / T``
+vocabulary shard in the compute dtype, the logits ``z = (h @ W.T + b) * logit_scale / T``
 a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from hookspec import Collectives
 
-from ._gemm import mm_into, scaled_
+from ._gemm import addmm_into, mm_into, scaled_
 from ._geometry import KernelConfig
 
 __all__ = ["TileSetup", "Tiles"]
@@ -35,6 +36,7 @@ class TileSetup:
     grad_capacity: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
     collectives: Collectives | None
     kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
+    bias: torch.Tensor | None = None  # [V_local] as given (the caller's, with its graph), or None
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_max(x) if self.collectives is not None else x
@@ -57,7 +59,7 @@ class Tiles:
     :meth:`logits_of` and hands the gradient of the tempered logits to a
     :class:`~._sink.GradSink`, which takes it into the GEMMs' form (:meth:`untempered_grad`)."""
 
-    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup) -> None:
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, *, need_db: bool = False) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
         if setup.fold:  # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile
@@ -71,6 +73,9 @@ class Tiles:
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
         self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        bias = setup.bias
+        self.b = None if bias is None else bias.detach().to(setup.acc_dtype)
+        self.db = torch.zeros_like(self.b) if need_db and self.b is not None else None  # acc dtype
 
     @property
     def triton(self) -> bool:
@@ -101,12 +106,15 @@ class Tiles:
             self._w_all = self.w.to(self.setup.compute_dtype)
         return self._w_all
 
-    def logits(self, rows: slice, wc: torch.Tensor) -> torch.Tensor:
-        """The tile ``h[rows] @ wc.T`` ``[r, c]`` in the accumulation dtype: tempered on
-        the torch backend (unless folded), untempered on the Triton backend (its
-        kernels apply ``inv_t``)."""
+    def logits(self, rows: slice, wc: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
+        """The tile ``u = h[rows] @ wc.T + b[cols]`` ``[r, c]`` in the accumulation dtype
+        (``wc = W[cols]``): tempered on the torch backend (folded: ``(h inv_t) @ wc.T +
+        inv_t b``), untempered on the Triton backend (its kernels apply ``inv_t``)."""
         x = self.hs[rows]
         z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
+        if self.b is not None:
+            f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
+            z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(self.b[cols], alpha=f)
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
 
     def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
@@ -121,6 +129,21 @@ class Tiles:
         """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
         (in place) unless the temperature is folded into the hidden rows."""
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
+
+    def bias_grad_(self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None) -> None:
+        """``db[cols] += sum_i w_i g[i]`` (``db = sum_i dL/du_i``) for ``g`` in the GEMMs' form,
+        ``[r, c]`` of the columns ``cols``, or ``[r, k]`` at the local columns ``cols`` (-1:
+        none, ``g`` 0 there); ``w = scale`` (1 when None), times ``inv_t`` where folded."""
+        if self.db is None:
+            return
+        w = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
+        w = w if scale is None else scale * w
+        if isinstance(cols, torch.Tensor):
+            g = g * (w[:, None] if isinstance(w, torch.Tensor) else w)
+            self.db.index_add_(0, cols.clamp(min=0).reshape(-1), g.reshape(-1).to(self.db.dtype))
+            return
+        wv = w.to(g.dtype) if isinstance(w, torch.Tensor) else g.new_full((g.shape[0],), w)
+        addmm_into(self.db[cols].view(1, -1), wv[None], g)
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""

@@ -7,6 +7,7 @@ both backends); the shards' candidates merged with ``Collectives.all_gather``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Never
 
 import torch
@@ -15,10 +16,9 @@ from hookspec import Collectives, ContractError, OutputContext, Processor, proce
 
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
-from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients
-from ._gemm import no_autocast
+from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
-from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -133,64 +133,37 @@ def _merge_shards(
     return top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
 
 
-class _TopkFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, k: int, gather: Any, with_entropy: bool
-    ) -> tuple[torch.Tensor, ...]:
-        with no_autocast(h):
-            eng = Engine(h, w, setup)
-            top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
-            stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
-            values, ids = _merge_shards(top_v, top_i, k, gather)
-            values = values - stats.lse[:, None]
-        ctx.set_materialize_grads(False)
-        ctx.setup = setup
-        # detached: the outputs themselves on ctx would hold the graph (a cycle through ctx)
-        ctx.stats, ctx.ids = stats.detached(), ids.detach()
-        ctx.save_for_backward(h, w)
-        entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
-        ctx.mark_non_differentiable(ids)
-        return values, ids, stats.logprobs, entropy
+def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
+    """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their gradient's terms::
 
-    @staticmethod
-    def backward(
-        ctx: Any,
-        g_val: torch.Tensor | None,
-        _g_ids: Any,
-        g_lab: torch.Tensor | None,
-        g_ent: torch.Tensor | None,
-    ) -> tuple[Any, ...]:
-        refuse_double_backward("linear_topk_logprobs")
-        h, w = ctx.saved_tensors
-        setup: TileSetup = ctx.setup
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        stats: Stats = ctx.stats
-        if g_ent is not None and (not g_ent.numel() or stats.entropy is None):
+    dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
+    """
+    top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
+    stats, setup, acc = (
+        eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile),
+        eng.setup,
+        eng.setup.acc_dtype,
+    )
+    values, ids = _merge_shards(top_v, top_i, k, gather)
+    values = values - stats.lse[:, None]
+    entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
+    kept, local = stats.detached(), ids - setup.vocab_start
+    local = torch.where((local >= 0) & (local < eng.local), local, -1)
+
+    def grad_of(g_val: Any, _g_ids: Any, g_lab: Any, g_ent: Any) -> Any:
+        if g_ent is not None and (not g_ent.numel() or kept.entropy is None):
             g_ent = None
-        if not (need_dh or need_dw) or (g_val is None and g_lab is None and g_ent is None):
-            return None, None, None, None, None, None
-        acc = setup.acc_dtype
-        with no_autocast(h):
-            # dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
-            g_lab = (
-                torch.zeros_like(stats.max)
-                if g_lab is None
-                else torch.where(setup.ignored, 0.0, g_lab.to(acc))
-            )
-            total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
-            no_ignore = torch.zeros_like(setup.ignored)
-            coef = logit_grad_coefficients(stats, total, g_ent, no_ignore, acc)
-            coef = Coefficients(coef.a, coef.b, g_lab)
-            sparse = None
-            if g_val is not None:
-                local = ctx.ids - setup.vocab_start
-                here = (local >= 0) & (local < w.shape[0])
-                sparse = (torch.where(here, local, -1), g_val.to(acc))
-            dh, dw = Engine(h, w, setup).backward(
-                stats, coef, need_dh=need_dh, need_dw=need_dw, sparse=sparse
-            )
-        return (dh.to(h.dtype) if dh is not None else None), dw, None, None, None, None
+        if g_val is None and g_lab is None and g_ent is None:
+            return None
+        g_lab = (
+            torch.zeros_like(kept.max) if g_lab is None else torch.where(setup.ignored, 0.0, g_lab.to(acc))
+        )
+        total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
+        coef = logit_grad_coefficients(kept, total, g_ent, torch.zeros_like(setup.ignored), acc)
+        sparse = None if g_val is None else (local, g_val.to(acc))
+        return kept, Coefficients(coef.a, coef.b, g_lab), sparse
+
+    return (values, ids, stats.logprobs, entropy), (ids,), grad_of
 
 
 @checked_call()
@@ -203,12 +176,13 @@ def linear_topk_logprobs(
     labels: torch.Tensor | None = None,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
+    bias: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> TopkResult:
     """The ``k`` largest logprobs of ``hidden @ weight.T`` per row and their global
     ids, vocab-parallel, never materialising the logits. Equal to::
 
-        z = gather(hidden) @ weight_full.T * logit_scale / T       # [n, V], never formed
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], never formed
         lp = log_softmax(z)                                        # fp32 (fp64 for fp64)
         order = argsort by (-lp, id)                               # ties: the smaller id first
         ids = order[:, :k];  logprobs = take_along_axis(lp, ids)   # [n, k] each
@@ -237,6 +211,7 @@ def linear_topk_logprobs(
             entries contributes all of them.
         labels: ``[n]`` global ids or ``ignore_index``, or ``None``.
         options: :class:`LinearOptions`.
+        bias: ``[V_local]`` or ``None``, as :func:`linear_logprobs`'.
 
     Returns:
         :class:`TopkResult`. NaN or inf in ``hidden`` or ``weight`` gives NaN
@@ -245,10 +220,11 @@ def linear_topk_logprobs(
     """
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
-    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False)
+    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
-    values, ids, label, entropy = _TopkFunction.apply(h, weight, setup, k, gather, with_entropy)
+    run = functools.partial(_run, k, gather, with_entropy)
+    values, ids, label, entropy = Recomputed.apply(h, weight, setup.bias, name, setup, run)
     return TopkResult(
         logprobs=values,
         ids=ids,
