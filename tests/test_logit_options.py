@@ -122,10 +122,8 @@ def test_the_installed_config_has_none_of_them_or_defaults_them_unset() -> None:
         assert present == []
     assert _set_by_default(TransformerConfig) == []
     assert _set_by_default(_Config) == []
-    soft = dataclasses.make_dataclass(
-        "Soft", [("final_logit_softcapping", float, dataclasses.field(default=30.0))]
-    )
-    assert _set_by_default(soft) == ["final_logit_softcapping"]
+    soft = dataclasses.make_dataclass("Soft", [("logit_softcapping", float, dataclasses.field(default=30.0))])
+    assert _set_by_default(soft) == ["logit_softcapping"]
 
 
 @pytest.mark.parametrize("c", [0.25, 1.0, 3.0])

@@ -30,6 +30,7 @@ from ._checks import (
     check_temperature,
     context_field,
     context_logit_scale,
+    context_softcap,
 )
 from ._options import LinearOptions, refuse_function_transforms
 
@@ -164,6 +165,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         vocab=ctx.vocab,
         collectives=ctx.collectives,
         logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
+        softcap=context_softcap(ctx),
         # each value is checked once: the labels above or in the hook, a
         # temperature by resolve_temperature
         check_values=False,

@@ -18,7 +18,7 @@ from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Stats, TileSetup, logit_grad_coefficients
 from ._gemm import no_autocast
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
-from ._options import LinearOptions, prologue, refuse_double_backward, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_double_backward, refuse_softcap, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -246,6 +246,7 @@ def linear_topk_logprobs(
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False)
+    refuse_softcap(name, options)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
     values, ids, label, entropy = _TopkFunction.apply(h, weight, setup, k, gather, with_entropy)
