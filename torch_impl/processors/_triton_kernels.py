@@ -49,20 +49,19 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _tanh(x):
-    """``tanh(x)`` (``tl`` has none): ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2|x|)``
-    (one MUFU, no overflow; NaN stays NaN)."""
-    e = tl.exp2(tl.abs(x) * -2.0 * LOG2E)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+def _tanh(u, k2):
+    """``tanh(u k)`` (``tl`` has none) as ``2 / (1 + exp2(u k2)) - 1``, ``k2 = -2 k
+    log2(e)``: a multiply, an ``ex2``, a reciprocal; -1 at -inf, NaN stays NaN."""
+    return 2.0 / (1.0 + tl.exp2(u * k2)) - 1.0
 
 
 @triton.jit
-def _temper(u, k, f, SOFTCAP: tl.constexpr):
+def _temper(u, k2, f, SOFTCAP: tl.constexpr):
     """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
-    f`` (``k = logit_scale / s``, ``f = inv_t / k``; -inf stays -inf: a masked lane)."""
+    f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``; -inf
+    stays -inf: a masked lane)."""
     if SOFTCAP:
-        z = tl.where(u == float("-inf"), float("-inf"), _tanh(u * k)) * f
+        z = tl.where(u == float("-inf"), float("-inf"), _tanh(u, k2)) * f
     else:
         z = u * f
     return z
@@ -91,13 +90,13 @@ def _store_rounded(ptrs, x, mask):
 
 @triton.jit
 def _stats_step(
-    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k, SOFTCAP: tl.constexpr
+    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k2, SOFTCAP: tl.constexpr
 ):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
     tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``."""
     # inv_t > 0 and rounding is monotone: max(fl(z * inv_t)) == fl(max(z) * inv_t)
-    m_new = tl.maximum(m, _temper(tl.max(z, axis=1), k, inv_t, SOFTCAP))  # tanh is monotone too
+    m_new = tl.maximum(m, _temper(tl.max(z, axis=1), k2, inv_t, SOFTCAP))  # tanh is monotone too
     grow = m_new > m  # False for NaN: a NaN reaches the sums through its own term
     if tl.max(grow.to(tl.int32), axis=0) > 0:  # a record max: rare after a row's first steps
         base_new = tl.where(grow, m_new, base)
@@ -111,7 +110,7 @@ def _stats_step(
         s_in = a * s_in
         m = tl.where(grow, m_new, m)
         base = base_new
-    d = _temper(z, k, inv_t[:, None], SOFTCAP) - base[:, None]  # one FFMA: the product is not rounded
+    d = _temper(z, k2, inv_t[:, None], SOFTCAP) - base[:, None]  # one FFMA: the product is not rounded
     e = tl.exp2(d * LOG2E)  # a masked or -inf lane: exp2(-inf) = 0
     s_l += e
     if WITH_ENTROPY:
@@ -150,6 +149,7 @@ def _chunk_stats_kernel(
     row_ok = r < rows
     token = r  # index into the tile's rows' vectors
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
+    k2 = cap_k * -2.0 * LOG2E  # _tanh's
     if SOFTCAP:
         inv_t = inv_t / cap_k
     # a row past the end reads the last row (no row mask on the loads) and stores nothing
@@ -157,7 +157,7 @@ def _chunk_stats_kernel(
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-    zy_new = _temper(tl.sum(zy_new, axis=1), cap_k, inv_t, SOFTCAP)
+    zy_new = _temper(tl.sum(zy_new, axis=1), k2, inv_t, SOFTCAP)
     # The row's running max m, starting from the earlier tiles'; every exponent is
     # taken against it (through base, 0 while m is -inf), so the per-lane sums need a
     # rescale only in a step whose block raises m; the earlier tiles' (s, t) ride along.
@@ -177,13 +177,13 @@ def _chunk_stats_kernel(
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, cap_k, SOFTCAP
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP
         )
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, cap_k, SOFTCAP
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP
         )
     tl.store(m_ptr + token, m, mask=row_ok)
     tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
@@ -228,6 +228,7 @@ def _logit_grad_kernel(
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
+    k2 = cap_k * -2.0 * LOG2E  # _tanh's
     a = tl.load(a_ptr + token, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
     if WITH_B:
@@ -239,7 +240,7 @@ def _logit_grad_kernel(
         ok = row_ok[:, None] & (c < cols)[None, :]
         u = tl.load(z_rows + c[None, :], mask=ok, other=0.0)
         if SOFTCAP:
-            th = _tanh(u * cap_k)
+            th = _tanh(u, k2)
             zc = th * (inv_t / cap_k)[:, None] - big_m[:, None]
         else:
             zc = u * inv_t[:, None] - big_m[:, None]
@@ -262,17 +263,20 @@ def _logit_grad_kernel(
 
 
 @triton.jit
-def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k, SOFTCAP: tl.constexpr):
+def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.constexpr):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked): ``exp(zt -
     ref)`` stored (times the softcap's slope ``1 - tanh**2``), the per-lane max
     (untempered) and sums updated."""
-    zc = _temper(z, k, inv_t[:, None], SOFTCAP) - ref[:, None]  # one FFMA
+    if SOFTCAP:
+        th = _tanh(z, k2)
+        zc = tl.where(z == float("-inf"), float("-inf"), th) * inv_t[:, None] - ref[:, None]
+    else:
+        zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
     e = tl.exp2(zc * LOG2E)
     s_l += e
     t_l += e * tl.maximum(zc, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
     m_l = tl.maximum(m_l, z)
     if SOFTCAP:
-        th = _tanh(z * k)
         _store_rounded(out_ptrs, e * (1.0 - th * th), mask)
     else:
         _store_rounded(out_ptrs, e, mask)
@@ -316,6 +320,7 @@ def _exp_rows_kernel(
         row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
     if tl.max(row_ok.to(tl.int32), axis=0) > 0:
         inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
+        k2 = cap_k * -2.0 * LOG2E  # _tanh's
         if SOFTCAP:
             inv_t = inv_t / cap_k
         # loads without a row mask (a row past the end reads the last row); stores masked
@@ -324,14 +329,14 @@ def _exp_rows_kernel(
         lab = tl.load(lab_ptr + token, mask=row_ok, other=-1)
         here = row_ok & (lab >= 0) & (lab < cols)
         zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-        zy = _temper(tl.sum(zy, axis=1), cap_k, inv_t, SOFTCAP)
+        zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
         cc = tl.arange(0, BLOCK_N)
         if REDO:
             ref = tl.load(m_ptr + token, mask=row_ok, other=0.0)
         else:
             z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
             ref = tl.maximum(
-                _temper(tl.max(z0, axis=1), cap_k, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
+                _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
             )
         ref = tl.where(row_ok, ref, 0.0)
         m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
@@ -344,19 +349,19 @@ def _exp_rows_kernel(
             # the next block's load is issued before this block's arithmetic: two in flight
             z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
             out = out_rows + (c0 + cc)[None, :]
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], cap_k, SOFTCAP)
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
         if full < cols:
             c = full + cc
             ok = row_ok[:, None] & (c < cols)[None, :]
             z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, cap_k, SOFTCAP)
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP)
         # the label's column is 0 in E: written above by whichever thread held it, so
         # overwritten once every thread's stores are ordered before this one
         tl.debug_barrier()
         zero = tl.zeros((BLOCK_M, 1), tl.float32)
         _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
         tl.store(c_ptr + token, ref, mask=row_ok)
-        big_m = _temper(tl.max(m_l, axis=1), cap_k, inv_t, SOFTCAP)  # monotone: the max of the row
+        big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
         tl.store(m_ptr + token, big_m, mask=row_ok)
         tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
         tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
