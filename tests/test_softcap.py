@@ -21,6 +21,7 @@ from tests.backend_support import force_backend
 from tests.distributed import run_distributed
 from torch_impl.processors import (
     LinearOptions,
+    PolicyBatch,
     SparseTeacher,
     cross_entropy_loss,
     distillation_loss,
@@ -28,6 +29,7 @@ from torch_impl.processors import (
     linear_distillation_loss,
     linear_logprobs,
     linear_topk_logprobs,
+    policy_loss,
     selected_logprobs,
     topk_logprobs,
 )
@@ -244,6 +246,36 @@ def test_selected_logprobs_honours_the_configs_softcap() -> None:
         .gather(2, y.clamp(min=0)[..., None])
     )
     torch.testing.assert_close(off["logprobs"].double(), torch.where(y == IGNORE, 0.0, plain.squeeze(-1)))
+
+
+def test_policy_loss_honours_the_configs_softcap() -> None:
+    """``policy_loss`` with the config's cap equals ``policy_loss`` on the capped logits
+    materialised in float64 (hidden states = the logits, weight = the identity): every
+    output, and ``dh``, ``dW`` through autograd of the cap."""
+    p, cap = _ce_problem(6), 2.0
+    g = torch.Generator().manual_seed(7)
+    batch = PolicyBatch(
+        old_logprobs=-torch.rand(B, S, generator=g, dtype=torch.float64) * 2,
+        advantages=torch.randn(B, S, generator=g, dtype=torch.float64),
+        mask=torch.ones(B, S, dtype=torch.float64),
+    )
+    outs, grads = [], []
+    for materialised in (False, True):
+        h, w = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+        if materialised:
+            z = _capped(torch.einsum("sbh,vh->sbv", h, w), cap, 1.0)
+            ctx = dataclasses.replace(
+                _ctx(z, torch.eye(V, dtype=torch.float64), p["y"], None), scale_logits=None
+            )
+        else:
+            ctx = _ctx(h, w, p["y"], cap)
+        out = policy_loss()(dataclasses.replace(ctx, context=batch))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out["loss"], (h, w)))
+    for key in outs[1]:
+        torch.testing.assert_close(outs[0][key], outs[1][key], rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "5"], ids=repr)

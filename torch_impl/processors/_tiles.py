@@ -112,7 +112,7 @@ class Tiles:
         z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
         if self.setup.cap_k is not None and not self.triton:  # tanh(u k) kept for cap_slope_
             t = torch.mul(z, self.setup.cap_k, out=self.like("cap", z)).tanh_()
-            return scaled_(z.copy_(t), self._cap_out(rows))
+            return torch.mul(t, self._cap_out(rows), out=z)
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
 
     def _cap_out(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
@@ -127,7 +127,7 @@ class Tiles:
         if self.setup.cap_k is None:
             return gz
         t = self.like("cap", gz)
-        return gz.mul_(t.mul_(t).neg_().add_(1.0))
+        return gz.addcmul_(gz, t.mul_(t), value=-1.0)
 
     def cap_slope_of(self, zv: torch.Tensor, rows: slice) -> torch.Tensor | float:
         """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` ``[r]`` (1 without a softcap)."""
