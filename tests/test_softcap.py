@@ -180,6 +180,23 @@ def test_nan_hidden_states_give_nan_rows_only() -> None:
     assert torch.isfinite(torch.cat([r.logprobs[:3], r.logprobs[4:]])).all()
 
 
+def test_an_infinite_logit_is_capped(backend: str) -> None:
+    """``u = +-inf`` (an infinite hidden state against finite weights) is capped to
+    ``+-s / T`` like any other logit, on both backends (the kernels' masked lanes are
+    told apart from a logit of -inf): finite logprobs, equal to float64's."""
+    p = _problem(8)
+    h = p["h"].float()
+    h[4] = 0.0
+    h[4, 0] = float("inf")  # u[4] = inf * w[:, 0]: +-inf, no NaN
+    r = linear_logprobs(h, p["w"].float(), p["y"], options=LinearOptions(softcap=5.0, temperature=0.8))
+    z = 5.0 * torch.tanh(h.double() @ p["w"].float().double().T / 5.0) / 0.8
+    want = torch.where(
+        p["y"] == IGNORE, 0.0, z.log_softmax(-1).gather(1, p["y"].clamp(min=0)[:, None]).squeeze(1)
+    )
+    assert torch.isfinite(r.logprobs).all()
+    torch.testing.assert_close(r.logprobs.double(), want, rtol=2e-5, atol=2e-5)
+
+
 # ---------------------------------------------------------------- the processors
 
 

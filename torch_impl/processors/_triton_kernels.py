@@ -58,10 +58,9 @@ def _tanh(u, k2):
 @triton.jit
 def _temper(u, k2, f, SOFTCAP: tl.constexpr):
     """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
-    f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``; -inf
-    stays -inf: a masked lane)."""
+    f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``)."""
     if SOFTCAP:
-        z = tl.where(u == float("-inf"), float("-inf"), _tanh(u, k2)) * f
+        z = _tanh(u, k2) * f
     else:
         z = u * f
     return z
@@ -90,7 +89,7 @@ def _store_rounded(ptrs, x, mask):
 
 @triton.jit
 def _stats_step(
-    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k2, SOFTCAP: tl.constexpr
+    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k2, SOFTCAP: tl.constexpr, ok
 ):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
@@ -110,7 +109,10 @@ def _stats_step(
         s_in = a * s_in
         m = tl.where(grow, m_new, m)
         base = base_new
-    d = _temper(z, k2, inv_t[:, None], SOFTCAP) - base[:, None]  # one FFMA: the product is not rounded
+    if SOFTCAP:  # a masked lane (ok False) stays -inf, a logit of -inf is capped
+        d = tl.where(ok, _temper(z, k2, inv_t[:, None], SOFTCAP), float("-inf")) - base[:, None]
+    else:
+        d = z * inv_t[:, None] - base[:, None]  # one FFMA: the product is not rounded
     e = tl.exp2(d * LOG2E)  # a masked or -inf lane: exp2(-inf) = 0
     s_l += e
     if WITH_ENTROPY:
@@ -177,13 +179,13 @@ def _chunk_stats_kernel(
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, True
         )
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
         )
     tl.store(m_ptr + token, m, mask=row_ok)
     tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
@@ -269,7 +271,7 @@ def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.cons
     (untempered) and sums updated."""
     if SOFTCAP:
         th = _tanh(z, k2)
-        zc = tl.where(z == float("-inf"), float("-inf"), th) * inv_t[:, None] - ref[:, None]
+        zc = tl.where(mask, th, float("-inf")) * inv_t[:, None] - ref[:, None]  # masked: -inf
     else:
         zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
     e = tl.exp2(zc * LOG2E)
