@@ -44,14 +44,14 @@ CAPS = (1.0, 5.0, 30.0)
 BF16 = torch.bfloat16
 
 
-def _problem(seed: int = 0, n: int = N) -> dict[str, torch.Tensor]:
+def _problem(seed: int = 0, n: int = N, v: int = V) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (n,), generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
     y[[2, 7]] = IGNORE
-    y[0], y[1] = 0, V - 1
+    y[0], y[1] = 0, v - 1
     return {
         "h": torch.randn(n, H, generator=g, dtype=torch.float64) * 3.0,  # |u| up to ~20: the cap bites
-        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
         "y": y,
         "t": (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).float().double(),
         "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
@@ -169,6 +169,39 @@ def test_fused_token_loss_against_float64(
     _close(f.entropy, truth["ent"], dtype)
     _close(h.grad, 0.7 * truth["dh"], dtype)
     _close(w.grad, 0.7 * truth["dw"], dtype)
+
+
+@pytest.mark.parametrize("entropy_grad", [None, False, True], ids=["linear", "single", "two-pass"])
+def test_whole_blocks_against_float64(entropy_grad: bool | None, backend: str) -> None:
+    """A vocabulary of 150: the kernels' unmasked full blocks (64 columns under the
+    interpreter) and a ragged tail, fp32."""
+    p = _problem(9, v=150)
+    if not entropy_grad:
+        p["c_ent"] = torch.zeros_like(p["c_ent"])
+    truth = _truth(p, 5.0, p["t"][:, None], torch.float32)
+    h = p["h"].float().requires_grad_()
+    w = p["w"].float().requires_grad_()
+    opts = LinearOptions(temperature=p["t"].float(), logit_scale=SCALE, softcap=5.0)
+    if entropy_grad is None:
+        r = linear_logprobs(h, w, p["y"], with_entropy=True, options=opts)
+        assert r.entropy is not None
+        (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
+    else:
+        lse_loss = lambda lse, rows: (p["c_lse"][rows] * lse**2).sum()  # noqa: E731
+        f = fused_token_loss(
+            h,
+            w,
+            p["y"],
+            _token_loss(p, entropy_grad),
+            options=opts,
+            entropy_grad=entropy_grad,
+            lse_loss=lse_loss,
+        )
+        f.loss.backward()
+        _close(f.loss, truth["loss"], torch.float32)
+    assert h.grad is not None and w.grad is not None
+    _close(h.grad, truth["dh"], torch.float32)
+    _close(w.grad, truth["dw"], torch.float32)
 
 
 def test_nan_hidden_states_give_nan_rows_only() -> None:
@@ -342,12 +375,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["linear_logprobs", "fused_token_loss"])
-def test_bf16_compute_against_float64_beside_the_naive_path(fused: bool, backend: str) -> None:
+@pytest.mark.parametrize("form", ["linear_logprobs", "fused single pass", "fused two-pass"])
+def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: str) -> None:
     """Ours at ``compute_dtype=bf16`` on bf16 inputs, the naive path (a bf16 GEMM's
     logits, rounded to bf16, capped and normalised in fp32) and the truth (float64 of
     the same bf16 inputs): each value and gradient within a third of the naive error,
-    or twice the bf16 rounding of the truth."""
+    or twice the bf16 rounding of the truth. The loss: ``sum(c * logprobs + 0.3 *
+    entropy)`` (the entropy's term only in the two-pass form)."""
     g = torch.Generator().manual_seed(6)
     n, hid, vocab, cap, t = 24, 16, 512 if backend == "triton" else 2048, 5.0, 0.9
     h0 = (torch.randn(n, hid, generator=g) * 2.0).to(BF16)
@@ -355,29 +389,33 @@ def test_bf16_compute_against_float64_beside_the_naive_path(fused: bool, backend
     y = torch.randint(0, vocab, (n,), generator=g)
     y[3] = IGNORE
     cot = torch.randn(n, generator=g, dtype=torch.float64)
+    c_ent = 0.3 if form == "fused two-pass" else 0.0
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = (cot[rows] * lp.double()).sum()
+        return out + c_ent * ent.double().sum() if c_ent else out
 
     def run(how: str) -> dict[str, torch.Tensor]:
         h = h0.to(torch.float64 if how == "truth" else BF16).requires_grad_()
         w = w0.to(h.dtype).requires_grad_()
         if how == "ours":
             opts = LinearOptions(compute_dtype=BF16, temperature=t, logit_scale=SCALE, softcap=cap)
-            if fused:
-                f = fused_token_loss(
-                    h, w, y, lambda lp, ent, rows: (cot[rows] * lp).sum(), options=opts, entropy_grad=False
-                )
-                lp, loss = f.logprobs, f.loss
+            if form == "linear_logprobs":
+                r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
+                lp, ent = r.logprobs, r.entropy
+                assert ent is not None
+                loss = token_loss(lp, ent, slice(None))
             else:
-                lp = linear_logprobs(h, w, y, options=opts).logprobs
-                loss = (cot * lp.double()).sum()
+                f = fused_token_loss(h, w, y, token_loss, options=opts, entropy_grad=bool(c_ent))
+                lp, ent, loss = f.logprobs, f.entropy, f.loss
         else:
             u = h @ w.T  # bf16 for the naive path: rounded to bf16
-            z = _capped(u.float() if how == "naive" else u, cap, t)
-            lp = torch.where(
-                y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1)
-            )
-            loss = (cot * lp.double()).sum()
+            logp = _capped(u.float() if how == "naive" else u, cap, t).log_softmax(-1)
+            lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+            ent = -(logp.exp() * logp).sum(-1)
+            loss = token_loss(lp, ent, slice(None))
         dh, dw = torch.autograd.grad(loss, (h, w))
-        return {"lp": lp.detach(), "dh": dh, "dw": dw}
+        return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
 
     truth, ours, naive = run("truth"), run("ours"), run("naive")
     for key, want in truth.items():
