@@ -204,6 +204,27 @@ def test_whole_blocks_against_float64(entropy_grad: bool | None, backend: str) -
     _close(w.grad, truth["dw"], torch.float32)
 
 
+def test_gathered_values_are_capped(backend: str) -> None:
+    """The engine's ``logits_of`` (the epilogues' gathers and maxima) reads capped,
+    tempered logits on both backends, whole tiles and gathered columns alike."""
+    from torch_impl.processors._engine import Engine
+    from torch_impl.processors._options import prologue
+
+    p = _problem(10)
+    h, w = p["h"].float(), p["w"].float()
+    opts = LinearOptions(softcap=5.0, temperature=p["t"].float(), logit_scale=SCALE)
+    _, hh, setup = prologue("test", h, w, p["y"], opts, {})
+    eng = Engine(hh, w, setup)
+    rows, cols = slice(2, 9), torch.tensor([[0, 3], [5, 28]]).repeat(4, 1)[:7]
+    z = eng.logits(rows, eng.weight_all())
+    want = _capped(p["h"][rows] @ p["w"].T, 5.0, p["t"][rows, None])
+    torch.testing.assert_close(
+        eng.logits_of(z.gather(1, cols), rows).double(), want.gather(1, cols), rtol=2e-6, atol=2e-6
+    )
+    torch.testing.assert_close(eng.logits_of(z.amax(1), rows).double(), want.amax(1), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(eng.logits_of(z, rows, inplace=True).double(), want, rtol=2e-6, atol=2e-6)
+
+
 def test_nan_hidden_states_give_nan_rows_only() -> None:
     p = _problem(2)
     h = p["h"].clone()
