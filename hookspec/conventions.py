@@ -39,6 +39,13 @@ by them (Liger-Kernel's)::
     sum:         sum(M * cw[y] * -logprob) + z_loss * sum(M * lse ** 2)
     mean:        sum(M * cw[y] * -logprob) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
 
+Final-logit soft-capping (Gemma's ``final_logit_softcapping``, Liger-Kernel's and Cut
+Cross-Entropy's ``softcap``) at a cap ``s > 0``, on the model's logits ``u`` (after any
+output multiplier), before the temperature; every quantity above is then of ``z``::
+
+    z = s * tanh(u / s)                                    # |z| < s
+    d z / d u = 1 - tanh(u / s) ** 2 = 1 - (z / s) ** 2
+
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
 gradient is zero, and it counts in no aggregation. Any other label outside

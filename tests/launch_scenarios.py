@@ -61,13 +61,23 @@ def _bench(method: str, size: dict[str, Any]) -> Scenario:
     return run
 
 
-def _logprobs(n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, grad: bool = True) -> Scenario:
+def _logprobs(
+    n: int,
+    h: int,
+    v: int,
+    dtype: torch.dtype,
+    backend: str,
+    *,
+    grad: bool = True,
+    softcap: float | None = None,
+) -> Scenario:
     def run() -> None:
         from torch_impl.processors import LinearOptions, linear_logprobs
 
         hid, w, y = _inputs(n, h, v, dtype)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            r = linear_logprobs(hid, w, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
+            options = LinearOptions(backend=backend, softcap=softcap)  # type: ignore[arg-type]
+            r = linear_logprobs(hid, w, y, with_entropy=True, options=options)
         if grad:
             _backward(r.logprobs, r.entropy)
 
@@ -75,7 +85,15 @@ def _logprobs(n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, grad:
 
 
 def _fused(
-    n: int, h: int, v: int, dtype: torch.dtype, backend: str, *, per_token_t: bool, entropy_grad: bool = True
+    n: int,
+    h: int,
+    v: int,
+    dtype: torch.dtype,
+    backend: str,
+    *,
+    per_token_t: bool,
+    entropy_grad: bool = True,
+    softcap: float | None = None,
 ) -> Scenario:
     def run() -> None:
         from torch_impl.processors import LinearOptions, fused_token_loss
@@ -86,7 +104,7 @@ def _fused(
         def loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
             return (lp - 0.1 * ent**2).sum() if entropy_grad else lp.sum()
 
-        options = LinearOptions(temperature=t, backend=backend)  # type: ignore[arg-type]
+        options = LinearOptions(temperature=t, backend=backend, softcap=softcap)  # type: ignore[arg-type]
         _backward(fused_token_loss(hid, w, y, loss, options=options, entropy_grad=entropy_grad).loss)
 
     return run
@@ -140,6 +158,12 @@ def _scenarios() -> dict[str, Scenario]:
     for n, h, v, dt in ((4099, 1000, 32771, bf16), (8192, 4096, 151936, bf16), (2048, 1024, 65536, fp16),
                         (1021, 512, 20011, fp32)):  # fmt: skip
         out[f"gpu-test:triton three-way {n}x{h}x{v} {dt}"] = _logprobs(n, h, v, dt, "auto")
+    # a softcap's specialisations (SOFTCAP=True), compiled though the GPU command runs none
+    out["softcap:logprobs 2053x1024x32771 bf16"] = _logprobs(2053, 1024, 32771, bf16, "triton", softcap=30.0)
+    for eg in (False, True):
+        out[f"softcap:fused entropy_grad {eg} 4099x1000x32771 bf16"] = _fused(
+            4099, 1000, 32771, bf16, "triton", per_token_t=True, entropy_grad=eg, softcap=30.0
+        )
     from . import test_host_reads as hr
 
     for dt in (bf16, fp32):

@@ -14,9 +14,10 @@ layer) on 0.16.1 and 0.19.2:
   ``calculate_per_token_loss``: the MTP losses, not the logits.
   ``inference_cuda_graph_scope``, ``materialize_only_last_token_logits``:
   inference only.
-- ``logit_dtype`` (fp32 output logits) and logit softcapping: read by neither
-  release; keyed on the config attribute existing and being set, refused by
-  name (:data:`UNSUPPORTED_LOGIT_OPTIONS`), tested with a stand-in config.
+- ``logit_dtype`` (fp32 output logits) and logit softcapping by other names: read
+  by neither release; keyed on the config attribute existing and being set, refused
+  by name (:data:`UNSUPPORTED_LOGIT_OPTIONS`), tested with a stand-in config.
+  ``final_logit_softcapping`` is followed (``tests/test_softcap.py``).
 """
 
 from __future__ import annotations
@@ -122,10 +123,8 @@ def test_the_installed_config_has_none_of_them_or_defaults_them_unset() -> None:
         assert present == []
     assert _set_by_default(TransformerConfig) == []
     assert _set_by_default(_Config) == []
-    soft = dataclasses.make_dataclass(
-        "Soft", [("final_logit_softcapping", float, dataclasses.field(default=30.0))]
-    )
-    assert _set_by_default(soft) == ["final_logit_softcapping"]
+    soft = dataclasses.make_dataclass("Soft", [("logit_softcapping", float, dataclasses.field(default=30.0))])
+    assert _set_by_default(soft) == ["logit_softcapping"]
 
 
 @pytest.mark.parametrize("c", [0.25, 1.0, 3.0])

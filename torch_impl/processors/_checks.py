@@ -221,16 +221,23 @@ def resolve_compute_dtype(
     return dtype
 
 
-UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = (
-    "logit_dtype",
-    "output_logit_softcapping",
-    "logit_softcapping",
-    "final_logit_softcapping",
-)
+UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = ("logit_dtype", "output_logit_softcapping", "logit_softcapping")
 """Config fields that would change the stock model's logits in a way the built-in
-processors do not follow (output logits in another dtype, softcapping). None is
-read by the output path of megatron-core 0.13.1 to 0.19.2; a release that adds
-one gets a ``ContractError`` naming it when it is set, not a silent difference."""
+processors do not follow (output logits in another dtype, softcapping by another
+name). None is read by the output path of megatron-core 0.13.1 to 0.19.2; a release
+that adds one gets a ``ContractError`` naming it when it is set, not a silent
+difference. ``final_logit_softcapping`` is followed (:func:`context_softcap`)."""
+
+
+def context_softcap(ctx: Any) -> float | None:
+    """The model's final-logit softcap ``s`` where its config has the field
+    (``config.final_logit_softcapping``, Gemma's name; None, 0 or False: off), applied
+    after ``logit_scale`` (``hookspec.conventions``)."""
+    value = getattr(getattr(ctx, "config", None), "final_logit_softcapping", None)
+    if value is None or value is False or (isinstance(value, numbers.Real) and value == 0):
+        return None
+    return check_finite_number("config.final_logit_softcapping", value, low=0.0, low_open=True)
+
 
 _PROBE = (1.0, -2.0, 0.5, 3.0, 1e4, -1e6, 1e30, -1e-30)
 """The values ``ctx.scale_logits`` is probed on, float64: from 1e-30 to 1e30 in

@@ -39,7 +39,7 @@ from ._engine import Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
-from ._options import LinearOptions, prologue, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_softcap, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher
 
@@ -524,6 +524,7 @@ def linear_distillation_loss(
         options = dataclasses.replace(options, temperature=config.temperature)
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
+    refuse_softcap(name, options)
     teacher = _checked_teacher(teacher, config, "teacher")
     n, check = int(h.shape[0]), options.check_values
     tokens: Teacher  # as b = 1, s = n tokens
@@ -589,6 +590,7 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
+        refuse_softcap("distillation_loss", options)
         # M: the teacher's mask, else the model's loss_mask, else ones (0 at an ignored label)
         own = teacher.mask is not None
         given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")

@@ -305,8 +305,8 @@ class Engine(Tiles):
             from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
 
             assert setup.kernel is not None
-            inv_t = setup.row_inv_t(rows, column=False)
-            chunk_stats_(z, setup.labels_local[rows], inv_t, state, col0=cols.start, cfg=setup.kernel)
+            labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
+            chunk_stats_(z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k)
             return
         e_buf = self.like("e", z)
         _torch_stats_(z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0)
@@ -355,7 +355,9 @@ class Engine(Tiles):
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
             target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            gz = _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows))
+            gz = self.cap_slope_(
+                _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows)), rows
+            )
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols.start, sparse)
         return gz.to(cdt)
@@ -378,7 +380,9 @@ class Engine(Tiles):
         assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
         labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
         coefs = (coef.a, coef.b, coef.g)
-        return logit_grad_(z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out)
+        return logit_grad_(
+            z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out, cap_k=setup.cap_k
+        )
 
     def _scatter_sparse(
         self, gz: torch.Tensor, rows: slice, col0: int, sparse: tuple[torch.Tensor, torch.Tensor]
@@ -519,7 +523,9 @@ class Engine(Tiles):
         in_tile = self.triton and not (sparse is not None and cdt != z.dtype)  # into the sink's buffer
         if not self.triton:
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t)
+            gz = self.cap_slope_(
+                _torch_grad_(z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t), rows
+            )
         else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
             out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)
             gz = self._kernel_grad(z, rows, 0, big_m, coef, out=out, dtype=dtype)

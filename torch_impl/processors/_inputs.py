@@ -15,7 +15,7 @@ from hookspec import ContractError, OutputContext, validate_context
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred, refuse_meta
-from ._checks import check_floating, check_temperature, context_field, context_logit_scale
+from ._checks import check_floating, check_temperature, context_field, context_logit_scale, context_softcap
 from ._options import LinearOptions, refuse_function_transforms
 
 __all__ = [
@@ -143,6 +143,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         vocab=ctx.vocab,
         collectives=ctx.collectives,
         logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
+        softcap=context_softcap(ctx),
         # each value is checked once: the labels above or in the hook, a
         # temperature by resolve_temperature
         check_values=False,

@@ -39,6 +39,7 @@ __all__ = [
     "make_setup",
     "prologue",
     "refuse_double_backward",
+    "refuse_softcap",
     "refuse_unexpected",
 ]
 
@@ -78,6 +79,9 @@ class LinearOptions:
             ``tile_rows`` only.
         check_values: read the labels and a tensor temperature to check them
             (at once on a CPU, deferred without a host read on a GPU).
+        softcap: ``s > 0`` caps the logits before the temperature (Gemma's
+            ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``
+            (``hookspec.conventions``); ``None``: off.
 
     Two options are equal when their fields are, a tensor temperature by identity
     (the same tensor object: comparing values would read them, a host read on a GPU,
@@ -94,6 +98,7 @@ class LinearOptions:
     tile_rows: int | None = None
     tile_cols: int | None = None
     check_values: bool = True
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -126,6 +131,8 @@ class LinearOptions:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         check_bool("check_values", self.check_values)
+        if self.softcap is not None:
+            put(self, "softcap", check_finite_number("softcap", self.softcap, low=0.0, low_open=True))
 
     def _key(self) -> tuple[Any, ...]:
         """The fields, a tensor temperature as its identity."""
@@ -294,6 +301,17 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
         )
 
 
+def refuse_softcap(function: str, options: LinearOptions) -> None:
+    """Refuse a softcap by name where a function's gradient comes from sparse terms
+    (top-k, distillation): the cap's slope is elementwise, not taken there."""
+    if options.softcap is not None:
+        raise ContractError(
+            "softcap",
+            expected=f"None: {function} does not take a softcap (nor config.final_logit_softcapping)",
+            actual=repr(options.softcap),
+        )
+
+
 def refuse_function_transforms(**tensors: Any) -> None:
     """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
     transform level is active), naming the first of ``tensors`` it wraps. The tensor
@@ -371,7 +389,8 @@ def make_setup(
         labels_local=torch.where(in_shard, local_row, -1),
         ignored=ignored,
         inv_t=inv_t,
-        fold=fold and not triton and cdtype in (torch.float32, torch.float64),
+        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
+        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
         compute_dtype=cdtype,
         acc_dtype=acc,
         vocab_start=start,
@@ -381,4 +400,5 @@ def make_setup(
         grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
         collectives=options.collectives,
         kernel=kernel_config(h.device) if triton else None,
+        cap_k=None if options.softcap is None else scale / options.softcap,
     )

@@ -200,7 +200,8 @@ class TokenRows:
 
     def take(self, rows: slice) -> TokenRows:
         """The rows ``rows`` of every field."""
-        return TokenRows(**{k: None if v is None else v[rows] for k, v in vars(self).items()})
+        fields: dict[str, typing.Any] = {k: None if v is None else v[rows] for k, v in vars(self).items()}
+        return TokenRows(**fields)
 
 
 @dataclasses.dataclass(frozen=True)

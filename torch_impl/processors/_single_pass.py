@@ -35,7 +35,8 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
         assert setup.kernel is not None
         flags = eng.buffer("flags", 1, rows.stop - rows.start, torch.int8)[0]
         inv_t = setup.row_inv_t(rows, column=False)
-        exp_rows_(z, out, setup.labels_local[rows], inv_t, (c, m, s, t, zy, flags), cfg=setup.kernel)
+        vectors = (c, m, s, t, zy, flags)
+        exp_rows_(z, out, setup.labels_local[rows], inv_t, vectors, cfg=setup.kernel, cap_k=setup.cap_k)
         return
     _, col, keep = eng.label_columns(rows)
     torch.gather(z, 1, col, out=zy[:, None])
@@ -45,6 +46,7 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
     e = torch.exp(z, out=out if out.dtype == z.dtype else eng.like("e", z))
     torch.sum(e, 1, out=s)
     torch.bmm(e.unsqueeze(1), z.unsqueeze(2), out=t.view(-1, 1, 1))
+    eng.cap_slope_(e, rows)  # E * (1 - tanh**2): the softcap's slope rides in the buffer
     if e is not out:
         out.copy_(e)
     out.scatter_reduce_(1, col, keep, "prod")
@@ -61,7 +63,8 @@ def vector_stats(eng: Engine, vec: torch.Tensor, rows: slice) -> Stats:
 def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients) -> RowScale:
     """The :class:`RowScale` of the rows ``rows`` of :func:`exp_rows`' vectors from
     their :class:`Stats` and coefficients (``b`` None), times the temperature factor
-    the sink's GEMMs need (1 where it is folded into the hidden rows)::
+    the sink's GEMMs need (1 where it is folded into the hidden rows; ``E`` holds a
+    softcap's slope ``1 - tanh**2``, the label's column gets it here)::
 
         dz = -a exp(z - M) + g [j == y]
            = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
@@ -69,7 +72,8 @@ def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: C
     c, zy = vec[0, rows], vec[4, rows]
     f = 1.0 if eng.setup.fold else eng.setup.row_inv_t(rows, column=False)
     scale = -coef.a * torch.exp(c - stats.max) * f
-    return RowScale(scale=scale, label=(coef.g - coef.a * torch.exp(zy - stats.max)) * f)
+    label = (coef.g - coef.a * torch.exp(zy - stats.max)) * f * eng.cap_slope_of(zy, rows)
+    return RowScale(scale=scale, label=label)
 
 
 def single_pass(

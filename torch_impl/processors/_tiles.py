@@ -1,7 +1,9 @@
 """One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
 checked (:class:`TileSetup`, built by :mod:`._options`): the hidden rows and the
 vocabulary shard in the compute dtype, the logits ``z = (h @ W.T + b) * logit_scale / T``
-a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature."""
+a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature. With a
+softcap ``s`` (``cap_k = logit_scale / s``) the logits are ``z = tanh(u * cap_k) *
+inv_t / cap_k`` of ``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class TileSetup:
     collectives: Collectives | None
     kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
     bias: torch.Tensor | None = None  # [V_local] as given (the caller's, with its graph), or None
+    cap_k: float | None = None  # logit_scale / softcap; None: no softcap
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_max(x) if self.collectives is not None else x
@@ -115,19 +118,50 @@ class Tiles:
         if self.b is not None:
             f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
             z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(self.b[cols], alpha=f)
+        if self.setup.cap_k is not None and not self.triton:  # tanh(u k) kept for cap_slope_
+            t = torch.mul(z, self.setup.cap_k, out=self.like("cap", z)).tanh_()
+            return torch.mul(t, self._cap_out(rows), out=z)
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
+
+    def _cap_out(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
+        """``inv_t / cap_k``: ``z = tanh(u cap_k) * inv_t / cap_k``."""
+        assert self.setup.cap_k is not None
+        inv_t = self.setup.row_inv_t(rows, column=column)
+        return inv_t / self.setup.cap_k
+
+    def cap_slope_(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``gz * (1 - tanh(u cap_k)**2)`` in place, the tile's tanh from :meth:`logits`
+        (torch backend; its ``"cap"`` buffer is spent); ``gz`` unchanged without a softcap."""
+        if self.setup.cap_k is None:
+            return gz
+        t = self.like("cap", gz)
+        return gz.addcmul_(gz, t.mul_(t), value=-1.0)
+
+    def cap_slope_of(self, zv: torch.Tensor, rows: slice) -> torch.Tensor | float:
+        """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` ``[r]`` (1 without a softcap)."""
+        if self.setup.cap_k is None:
+            return 1.0
+        t = zv / self._cap_out(rows, column=False)
+        return 1.0 - t * t
 
     def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
         """Values read from a tile of :meth:`logits` (``[r, k]``, a gather or a max; or
         ``[r]``; or the tile itself, ``inplace``) as the tempered logits ``z``."""
         if not self.triton:
             return values
-        factor = self.setup.row_inv_t(rows, column=values.dim() == 2)
+        column = values.dim() == 2
+        if self.setup.cap_k is not None:
+            t = torch.mul(values, self.setup.cap_k, out=values if inplace else None).tanh_()
+            return scaled_(t, self._cap_out(rows, column=column))
+        factor = self.setup.row_inv_t(rows, column=column)
         return scaled_(values if inplace else values.clone(), factor)
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
         (in place) unless the temperature is folded into the hidden rows."""
+        assert self.setup.cap_k is None, (
+            "a softcap's slope is elementwise: refused where gz comes from outside"
+        )
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
 
     def bias_grad_(self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None) -> None:

@@ -18,7 +18,7 @@ from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
-from ._options import LinearOptions, prologue, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_softcap, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -221,6 +221,7 @@ def linear_topk_logprobs(
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
+    refuse_softcap(name, options)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
     run = functools.partial(_run, k, gather, with_entropy)

@@ -47,6 +47,25 @@ no sum here needs (a term below ``2**-126`` of a sum that is at least 1)."""
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
+
+@triton.jit
+def _tanh(u, k2):
+    """``tanh(u k)`` (``tl`` has none) as ``2 / (1 + exp2(u k2)) - 1``, ``k2 = -2 k
+    log2(e)``: a multiply, an ``ex2``, a reciprocal; -1 at -inf, NaN stays NaN."""
+    return 2.0 / (1.0 + tl.exp2(u * k2)) - 1.0
+
+
+@triton.jit
+def _temper(u, k2, f, SOFTCAP: tl.constexpr):
+    """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
+    f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``)."""
+    if SOFTCAP:
+        z = _tanh(u, k2) * f
+    else:
+        z = u * f
+    return z
+
+
 SOFT_BF16 = tl.constexpr(interpreting())
 """The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, seen with
 triton 3.6 and 3.7), so under it bf16 is rounded on its bits; compiled, the
@@ -69,12 +88,14 @@ def _store_rounded(ptrs, x, mask):
 
 
 @triton.jit
-def _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr):
+def _stats_step(
+    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k2, SOFTCAP: tl.constexpr, ok
+):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
     tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``."""
     # inv_t > 0 and rounding is monotone: max(fl(z * inv_t)) == fl(max(z) * inv_t)
-    m_new = tl.maximum(m, tl.max(z, axis=1) * inv_t)
+    m_new = tl.maximum(m, _temper(tl.max(z, axis=1), k2, inv_t, SOFTCAP))  # tanh is monotone too
     grow = m_new > m  # False for NaN: a NaN reaches the sums through its own term
     if tl.max(grow.to(tl.int32), axis=0) > 0:  # a record max: rare after a row's first steps
         base_new = tl.where(grow, m_new, base)
@@ -88,7 +109,10 @@ def _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.conste
         s_in = a * s_in
         m = tl.where(grow, m_new, m)
         base = base_new
-    d = z * inv_t[:, None] - base[:, None]  # one FFMA: the product is not rounded
+    if SOFTCAP:  # a masked lane (ok False) stays -inf, a logit of -inf is capped
+        d = tl.where(ok, _temper(z, k2, inv_t[:, None], SOFTCAP), float("-inf")) - base[:, None]
+    else:
+        d = z * inv_t[:, None] - base[:, None]  # one FFMA: the product is not rounded
     e = tl.exp2(d * LOG2E)  # a masked or -inf lane: exp2(-inf) = 0
     s_l += e
     if WITH_ENTROPY:
@@ -114,22 +138,28 @@ def _chunk_stats_kernel(
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    cap_k,
+    SOFTCAP: tl.constexpr,
 ):
     """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
     FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
     per block a cross-warp max and a branch. Compiled: 11.2 SASS per element (9.2
     without entropy), 34-42% of an H200's issue at the copy rate (the per-lane
-    online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`."""
+    online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`. ``SOFTCAP``:
+    ``tanh`` an element more (one MUFU, a divide, three ALU), no byte more."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r  # index into the tile's rows' vectors
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
+    k2 = cap_k * -2.0 * LOG2E  # _tanh's
+    if SOFTCAP:
+        inv_t = inv_t / cap_k
     # a row past the end reads the last row (no row mask on the loads) and stores nothing
     z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-    zy_new = tl.sum(zy_new, axis=1) * inv_t
+    zy_new = _temper(tl.sum(zy_new, axis=1), k2, inv_t, SOFTCAP)
     # The row's running max m, starting from the earlier tiles'; every exponent is
     # taken against it (through base, 0 while m is -inf), so the per-lane sums need a
     # rescale only in a step whose block raises m; the earlier tiles' (s, t) ride along.
@@ -148,11 +178,15 @@ def _chunk_stats_kernel(
         z = z_next
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
-        m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
+        m, base, s_in, t_in, s_l, t_l = _stats_step(
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, True
+        )
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
-        m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
+        m, base, s_in, t_in, s_l, t_l = _stats_step(
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
+        )
     tl.store(m_ptr + token, m, mask=row_ok)
     tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
     if WITH_ENTROPY:
@@ -182,17 +216,21 @@ def _logit_grad_kernel(
     PER_TOKEN_T: tl.constexpr,
     WITH_B: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    cap_k,
+    SOFTCAP: tl.constexpr,
 ):
     """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
     (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
     the conversion. Compiled: 14.2 SASS per element, 29-36% of an H200's issue at the
-    copy rate (20.3 with the software rounding; measured at about the copy rate)."""
+    copy rate (20.3 with the software rounding; measured at about the copy rate).
+    ``SOFTCAP``: ``tanh`` and its slope ``1 - tanh**2`` an element more, no byte more."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r
     lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
     inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
     big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
+    k2 = cap_k * -2.0 * LOG2E  # _tanh's
     a = tl.load(a_ptr + token, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
     if WITH_B:
@@ -202,7 +240,12 @@ def _logit_grad_kernel(
     for c0 in range(0, cols, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (c < cols)[None, :]
-        zc = tl.load(z_rows + c[None, :], mask=ok, other=0.0) * inv_t[:, None] - big_m[:, None]
+        u = tl.load(z_rows + c[None, :], mask=ok, other=0.0)
+        if SOFTCAP:
+            th = _tanh(u, k2)
+            zc = th * (inv_t / cap_k)[:, None] - big_m[:, None]
+        else:
+            zc = u * inv_t[:, None] - big_m[:, None]
         if IN_PLACE:
             # A 2-byte output overwrites the first half of the row's fp32 bytes, and
             # every byte this step writes was read by this step or an earlier one (an
@@ -216,19 +259,29 @@ def _logit_grad_kernel(
             gz = -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         gz = gz * inv_t[:, None]
+        if SOFTCAP:
+            gz = gz * (1.0 - th * th)
         _store_rounded(out_rows + c[None, :], gz, ok)
 
 
 @triton.jit
-def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask):
+def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.constexpr):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked): ``exp(zt -
-    ref)`` stored, the per-lane max (untempered) and sums updated."""
-    zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
+    ref)`` stored (times the softcap's slope ``1 - tanh**2``), the per-lane max
+    (untempered) and sums updated."""
+    if SOFTCAP:
+        th = _tanh(z, k2)
+        zc = tl.where(mask, th, float("-inf")) * inv_t[:, None] - ref[:, None]  # masked: -inf
+    else:
+        zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
     e = tl.exp2(zc * LOG2E)
     s_l += e
     t_l += e * tl.maximum(zc, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
     m_l = tl.maximum(m_l, z)
-    _store_rounded(out_ptrs, e, mask)
+    if SOFTCAP:
+        _store_rounded(out_ptrs, e * (1.0 - th * th), mask)
+    else:
+        _store_rounded(out_ptrs, e, mask)
     return m_l, s_l, t_l
 
 
@@ -254,6 +307,8 @@ def _exp_rows_kernel(
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     REDO: tl.constexpr,
+    cap_k,
+    SOFTCAP: tl.constexpr,
 ):
     """Per element of a full block, 4 bytes read and 2 written: FFMA (``zc``), FMUL +
     MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``), half a
@@ -267,19 +322,24 @@ def _exp_rows_kernel(
         row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
     if tl.max(row_ok.to(tl.int32), axis=0) > 0:
         inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
+        k2 = cap_k * -2.0 * LOG2E  # _tanh's
+        if SOFTCAP:
+            inv_t = inv_t / cap_k
         # loads without a row mask (a row past the end reads the last row); stores masked
         z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
         out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
         lab = tl.load(lab_ptr + token, mask=row_ok, other=-1)
         here = row_ok & (lab >= 0) & (lab < cols)
         zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-        zy = tl.sum(zy, axis=1) * inv_t
+        zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
         cc = tl.arange(0, BLOCK_N)
         if REDO:
             ref = tl.load(m_ptr + token, mask=row_ok, other=0.0)
         else:
             z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
-            ref = tl.maximum(tl.max(z0, axis=1) * inv_t, tl.where(here, zy, float("-inf")))
+            ref = tl.maximum(
+                _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
+            )
         ref = tl.where(row_ok, ref, 0.0)
         m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
         s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -291,19 +351,19 @@ def _exp_rows_kernel(
             # the next block's load is issued before this block's arithmetic: two in flight
             z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
             out = out_rows + (c0 + cc)[None, :]
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None])
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
         if full < cols:
             c = full + cc
             ok = row_ok[:, None] & (c < cols)[None, :]
             z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok)
+            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP)
         # the label's column is 0 in E: written above by whichever thread held it, so
         # overwritten once every thread's stores are ordered before this one
         tl.debug_barrier()
         zero = tl.zeros((BLOCK_M, 1), tl.float32)
         _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
         tl.store(c_ptr + token, ref, mask=row_ok)
-        big_m = tl.max(m_l, axis=1) * inv_t  # inv_t > 0: the max of the tempered row
+        big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
         tl.store(m_ptr + token, big_m, mask=row_ok)
         tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
         tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
@@ -317,24 +377,31 @@ def _exp_rows_kernel(
 def _exp_rows_both_kernel(
     z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols, stride_z,
     stride_out, exp_range, inv_t_scalar,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr, cap_k, SOFTCAP: tl.constexpr,
 ):
     """Both passes of :func:`exp_rows_` in one launch: a program owns its rows, so it
     redoes its own flagged rows after a barrier (its flags and maxima written first)."""
     _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
                      rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     False)
+                     False, cap_k, SOFTCAP)
     tl.debug_barrier()
     _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
                      rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     True)
+                     True, cap_k, SOFTCAP)
 # fmt: on
 
 
 def _launch(
-    kernel: Any, cfg: KernelConfig, rows: int, args: tuple[Any, ...], inv_t: Any, **flags: Any
+    kernel: Any,
+    cfg: KernelConfig,
+    rows: int,
+    args: tuple[Any, ...],
+    inv_t: Any,
+    cap_k: float | None = None,
+    **flags: Any,
 ) -> None:
-    """One launch over ``rows`` rows: ``inv_t`` a per-row fp32 tensor or a number."""
+    """One launch over ``rows`` rows: ``inv_t`` a per-row fp32 tensor or a number;
+    ``cap_k = logit_scale / softcap`` or None."""
     per_token = isinstance(inv_t, torch.Tensor)
     grid = (triton.cdiv(rows, cfg.block_m),)
     kernel[grid](
@@ -344,6 +411,8 @@ def _launch(
         BLOCK_N=cfg.block_n,
         PER_TOKEN_T=per_token,
         num_warps=cfg.num_warps,
+        cap_k=1.0 if cap_k is None else float(cap_k),
+        SOFTCAP=cap_k is not None,
         **flags,
     )
 
@@ -356,6 +425,7 @@ def chunk_stats_(
     *,
     col0: int,
     cfg: KernelConfig,
+    cap_k: float | None = None,
 ) -> None:
     """Update, in place, the tile's rows' running ``state = (m, s, t, zy)`` (``[rows]``
     fp32 each; ``t`` None without entropy) with the tile ``z`` ``[rows, cols]`` (fp32,
@@ -370,12 +440,13 @@ def chunk_stats_(
 
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
     element, taken against the row's running max (a rescale of the per-lane sums only
-    in a step whose block raises it)."""
+    in a step whose block raises it). ``cap_k``: a softcap, ``zt = tanh(z cap_k) *
+    inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
-    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, WITH_ENTROPY=t is not None)
+    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, cap_k, WITH_ENTROPY=t is not None)
 
 
 def logit_grad_(
@@ -389,6 +460,7 @@ def logit_grad_(
     col0: int,
     cfg: KernelConfig,
     out: torch.Tensor | None = None,
+    cap_k: float | None = None,
 ) -> torch.Tensor:
     """The gradient of the tile's logits (its rows' ``[r]`` vectors), returned as a
     ``[rows, cols]`` tensor of ``dtype``: into ``out`` where given, else in place in
@@ -399,7 +471,8 @@ def logit_grad_(
         zc = z * inv_t[:, None] - M[:, None]
         gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
 
-    Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written."""
+    Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written. ``cap_k``: a
+    softcap (``zc`` of the capped logits, ``gz`` times ``1 - tanh(z cap_k)**2``)."""
     rows, cols = z.shape
     if out is None:
         out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
@@ -413,6 +486,7 @@ def logit_grad_(
         rows,
         args,
         inv_t,
+        cap_k,
         WITH_B=b is not None,
         IN_PLACE=out.data_ptr() == z.data_ptr(),
     )
@@ -427,6 +501,7 @@ def exp_rows_(
     vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     cfg: KernelConfig,
+    cap_k: float | None = None,
 ) -> None:
     """Whole rows ``z [rows, V_local]`` (fp32, untempered): into ``out`` (``[rows,
     V_local]``, the compute dtype) and the rows' fp32 vectors ``c, m, s, t, zy`` (int8
@@ -441,9 +516,10 @@ def exp_rows_(
     then, for the rows where ``m - c > EXP_RANGE`` (``exp(zt - c)`` could overflow),
     the same with ``c = m``, by the same program (one launch).
     Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache, where
-    the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``."""
+    the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``.
+    ``cap_k``: a softcap (``zt`` capped, ``out`` times ``1 - tanh(z cap_k)**2``)."""
     rows, cols = z.shape
     c, m, s, t, zy, flags = vectors
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    _launch(_exp_rows_both_kernel, cfg, rows, (*args, EXP_RANGE), inv_t)
+    _launch(_exp_rows_both_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)

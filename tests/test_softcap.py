@@ -1,0 +1,505 @@
+"""Final-logit soft-capping (``LinearOptions(softcap=s)``, a config's
+``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T`` of ``u = h @
+W.T``, against float64 autograd through materialised logits (values, ``dh``, ``dW``)
+at several caps, scalar and per-token temperatures, on both backends, at tp=1 and
+tp=2 (gloo); bf16 compute against float64 beside the naive bf16 path; bad caps and
+the functions that refuse one, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from hookspec import ContractError, OutputContext, VocabShard
+from tests.backend_support import force_backend
+from tests.distributed import run_distributed
+from torch_impl.processors import (
+    LinearOptions,
+    PolicyBatch,
+    SparseTeacher,
+    cross_entropy_loss,
+    distillation_loss,
+    fused_token_loss,
+    linear_distillation_loss,
+    linear_logprobs,
+    linear_topk_logprobs,
+    policy_loss,
+    selected_logprobs,
+    topk_logprobs,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+IGNORE = -100
+N, H, V = 13, 6, 29
+B, S = 3, 5
+SCALE = 0.7
+CAPS = (1.0, 5.0, 30.0)
+BF16 = torch.bfloat16
+
+
+def _problem(seed: int = 0, n: int = N, v: int = V) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[[2, 7]] = IGNORE
+    y[0], y[1] = 0, v - 1
+    return {
+        "h": torch.randn(n, H, generator=g, dtype=torch.float64) * 3.0,  # |u| up to ~20: the cap bites
+        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
+        "y": y,
+        "t": (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).float().double(),
+        "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
+        "c_ent": torch.randn(n, generator=g, dtype=torch.float64),
+        "c_lse": torch.randn(n, generator=g, dtype=torch.float64),
+    }
+
+
+def _capped(u: torch.Tensor, cap: float, t: Any) -> torch.Tensor:
+    """The convention, written independently: ``s * tanh(u * logit_scale / s) / T``."""
+    return cap * torch.tanh(u * SCALE / cap) / t
+
+
+def _truth(
+    p: dict[str, torch.Tensor], cap: float, t: Any, dtype: torch.dtype = torch.float64
+) -> dict[str, Any]:
+    """``sum(c_lp logprobs + c_ent entropy + c_lse lse**2)`` by float64 autograd."""
+    h = p["h"].to(dtype).double().clone().requires_grad_()
+    w = p["w"].to(dtype).double().clone().requires_grad_()
+    z = _capped(h @ w.T, cap, t)
+    logp = z.log_softmax(-1)
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    lse = torch.logsumexp(z, -1)
+    loss = (p["c_lp"] * lp + p["c_ent"] * ent + p["c_lse"] * lse**2).sum()
+    loss.backward()
+    return {
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "lse": lse.detach(),
+        "loss": loss.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+    }
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return force_backend(monkeypatch, request.param)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp64: 1e-12; fp32: 2e-5 of the largest entry."""
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def _skip(backend: str, dtype: torch.dtype) -> None:
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernels take fp32/bf16/fp16")
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["T", "T[n]"])
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_linear_logprobs_against_float64(
+    dtype: torch.dtype, cap: float, per_token: bool, backend: str
+) -> None:
+    """Logprobs, entropy and lse, and their gradient, through tiles that split rows and
+    columns (the vocabulary sweep's online statistics across column tiles)."""
+    _skip(backend, dtype)
+    p = _problem()
+    t = p["t"] if per_token else 0.8
+    truth = _truth(p, cap, t[:, None] if per_token else t, dtype)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    temp = p["t"].to(dtype) if per_token else t
+    opts = LinearOptions(temperature=temp, logit_scale=SCALE, softcap=cap, tile_rows=4, tile_cols=8)
+    r = linear_logprobs(h, w, p["y"], with_entropy=True, options=opts)
+    assert r.entropy is not None
+    (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
+    assert h.grad is not None and w.grad is not None
+    for got, key in ((r.logprobs, "lp"), (r.entropy, "ent"), (r.lse, "lse"), (h.grad, "dh"), (w.grad, "dw")):
+        _close(got, truth[key], dtype)
+
+
+def _token_loss(p: dict[str, torch.Tensor], entropy_grad: bool) -> Any:
+    def loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = (p["c_lp"][rows] * lp).sum()
+        return out + (p["c_ent"][rows] * ent).sum() if entropy_grad else out
+
+    return loss
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fused_token_loss_against_float64(
+    dtype: torch.dtype, cap: float, entropy_grad: bool, backend: str
+) -> None:
+    """The single pass (``entropy_grad=False``: the slope in the buffer, the label's
+    column scaled at the flush) and the two-pass tile, with an lse loss and an
+    upstream gradient 0.7."""
+    _skip(backend, dtype)
+    p = _problem(1)
+    if not entropy_grad:
+        p["c_ent"] = torch.zeros_like(p["c_ent"])
+    truth = _truth(p, cap, p["t"][:, None], dtype)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    f = fused_token_loss(
+        h,
+        w,
+        p["y"],
+        _token_loss(p, entropy_grad),
+        options=LinearOptions(temperature=p["t"].to(dtype), logit_scale=SCALE, softcap=cap, tile_rows=4),
+        entropy_grad=entropy_grad,
+        lse_loss=lambda lse, rows: (p["c_lse"][rows] * lse**2).sum(),
+    )
+    (f.loss * 0.7).backward()
+    assert h.grad is not None and w.grad is not None
+    _close(f.loss, truth["loss"], dtype)
+    _close(f.logprobs, truth["lp"], dtype)
+    _close(f.entropy, truth["ent"], dtype)
+    _close(h.grad, 0.7 * truth["dh"], dtype)
+    _close(w.grad, 0.7 * truth["dw"], dtype)
+
+
+@pytest.mark.parametrize("entropy_grad", [None, False, True], ids=["linear", "single", "two-pass"])
+def test_whole_blocks_against_float64(entropy_grad: bool | None, backend: str) -> None:
+    """A vocabulary of 150: the kernels' unmasked full blocks (64 columns under the
+    interpreter) and a ragged tail, fp32."""
+    p = _problem(9, v=150)
+    if not entropy_grad:
+        p["c_ent"] = torch.zeros_like(p["c_ent"])
+    truth = _truth(p, 5.0, p["t"][:, None], torch.float32)
+    h = p["h"].float().requires_grad_()
+    w = p["w"].float().requires_grad_()
+    opts = LinearOptions(temperature=p["t"].float(), logit_scale=SCALE, softcap=5.0)
+    if entropy_grad is None:
+        r = linear_logprobs(h, w, p["y"], with_entropy=True, options=opts)
+        assert r.entropy is not None
+        (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
+    else:
+        lse_loss = lambda lse, rows: (p["c_lse"][rows] * lse**2).sum()  # noqa: E731
+        f = fused_token_loss(
+            h,
+            w,
+            p["y"],
+            _token_loss(p, entropy_grad),
+            options=opts,
+            entropy_grad=entropy_grad,
+            lse_loss=lse_loss,
+        )
+        f.loss.backward()
+        _close(f.loss, truth["loss"], torch.float32)
+    assert h.grad is not None and w.grad is not None
+    _close(h.grad, truth["dh"], torch.float32)
+    _close(w.grad, truth["dw"], torch.float32)
+
+
+def test_gathered_values_are_capped(backend: str) -> None:
+    """The engine's ``logits_of`` (the epilogues' gathers and maxima) reads capped,
+    tempered logits on both backends, whole tiles and gathered columns alike."""
+    from torch_impl.processors._engine import Engine
+    from torch_impl.processors._options import prologue
+
+    p = _problem(10)
+    h, w = p["h"].float(), p["w"].float()
+    opts = LinearOptions(softcap=5.0, temperature=p["t"].float(), logit_scale=SCALE)
+    _, hh, setup = prologue("test", h, w, p["y"], opts, {})
+    eng = Engine(hh, w, setup)
+    rows, cols = slice(2, 9), torch.tensor([[0, 3], [5, 28]]).repeat(4, 1)[:7]
+    z = eng.logits(rows, eng.weight_all())
+    want = _capped(p["h"][rows] @ p["w"].T, 5.0, p["t"][rows, None])
+    torch.testing.assert_close(
+        eng.logits_of(z.gather(1, cols), rows).double(), want.gather(1, cols), rtol=2e-6, atol=2e-6
+    )
+    torch.testing.assert_close(eng.logits_of(z.amax(1), rows).double(), want.amax(1), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(eng.logits_of(z, rows, inplace=True).double(), want, rtol=2e-6, atol=2e-6)
+
+
+def test_nan_hidden_states_give_nan_rows_only() -> None:
+    p = _problem(2)
+    h = p["h"].clone()
+    h[3, 1] = float("nan")
+    r = linear_logprobs(h, p["w"], p["y"], options=LinearOptions(softcap=5.0))
+    assert math.isnan(float(r.logprobs[3]))
+    assert torch.isfinite(torch.cat([r.logprobs[:3], r.logprobs[4:]])).all()
+
+
+def test_an_infinite_logit_is_capped(backend: str) -> None:
+    """``u = +-inf`` (an infinite hidden state against finite weights) is capped to
+    ``+-s / T`` like any other logit, on both backends (the kernels' masked lanes are
+    told apart from a logit of -inf): finite logprobs, equal to float64's."""
+    p = _problem(8)
+    h = p["h"].float()
+    h[4] = 0.0
+    h[4, 0] = float("inf")  # u[4] = inf * w[:, 0]: +-inf, no NaN
+    r = linear_logprobs(h, p["w"].float(), p["y"], options=LinearOptions(softcap=5.0, temperature=0.8))
+    z = 5.0 * torch.tanh(h.double() @ p["w"].float().double().T / 5.0) / 0.8
+    want = torch.where(
+        p["y"] == IGNORE, 0.0, z.log_softmax(-1).gather(1, p["y"].clamp(min=0)[:, None]).squeeze(1)
+    )
+    assert torch.isfinite(r.logprobs).all()
+    torch.testing.assert_close(r.logprobs.double(), want, rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------- the processors
+
+
+def _ctx(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cap: Any) -> OutputContext:
+    return OutputContext(
+        hidden_states=h,
+        labels=y,
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        scale_logits=lambda x: x * SCALE,
+        config=types.SimpleNamespace(final_logit_softcapping=cap),
+    )
+
+
+def _ce_problem(seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (B, S), generator=g)
+    y[0, 2] = IGNORE
+    return {
+        "h": torch.randn(S, B, H, generator=g, dtype=torch.float64) * 3.0,
+        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "y": y,
+    }
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_cross_entropy_honours_the_configs_softcap(dtype: torch.dtype, cap: float, backend: str) -> None:
+    """``config.final_logit_softcapping`` (where a release has it) applied after MuP's
+    ``scale_logits`` factor, before the temperature: the mean cross-entropy and its
+    gradients equal float64 of the capped logits."""
+    _skip(backend, dtype)
+    p, t = _ce_problem(), 0.8
+    hh, ww = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+    z = _capped(torch.einsum("sbh,vh->bsv", hh, ww), cap, t)
+    y = p["y"]
+    ce = torch.where(y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
+    want = ce.sum() / (y != IGNORE).sum()
+    want.backward()
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    out = cross_entropy_loss(reduction="mean", temperature=t, tile_rows=4, tile_cols=8)(_ctx(h, w, y, cap))
+    out["loss"].backward()
+    assert h.grad is not None and w.grad is not None and hh.grad is not None and ww.grad is not None
+    _close(out["loss"], want.detach(), dtype)
+    _close(h.grad, hh.grad, dtype)
+    _close(w.grad, ww.grad, dtype)
+
+
+def test_selected_logprobs_honours_the_configs_softcap() -> None:
+    p, cap = _ce_problem(4), 2.0
+    z = _capped(torch.einsum("sbh,vh->bsv", p["h"], p["w"]), cap, 1.0)
+    logp = z.log_softmax(-1)
+    y = p["y"]
+    out = selected_logprobs(entropy=True)(_ctx(p["h"], p["w"], y, cap))
+    want = torch.where(y == IGNORE, 0.0, logp.gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
+    torch.testing.assert_close(out["logprobs"].double(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
+    off = selected_logprobs()(_ctx(p["h"], p["w"], y, 0))  # 0 (or None, False): off
+    plain = (
+        torch.einsum("sbh,vh->bsv", p["h"], p["w"])
+        .mul(SCALE)
+        .log_softmax(-1)
+        .gather(2, y.clamp(min=0)[..., None])
+    )
+    torch.testing.assert_close(off["logprobs"].double(), torch.where(y == IGNORE, 0.0, plain.squeeze(-1)))
+
+
+def test_policy_loss_honours_the_configs_softcap() -> None:
+    """``policy_loss`` with the config's cap equals ``policy_loss`` on the capped logits
+    materialised in float64 (hidden states = the logits, weight = the identity): every
+    output, and ``dh``, ``dW`` through autograd of the cap."""
+    p, cap = _ce_problem(6), 2.0
+    g = torch.Generator().manual_seed(7)
+    batch = PolicyBatch(
+        old_logprobs=-torch.rand(B, S, generator=g, dtype=torch.float64) * 2,
+        advantages=torch.randn(B, S, generator=g, dtype=torch.float64),
+        mask=torch.ones(B, S, dtype=torch.float64),
+    )
+    outs, grads = [], []
+    for materialised in (False, True):
+        h, w = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+        if materialised:
+            z = _capped(torch.einsum("sbh,vh->sbv", h, w), cap, 1.0)
+            ctx = dataclasses.replace(
+                _ctx(z, torch.eye(V, dtype=torch.float64), p["y"], None), scale_logits=None
+            )
+        else:
+            ctx = _ctx(h, w, p["y"], cap)
+        out = policy_loss()(dataclasses.replace(ctx, context=batch))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out["loss"], (h, w)))
+    for key in outs[1]:
+        torch.testing.assert_close(outs[0][key], outs[1][key], rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "5"], ids=repr)
+def test_a_bad_config_softcap_is_refused_by_name(bad: Any) -> None:
+    p = _ce_problem()
+    with pytest.raises(ContractError) as info:
+        cross_entropy_loss(reduction="sum")(_ctx(p["h"], p["w"], p["y"], bad))
+    assert info.value.field == "config.final_logit_softcapping"
+
+
+@pytest.mark.parametrize(
+    "bad", [0.0, -1.0, float("nan"), float("inf"), True, "5", torch.tensor(5.0)], ids=repr
+)
+def test_bad_softcap_raises_by_name(bad: Any) -> None:
+    with pytest.raises(ContractError, match=r"^softcap: expected a finite number > 0") as info:
+        LinearOptions(softcap=bad)
+    assert repr(bad) in str(info.value) or "tensor" in str(info.value)
+
+
+def test_topk_and_distillation_refuse_a_softcap_by_name() -> None:
+    """Their gradients come from sparse terms at a few columns, where the cap's slope
+    is not taken: refused, from the options and from the config."""
+    p = _ce_problem(5)
+    h, w, y = p["h"].reshape(-1, H), p["w"], p["y"].T.reshape(-1)
+    opts = LinearOptions(softcap=5.0)
+    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
+        linear_topk_logprobs(h, w, k=3, options=opts)
+    lp, ids = torch.log_softmax(h @ w.T, -1).topk(3)
+    teacher = SparseTeacher(ids=ids, logprobs=lp.float())
+    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_distillation_loss"):
+        linear_distillation_loss(h, w, y, teacher, options=opts)
+    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
+        topk_logprobs(3)(_ctx(p["h"], w, p["y"], 5.0))
+    ctx = _ctx(p["h"], w, p["y"], 5.0)
+    sparse = SparseTeacher(
+        ids=ids.view(S, B, 3).transpose(0, 1), logprobs=lp.float().view(S, B, 3).transpose(0, 1)
+    )
+    with pytest.raises(ContractError, match=r"^softcap: expected None: distillation_loss"):
+        distillation_loss()(dataclasses.replace(ctx, context=sparse))
+
+
+# ---------------------------------------------------------------- bf16 beside the naive path
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("form", ["linear_logprobs", "fused single pass", "fused two-pass"])
+def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: str) -> None:
+    """Ours at ``compute_dtype=bf16`` on bf16 inputs, the naive path (a bf16 GEMM's
+    logits, rounded to bf16, capped and normalised in fp32) and the truth (float64 of
+    the same bf16 inputs): each value and gradient within a third of the naive error,
+    or twice the bf16 rounding of the truth. The loss: ``sum(c * logprobs + 0.3 *
+    entropy)`` (the entropy's term only in the two-pass form)."""
+    g = torch.Generator().manual_seed(6)
+    n, hid, vocab, cap, t = 24, 16, 512 if backend == "triton" else 2048, 5.0, 0.9
+    h0 = (torch.randn(n, hid, generator=g) * 2.0).to(BF16)
+    w0 = (torch.randn(vocab, hid, generator=g) * 0.5).to(BF16)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[3] = IGNORE
+    cot = torch.randn(n, generator=g, dtype=torch.float64)
+    c_ent = 0.3 if form == "fused two-pass" else 0.0
+
+    def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = (cot[rows] * lp.double()).sum()
+        return out + c_ent * ent.double().sum() if c_ent else out
+
+    def run(how: str) -> dict[str, torch.Tensor]:
+        h = h0.to(torch.float64 if how == "truth" else BF16).requires_grad_()
+        w = w0.to(h.dtype).requires_grad_()
+        if how == "ours":
+            opts = LinearOptions(compute_dtype=BF16, temperature=t, logit_scale=SCALE, softcap=cap)
+            if form == "linear_logprobs":
+                r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
+                lp, ent = r.logprobs, r.entropy
+                assert ent is not None
+                loss = token_loss(lp, ent, slice(None))
+            else:
+                f = fused_token_loss(h, w, y, token_loss, options=opts, entropy_grad=bool(c_ent))
+                lp, ent, loss = f.logprobs, f.entropy, f.loss
+        else:
+            u = h @ w.T  # bf16 for the naive path: rounded to bf16
+            logp = _capped(u.float() if how == "naive" else u, cap, t).log_softmax(-1)
+            lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+            ent = -(logp.exp() * logp).sum(-1)
+            loss = token_loss(lp, ent, slice(None))
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
+
+    truth, ours, naive = run("truth"), run("ours"), run("naive")
+    for key, want in truth.items():
+        err, naive_err, rounding = _rel(ours[key], want), _rel(naive[key], want), _rel(want.to(BF16), want)
+        assert err <= max(naive_err / 3, 2 * rounding), (key, err, naive_err, rounding)
+
+
+# ---------------------------------------------------------------- tp=2
+
+
+def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, Any], backends: list[str]) -> None:
+    from megatron.core import parallel_state
+
+    from torch_impl import TorchCollectives
+
+    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    lo, hi = (0, 14) if rank == 0 else (14, V)
+    for be in backends:
+        dtype = torch.float64 if be == "torch" else torch.float32
+        tol = {"rtol": 1e-10, "atol": 1e-10} if be == "torch" else {"rtol": 2e-5, "atol": 1e-4}
+        base = {
+            "temperature": p["t"].to(dtype),
+            "logit_scale": SCALE,
+            "softcap": 5.0,
+            "vocab": VocabShard(lo, hi, V),
+            "collectives": coll,
+            "backend": be,
+        }
+        h = p["h"].to(dtype).clone().requires_grad_()
+        w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
+        r = linear_logprobs(
+            h, w, p["y"], with_entropy=True, options=LinearOptions(tile_rows=4, tile_cols=8, **base)
+        )
+        assert r.entropy is not None
+        (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
+        torch.testing.assert_close(r.logprobs.double(), truth["lp"], **tol)
+        torch.testing.assert_close(h.grad.double(), truth["dh"], **tol)
+        torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
+        for entropy_grad in (False, True):  # the single pass and the two-pass tile
+            h = p["h"].to(dtype).clone().requires_grad_()
+            w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
+            f = fused_token_loss(
+                h,
+                w,
+                p["y"],
+                _token_loss(p, entropy_grad),
+                options=LinearOptions(tile_rows=4, **base),
+                entropy_grad=entropy_grad,
+                lse_loss=lambda lse, rows: (p["c_lse"][rows] * lse**2).sum(),
+            )
+            f.loss.backward()
+            want = truth["ent0" if not entropy_grad else "full"]
+            torch.testing.assert_close(f.loss.double(), want["loss"], **tol)
+            torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
+            torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+
+
+def test_tp2_against_float64() -> None:
+    """Two gloo processes, unequal vocabulary shards: linear_logprobs and both forms
+    of the fused loss, torch (fp64) and, where installed, Triton (fp32, interpreter)."""
+    p = _problem(7)
+    truth = _truth(p, 5.0, p["t"][:, None])
+    no_ent = {**p, "c_ent": torch.zeros_like(p["c_ent"])}
+    truth = {**truth, "full": truth, "ent0": _truth(no_ent, 5.0, p["t"][:, None])}
+    backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
+    run_distributed(_tp2, p, truth, backends, tp=2)
