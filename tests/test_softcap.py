@@ -503,3 +503,39 @@ def test_tp2_against_float64() -> None:
     truth = {**truth, "full": truth, "ent0": _truth(no_ent, 5.0, p["t"][:, None])}
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
     run_distributed(_tp2, p, truth, backends, tp=2)
+
+
+@pytest.mark.parametrize("entropy_grad", [None, False, True], ids=["linear", "single", "two-pass"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_bias_enters_before_the_cap(dtype: torch.dtype, entropy_grad: bool | None, backend: str) -> None:
+    """``z = s * tanh((h @ W.T + b) * logit_scale / s) / T``: values and ``dh``, ``dW``,
+    ``db`` against float64 autograd, the linear function and both fused passes."""
+    _skip(backend, dtype)
+    p, cap = _problem(5), 5.0
+    b64 = torch.randn(V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 4.0
+    hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    z = _capped(hr @ wr.T + br, cap, p["t"][:, None])
+    logp, y = z.log_softmax(-1), p["y"]
+    lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    c_ent = p["c_ent"] if entropy_grad is not False else torch.zeros_like(p["c_ent"])
+    (p["c_lp"] * lp + c_ent * ent).sum().backward()
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    opts = LinearOptions(
+        temperature=p["t"].to(dtype), logit_scale=SCALE, softcap=cap, tile_rows=4, tile_cols=8
+    )
+    if entropy_grad is None:
+        r = linear_logprobs(h, w, y, with_entropy=True, options=opts, bias=b)
+        assert r.entropy is not None
+        got_lp = r.logprobs
+        (p["c_lp"] * r.logprobs + c_ent * r.entropy).sum().backward()
+    else:
+        loss = _token_loss(dict(p, c_ent=c_ent), entropy_grad)
+        f = fused_token_loss(h, w, y, loss, options=opts, entropy_grad=entropy_grad, bias=b)
+        got_lp = f.logprobs
+        f.loss.backward()
+    assert h.grad is not None and w.grad is not None and b.grad is not None
+    _close(got_lp, lp.detach(), dtype)
+    for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert want is not None
+        _close(got, want, dtype)
