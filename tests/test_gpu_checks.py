@@ -169,3 +169,54 @@ def test_fused_loss_against_float64(backend: str, dtype: torch.dtype) -> None:
     rel_dw = float((got["dw"][cols].double() - w64.grad[cols]).norm() / w64.grad[cols].norm())
     assert rel_dh <= tol, (backend, rel_dh)
     assert rel_dw <= tol, (backend, rel_dw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_peer_options_against_float64(backend: str, dtype: torch.dtype) -> None:
+    """The peers' options compiled at an awkward size: a softcap (the tanh inside the
+    Triton kernels), a bias, a per-token temperature and a z-loss through
+    ``linear_logprobs`` and the fused loss's single pass: values, ``dh`` on a row subset,
+    ``dW`` and ``db`` on a vocabulary subset against float64 of the same rounded inputs."""
+    n, h, v, cap = 1031, 512, 20011, 30.0
+    hid, w, y = _inputs(n, h, v, dtype=dtype, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    b = (torch.randn(v, device="cuda", generator=g) * 2.0).to(dtype)
+    t = torch.rand(n, device="cuda", generator=g) + 0.5
+    hid = hid * 4.0  # logits up to ~40: the cap bites
+    rows = torch.arange(0, n, 8, device="cuda")
+    cols = torch.cat([y[y != IGNORE][:64], torch.arange(0, v, 211, device="cuda")]).unique()
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+    opts = LinearOptions(backend=backend, softcap=cap, temperature=t)  # type: ignore[arg-type]
+    for fused in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (hid, w, b)]
+        h64, w64, b64 = (x.double().requires_grad_() for x in (hid, w, b))
+        z = cap * torch.tanh((h64 @ w64.T + b64) / cap) / t.double()[:, None]
+        logp = z.log_softmax(-1)
+        lp = torch.where(y != IGNORE, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        lse = torch.logsumexp(z, -1)
+        (-lp.sum() / n + 1e-3 * (lse**2).sum() / n).backward()
+        if fused:
+            r = fused_token_loss(
+                *leaves[:2],
+                y,
+                lambda lp, _, rows: -lp.sum() / n,
+                options=opts,
+                bias=leaves[2],
+                lse_loss=lambda lse, rows: 1e-3 * (lse**2).sum() / n,
+            )
+            got_lp = r.logprobs
+            r.loss.backward()
+        else:
+            r2 = linear_logprobs(*leaves[:2], y, options=opts, bias=leaves[2])
+            got_lp = r2.logprobs
+            lse_err = float((r2.lse.detach().double() - lse.detach()).abs().max())
+            assert lse_err <= tol * float(lse.abs().max())
+            (-r2.logprobs.sum() / n + 1e-3 * (r2.lse**2).sum() / n).backward()
+        assert float((got_lp.detach().double() - lp.detach()).abs().max()) <= tol * float(lp.abs().max())
+        for got, want, sub in zip(
+            (x.grad for x in leaves), (h64.grad, w64.grad, b64.grad), (rows, cols, cols)
+        ):
+            assert got is not None and want is not None
+            rel = float((got[sub].double() - want[sub]).norm() / want[sub].norm())
+            assert rel <= tol, (backend, fused, rel)
