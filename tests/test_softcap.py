@@ -539,3 +539,12 @@ def test_a_bias_enters_before_the_cap(dtype: torch.dtype, entropy_grad: bool | N
     for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert want is not None
         _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_gpu_checks_body_on_the_cpu(dtype: torch.dtype, backend: str) -> None:
+    """``tests/test_gpu_checks.py``'s softcap-and-bias check at a small size, so that its
+    body's API drift fails here and not on the GPU."""
+    from tests.test_gpu_checks import peer_options
+
+    peer_options(67, 24, 301, dtype, "cpu", backend)
