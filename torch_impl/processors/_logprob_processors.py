@@ -167,6 +167,7 @@ def _reduced(
     tile: LinearOptions,
     z_loss: float,
     class_weights: torch.Tensor | None,
+    eps: float,
 ) -> dict[str, torch.Tensor]:
     """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
     x = hook_inputs(ctx, "cross_entropy_loss")
@@ -177,11 +178,15 @@ def _reduced(
 
     def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         wr = w[rows].to(lp.dtype)
-        return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
+        return -(1.0 - eps) * (torch.where(wr != 0, lp, 0.0) * wr).sum()
 
     def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
-        wr = wz[rows].to(lse.dtype)
-        return z_loss * (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+        wr = wz[rows].to(lse.dtype)  # w == wz with label smoothing (no class weights)
+        return (torch.where(wr != 0, z_loss * lse.square() + eps * lse, 0.0) * wr).sum()
+
+    def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
+        wr = w[rows].to(mean.dtype)
+        return -eps * (torch.where(wr != 0, mean, 0.0) * wr).sum()
 
     options = x.tensor_options(tile, temp)
     res = fused_token_loss(
@@ -191,7 +196,8 @@ def _reduced(
         tile_loss,
         options=options,
         entropy_grad=False,
-        lse_loss=lse_loss if z_loss != 0.0 else None,
+        lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
+        mean_logit_loss=mean_loss if eps != 0.0 else None,
     )
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
@@ -204,6 +210,7 @@ def cross_entropy_loss(
     temperature: float | None = None,
     z_loss: float = 0.0,
     class_weights: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
     tile_rows: int | None = None,
     tile_cols: int | None = None,
     **unexpected: Never,
@@ -249,6 +256,13 @@ def cross_entropy_loss(
         loss = sum(M * cw[y] * -logprobs) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)   # "mean"
 
     (``global_tokens`` with class weights and ``"mean"`` is refused.)
+
+    ``label_smoothing`` (``eps`` in ``[0, 1]``; default 0), as
+    ``torch.nn.functional.cross_entropy(label_smoothing=)``: the cross-entropy term
+    of each counted token becomes ``(1 - eps) * -logprobs + eps * (lse - mean_logit)``,
+    ``mean_logit = z.mean(-1)`` over the whole vocabulary (``hookspec.conventions``;
+    the reduced forms read each tile twice, no GEMM more). With ``class_weights``
+    it is refused (PyTorch's smoothing term weights each class: not built in).
         tokens = sum(M)                               # this rank's counted tokens, detached
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
@@ -269,6 +283,13 @@ def cross_entropy_loss(
     if temperature is not None:
         check_temperature(temperature, 1)
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
+    eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    if eps != 0.0 and class_weights is not None:
+        raise ContractError(
+            "label_smoothing",
+            expected="0 with class_weights (PyTorch's weighted smoothing term is not built in)",
+            actual=repr(label_smoothing),
+        )
     if class_weights is not None and (
         not isinstance(class_weights, torch.Tensor)
         or class_weights.dim() != 1
@@ -299,8 +320,12 @@ def cross_entropy_loss(
             x.weight,
             x.token_labels,
             options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
+            with_mean_logit=eps != 0.0,
         )
         loss = -res.logprobs
+        if res.mean_logit is not None:
+            smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse - res.mean_logit)
+            loss = (1.0 - eps) * loss + eps * smooth
         if class_weights is not None:
             loss = loss * _class_weights_of(ctx, x, class_weights)
         if z_loss != 0.0:
@@ -309,7 +334,7 @@ def cross_entropy_loss(
 
     @checked_call()
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        return _reduced(ctx, reduction, temperature, tile, z_loss, class_weights)
+        return _reduced(ctx, reduction, temperature, tile, z_loss, class_weights, eps)
 
     if reduction == "none":
         return processor(fn, name="cross_entropy_loss")

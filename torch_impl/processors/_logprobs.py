@@ -28,20 +28,24 @@ class LogprobResult:
     ``lse``: ``[n]``, ``logsumexp(z)`` of the tempered logits over the whole
     vocabulary (every shard), every token whatever its label; differentiable
     (``d lse / dz_j = softmax(z)_j``): a z-loss ``lse ** 2`` is a token loss.
+    ``mean_logit``: ``[n]``, ``z.mean(-1)`` over the whole vocabulary, every token,
+    differentiable (``d mean_logit / dz_j = 1 / V``: label smoothing's
+    ``lse - mean_logit``), or ``None`` when not requested.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     lse: torch.Tensor
+    mean_logit: torch.Tensor | None = None
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, with_entropy: bool, with_mean: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         with no_autocast(h):
-            stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy)
+            stats = Engine(h, w, setup).forward_stats(with_entropy=with_entropy, with_mean=with_mean)
         ctx.set_materialize_grads(False)
         ctx.setup = setup
         ctx.stats = stats.detached()  # no cycle through ctx
@@ -49,23 +53,39 @@ class _LinearLogprobs(torch.autograd.Function):
         entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
         if stats.entropy is None:
             ctx.mark_non_differentiable(entropy)
-        return stats.logprobs, entropy, stats.lse
+        mean = stats.mean_logit if stats.mean_logit is not None else stats.logprobs.new_empty(0)
+        if stats.mean_logit is None:
+            ctx.mark_non_differentiable(mean)
+        return stats.logprobs, entropy, stats.lse, mean
 
     @staticmethod
     def backward(
-        ctx: Any, g_lp: torch.Tensor | None, g_h: torch.Tensor | None, g_lse: torch.Tensor | None
+        ctx: Any,
+        g_lp: torch.Tensor | None,
+        g_h: torch.Tensor | None,
+        g_lse: torch.Tensor | None,
+        g_mean: torch.Tensor | None,
     ) -> tuple[Any, ...]:
         refuse_double_backward("linear_logprobs")
         h, w = ctx.saved_tensors
         setup: TileSetup = ctx.setup
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (g_lp is None and g_h is None and g_lse is None) or not (need_dh or need_dw):
-            return None, None, None, None
+        if (g_lp is None and g_h is None and g_lse is None and g_mean is None) or not (need_dh or need_dw):
+            return None, None, None, None, None
         stats: Stats = ctx.stats
         with no_autocast(h):
-            coef = logit_grad_coefficients(stats, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse)
+            coef = logit_grad_coefficients(
+                stats,
+                g_lp,
+                g_h,
+                setup.ignored,
+                setup.acc_dtype,
+                g_lse=g_lse,
+                g_mean=g_mean,
+                vocab=setup.vocab_size,
+            )
             dh, dw = Engine(h, w, setup).backward(stats, coef, need_dh=need_dh, need_dw=need_dw)
-        return (dh.to(h.dtype) if dh is not None else None), dw, None, None
+        return (dh.to(h.dtype) if dh is not None else None), dw, None, None, None
 
 
 @checked_call()
@@ -77,6 +97,7 @@ def linear_logprobs(
     *,
     options: LinearOptions | None = None,
     with_entropy: bool = False,
+    with_mean_logit: bool = False,
     **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
@@ -86,6 +107,7 @@ def linear_logprobs(
         logprobs = where(labels == ignore_index, 0, log_softmax(z)[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)        # >= 0
         lse = logsumexp(z)                                       # every token
+        mean_logit = z.mean(-1)                                  # with_mean_logit
 
     where ``weight_full`` stacks every rank's shard and ``gather`` is
     ``collectives.gather_hidden_states`` (sequence parallel); ``T``,
@@ -102,6 +124,8 @@ def linear_logprobs(
         labels: ``[n]`` global token ids of the gathered rows, or ``ignore_index``.
         options: :class:`LinearOptions` (default: ``LinearOptions()``).
         with_entropy: also return the entropy of ``softmax(z)``.
+        with_mean_logit: also return the mean logit (one add a logit in the
+            statistics pass, one more reduced row; label smoothing).
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
@@ -111,6 +135,12 @@ def linear_logprobs(
         naming the transformed input; use ``torch.autograd.grad``, and rows for vmap).
     """
     check_bool("with_entropy", with_entropy)
+    check_bool("with_mean_logit", with_mean_logit)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
-    logprobs, entropy, lse = _LinearLogprobs.apply(h, weight, setup, with_entropy)
-    return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None, lse=lse)
+    logprobs, entropy, lse, mean = _LinearLogprobs.apply(h, weight, setup, with_entropy, with_mean_logit)
+    return LogprobResult(
+        logprobs=logprobs,
+        entropy=entropy if with_entropy else None,
+        lse=lse,
+        mean_logit=mean if with_mean_logit else None,
+    )

@@ -114,12 +114,15 @@ def _chunk_stats_kernel(
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    sz_ptr,
+    WITH_SUM: tl.constexpr,
 ):
     """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
     FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
     per block a cross-warp max and a branch. Compiled: 11.2 SASS per element (9.2
     without entropy), 34-42% of an H200's issue at the copy rate (the per-lane
-    online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`."""
+    online update it replaces: 25.1, 77-95%); ``WITH_SUM``: one FADD more (not
+    compiled yet). See :func:`chunk_stats_`."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r  # index into the tile's rows' vectors
@@ -141,6 +144,7 @@ def _chunk_stats_kernel(
     base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    u_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # WITH_SUM: the untempered logits' sum
     cc = tl.arange(0, BLOCK_N)
     full = cols - cols % BLOCK_N  # full blocks: loads without masks
     z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
@@ -148,11 +152,18 @@ def _chunk_stats_kernel(
         z = z_next
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+        if WITH_SUM:
+            u_l += z
         m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
+        if WITH_SUM:
+            u_l += tl.where((c < cols)[None, :], z, 0.0)
         m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
+    if WITH_SUM:
+        sz = tl.load(sz_ptr + token, mask=row_ok, other=0.0)
+        tl.store(sz_ptr + token, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
     tl.store(m_ptr + token, m, mask=row_ok)
     tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
     if WITH_ENTROPY:
@@ -182,6 +193,8 @@ def _logit_grad_kernel(
     PER_TOKEN_T: tl.constexpr,
     WITH_B: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    u_ptr,
+    WITH_U: tl.constexpr,
 ):
     """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
     (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
@@ -197,6 +210,8 @@ def _logit_grad_kernel(
     g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
     if WITH_B:
         b = tl.load(b_ptr + token, mask=row_ok, other=0.0)
+    if WITH_U:  # a uniform term of the row (d mean_logit / dz_j = 1 / V)
+        u = tl.load(u_ptr + token, mask=row_ok, other=0.0)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
     for c0 in range(0, cols, BLOCK_N):
@@ -215,6 +230,8 @@ def _logit_grad_kernel(
         else:
             gz = -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
+        if WITH_U:
+            gz += u[:, None]
         gz = gz * inv_t[:, None]
         _store_rounded(out_rows + c[None, :], gz, ok)
 
@@ -356,6 +373,7 @@ def chunk_stats_(
     *,
     col0: int,
     cfg: KernelConfig,
+    sz: torch.Tensor | None = None,
 ) -> None:
     """Update, in place, the tile's rows' running ``state = (m, s, t, zy)`` (``[rows]``
     fp32 each; ``t`` None without entropy) with the tile ``z`` ``[rows, cols]`` (fp32,
@@ -367,6 +385,7 @@ def chunk_stats_(
         t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
         zy += zt[i, labels_local[i] - col0]  (where that column is in the tile)
         m = m_new
+        sz += zt.sum(1)                          # where sz is given
 
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
     element, taken against the row's running max (a rescale of the per-lane sums only
@@ -375,7 +394,8 @@ def chunk_stats_(
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
-    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, WITH_ENTROPY=t is not None)
+    flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
+    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, **flags)
 
 
 def logit_grad_(
@@ -389,6 +409,7 @@ def logit_grad_(
     col0: int,
     cfg: KernelConfig,
     out: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of the tile's logits (its rows' ``[r]`` vectors), returned as a
     ``[rows, cols]`` tensor of ``dtype``: into ``out`` where given, else in place in
@@ -397,7 +418,7 @@ def logit_grad_(
     (a, b, g)``::
 
         zc = z * inv_t[:, None] - M[:, None]
-        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
+        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local] + u) * inv_t   # u: [r] or 0
 
     Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written."""
     rows, cols = z.shape
@@ -415,6 +436,8 @@ def logit_grad_(
         inv_t,
         WITH_B=b is not None,
         IN_PLACE=out.data_ptr() == z.data_ptr(),
+        u_ptr=a if u is None else u,
+        WITH_U=u is not None,
     )
     return out
 
