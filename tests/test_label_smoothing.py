@@ -1,0 +1,410 @@
+"""Label smoothing: the per-token mean logit of :func:`linear_logprobs`
+(``with_mean_logit``), :func:`fused_token_loss`'s ``mean_logit_loss``, and
+``cross_entropy_loss(label_smoothing=eps)``, against float64 materialised logits
+(values, hidden-state and weight gradients) and against PyTorch's own
+``F.cross_entropy(label_smoothing=eps)`` in float64, on both backends, at tp=1 and tp=2
+(gloo); the option checked by name, and refused beside class weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hookspec import ContractError, OutputContext, VocabShard
+from tests.backend_support import force_backend
+from tests.distributed import run_distributed
+from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+IGNORE = -100
+N, H, V = 13, 6, 29
+B, S = 3, 5  # the processors' [b, s] = 15 tokens
+SCALE = 0.7
+
+
+def _problem(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (N,), generator=g)
+    y[[2, 7]] = IGNORE
+    y[0], y[1] = 0, V - 1
+    return {
+        "h": torch.randn(N, H, generator=g, dtype=torch.float64) * 1.5,
+        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "y": y,
+        "t": (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).float().double(),
+        "c_lp": torch.randn(N, generator=g, dtype=torch.float64),
+        "c_mean": torch.randn(N, generator=g, dtype=torch.float64),
+    }
+
+
+def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """``sum(c_lp * logprobs + c_mean * z.mean(-1))`` from float64 logits of the inputs
+    rounded to ``dtype``."""
+    h = p["h"].to(dtype).double().clone().requires_grad_()
+    w = p["w"].to(dtype).double().clone().requires_grad_()
+    z = (h @ w.T) / p["t"][:, None]
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    mean = z.mean(-1)
+    loss = (p["c_lp"] * lp + p["c_mean"] * mean).sum()
+    loss.backward()
+    assert h.grad is not None and w.grad is not None
+    return {"mean": mean.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return force_backend(monkeypatch, request.param)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp64: 1e-12; fp32: 2e-5 of the largest entry (the logit gradient rounded once)."""
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def _skip_fp64_triton(backend: str, dtype: torch.dtype) -> None:
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernels take fp32/bf16/fp16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_linear_logprobs_mean_logit_against_float64(dtype: torch.dtype, backend: str) -> None:
+    """The mean logit at every token (ignored labels too), its gradient ``1 / V`` beside
+    the logprobs', per-token temperature, tiles that split rows and columns (8 does not
+    divide 29: a partial last column tile)."""
+    _skip_fp64_triton(backend, dtype)
+    p = _problem()
+    truth = _truth(p, dtype)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    opts = LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8)
+    r = linear_logprobs(h, w, p["y"], options=opts, with_mean_logit=True)
+    assert r.mean_logit is not None and r.mean_logit.shape == (N,)
+    (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
+    assert h.grad is not None and w.grad is not None
+    _close(r.mean_logit, truth["mean"], dtype)
+    _close(h.grad, truth["dh"], dtype)
+    _close(w.grad, truth["dw"], dtype)
+    assert linear_logprobs(h, w, p["y"], options=opts).mean_logit is None
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["linear_logprobs", "fused_token_loss"])
+def test_wide_rows_against_float64(fused: bool, backend: str) -> None:
+    """150 columns: full kernel blocks (64 under the interpreter) and a partial one,
+    in column tiles of 128 (linear_logprobs) and whole rows (the fused loss), fp32."""
+    g = torch.Generator().manual_seed(7)
+    n, v = 5, 150
+    p = {
+        "h": torch.randn(n, H, generator=g, dtype=torch.float64),
+        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
+        "y": torch.tensor([0, v - 1, IGNORE, 70, 3]),
+        "t": torch.full((n,), 1.25, dtype=torch.float64),
+        "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
+        "c_mean": torch.randn(n, generator=g, dtype=torch.float64),
+    }
+    truth = _truth(p, torch.float32)
+    h = p["h"].float().requires_grad_()
+    w = p["w"].float().requires_grad_()
+    opts = LinearOptions(temperature=1.25, tile_rows=4, tile_cols=128)  # a scalar T
+    if fused:
+        f = fused_token_loss(
+            h,
+            w,
+            p["y"],
+            lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+            options=opts,
+            entropy_grad=False,
+            mean_logit_loss=lambda mean, rows: (p["c_mean"][rows] * mean).sum(),
+        )
+        f.loss.backward()
+        mean = f.mean_logit
+    else:
+        r = linear_logprobs(h, w, p["y"], options=opts, with_mean_logit=True)
+        assert r.mean_logit is not None
+        (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
+        mean = r.mean_logit
+    assert mean is not None and h.grad is not None and w.grad is not None
+    _close(mean, truth["mean"], torch.float32)
+    _close(h.grad, truth["dh"], torch.float32)
+    _close(w.grad, truth["dw"], torch.float32)
+
+
+def test_mean_logit_alone_has_the_uniform_gradient() -> None:
+    """A loss of the mean logit alone: ``dh = c * W.mean(0) / T`` exactly as autograd."""
+    p = _problem(1)
+    h = p["h"].clone().requires_grad_()
+    r = linear_logprobs(
+        h, p["w"], p["y"], options=LinearOptions(tile_rows=4, tile_cols=8), with_mean_logit=True
+    )
+    assert r.mean_logit is not None
+    (p["c_mean"] * r.mean_logit).sum().backward()
+    assert h.grad is not None
+    torch.testing.assert_close(h.grad, p["c_mean"][:, None] * p["w"].mean(0), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fused_token_loss_mean_logit_loss_against_float64(
+    dtype: torch.dtype, entropy_grad: bool, backend: str
+) -> None:
+    """``mean_logit_loss`` beside the token loss, with an upstream gradient 0.7."""
+    _skip_fp64_triton(backend, dtype)
+    p = _problem(1)
+    truth = _truth(p, dtype)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    f = fused_token_loss(
+        h,
+        w,
+        p["y"],
+        lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+        options=LinearOptions(temperature=p["t"], tile_rows=4),
+        entropy_grad=entropy_grad,
+        mean_logit_loss=lambda mean, rows: (p["c_mean"][rows] * mean).sum(),
+    )
+    (f.loss * 0.7).backward()
+    assert h.grad is not None and w.grad is not None and f.mean_logit is not None
+    _close(f.loss, truth["loss"], dtype)
+    _close(f.mean_logit, truth["mean"], dtype)
+    _close(h.grad, 0.7 * truth["dh"], dtype)
+    _close(w.grad, 0.7 * truth["dw"], dtype)
+
+
+def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
+    p = _problem()
+    args = (p["h"], p["w"], p["y"], lambda lp, ent, rows: lp.sum())
+    with torch.no_grad():
+        f = fused_token_loss(*args, mean_logit_loss=lambda m, rows: m.sum())
+    assert f.mean_logit is not None
+    _close(f.mean_logit, _truth({**p, "t": torch.ones(N, dtype=torch.float64)})["mean"], torch.float64)
+    assert fused_token_loss(*args).mean_logit is None
+    with pytest.raises(ContractError, match=r"^mean_logit_loss: expected None or a callable"):
+        fused_token_loss(*args, mean_logit_loss=3.0)  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match=r"^mean_logit_loss: expected a callable returning a 0-dim"):
+        fused_token_loss(*args, mean_logit_loss=lambda m, rows: m)
+
+
+# ---------------------------------------------------------------- cross_entropy_loss(label_smoothing=...)
+
+
+def _ce_problem(seed: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (B, S), generator=g)
+    y[0, 2] = y[2, 4] = IGNORE
+    mask = (torch.rand(B, S, generator=g) > 0.25).double()
+    mask[0, 0] = 0.5
+    mask[0, 2] = 1.0  # counted by the mask, but the label is ignored
+    return {
+        "h": torch.randn(S, B, H, generator=g, dtype=torch.float64) * 2.0,
+        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "y": y,
+        "mask": mask,
+    }
+
+
+def _ce_truth(
+    p: dict[str, torch.Tensor], reduction: str, eps: float, t: float, z_loss: float, mask: bool
+) -> dict[str, torch.Tensor]:
+    """PyTorch's ``F.cross_entropy(label_smoothing=eps, ignore_index=-100)`` in float64
+    (reduction ``"none"``, weighted by the mask for ``"sum"``/``"mean"``; without a mask
+    PyTorch's own ``"sum"``/``"mean"``), plus the z-loss."""
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    z = torch.einsum("sbh,vh->bsv", h, w) * SCALE / t
+    y = p["y"]
+    zl = torch.where(y == IGNORE, 0.0, z_loss * torch.logsumexp(z, -1) ** 2)
+    if reduction == "none" or mask:
+        ce = F.cross_entropy(
+            z.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction="none"
+        ).view(B, S)
+        if reduction == "none":
+            loss = ce + zl
+            cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
+            (loss * cot).sum().backward()
+        else:
+            m = torch.where(y == IGNORE, 0.0, p["mask"])
+            loss = (m * (ce + zl)).sum()
+            if reduction == "mean":
+                loss = loss / m.sum()
+            loss.backward()
+    else:
+        ce = F.cross_entropy(
+            z.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction=reduction
+        )
+        loss = ce + (zl.sum() if reduction == "sum" else zl.sum() / (y != IGNORE).sum())
+        loss.backward()
+    assert h.grad is not None and w.grad is not None
+    return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+
+
+def _ctx(h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], mask: bool = True) -> OutputContext:
+    return OutputContext(
+        hidden_states=h,
+        labels=p["y"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        loss_mask=p["mask"].float() if mask else None,
+        scale_logits=lambda x: x * SCALE,
+    )
+
+
+def _run_ce(
+    proc: Any, h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], reduction: str, mask: bool
+):
+    out = proc(_ctx(h, w, p, mask))
+    if reduction == "none":
+        loss = out
+        cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S).to(loss.dtype)
+        (loss * cot).sum().backward()
+    else:
+        loss = out["loss"]
+        loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_cross_entropy_label_smoothing_against_pytorch(
+    reduction: str, dtype: torch.dtype, mask: bool, backend: str
+) -> None:
+    """Against ``F.cross_entropy(label_smoothing=0.1)`` in float64, with a z-loss and a
+    temperature; without a mask against PyTorch's own ``"sum"`` and ``"mean"``."""
+    _skip_fp64_triton(backend, dtype)
+    if reduction == "none" and not mask:
+        pytest.skip("the unreduced loss takes no mask")
+    p = _ce_problem()
+    eps, z_loss, t = 0.1, 0.03, 0.8
+    truth = _ce_truth(p, reduction, eps, t, z_loss, mask)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    proc = cross_entropy_loss(
+        reduction=reduction, label_smoothing=eps, z_loss=z_loss, temperature=t, tile_rows=4, tile_cols=8
+    )
+    loss = _run_ce(proc, h, w, p, reduction, mask)
+    assert h.grad is not None and w.grad is not None
+    _close(loss, truth["loss"], dtype)
+    _close(h.grad, truth["dh"], dtype)
+    _close(w.grad, truth["dw"], dtype)
+
+
+@pytest.mark.parametrize("eps", [1.0, 0.5])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_label_smoothing_ends_against_pytorch(eps: float, reduction: str) -> None:
+    """``eps = 1`` (the uniform target alone) and ``0.5``, float64."""
+    p = _ce_problem(3)
+    truth = _ce_truth(p, reduction, eps, 1.0, 0.0, True)
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    loss = _run_ce(cross_entropy_loss(reduction=reduction, label_smoothing=eps), h, w, p, reduction, True)
+    assert h.grad is not None and w.grad is not None
+    _close(loss, truth["loss"], torch.float64)
+    _close(h.grad, truth["dh"], torch.float64)
+    _close(w.grad, truth["dw"], torch.float64)
+
+
+def test_ignored_labels_contribute_nothing() -> None:
+    """An ignored label: 0 loss and no gradient to its hidden state, whatever eps."""
+    p = _ce_problem(4)
+    h = p["h"].clone().requires_grad_()
+    out = cross_entropy_loss(label_smoothing=0.3)(_ctx(h, p["w"], p))
+    assert float(out[0, 2]) == 0.0 and float(out[2, 4]) == 0.0
+    out.sum().backward()
+    assert h.grad is not None
+    assert torch.equal(h.grad[2, 0], torch.zeros(H, dtype=torch.float64))  # [s, b]: token (b=0, s=2)
+    assert torch.equal(h.grad[4, 2], torch.zeros(H, dtype=torch.float64))
+
+
+def test_zero_label_smoothing_is_the_plain_cross_entropy_bitwise() -> None:
+    """``label_smoothing=0`` (the default) takes exactly the path without it."""
+    p = _ce_problem(5)
+    for reduction in ("none", "sum", "mean"):
+        a = cross_entropy_loss(reduction=reduction, label_smoothing=0.0)(_ctx(p["h"], p["w"], p))
+        b = cross_entropy_loss(reduction=reduction)(_ctx(p["h"], p["w"], p))
+        assert torch.equal(a, b) if reduction == "none" else torch.equal(a["loss"], b["loss"])
+
+
+def test_label_smoothing_is_nan_for_nan_hidden_states() -> None:
+    p = _ce_problem(6)
+    h = p["h"].clone()
+    h[1, 1] = float("nan")  # a counted token
+    out = cross_entropy_loss(reduction="mean", label_smoothing=0.1)(_ctx(h, p["w"], p))
+    assert math.isnan(float(out["loss"]))
+
+
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), -0.1, 1.5, "0.1", True, None, torch.tensor(0.1)], ids=repr
+)
+def test_bad_label_smoothing_raises_by_name(bad: Any) -> None:
+    with pytest.raises(ContractError, match=r"^label_smoothing: expected a finite number in \[0, 1\]"):
+        cross_entropy_loss(reduction="mean", label_smoothing=bad)
+
+
+def test_label_smoothing_with_class_weights_is_refused_by_name() -> None:
+    """PyTorch weights the smoothing term per class (``sum_j cw[j] (lse - z_j) / V``);
+    that sum is not built in, so the combination is refused, not approximated."""
+    with pytest.raises(ContractError, match=r"^label_smoothing: expected 0 with class_weights"):
+        cross_entropy_loss(reduction="mean", label_smoothing=0.1, class_weights=torch.ones(V))
+    cross_entropy_loss(reduction="mean", label_smoothing=0.0, class_weights=torch.ones(V))
+
+
+# ---------------------------------------------------------------- tp=2
+
+
+def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], backends: list[str]) -> None:
+    from megatron.core import parallel_state
+
+    from torch_impl import TorchCollectives
+
+    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    lo, hi = (0, 14) if rank == 0 else (14, V)  # unequal shards: 14 and 15 rows
+    shard = VocabShard(lo, hi, V)
+    for be in backends:
+        dtype = torch.float64 if be == "torch" else torch.float32
+        tol = {"rtol": 1e-10, "atol": 1e-10} if be == "torch" else {"rtol": 2e-5, "atol": 1e-4}
+        base = {"temperature": p["t"], "vocab": shard, "collectives": coll, "backend": be}
+        # linear_logprobs: the mean over both shards (divided by the whole V), its gradient through both
+        h = p["h"].to(dtype).clone().requires_grad_()
+        w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
+        r = linear_logprobs(
+            h, w, p["y"], options=LinearOptions(tile_rows=4, tile_cols=8, **base), with_mean_logit=True
+        )
+        assert r.mean_logit is not None
+        (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
+        torch.testing.assert_close(r.mean_logit.double(), truth["mean"], **tol)
+        torch.testing.assert_close(h.grad.double(), truth["dh"], **tol)
+        torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
+        # fused_token_loss with a mean-logit loss
+        h = p["h"].to(dtype).clone().requires_grad_()
+        w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
+        f = fused_token_loss(
+            h,
+            w,
+            p["y"],
+            lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+            options=LinearOptions(tile_rows=4, **base),
+            entropy_grad=False,
+            mean_logit_loss=lambda mean, rows: (p["c_mean"][rows] * mean).sum(),
+        )
+        f.loss.backward()
+        assert f.mean_logit is not None
+        torch.testing.assert_close(f.loss.double(), truth["loss"], **tol)
+        torch.testing.assert_close(f.mean_logit.double(), truth["mean"], **tol)
+        torch.testing.assert_close(h.grad.double(), truth["dh"], **tol)
+        torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
+
+
+def test_tp2_mean_logit_and_mean_logit_loss_against_float64() -> None:
+    """Two gloo processes, each a vocabulary shard of unequal size: the mean logit and
+    its gradient, the fused loss's ``mean_logit_loss``, on the torch backend (fp64)
+    and, where Triton is installed, the Triton backend under the interpreter (fp32)."""
+    p = _problem(5)
+    backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
+    run_distributed(_tp2, p, _truth(p), backends, tp=2)
