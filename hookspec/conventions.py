@@ -33,6 +33,20 @@ by them (Liger-Kernel's)::
     sum:         sum(M * cw[y] * -logprob) + z_loss * sum(M * lse ** 2)
     mean:        sum(M * cw[y] * -logprob) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
 
+Label smoothing ``eps`` in ``[0, 1]`` of a cross entropy, as
+``torch.nn.functional.cross_entropy(label_smoothing=eps)`` and Liger-Kernel's
+``label_smoothing`` define it: the target mixes the label with the uniform
+distribution over the whole vocabulary (every shard), 0 at an ignored label,
+aggregated with the cross entropy's token weights::
+
+    mean_logit = mean(z / T)                               # d mean_logit / d(z / T)_j = 1 / V
+    loss = (1 - eps) * -logprob + eps * (lse - mean_logit) + z_loss * lse ** 2
+
+With class weights both peers weight the uniform term per class
+(``eps / V * sum_j cw[j] * (lse - z_j / T)`` beside ``(1 - eps) * cw[y] * -logprob``,
+the mean divided by ``sum(M * cw[y])``); that term is not built in here and the
+combination is refused.
+
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
 gradient is zero, and it counts in no aggregation. Any other label outside

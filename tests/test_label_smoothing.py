@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import typing
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hookspec import ContractError, OutputContext, VocabShard
+from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.backend_support import force_backend
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
@@ -194,16 +195,16 @@ def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
 # ---------------------------------------------------------------- cross_entropy_loss(label_smoothing=...)
 
 
-def _ce_problem(seed: int = 2) -> dict[str, torch.Tensor]:
+def _ce_problem(seed: int = 2, v: int = V) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (B, S), generator=g)
+    y = torch.randint(0, v, (B, S), generator=g)
     y[0, 2] = y[2, 4] = IGNORE
     mask = (torch.rand(B, S, generator=g) > 0.25).double()
     mask[0, 0] = 0.5
     mask[0, 2] = 1.0  # counted by the mask, but the label is ignored
     return {
         "h": torch.randn(S, B, H, generator=g, dtype=torch.float64) * 2.0,
-        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
         "y": y,
         "mask": mask,
     }
@@ -218,11 +219,11 @@ def _ce_truth(
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
     z = torch.einsum("sbh,vh->bsv", h, w) * SCALE / t
-    y = p["y"]
+    y, v = p["y"], z.shape[-1]
     zl = torch.where(y == IGNORE, 0.0, z_loss * torch.logsumexp(z, -1) ** 2)
     if reduction == "none" or mask:
         ce = F.cross_entropy(
-            z.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction="none"
+            z.reshape(-1, v), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction="none"
         ).view(B, S)
         if reduction == "none":
             loss = ce + zl
@@ -236,7 +237,7 @@ def _ce_truth(
             loss.backward()
     else:
         ce = F.cross_entropy(
-            z.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction=reduction
+            z.reshape(-1, v), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction=reduction
         )
         loss = ce + (zl.sum() if reduction == "sum" else zl.sum() / (y != IGNORE).sum())
         loss.backward()
@@ -355,10 +356,42 @@ def test_label_smoothing_with_class_weights_is_refused_by_name() -> None:
     cross_entropy_loss(reduction="mean", label_smoothing=0.0, class_weights=torch.ones(V))
 
 
+def test_the_peers_weighted_smoothing_is_as_conventions_write_it() -> None:
+    """The formula ``hookspec.conventions`` gives for the refused combination, pinned
+    against ``F.cross_entropy(weight=cw, label_smoothing=eps)`` in float64: the uniform
+    term weighted per class, the mean divided by ``sum(cw[y])`` of the counted tokens."""
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, V, (N,), generator=g)
+    y[3] = IGNORE
+    cw = torch.rand(V, generator=g, dtype=torch.float64) + 0.1
+    eps = 0.2
+    lse = torch.logsumexp(z, -1)
+    counted = y != IGNORE
+    yc = y.clamp(min=0)
+    ce = cw[yc] * (lse - z.gather(1, yc[:, None]).squeeze(1))
+    smooth = (cw * (lse[:, None] - z)).sum(-1) / V
+    tok = torch.where(counted, (1 - eps) * ce + eps * smooth, 0.0)
+    kw: dict[str, Any] = {"weight": cw, "ignore_index": IGNORE, "label_smoothing": eps}
+    torch.testing.assert_close(F.cross_entropy(z, y, reduction="none", **kw), tok, rtol=1e-13, atol=1e-13)
+    mean = tok.sum() / cw[yc][counted].sum()
+    torch.testing.assert_close(F.cross_entropy(z, y, reduction="mean", **kw), mean, rtol=1e-13, atol=1e-13)
+
+
 # ---------------------------------------------------------------- tp=2
 
 
-def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], backends: list[str]) -> None:
+_TP2_CE = {"eps": 0.1, "z_loss": 0.03, "t": 0.8}
+
+
+def _tp2(
+    rank: int,
+    p: dict[str, torch.Tensor],
+    truth: dict[str, torch.Tensor],
+    backends: list[str],
+    pce: dict[str, torch.Tensor],
+    ce_truths: dict[str, dict[str, torch.Tensor]],
+) -> None:
     from megatron.core import parallel_state
 
     from torch_impl import TorchCollectives
@@ -399,12 +432,42 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], 
         torch.testing.assert_close(f.mean_logit.double(), truth["mean"], **tol)
         torch.testing.assert_close(h.grad.double(), truth["dh"], **tol)
         torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
+        # the processor, unreduced and reduced, on equal shards of 30 (as the hook has them)
+        lo2, hi2 = 15 * rank, 15 * (rank + 1)
+        for reduction, want in ce_truths.items():
+            h = pce["h"].to(dtype).clone().requires_grad_()
+            w = pce["w"][lo2:hi2].to(dtype).clone().requires_grad_()
+            ctx = _ctx(h, w, pce).replace(
+                vocab=VocabShard(lo2, hi2, 30),
+                parallel=ParallelLayout(tp_size=2, tp_rank=rank),
+                collectives=coll,
+            )
+            proc = cross_entropy_loss(
+                reduction=typing.cast(Any, reduction),
+                label_smoothing=_TP2_CE["eps"],
+                z_loss=_TP2_CE["z_loss"],
+                temperature=_TP2_CE["t"],
+                tile_rows=4,
+                tile_cols=8,
+            )
+            out = proc(ctx)
+            loss = out if reduction == "none" else out["loss"]
+            cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S).to(loss.dtype)
+            (loss * cot if reduction == "none" else loss).sum().backward()
+            torch.testing.assert_close(loss.detach().double(), want["loss"], **tol)
+            torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
+            torch.testing.assert_close(w.grad.double(), want["dw"][lo2:hi2], **tol)
 
 
 def test_tp2_mean_logit_and_mean_logit_loss_against_float64() -> None:
     """Two gloo processes, each a vocabulary shard of unequal size: the mean logit and
-    its gradient, the fused loss's ``mean_logit_loss``, on the torch backend (fp64)
-    and, where Triton is installed, the Triton backend under the interpreter (fp32)."""
+    its gradient, the fused loss's ``mean_logit_loss``, ``cross_entropy_loss(
+    label_smoothing=)`` unreduced and reduced (against PyTorch's), on the torch backend
+    (fp64) and, where Triton is installed, the Triton backend under the interpreter (fp32)."""
     p = _problem(5)
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
-    run_distributed(_tp2, p, _truth(p), backends, tp=2)
+    pce = _ce_problem(9, v=30)
+    ce = {
+        r: _ce_truth(pce, r, _TP2_CE["eps"], _TP2_CE["t"], _TP2_CE["z_loss"], True) for r in ("none", "mean")
+    }
+    run_distributed(_tp2, p, _truth(p), backends, pce, ce, tp=2)
