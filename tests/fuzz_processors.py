@@ -211,6 +211,7 @@ def cross_entropy_case(d: Draw) -> Case:
         "global_tokens_with": ("context.global_tokens",),
         "bad_z_loss": ("z_loss",),
         "bad_class_weights": ("class_weights",),
+        "bad_label_smoothing": ("label_smoothing",),
     }
     if not reduced:
         factory["temperature_in_context"] = ("context.temperature",)
@@ -241,6 +242,13 @@ def cross_entropy_case(d: Draw) -> Case:
     if "bad_class_weights" in muts:
         kwargs["class_weights"] = d.pick(
             "bad_class_weights", [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V]
+        )
+    eps = 0.0 if cw is not None else d.pick("label_smoothing", [0.0, 0.1, 1.0, np.float32(0.3)], [3, 1, 1, 1])
+    if eps:  # refused with class weights
+        kwargs["label_smoothing"] = eps
+    if "bad_label_smoothing" in muts:
+        kwargs["label_smoothing"] = d.pick(
+            "bad_label_smoothing", [-0.1, 1.5, float("nan"), "0.1", True, None]
         )
     more: dict[str, Any] = {}
     if gt is not None:
@@ -273,8 +281,10 @@ def cross_entropy_case(d: Draw) -> Case:
         zl = torch.where(w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2)
         ignored = w.labels == w.ignore_index
         cwy = 1.0 if cw is None else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
+        smooth = torch.where(ignored, 0.0, torch.logsumexp(z, -1) - z.mean(-1))
+        ce = -(1 - float(eps)) * lp + float(eps) * smooth  # label smoothing, as F.cross_entropy's
         if not reduced:
-            return {"loss": zl - cwy * lp}, z, inv
+            return {"loss": zl + cwy * ce}, z, inv
         m = _counted(w, loss_mask)
 
         def mean(v: torch.Tensor) -> torch.Tensor:
@@ -282,8 +292,8 @@ def cross_entropy_case(d: Draw) -> Case:
             return v if reduction == "sum" else (v / count if count != 0 else v * 0)
 
         weights, mw = mean(m * cwy), mean(m)
-        loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() - (
-            torch.where(weights != 0, lp, 0.0) * weights
+        loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() + (
+            torch.where(weights != 0, ce, 0.0) * weights
         ).sum()
         return {"loss": loss, "tokens": m.sum()}, z, inv
 

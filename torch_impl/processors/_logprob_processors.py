@@ -284,12 +284,6 @@ def cross_entropy_loss(
         check_temperature(temperature, 1)
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
     eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    if eps != 0.0 and class_weights is not None:
-        raise ContractError(
-            "label_smoothing",
-            expected="0 with class_weights (PyTorch's weighted smoothing term is not built in)",
-            actual=repr(label_smoothing),
-        )
     if class_weights is not None and (
         not isinstance(class_weights, torch.Tensor)
         or class_weights.dim() != 1
@@ -301,6 +295,12 @@ def cross_entropy_loss(
             else type(class_weights).__name__
         )
         raise ContractError("class_weights", expected="None or a floating tensor [V]", actual=actual)
+    if eps != 0.0 and class_weights is not None:
+        raise ContractError(
+            "label_smoothing",
+            expected="0 with class_weights (PyTorch's weighted smoothing term is not built in)",
+            actual=repr(label_smoothing),
+        )
     tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
