@@ -42,10 +42,13 @@ aggregated with the cross entropy's token weights::
     mean_logit = mean(z / T)                               # d mean_logit / d(z / T)_j = 1 / V
     loss = (1 - eps) * -logprob + eps * (lse - mean_logit) + z_loss * lse ** 2
 
-With class weights both peers weight the uniform term per class
-(``eps / V * sum_j cw[j] * (lse - z_j / T)`` beside ``(1 - eps) * cw[y] * -logprob``,
-the mean divided by ``sum(M * cw[y])``); that term is not built in here and the
-combination is refused.
+With class weights ``cw [V]`` (PyTorch's and Liger-Kernel's definition) the uniform
+term is weighted per class, the z-loss is not, and the mean divides the cross entropy
+by ``sum(M * cw[y])``::
+
+    token loss:  (1 - eps) * cw[y] * -logprob + eps / V * sum_j cw[j] * (lse - z_j / T)
+               = (1 - eps) * cw[y] * -logprob + eps * (mean(cw) * lse - sum_j cw[j] * z_j / T / V)
+    mean:        sum(M * token loss) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
 
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its

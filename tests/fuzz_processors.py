@@ -243,8 +243,8 @@ def cross_entropy_case(d: Draw) -> Case:
         kwargs["class_weights"] = d.pick(
             "bad_class_weights", [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V]
         )
-    eps = 0.0 if cw is not None else d.pick("label_smoothing", [0.0, 0.1, 1.0, np.float32(0.3)], [3, 1, 1, 1])
-    if eps:  # refused with class weights
+    eps = d.pick("label_smoothing", [0.0, 0.1, 1.0, np.float32(0.3)], [3, 1, 1, 1])
+    if eps:
         kwargs["label_smoothing"] = eps
     if "bad_label_smoothing" in muts:
         kwargs["label_smoothing"] = d.pick(
@@ -281,17 +281,19 @@ def cross_entropy_case(d: Draw) -> Case:
         zl = torch.where(w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2)
         ignored = w.labels == w.ignore_index
         cwy = 1.0 if cw is None else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
-        smooth = torch.where(ignored, 0.0, torch.logsumexp(z, -1) - z.mean(-1))
-        ce = -(1 - float(eps)) * lp + float(eps) * smooth  # label smoothing, as F.cross_entropy's
+        # label smoothing, as F.cross_entropy(weight=cw, label_smoothing=eps) has it
+        c = torch.ones(w.V, dtype=F64) if cw is None else cw.double()
+        smooth = torch.where(ignored, 0.0, (c * (torch.logsumexp(z, -1)[..., None] - z)).sum(-1) / w.V)
+        ce = -(1 - float(eps)) * cwy * lp + float(eps) * smooth
         if not reduced:
-            return {"loss": zl + cwy * ce}, z, inv
+            return {"loss": zl + ce}, z, inv
         m = _counted(w, loss_mask)
 
-        def mean(v: torch.Tensor) -> torch.Tensor:
-            count = float(v.sum()) if gt is None else float(gt)
+        def mean(v: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+            count = float(by.sum()) if gt is None else float(gt)
             return v if reduction == "sum" else (v / count if count != 0 else v * 0)
 
-        weights, mw = mean(m * cwy), mean(m)
+        weights, mw = mean(m, m * cwy), mean(m, m)
         loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() + (
             torch.where(weights != 0, ce, 0.0) * weights
         ).sum()

@@ -211,34 +211,39 @@ def _ce_problem(seed: int = 2, v: int = V) -> dict[str, torch.Tensor]:
 
 
 def _ce_truth(
-    p: dict[str, torch.Tensor], reduction: str, eps: float, t: float, z_loss: float, mask: bool
+    p: dict[str, torch.Tensor],
+    reduction: str,
+    eps: float,
+    t: float,
+    z_loss: float,
+    mask: bool,
+    cw: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """PyTorch's ``F.cross_entropy(label_smoothing=eps, ignore_index=-100)`` in float64
-    (reduction ``"none"``, weighted by the mask for ``"sum"``/``"mean"``; without a mask
-    PyTorch's own ``"sum"``/``"mean"``), plus the z-loss."""
+    """PyTorch's ``F.cross_entropy(weight=cw, label_smoothing=eps, ignore_index=-100)``
+    in float64 (reduction ``"none"``, weighted by the mask for ``"sum"``/``"mean"``, the
+    mean divided by ``sum(M * cw[y])``; without a mask PyTorch's own ``"sum"``/``"mean"``),
+    plus the unweighted z-loss."""
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
     z = torch.einsum("sbh,vh->bsv", h, w) * SCALE / t
     y, v = p["y"], z.shape[-1]
     zl = torch.where(y == IGNORE, 0.0, z_loss * torch.logsumexp(z, -1) ** 2)
+    kw: dict[str, Any] = {"weight": cw, "ignore_index": IGNORE, "label_smoothing": eps}
     if reduction == "none" or mask:
-        ce = F.cross_entropy(
-            z.reshape(-1, v), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction="none"
-        ).view(B, S)
+        ce = F.cross_entropy(z.reshape(-1, v), y.reshape(-1), reduction="none", **kw).view(B, S)
         if reduction == "none":
             loss = ce + zl
             cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
             (loss * cot).sum().backward()
         else:
             m = torch.where(y == IGNORE, 0.0, p["mask"])
-            loss = (m * (ce + zl)).sum()
+            cwy = 1.0 if cw is None else cw[y.clamp(min=0)]
+            loss = (m * ce).sum() + (m * zl).sum()
             if reduction == "mean":
-                loss = loss / m.sum()
+                loss = (m * ce).sum() / (m * cwy).sum() + (m * zl).sum() / m.sum()
             loss.backward()
     else:
-        ce = F.cross_entropy(
-            z.reshape(-1, v), y.reshape(-1), ignore_index=IGNORE, label_smoothing=eps, reduction=reduction
-        )
+        ce = F.cross_entropy(z.reshape(-1, v), y.reshape(-1), reduction=reduction, **kw)
         loss = ce + (zl.sum() if reduction == "sum" else zl.sum() / (y != IGNORE).sum())
         loss.backward()
     assert h.grad is not None and w.grad is not None
@@ -316,7 +321,7 @@ def test_ignored_labels_contribute_nothing() -> None:
     p = _ce_problem(4)
     h = p["h"].clone().requires_grad_()
     out = cross_entropy_loss(label_smoothing=0.3)(_ctx(h, p["w"], p))
-    assert float(out[0, 2]) == 0.0 and float(out[2, 4]) == 0.0
+    assert float(out.detach()[0, 2]) == 0.0 and float(out.detach()[2, 4]) == 0.0
     out.sum().backward()
     assert h.grad is not None
     assert torch.equal(h.grad[2, 0], torch.zeros(H, dtype=torch.float64))  # [s, b]: token (b=0, s=2)
@@ -348,12 +353,62 @@ def test_bad_label_smoothing_raises_by_name(bad: Any) -> None:
         cross_entropy_loss(reduction="mean", label_smoothing=bad)
 
 
-def test_label_smoothing_with_class_weights_is_refused_by_name() -> None:
-    """PyTorch weights the smoothing term per class (``sum_j cw[j] (lse - z_j) / V``);
-    that sum is not built in, so the combination is refused, not approximated."""
-    with pytest.raises(ContractError, match=r"^label_smoothing: expected 0 with class_weights"):
-        cross_entropy_loss(reduction="mean", label_smoothing=0.1, class_weights=torch.ones(V))
-    cross_entropy_loss(reduction="mean", label_smoothing=0.0, class_weights=torch.ones(V))
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_label_smoothing_with_class_weights_against_pytorch(
+    reduction: str, dtype: torch.dtype, mask: bool, backend: str
+) -> None:
+    """``F.cross_entropy(weight=cw, label_smoothing=0.2)`` in float64: the uniform term
+    weighted per class (a weighted mean logit, ``sum_j cw[j] z_j / V``, in the engine),
+    the mean over ``sum(M * cw[y])``; one class weight 0, the z-loss unweighted."""
+    _skip_fp64_triton(backend, dtype)
+    if reduction == "none" and not mask:
+        pytest.skip("the unreduced loss takes no mask")
+    p = _ce_problem(10)
+    cw = torch.linspace(0.0, 2.0, V, dtype=torch.float64)
+    eps, z_loss, t = 0.2, 0.03, 0.8
+    truth = _ce_truth(p, reduction, eps, t, z_loss, mask, cw)
+    h = p["h"].to(dtype).clone().requires_grad_()
+    w = p["w"].to(dtype).clone().requires_grad_()
+    proc = cross_entropy_loss(
+        reduction=typing.cast(Any, reduction),
+        label_smoothing=eps,
+        class_weights=cw.to(dtype),
+        z_loss=z_loss,
+        temperature=t,
+        tile_rows=4,
+        tile_cols=8,
+    )
+    loss = _run_ce(proc, h, w, p, reduction, mask)
+    assert h.grad is not None and w.grad is not None
+    _close(loss, truth["loss"], dtype)
+    _close(h.grad, truth["dh"], dtype)
+    _close(w.grad, truth["dw"], dtype)
+
+
+def test_mean_logit_weights_against_float64_and_checked_by_name() -> None:
+    """``linear_logprobs(mean_logit_weights=c)``: ``sum_j c_j z_j / V`` and its gradient;
+    a weight vector of the wrong size is refused by name."""
+    p = _problem(11)
+    c = torch.linspace(-1.0, 2.0, V, dtype=torch.float64)
+    h = p["h"].clone().requires_grad_()
+    w = p["w"].clone().requires_grad_()
+    opts = LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8)
+    r = linear_logprobs(h, w, p["y"], options=opts, with_mean_logit=True, mean_logit_weights=c)
+    assert r.mean_logit is not None
+    (p["c_mean"] * r.mean_logit).sum().backward()
+    hh = p["h"].clone().requires_grad_()
+    ww = p["w"].clone().requires_grad_()
+    want = ((hh @ ww.T) / p["t"][:, None] * c).sum(-1) / V
+    (p["c_mean"] * want).sum().backward()
+    _close(r.mean_logit, want.detach(), torch.float64)
+    assert h.grad is not None and w.grad is not None and hh.grad is not None and ww.grad is not None
+    _close(h.grad, hh.grad, torch.float64)
+    _close(w.grad, ww.grad, torch.float64)
+    for bad in (torch.ones(V - 1), torch.ones(V, dtype=torch.long), [1.0] * V):
+        with pytest.raises(ContractError, match=r"^mean_logit_weights: expected None or a floating tensor"):
+            linear_logprobs(p["h"], p["w"], p["y"], with_mean_logit=True, mean_logit_weights=bad)  # type: ignore[arg-type]
 
 
 def test_the_peers_weighted_smoothing_is_as_conventions_write_it() -> None:
@@ -432,9 +487,11 @@ def _tp2(
         torch.testing.assert_close(f.mean_logit.double(), truth["mean"], **tol)
         torch.testing.assert_close(h.grad.double(), truth["dh"], **tol)
         torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
-        # the processor, unreduced and reduced, on equal shards of 30 (as the hook has them)
+        # the processor, unreduced and reduced, with and without class weights, on equal
+        # shards of 30 (as the hook has them)
         lo2, hi2 = 15 * rank, 15 * (rank + 1)
-        for reduction, want in ce_truths.items():
+        for key, want in ce_truths.items():
+            reduction, weighted = key.split(",")
             h = pce["h"].to(dtype).clone().requires_grad_()
             w = pce["w"][lo2:hi2].to(dtype).clone().requires_grad_()
             ctx = _ctx(h, w, pce).replace(
@@ -445,6 +502,7 @@ def _tp2(
             proc = cross_entropy_loss(
                 reduction=typing.cast(Any, reduction),
                 label_smoothing=_TP2_CE["eps"],
+                class_weights=pce["cw"].to(dtype) if weighted else None,
                 z_loss=_TP2_CE["z_loss"],
                 temperature=_TP2_CE["t"],
                 tile_rows=4,
@@ -467,7 +525,11 @@ def test_tp2_mean_logit_and_mean_logit_loss_against_float64() -> None:
     p = _problem(5)
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
     pce = _ce_problem(9, v=30)
+    pce["cw"] = torch.linspace(0.0, 2.0, 30, dtype=torch.float64)
+    eps, t, zl = _TP2_CE["eps"], _TP2_CE["t"], _TP2_CE["z_loss"]
     ce = {
-        r: _ce_truth(pce, r, _TP2_CE["eps"], _TP2_CE["t"], _TP2_CE["z_loss"], True) for r in ("none", "mean")
+        f"{r},{'w' if cw else ''}": _ce_truth(pce, r, eps, t, zl, True, pce["cw"] if cw else None)
+        for r in ("none", "mean")
+        for cw in (False, True)
     }
     run_distributed(_tp2, p, _truth(p), backends, pce, ce, tp=2)

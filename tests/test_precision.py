@@ -180,6 +180,9 @@ CASES: dict[str, Case] = {
     "cross_entropy_loss(mean, label_smoothing)": lambda h, w, d, how: cross_entropy_loss(
         reduction="mean", label_smoothing=0.1
     )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "cross_entropy_loss(mean, label_smoothing, class_weights)": lambda h, w, d, how: cross_entropy_loss(
+        reduction="mean", label_smoothing=0.1, class_weights=torch.linspace(0.0, 2.0, w.shape[0])
+    )(_ctx(h, w, d, loss_mask=d["mask"])),
     "fused_token_loss(mean_logit_loss)": lambda h, w, d, how: {
         k: v
         for k, v in vars(

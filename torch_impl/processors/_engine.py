@@ -50,7 +50,7 @@ class Stats:
     sumexp: torch.Tensor  # S = sum_j exp(z_j - M)   (>= 1)
     logprobs: torch.Tensor  # z_y - M - log S, 0 where ignored
     entropy: torch.Tensor | None  # log S - sum_j exp(z_j - M) (z_j - M) / S   (>= 0)
-    mean_logit: torch.Tensor | None = None  # sum_j z_j / V (every shard), where asked for
+    mean_logit: torch.Tensor | None = None  # sum_j c_j z_j / V (every shard; c: 1 or mean_weights)
 
     @property
     def lse(self) -> torch.Tensor:
@@ -125,13 +125,15 @@ def _torch_stats_(
     *,
     first: bool,
     sz: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> None:
     """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
     (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
-    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``."""
+    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``
+    (``z @ cw`` with the tile's column weights ``cw [c]``)."""
     m, s, t, zy = state
     if sz is not None:
-        sz += z.sum(1)
+        sz += z.sum(1) if cw is None else z @ cw.to(z.dtype)
     hit, col = _target_in_tile(labels_local, col0, z.shape[1])
     zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
     cm = z.amax(1)
@@ -165,7 +167,7 @@ def _target_in_tile(labels_local: torch.Tensor, col0: int, cols: int) -> tuple[t
 class Coefficients:
     """Per-row ``(a, b, g, u)`` ``[r]`` of a logit gradient::
 
-    dz_j = -exp(z_j - M) * (a + b * (z_j - M)) + g * [j == y] + u      # b, u None: 0
+    dz_j = -exp(z_j - M) * (a + b * (z_j - M)) + g * [j == y] + u * c_j   # b, u None: 0
     """
 
     a: torch.Tensor
@@ -195,7 +197,7 @@ def logit_grad_coefficients(
     d logprob / dz_j = [j == y] - p_j
     d entropy / dz_j = -p_j (log p_j + H)        # p_j = exp(z_j - M) / S
     d lse / dz_j = p_j                           # a -= g_lse / S (every row, ignored too)
-    d mean_logit / dz_j = 1 / V                  # u = g_mean / vocab (every row)
+    d mean_logit / dz_j = c_j / V                # u = g_mean / vocab (every row; c: 1 or mean_weights)
     """
     u = None if g_mean is None else g_mean.to(acc_dtype) / vocab
     n = stats.max.shape[0]
@@ -216,10 +218,12 @@ def _torch_grad_(
     coef: Coefficients,
     target: tuple[torch.Tensor, torch.Tensor],
     inv_t: torch.Tensor | float | None,
+    cw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
     holds ``exp(z - M)`` (may be ``z`` itself when ``b`` is None); ``inv_t``: the
-    temperature factor still to apply (None when folded into the hidden rows)."""
+    temperature factor still to apply (None when folded into the hidden rows); ``cw``:
+    the tile's column weights of ``u``."""
     if coef.b is None:
         gz = e.mul_(-coef.a[:, None])
     else:
@@ -227,7 +231,7 @@ def _torch_grad_(
     hit, col = target  # as _target_in_tile's
     gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
     if coef.u is not None:
-        gz.add_(coef.u[:, None])
+        gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw.to(gz.dtype))
     return gz if inv_t is None else scaled_(gz, inv_t)
 
 
@@ -297,10 +301,14 @@ class Engine(Tiles):
 
             assert setup.kernel is not None
             inv_t = setup.row_inv_t(rows, column=False)
-            chunk_stats_(z, setup.labels_local[rows], inv_t, state, col0=cols.start, cfg=setup.kernel, sz=sz)
+            cfg, cw = setup.kernel, setup.mean_weights
+            chunk_stats_(z, setup.labels_local[rows], inv_t, state, col0=cols.start, cfg=cfg, sz=sz, cw=cw)
             return
         e_buf = self.like("e", z)
-        _torch_stats_(z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0, sz=sz)
+        cw = None if setup.mean_weights is None else setup.mean_weights[cols]
+        _torch_stats_(
+            z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0, sz=sz, cw=cw
+        )
 
     def forward_stats(
         self,
@@ -350,7 +358,8 @@ class Engine(Tiles):
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
             target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            gz = _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows))
+            cw = None if setup.mean_weights is None else setup.mean_weights[cols]
+            gz = _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows), cw)
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols.start, sparse)
         return gz.to(cdt)
@@ -373,8 +382,9 @@ class Engine(Tiles):
         assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
         labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
         coefs = (coef.a, coef.b, coef.g)
+        cw = setup.mean_weights
         return logit_grad_(
-            z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out, u=coef.u
+            z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out, u=coef.u, cw=cw
         )
 
     def _scatter_sparse(
@@ -500,7 +510,8 @@ class Engine(Tiles):
         big_m = setup.reduce_max(z.amax(1))
         hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
-        zsum = [z.sum(1)] if with_mean else []
+        cw = setup.mean_weights
+        zsum = [z.sum(1) if cw is None else z @ cw.to(z.dtype)] if with_mean else []
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
         parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else []) + zsum
@@ -525,7 +536,9 @@ class Engine(Tiles):
         in_tile = self.triton and not (sparse is not None and cdt != z.dtype)  # into the sink's buffer
         if not self.triton:
             inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = _torch_grad_(z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t)
+            gz = _torch_grad_(
+                z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t, setup.mean_weights
+            )
         else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
             out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)
             gz = self._kernel_grad(z, rows, 0, big_m, coef, out=out, dtype=dtype)

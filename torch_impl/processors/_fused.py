@@ -40,6 +40,7 @@ from ._engine import (
     logit_grad_coefficients,
 )
 from ._gemm import no_autocast
+from ._logprobs import with_mean_weights
 from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
 from ._sink import GradSink
@@ -238,6 +239,7 @@ def fused_token_loss(
     entropy_grad: bool = True,
     lse_loss: LseLoss | None = None,
     mean_logit_loss: MeanLogitLoss | None = None,
+    mean_logit_weights: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
@@ -258,7 +260,8 @@ def fused_token_loss(
     and no second read of a tile). ``mean_logit_loss`` (:data:`MeanLogitLoss`, or
     ``None``): likewise of ``mean_logit = z.mean(-1)`` (label smoothing), ``d mean_logit
     / dz_j = 1 / V`` a uniform term of each row's gradient, which a scale of the
-    single pass's ``exp(z - c)`` cannot carry: each tile is read twice (no GEMM more).
+    single pass's ``exp(z - c)`` cannot carry: each tile is read twice (no GEMM more);
+    ``mean_logit_weights`` as :func:`~torch_impl.processors.linear_logprobs`'.
     The gradients are formed only when autograd
     needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
     until backward (``dh`` in the accumulation dtype, rounded once after the upstream
@@ -282,6 +285,7 @@ def fused_token_loss(
             actual=repr(mean_logit_loss),
         )
     _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected)
+    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
     loss, lp, entropy, lse, mean = FormedInForward.apply(h, weight, "fused_token_loss", run, calls.grad)

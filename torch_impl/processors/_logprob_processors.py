@@ -123,6 +123,19 @@ def _class_weights_of(ctx: OutputContext, x: HookInputs, class_weights: torch.Te
     return torch.where(ignored, 0.0, cw[torch.where(ignored, 0, y).clamp(0, max(size - 1, 0))])
 
 
+def _smoothing_of(
+    ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor | None
+) -> tuple[torch.Tensor | None, float | torch.Tensor]:
+    """``(c, mean(cw))``: the shard's column weights of the mean logit (``None``: each 1)
+    and the mean class weight (1 without class weights), for label smoothing's
+    ``eps / V * sum_j cw[j] (lse - z_j) = eps * (mean(cw) * lse - mean_logit)``."""
+    if class_weights is None or ctx.vocab is None:
+        return None, 1.0
+    cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
+    cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))  # checked in _class_weights_of
+    return cw[ctx.vocab.start : ctx.vocab.end], cw.mean()
+
+
 def _token_weights(
     ctx: OutputContext, x: HookInputs, reduction: Reduction, cwy: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,18 +188,26 @@ def _reduced(
     # the z-loss unweighted by the class weights, as Liger-Kernel's
     cwy = None if class_weights is None else _class_weights_of(ctx, x, class_weights)
     w, wz, m = _token_weights(ctx, x, reduction, cwy)
+    c, cw_mean = _smoothing_of(ctx, x, class_weights)
+    ws = w  # label smoothing's token weights: M, divided by sum(M * cw[y]) for the mean
+    if cwy is not None and reduction == "mean":
+        count = (m * cwy).sum()
+        ws = torch.where(count != 0, m / torch.where(count != 0, count, 1.0), 0.0)
+    elif cwy is not None:
+        ws = m
 
     def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         wr = w[rows].to(lp.dtype)
         return -(1.0 - eps) * (torch.where(wr != 0, lp, 0.0) * wr).sum()
 
     def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
-        wr = wz[rows].to(lse.dtype)  # w == wz with label smoothing (no class weights)
-        return (torch.where(wr != 0, z_loss * lse.square() + eps * lse, 0.0) * wr).sum()
+        wr, sr = wz[rows].to(lse.dtype), ws[rows].to(lse.dtype)
+        zl = (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+        return z_loss * zl + eps * (torch.where(sr != 0, lse, 0.0) * sr).sum() * cw_mean
 
     def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
-        wr = w[rows].to(mean.dtype)
-        return -eps * (torch.where(wr != 0, mean, 0.0) * wr).sum()
+        sr = ws[rows].to(mean.dtype)
+        return -eps * (torch.where(sr != 0, mean, 0.0) * sr).sum()
 
     options = x.tensor_options(tile, temp)
     res = fused_token_loss(
@@ -198,6 +219,7 @@ def _reduced(
         entropy_grad=False,
         lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
         mean_logit_loss=mean_loss if eps != 0.0 else None,
+        mean_logit_weights=c if eps != 0.0 else None,
     )
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
@@ -261,8 +283,9 @@ def cross_entropy_loss(
     ``torch.nn.functional.cross_entropy(label_smoothing=)``: the cross-entropy term
     of each counted token becomes ``(1 - eps) * -logprobs + eps * (lse - mean_logit)``,
     ``mean_logit = z.mean(-1)`` over the whole vocabulary (``hookspec.conventions``;
-    the reduced forms read each tile twice, no GEMM more). With ``class_weights``
-    it is refused (PyTorch's smoothing term weights each class: not built in).
+    the reduced forms read each tile twice, no GEMM more). With ``class_weights``, as
+    PyTorch (and Liger-Kernel) weight it: ``(1 - eps) * cw[y] * -logprobs + eps / V *
+    sum_j cw[j] (lse - z_j)``, the mean divided by ``sum(M * cw[y])``.
         tokens = sum(M)                               # this rank's counted tokens, detached
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
@@ -295,12 +318,6 @@ def cross_entropy_loss(
             else type(class_weights).__name__
         )
         raise ContractError("class_weights", expected="None or a floating tensor [V]", actual=actual)
-    if eps != 0.0 and class_weights is not None:
-        raise ContractError(
-            "label_smoothing",
-            expected="0 with class_weights (PyTorch's weighted smoothing term is not built in)",
-            actual=repr(label_smoothing),
-        )
     tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
@@ -315,19 +332,21 @@ def cross_entropy_loss(
                     f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
                     actual=f"a {type(value).__name__}",
                 )
+        c, cw_mean = _smoothing_of(ctx, x, class_weights)
         res = linear_logprobs(
             x.hidden,
             x.weight,
             x.token_labels,
             options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
             with_mean_logit=eps != 0.0,
+            mean_logit_weights=c if eps != 0.0 else None,
         )
         loss = -res.logprobs
-        if res.mean_logit is not None:
-            smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse - res.mean_logit)
-            loss = (1.0 - eps) * loss + eps * smooth
         if class_weights is not None:
             loss = loss * _class_weights_of(ctx, x, class_weights)
+        if res.mean_logit is not None:
+            smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit)
+            loss = (1.0 - eps) * loss + eps * smooth
         if z_loss != 0.0:
             loss = loss + z_loss * torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse.square())
         return from_tokens(loss, x.b, x.s)

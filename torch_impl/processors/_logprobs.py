@@ -9,13 +9,15 @@ from typing import Any, Never
 
 import torch
 
+from hookspec import ContractError
+
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Stats, TileSetup, logit_grad_coefficients
 from ._gemm import no_autocast
 from ._options import LinearOptions, prologue, refuse_double_backward
 
-__all__ = ["LogprobResult", "linear_logprobs"]
+__all__ = ["LogprobResult", "linear_logprobs", "with_mean_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,26 @@ class LogprobResult:
     entropy: torch.Tensor | None
     lse: torch.Tensor
     mean_logit: torch.Tensor | None = None
+
+
+def with_mean_weights(setup: TileSetup, weights: Any, local: int) -> TileSetup:
+    """``setup`` with the column weights ``c [V_local]`` of the mean logit (``None``:
+    each 1), checked: a floating tensor of this shard's size."""
+    if weights is None:
+        return setup
+    if (
+        not isinstance(weights, torch.Tensor)
+        or not weights.dtype.is_floating_point
+        or weights.shape != (local,)
+    ):
+        actual = (
+            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
+        )
+        raise ContractError(
+            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+        )
+    cw = weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
+    return dataclasses.replace(setup, mean_weights=cw)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -98,6 +120,7 @@ def linear_logprobs(
     options: LinearOptions | None = None,
     with_entropy: bool = False,
     with_mean_logit: bool = False,
+    mean_logit_weights: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
@@ -126,6 +149,9 @@ def linear_logprobs(
         with_entropy: also return the entropy of ``softmax(z)``.
         with_mean_logit: also return the mean logit (one add a logit in the
             statistics pass, one more reduced row; label smoothing).
+        mean_logit_weights: ``[V_local]`` column weights ``c`` (detached) of a
+            weighted mean logit ``sum_j c_j z_j / V`` (label smoothing with class
+            weights); ``None``: each 1.
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
@@ -137,6 +163,7 @@ def linear_logprobs(
     check_bool("with_entropy", with_entropy)
     check_bool("with_mean_logit", with_mean_logit)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected)
+    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
     logprobs, entropy, lse, mean = _LinearLogprobs.apply(h, weight, setup, with_entropy, with_mean_logit)
     return LogprobResult(
         logprobs=logprobs,

@@ -35,6 +35,7 @@ class TileSetup:
     grad_capacity: int  # rows of the row sweep's gradient buffer (a multiple of row_tile)
     collectives: Collectives | None
     kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
+    mean_weights: torch.Tensor | None = None  # [V_local] acc dtype: mean_logit = sum_j c_j z_j / V
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_max(x) if self.collectives is not None else x

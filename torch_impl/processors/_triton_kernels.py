@@ -116,6 +116,8 @@ def _chunk_stats_kernel(
     WITH_ENTROPY: tl.constexpr,
     sz_ptr,
     WITH_SUM: tl.constexpr,
+    cw_ptr,
+    WEIGHTED: tl.constexpr,
 ):
     """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
     FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
@@ -153,13 +155,19 @@ def _chunk_stats_kernel(
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
         if WITH_SUM:
-            u_l += z
+            if WEIGHTED:
+                u_l += z * tl.load(cw_ptr + col0 + c0 + cc)[None, :]
+            else:
+                u_l += z
         m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         if WITH_SUM:
-            u_l += tl.where((c < cols)[None, :], z, 0.0)
+            zw = z
+            if WEIGHTED:
+                zw = z * tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :]
+            u_l += tl.where((c < cols)[None, :], zw, 0.0)
         m, base, s_in, t_in, s_l, t_l = _stats_step(z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY)
     if WITH_SUM:
         sz = tl.load(sz_ptr + token, mask=row_ok, other=0.0)
@@ -195,6 +203,8 @@ def _logit_grad_kernel(
     IN_PLACE: tl.constexpr,
     u_ptr,
     WITH_U: tl.constexpr,
+    cw_ptr,
+    WEIGHTED: tl.constexpr,
 ):
     """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
     (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
@@ -231,7 +241,10 @@ def _logit_grad_kernel(
             gz = -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         if WITH_U:
-            gz += u[:, None]
+            if WEIGHTED:
+                gz += u[:, None] * tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :]
+            else:
+                gz += u[:, None]
         gz = gz * inv_t[:, None]
         _store_rounded(out_rows + c[None, :], gz, ok)
 
@@ -374,6 +387,7 @@ def chunk_stats_(
     col0: int,
     cfg: KernelConfig,
     sz: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> None:
     """Update, in place, the tile's rows' running ``state = (m, s, t, zy)`` (``[rows]``
     fp32 each; ``t`` None without entropy) with the tile ``z`` ``[rows, cols]`` (fp32,
@@ -385,7 +399,7 @@ def chunk_stats_(
         t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
         zy += zt[i, labels_local[i] - col0]  (where that column is in the tile)
         m = m_new
-        sz += zt.sum(1)                          # where sz is given
+        sz += zt.sum(1)                          # where sz is given (zt @ cw[col0:] with cw)
 
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
     element, taken against the row's running max (a rescale of the per-lane sums only
@@ -395,6 +409,7 @@ def chunk_stats_(
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
     flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
+    flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
     _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, **flags)
 
 
@@ -410,6 +425,7 @@ def logit_grad_(
     cfg: KernelConfig,
     out: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of the tile's logits (its rows' ``[r]`` vectors), returned as a
     ``[rows, cols]`` tensor of ``dtype``: into ``out`` where given, else in place in
@@ -418,7 +434,8 @@ def logit_grad_(
     (a, b, g)``::
 
         zc = z * inv_t[:, None] - M[:, None]
-        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local] + u) * inv_t   # u: [r] or 0
+        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local] + u * cw[col0 + j]) * inv_t
+        # u: [r] or 0; cw: the shard's column weights, or 1
 
     Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written."""
     rows, cols = z.shape
@@ -438,6 +455,8 @@ def logit_grad_(
         IN_PLACE=out.data_ptr() == z.data_ptr(),
         u_ptr=a if u is None else u,
         WITH_U=u is not None,
+        cw_ptr=a if cw is None else cw,
+        WEIGHTED=cw is not None,
     )
     return out
 
