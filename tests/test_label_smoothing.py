@@ -52,7 +52,7 @@ def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> di
     z = (h @ w.T) / p["t"][:, None]
     y = p["y"]
     lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
-    mean = z.mean(-1)
+    mean = z.mean(-1) if "cw" not in p else (z * p["cw"]).sum(-1) / z.shape[-1]
     loss = (p["c_lp"] * lp + p["c_mean"] * mean).sum()
     loss.backward()
     assert h.grad is not None and w.grad is not None
@@ -96,10 +96,12 @@ def test_linear_logprobs_mean_logit_against_float64(dtype: torch.dtype, backend:
     assert linear_logprobs(h, w, p["y"], options=opts).mean_logit is None
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
 @pytest.mark.parametrize("fused", [False, True], ids=["linear_logprobs", "fused_token_loss"])
-def test_wide_rows_against_float64(fused: bool, backend: str) -> None:
+def test_wide_rows_against_float64(fused: bool, weighted: bool, backend: str) -> None:
     """150 columns: full kernel blocks (64 under the interpreter) and a partial one,
-    in column tiles of 128 (linear_logprobs) and whole rows (the fused loss), fp32."""
+    in column tiles of 128 (linear_logprobs) and whole rows (the fused loss), fp32;
+    the plain and the column-weighted mean logit."""
     g = torch.Generator().manual_seed(7)
     n, v = 5, 150
     p = {
@@ -110,6 +112,9 @@ def test_wide_rows_against_float64(fused: bool, backend: str) -> None:
         "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
         "c_mean": torch.randn(n, generator=g, dtype=torch.float64),
     }
+    c = None
+    if weighted:
+        c = p["cw"] = torch.rand(v, generator=g, dtype=torch.float64) * 2
     truth = _truth(p, torch.float32)
     h = p["h"].float().requires_grad_()
     w = p["w"].float().requires_grad_()
@@ -123,11 +128,12 @@ def test_wide_rows_against_float64(fused: bool, backend: str) -> None:
             options=opts,
             entropy_grad=False,
             mean_logit_loss=lambda mean, rows: (p["c_mean"][rows] * mean).sum(),
+            mean_logit_weights=c,
         )
         f.loss.backward()
         mean = f.mean_logit
     else:
-        r = linear_logprobs(h, w, p["y"], options=opts, with_mean_logit=True)
+        r = linear_logprobs(h, w, p["y"], options=opts, with_mean_logit=True, mean_logit_weights=c)
         assert r.mean_logit is not None
         (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
         mean = r.mean_logit
