@@ -393,6 +393,16 @@ def test_label_smoothing_with_class_weights_against_pytorch(
     _close(w.grad, truth["dw"], dtype)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_class_weights_of_the_wrong_size_are_named_with_label_smoothing(reduction: str) -> None:
+    p = _ce_problem(12)
+    proc = cross_entropy_loss(
+        reduction=typing.cast(Any, reduction), label_smoothing=0.1, class_weights=torch.ones(V + 1)
+    )
+    with pytest.raises(ContractError, match=r"^class_weights: expected a tensor \[V=29\]"):
+        proc(_ctx(p["h"], p["w"], p))
+
+
 def test_mean_logit_weights_against_float64_and_checked_by_name() -> None:
     """``linear_logprobs(mean_logit_weights=c)``: ``sum_j c_j z_j / V`` and its gradient;
     a weight vector of the wrong size is refused by name."""

@@ -267,6 +267,20 @@ def cross_entropy_loss(
         w = M                                         # "sum"
         w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
         loss = sum(w * (-logprobs + z_loss * lse ** 2))   # logprobs, lse as above, at T
+        tokens = sum(M)                               # this rank's counted tokens, detached
+
+    through :func:`fused_token_loss`: the gradient formed in the forward pass,
+    three GEMM-equivalents on both backends with or without the z-loss, no logits recomputed
+    (tiles of ``tile_rows`` whole rows; ``None``: the default per device). ``T``:
+    ``temperature``, else the user context's ``temperature`` (a number or
+    ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
+    context's key or attribute, a finite number > 0) replaces ``sum(M)``,
+    for a loss split over ranks; with ``"sum"`` it is refused, and under
+    context parallel ``"mean"`` requires it. A mask summing to exactly 0
+    gives ``loss = 0`` with a zero gradient (never NaN); a ``loss_mask``
+    entry that is NaN, infinite or negative raises ``ContractError``
+    (``loss_mask``). A NaN or inf in the hidden states or weight makes the
+    loss NaN.
 
     ``class_weights`` (``[V]``, finite, ``>= 0``; ``None``: every class 1), as
     ``torch.nn.functional.cross_entropy(weight=)`` and Liger-Kernel's ``ce_weight``
@@ -286,20 +300,6 @@ def cross_entropy_loss(
     the reduced forms read each tile twice, no GEMM more). With ``class_weights``, as
     PyTorch (and Liger-Kernel) weight it: ``(1 - eps) * cw[y] * -logprobs + eps / V *
     sum_j cw[j] (lse - z_j)``, the mean divided by ``sum(M * cw[y])``.
-        tokens = sum(M)                               # this rank's counted tokens, detached
-
-    through :func:`fused_token_loss`: the gradient formed in the forward pass,
-    three GEMM-equivalents on both backends with or without the z-loss, no logits recomputed
-    (tiles of ``tile_rows`` whole rows; ``None``: the default per device). ``T``:
-    ``temperature``, else the user context's ``temperature`` (a number or
-    ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user
-    context's key or attribute, a finite number > 0) replaces ``sum(M)``,
-    for a loss split over ranks; with ``"sum"`` it is refused, and under
-    context parallel ``"mean"`` requires it. A mask summing to exactly 0
-    gives ``loss = 0`` with a zero gradient (never NaN); a ``loss_mask``
-    entry that is NaN, infinite or negative raises ``ContractError``
-    (``loss_mask``). A NaN or inf in the hidden states or weight makes the
-    loss NaN.
     """
     refuse_unexpected("cross_entropy_loss", unexpected)
     reduction = _check_reduction(reduction)
@@ -332,6 +332,7 @@ def cross_entropy_loss(
                     f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
                     actual=f"a {type(value).__name__}",
                 )
+        cwy = None if class_weights is None else _class_weights_of(ctx, x, class_weights)
         c, cw_mean = _smoothing_of(ctx, x, class_weights)
         res = linear_logprobs(
             x.hidden,
@@ -342,8 +343,8 @@ def cross_entropy_loss(
             mean_logit_weights=c if eps != 0.0 else None,
         )
         loss = -res.logprobs
-        if class_weights is not None:
-            loss = loss * _class_weights_of(ctx, x, class_weights)
+        if cwy is not None:
+            loss = loss * cwy
         if res.mean_logit is not None:
             smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit)
             loss = (1.0 - eps) * loss + eps * smooth
