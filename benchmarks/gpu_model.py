@@ -207,6 +207,27 @@ def fused_two_pass(w: Workload = WORKLOAD) -> Prediction:
     )
 
 
+def fused_label_smoothing(w: Workload = WORKLOAD) -> Prediction:
+    """The fused loss with label smoothing: the two passes, the statistics kernel adding
+    each logit to one more per-lane sum (one add more of its ~16 instructions an
+    element, the same bytes); the gradient kernel's per-row term is ``[n]`` work."""
+    return _row_sweep(
+        w,
+        epilogue=lambda r: [
+            Pass(
+                "statistics kernel + logit sum: read the tile",
+                1,
+                0,
+                r * w.v * 4,
+                r * w.v,
+                STATS_RATE_PER_LANE * 16 / 17,
+            ),
+            Pass("gradient kernel: read fp32, write bf16 into G", 1, 0, r * w.v * 6),
+        ],
+        design="fused loss, label smoothing (two passes)",
+    )
+
+
 def fused_before(w: Workload = WORKLOAD) -> Prediction:
     """The previous design: 1 GiB tiles of 1766 rows, the gradient in place, ``dh`` per
     tile, an fp32 ``dW`` accumulator written by every tile and cast at the end, the
@@ -282,6 +303,7 @@ DESIGNS: dict[str, Callable[[], Prediction]] = {
     "logprobs_entropy": logprobs_entropy,
     "fused_single_pass": fused_single_pass,
     "fused_two_pass": fused_two_pass,
+    "fused_label_smoothing": fused_label_smoothing,
     "fused_before": fused_before,
     "fused_buffer_reducing": fused_buffer_two_pass_reducing,
     "logprobs_entropy_bias": lambda: logprobs_entropy(Workload(bias=True)),

@@ -46,6 +46,23 @@ output multiplier), before the temperature; every quantity above is then of ``z`
     z = s * tanh(u / s)                                    # |z| < s
     d z / d u = 1 - tanh(u / s) ** 2 = 1 - (z / s) ** 2
 
+Label smoothing ``eps`` in ``[0, 1]`` of a cross entropy, as
+``torch.nn.functional.cross_entropy(label_smoothing=eps)`` and Liger-Kernel's
+``label_smoothing`` define it: the target mixes the label with the uniform
+distribution over the whole vocabulary (every shard), 0 at an ignored label,
+aggregated with the cross entropy's token weights::
+
+    mean_logit = mean(z / T)                               # d mean_logit / d(z / T)_j = 1 / V
+    loss = (1 - eps) * -logprob + eps * (lse - mean_logit) + z_loss * lse ** 2
+
+With class weights ``cw [V]`` (PyTorch's and Liger-Kernel's definition) the uniform
+term is weighted per class, the z-loss is not, and the mean divides the cross entropy
+by ``sum(M * cw[y])``::
+
+    token loss:  (1 - eps) * cw[y] * -logprob + eps / V * sum_j cw[j] * (lse - z_j / T)
+               = (1 - eps) * cw[y] * -logprob + eps * (mean(cw) * lse - sum_j cw[j] * z_j / T / V)
+    mean:        sum(M * token loss) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
+
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
 gradient is zero, and it counts in no aggregation. Any other label outside

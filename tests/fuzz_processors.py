@@ -211,6 +211,7 @@ def cross_entropy_case(d: Draw) -> Case:
         "global_tokens_with": ("context.global_tokens",),
         "bad_z_loss": ("z_loss",),
         "bad_class_weights": ("class_weights",),
+        "bad_label_smoothing": ("label_smoothing",),
     }
     if not reduced:
         factory["temperature_in_context"] = ("context.temperature",)
@@ -241,6 +242,13 @@ def cross_entropy_case(d: Draw) -> Case:
     if "bad_class_weights" in muts:
         kwargs["class_weights"] = d.pick(
             "bad_class_weights", [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V]
+        )
+    eps = d.pick("label_smoothing", [0.0, 0.1, 1.0, np.float32(0.3)], [3, 1, 1, 1])
+    if eps:
+        kwargs["label_smoothing"] = eps
+    if "bad_label_smoothing" in muts:
+        kwargs["label_smoothing"] = d.pick(
+            "bad_label_smoothing", [-0.1, 1.5, float("nan"), "0.1", True, None]
         )
     more: dict[str, Any] = {}
     if gt is not None:
@@ -273,17 +281,21 @@ def cross_entropy_case(d: Draw) -> Case:
         zl = torch.where(w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2)
         ignored = w.labels == w.ignore_index
         cwy = 1.0 if cw is None else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
+        # label smoothing, as F.cross_entropy(weight=cw, label_smoothing=eps) has it
+        c = torch.ones(w.V, dtype=F64) if cw is None else cw.double()
+        smooth = torch.where(ignored, 0.0, (c * (torch.logsumexp(z, -1)[..., None] - z)).sum(-1) / w.V)
+        ce = -(1 - float(eps)) * cwy * lp + float(eps) * smooth
         if not reduced:
-            return {"loss": zl - cwy * lp}, z, inv
+            return {"loss": zl + ce}, z, inv
         m = _counted(w, loss_mask)
 
-        def mean(v: torch.Tensor) -> torch.Tensor:
-            count = float(v.sum()) if gt is None else float(gt)
+        def mean(v: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+            count = float(by.sum()) if gt is None else float(gt)
             return v if reduction == "sum" else (v / count if count != 0 else v * 0)
 
-        weights, mw = mean(m * cwy), mean(m)
-        loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() - (
-            torch.where(weights != 0, lp, 0.0) * weights
+        weights, mw = mean(m, m * cwy), mean(m, m)
+        loss = (torch.where(mw != 0, zl, 0.0) * mw).sum() + (
+            torch.where(weights != 0, ce, 0.0) * weights
         ).sum()
         return {"loss": loss, "tokens": m.sum()}, z, inv
 

@@ -250,6 +250,19 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         ),
         4.0,
     ),
+    # label smoothing: the mean logit a running sum, its gradient a per-row term, no GEMM more
+    "cross_entropy_loss(reduction='mean', label_smoothing)": (
+        lambda d, h, w: cross_entropy_loss(reduction="mean", label_smoothing=0.1, tile_rows=_rows(d, w))(
+            _masked(d, h, w)
+        ),
+        3.0,
+    ),
+    "cross_entropy_loss(label_smoothing)": (
+        lambda d, h, w: cross_entropy_loss(label_smoothing=0.1, **d["tile"])(
+            OutputContext(hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V))
+        ),
+        4.0,
+    ),
     "policy_loss(GRPO, fused)": (
         lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), tile_rows=_rows(d, w))(ctx_of(d, h, w)),
         3.0,
@@ -291,6 +304,7 @@ ROW_SWEEP = {
     "fused_token_loss(bias, single pass)",
     "cross_entropy_loss(reduction='mean')",
     "cross_entropy_loss(reduction='mean', z_loss)",
+    "cross_entropy_loss(reduction='mean', label_smoothing)",
     "policy_loss(GRPO, fused)",
     "distillation_loss(dense)",
     "distillation_loss(sparse, bucket)",

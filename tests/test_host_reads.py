@@ -268,6 +268,12 @@ PROCESSORS: dict[str, Call] = {
     "cross_entropy_loss(none, z_loss, class_weights)": lambda d, b: P.cross_entropy_loss(
         z_loss=1e-3, class_weights=d["w_leaf"].detach()[:, 0].abs()
     )(_ctx(d)),
+    "cross_entropy_loss(mean, z_loss, label_smoothing)": lambda d, b: P.cross_entropy_loss(
+        reduction="mean", z_loss=1e-3, label_smoothing=0.1
+    )(_ctx(d, loss_mask=d["batch"].mask)),
+    "cross_entropy_loss(none, label_smoothing)": lambda d, b: P.cross_entropy_loss(label_smoothing=0.1)(
+        _ctx(d)
+    ),
     "policy_loss(GRPO, fused)": lambda d, b: P.policy_loss(PolicyLossConfig.grpo())(_ctx(d, d["batch"])),
     "policy_loss(PPO, autograd)": lambda d, b: P.policy_loss(
         PolicyLossConfig(fused=False, entropy_coef=0.01)

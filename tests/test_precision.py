@@ -136,8 +136,15 @@ def _distill(cfg: DistillConfig, teacher: str) -> Case:
 
 
 CASES: dict[str, Case] = {
-    "linear_logprobs + entropy": lambda h, w, d, how: vars(
-        linear_logprobs(_rows(h), w, _labels(d), with_entropy=True, options=_opts(how, temperature=0.9))
+    "linear_logprobs + entropy + mean_logit": lambda h, w, d, how: vars(
+        linear_logprobs(
+            _rows(h),
+            w,
+            _labels(d),
+            with_entropy=True,
+            with_mean_logit=True,
+            options=_opts(how, temperature=0.9),
+        )
     ),
     "fused_token_loss": lambda h, w, d, how: {
         "loss": fused_token_loss(
@@ -167,6 +174,30 @@ CASES: dict[str, Case] = {
     "cross_entropy_loss(mean, z_loss)": lambda h, w, d, how: cross_entropy_loss(
         reduction="mean", z_loss=0.01
     )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "cross_entropy_loss(label_smoothing)": lambda h, w, d, how: {
+        "loss": cross_entropy_loss(label_smoothing=0.1)(_ctx(h, w, d))
+    },
+    "cross_entropy_loss(mean, label_smoothing)": lambda h, w, d, how: cross_entropy_loss(
+        reduction="mean", label_smoothing=0.1
+    )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "cross_entropy_loss(mean, label_smoothing, class_weights)": lambda h, w, d, how: cross_entropy_loss(
+        reduction="mean", label_smoothing=0.1, class_weights=torch.linspace(0.0, 2.0, w.shape[0])
+    )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "fused_token_loss(mean_logit_loss)": lambda h, w, d, how: {
+        k: v
+        for k, v in vars(
+            fused_token_loss(
+                _rows(h),
+                w,
+                _labels(d),
+                lambda lp, ent, rows: -0.9 * lp.sum(),
+                options=_opts(how),
+                entropy_grad=False,
+                mean_logit_loss=lambda mean, rows: -0.1 * mean.sum(),
+            )
+        ).items()
+        if k in ("loss", "mean_logit")
+    },
     "fused_token_loss(lse_loss)": lambda h, w, d, how: {
         k: v
         for k, v in vars(

@@ -548,3 +548,46 @@ def test_the_gpu_checks_body_on_the_cpu(dtype: torch.dtype, backend: str) -> Non
     from tests.test_gpu_checks import peer_options
 
     peer_options(67, 24, 301, dtype, "cpu", backend)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+@pytest.mark.parametrize("fused", [False, True], ids=["linear", "fused"])
+def test_the_mean_logit_is_of_the_capped_logits(fused: bool, weighted: bool, backend: str) -> None:
+    """Label smoothing's mean logit ``sum_j c_j z_j / V`` under a cap (and a bias): of the
+    capped, tempered logits, its gradient through the cap's slope, against float64
+    autograd (fp32 compute; 150 columns reach the kernels' whole and partial blocks)."""
+    v, cap = 150, 5.0
+    p = _problem(6, v=v)
+    g = torch.Generator().manual_seed(4)
+    b64 = torch.randn(v, generator=g, dtype=torch.float64) * 3.0
+    cw = (
+        torch.rand(v, generator=g, dtype=torch.float64) + 0.5
+        if weighted
+        else torch.ones(v, dtype=torch.float64)
+    )
+    c_mean = torch.randn(N, generator=g, dtype=torch.float64)
+    hr, wr, br = (x.float().double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    z = _capped(hr @ wr.T + br, cap, p["t"][:, None])
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    mean = (z * cw).sum(-1) / v
+    (p["c_lp"] * lp + c_mean * mean).sum().backward()
+    h, w, b = (x.float().clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    opts = LinearOptions(
+        temperature=p["t"].float(), logit_scale=SCALE, softcap=cap, tile_rows=4, tile_cols=64
+    )
+    weights = cw.float() if weighted else None
+    if fused:
+        f = fused_token_loss(
+            h, w, y, lambda lp, _, rows: (p["c_lp"][rows] * lp).sum(), options=opts, bias=b,
+            mean_logit_loss=lambda m, rows: (c_mean[rows] * m).sum(), mean_logit_weights=weights,
+        )  # fmt: skip
+        got_mean, _ = f.mean_logit, f.loss.backward()
+    else:
+        r = linear_logprobs(h, w, y, options=opts, bias=b, with_mean_logit=True, mean_logit_weights=weights)
+        got_mean, _ = r.mean_logit, (p["c_lp"] * r.logprobs + c_mean * r.mean_logit).sum().backward()
+    assert got_mean is not None
+    _close(got_mean, mean.detach(), torch.float32)
+    for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got is not None and want is not None
+        _close(got, want, torch.float32)

@@ -22,7 +22,7 @@ from ._distill import (
     distillation_loss,
     linear_distillation_loss,
 )
-from ._fused import FusedLossResult, LseLoss, TokenLoss, fused_token_loss
+from ._fused import FusedLossResult, LseLoss, MeanLogitLoss, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
 from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
@@ -41,6 +41,7 @@ __all__ = [
     "LinearOptions",
     "LogprobResult",
     "LseLoss",
+    "MeanLogitLoss",
     "MEASURED_CHOICES",
     "PolicyBatch",
     "PolicyLossConfig",

@@ -51,6 +51,7 @@ class Stats:
     sumexp: torch.Tensor  # S = sum_j exp(z_j - M)   (>= 1)
     logprobs: torch.Tensor  # z_y - M - log S, 0 where ignored
     entropy: torch.Tensor | None  # log S - sum_j exp(z_j - M) (z_j - M) / S   (>= 0)
+    mean_logit: torch.Tensor | None = None  # sum_j c_j z_j / V (every shard; c: 1 or mean_weights)
 
     @property
     def lse(self) -> torch.Tensor:
@@ -70,29 +71,39 @@ def combine(
     zy: torch.Tensor,
     setup: TileSetup,
     rows: slice = slice(None),
+    sz: torch.Tensor | None = None,
 ) -> Stats:
     """The shards' statistics of the rows ``rows`` (each relative to its own max ``m``)
     combined: one all-reduce max, one all-reduce sum::
 
         M = all_reduce_max(m);  a = exp(m - M)
-        S, zyM, T = all_reduce_sum([s * a, zy - M (label here), a * (t + (m - M) * s)])
+        S, zyM, T, SZ = all_reduce_sum([s * a, zy - M (label here), a * (t + (m - M) * s), sz])
     """
     big_m = setup.reduce_max(m)
     a = torch.exp(m - big_m)
     parts = [s * a, torch.where(setup.labels_local[rows] >= 0, zy - big_m, 0.0)]
     if t is not None:
         parts.append(a * (t + (m - big_m) * s))
-    return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
+    if sz is not None:
+        parts.append(sz)
+    vocab = None if sz is None else setup.vocab_size
+    return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows], vocab)
 
 
-def _stats_of_sums(big_m: torch.Tensor, summed: torch.Tensor, ignored: torch.Tensor) -> Stats:
+def _stats_of_sums(
+    big_m: torch.Tensor, summed: torch.Tensor, ignored: torch.Tensor, vocab: int | None = None
+) -> Stats:
     """:class:`Stats` from the rows' global max ``M`` and their summed ``[S, z_y - M]``
-    (and ``T = sum_j exp(z_j - M) (z_j - M)`` as a third row, where entropy is wanted)."""
+    (and ``T = sum_j exp(z_j - M) (z_j - M)`` as a third row, where entropy is wanted;
+    with ``vocab``, ``sum_j z_j`` as the last row: the mean logit)."""
+    mean = None
+    if vocab is not None:
+        mean, summed = summed[-1] / vocab, summed[:-1]
     big_s = summed[0]
     log_s = torch.log(big_s)
     logprobs = torch.where(ignored, 0.0, summed[1] - log_s)
     entropy = log_s - summed[2] / big_s if summed.shape[0] > 2 else None
-    return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy)
+    return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy, mean_logit=mean)
 
 
 _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -114,11 +125,16 @@ def _torch_stats_(
     col0: int,
     *,
     first: bool,
+    sz: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> None:
     """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
     (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
-    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place)."""
+    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``
+    (``z @ cw`` with the tile's column weights ``cw [c]``)."""
     m, s, t, zy = state
+    if sz is not None:
+        sz += z.sum(1) if cw is None else z @ cw.to(z.dtype)
     hit, col = _target_in_tile(labels_local, col0, z.shape[1])
     zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
     cm = z.amax(1)
@@ -150,17 +166,19 @@ def _target_in_tile(labels_local: torch.Tensor, col0: int, cols: int) -> tuple[t
 
 @dataclasses.dataclass(frozen=True)
 class Coefficients:
-    """Per-row ``(a, b, g)`` ``[r]`` of a logit gradient::
+    """Per-row ``(a, b, g, u)`` ``[r]`` of a logit gradient::
 
-    dz_j = -exp(z_j - M) * (a + b * (z_j - M)) + g * [j == y]       # b None: 0
+    dz_j = -exp(z_j - M) * (a + b * (z_j - M)) + g * [j == y] + u * c_j   # b, u None: 0
     """
 
     a: torch.Tensor
     b: torch.Tensor | None
     g: torch.Tensor
+    u: torch.Tensor | None = None
 
     def of_rows(self, rows: slice) -> Coefficients:
-        return Coefficients(self.a[rows], None if self.b is None else self.b[rows], self.g[rows])
+        b, u = (None if x is None else x[rows] for x in (self.b, self.u))
+        return Coefficients(self.a[rows], b, self.g[rows], u)
 
 
 def logit_grad_coefficients(
@@ -171,24 +189,28 @@ def logit_grad_coefficients(
     acc_dtype: torch.dtype,
     *,
     g_lse: torch.Tensor | None = None,
+    g_mean: torch.Tensor | None = None,
+    vocab: int = 1,
 ) -> Coefficients:
     """The coefficients of the gradient of ``sum(g_lp * logprobs + g_h * entropy +
-    g_lse * lse)``::
+    g_lse * lse + g_mean * mean_logit)``::
 
     d logprob / dz_j = [j == y] - p_j
     d entropy / dz_j = -p_j (log p_j + H)        # p_j = exp(z_j - M) / S
     d lse / dz_j = p_j                           # a -= g_lse / S (every row, ignored too)
+    d mean_logit / dz_j = c_j / V                # u = g_mean / vocab (every row; c: 1 or mean_weights)
     """
+    u = None if g_mean is None else g_mean.to(acc_dtype) / vocab
     n = stats.max.shape[0]
     g = torch.zeros(n, dtype=acc_dtype, device=stats.max.device) if g_lp is None else g_lp.to(acc_dtype)
     g = torch.where(ignored, 0.0, g)
     inv_s = 1.0 / stats.sumexp
     lead = g if g_lse is None else g - g_lse.to(acc_dtype)
     if g_h is None or stats.entropy is None:
-        return Coefficients(lead * inv_s, None, g)
+        return Coefficients(lead * inv_s, None, g, u)
     gh = g_h.to(acc_dtype)
     a = (lead + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
-    return Coefficients(a, gh * inv_s, g)
+    return Coefficients(a, gh * inv_s, g, u)
 
 
 def _torch_grad_(
@@ -197,16 +219,20 @@ def _torch_grad_(
     coef: Coefficients,
     target: tuple[torch.Tensor, torch.Tensor],
     inv_t: torch.Tensor | float | None,
+    cw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
     holds ``exp(z - M)`` (may be ``z`` itself when ``b`` is None); ``inv_t``: the
-    temperature factor still to apply (None when folded into the hidden rows)."""
+    temperature factor still to apply (None when folded into the hidden rows); ``cw``:
+    the tile's column weights of ``u``."""
     if coef.b is None:
         gz = e.mul_(-coef.a[:, None])
     else:
         gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
     hit, col = target  # as _target_in_tile's
     gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
+    if coef.u is not None:
+        gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw.to(gz.dtype))
     return gz if inv_t is None else scaled_(gz, inv_t)
 
 
@@ -297,29 +323,48 @@ class Engine(Tiles):
 
     # -- the vocabulary sweep
 
-    def stats_pass(self, z: torch.Tensor, rows: slice, cols: slice, state: _State) -> None:
+    def stats_pass(
+        self, z: torch.Tensor, rows: slice, cols: slice, state: _State, sz: torch.Tensor | None = None
+    ) -> None:
         """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,
-        updated in place). The torch form shifts ``z`` in place."""
+        updated in place; ``sz``: the running sum of the logits, where asked for). The
+        torch form shifts ``z`` in place."""
         setup = self.setup
         if self.triton:
             from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
 
             assert setup.kernel is not None
-            labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
-            chunk_stats_(z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k)
+            inv_t, cfg, cw = setup.row_inv_t(rows, column=False), setup.kernel, setup.mean_weights
+            chunk_stats_(
+                z,
+                setup.labels_local[rows],
+                inv_t,
+                state,
+                col0=cols.start,
+                cfg=cfg,
+                cap_k=setup.cap_k,
+                sz=sz,
+                cw=cw,
+            )
             return
         e_buf = self.like("e", z)
-        _torch_stats_(z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0)
+        cw = None if setup.mean_weights is None else setup.mean_weights[cols]
+        _torch_stats_(
+            z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0, sz=sz, cw=cw
+        )
 
     def forward_stats(
         self,
         *,
         with_entropy: bool,
         on_tile: Callable[[torch.Tensor, slice, slice], None] | None = None,
+        with_mean: bool = False,
     ) -> Stats:
-        """The vocabulary sweep's forward: every row's global :class:`Stats`. ``on_tile``
-        sees each logits tile first (untouched; :meth:`logits_of` its values)."""
+        """The vocabulary sweep's forward: every row's global :class:`Stats` (with
+        ``mean_logit`` where ``with_mean``). ``on_tile`` sees each logits tile first
+        (untouched; :meth:`logits_of` its values)."""
         state = _fresh_state(self.n, self.setup.acc_dtype, self.hs.device, with_entropy=with_entropy)
+        sz = torch.zeros_like(state[0]) if with_mean else None
         if self.n and self.local:
             for rows, cols in self.vocab_tiles():
                 if rows.start == 0:
@@ -328,8 +373,9 @@ class Engine(Tiles):
                 if on_tile is not None:
                     on_tile(z, rows, cols)
                 m, s, t, zy = state
-                self.stats_pass(z, rows, cols, (m[rows], s[rows], None if t is None else t[rows], zy[rows]))
-        return combine(*state, self.setup)
+                part = (m[rows], s[rows], None if t is None else t[rows], zy[rows])
+                self.stats_pass(z, rows, cols, part, None if sz is None else sz[rows])
+        return combine(*state, self.setup, sz=sz)
 
     def grad_pass(
         self,
@@ -355,8 +401,9 @@ class Engine(Tiles):
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
             target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
+            cw = None if setup.mean_weights is None else setup.mean_weights[cols]
             gz = self.cap_slope_(
-                _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows)), rows
+                _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows), cw), rows
             )
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols.start, sparse)
@@ -380,8 +427,20 @@ class Engine(Tiles):
         assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
         labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
         coefs = (coef.a, coef.b, coef.g)
+        cw, cap_k = setup.mean_weights, setup.cap_k
         return logit_grad_(
-            z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=setup.kernel, out=out, cap_k=setup.cap_k
+            z,
+            dtype,
+            labels,
+            inv_t,
+            big_m,
+            coefs,
+            col0=col0,
+            cfg=setup.kernel,
+            out=out,
+            cap_k=cap_k,
+            u=coef.u,
+            cw=cw,
         )
 
     def _scatter_sparse(
@@ -482,28 +541,39 @@ class Engine(Tiles):
         return sink.result()
 
     def row_stats(
-        self, z: torch.Tensor, rows: slice, *, with_entropy: bool = True, exps: bool = False
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        *,
+        with_entropy: bool = True,
+        exps: bool = False,
+        with_mean: bool = False,
     ) -> tuple[Stats, torch.Tensor | None]:
         """The exact :class:`Stats` of a whole-row tile, combined over the shards (one
         all-reduce max, one all-reduce sum), and with ``exps`` the tile's ``exp(z - M)``
         ``[r, V_local]`` (of the tempered logits; valid until :meth:`row_grad`). The
         torch form leaves ``z - M`` in ``z`` and ``exp(z - M)`` in the ``"e"`` buffer for
-        :meth:`row_grad`; the Triton form leaves ``z`` as it was."""
+        :meth:`row_grad`; the Triton form leaves ``z`` as it was. ``with_mean``: with
+        ``mean_logit``."""
         setup = self.setup
         if self.triton:
             state = _fresh_state(rows.stop - rows.start, setup.acc_dtype, z.device, with_entropy=with_entropy)
-            self.stats_pass(z, rows, slice(0, self.local), state)
-            stats = combine(*state, setup, rows)
+            sz = torch.zeros_like(state[0]) if with_mean else None
+            self.stats_pass(z, rows, slice(0, self.local), state, sz)
+            stats = combine(*state, setup, rows, sz=sz)
             if not exps:
                 return stats, None
             return stats, torch.exp(self.logits_of(z, rows) - stats.max[:, None], out=self.like("e", z))
         big_m = setup.reduce_max(z.amax(1))
         hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
+        cw = setup.mean_weights
+        zsum = [z.sum(1) if cw is None else z @ cw.to(z.dtype)] if with_mean else []
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
-        parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else [])
-        stats = _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows])
+        parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else []) + zsum
+        vocab = setup.vocab_size if with_mean else None
+        stats = _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows], vocab)
         return stats, (e if exps else None)
 
     def row_grad(
@@ -524,7 +594,10 @@ class Engine(Tiles):
         if not self.triton:
             inv_t = None if setup.fold else setup.row_inv_t(rows)
             gz = self.cap_slope_(
-                _torch_grad_(z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t), rows
+                _torch_grad_(
+                    z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t, setup.mean_weights
+                ),
+                rows,
             )
         else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
             out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)

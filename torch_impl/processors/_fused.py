@@ -40,11 +40,12 @@ from ._engine import (
     logit_grad_coefficients,
 )
 from ._gemm import no_autocast
+from ._logprobs import with_mean_weights
 from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
 from ._sink import GradSink
 
-__all__ = ["FusedLossResult", "LseLoss", "TokenLoss", "fused_token_loss"]
+__all__ = ["FusedLossResult", "LseLoss", "MeanLogitLoss", "TokenLoss", "fused_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
 """``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of the
@@ -60,16 +61,22 @@ LseLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 ``logsumexp(z)`` (a z-loss: ``sum(w[rows] * lse ** 2)``), called beside the
 :data:`TokenLoss` on the same spans, with the same contract."""
 
+MeanLogitLoss = Callable[[torch.Tensor, slice], torch.Tensor]
+"""``(mean_logit [r], rows) -> scalar``: as :data:`LseLoss`, of the rows' ``z.mean(-1)``
+(label smoothing's ``-eps * sum(w[rows] * mean_logit)``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedLossResult:
     """``loss``: scalar, differentiable in ``hidden`` and ``weight``; ``logprobs``, ``entropy``,
-    ``lse`` (``logsumexp(z)``, every row): ``[n]``, detached."""
+    ``lse`` (``logsumexp(z)``, every row), ``mean_logit`` (``z.mean(-1)``; None without a
+    ``mean_logit_loss``): ``[n]``, detached."""
 
     loss: torch.Tensor
     logprobs: torch.Tensor
     entropy: torch.Tensor
     lse: torch.Tensor
+    mean_logit: torch.Tensor | None = None
 
 
 _RETURNS = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
@@ -109,36 +116,54 @@ def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch
     return loss
 
 
+_Grad = torch.Tensor | None
+
+
 class _Calls:
-    """``token_loss`` (and ``lse_loss``) on spans of rows: ``(loss, d loss / d logprobs,
-    d loss / d entropy, d loss / d lse)``, each loss checked against the :data:`TokenLoss`
-    contract (a constant one has zero gradients: None), and its graph to other tensors
-    kept (``grad``: grad mode was on)."""
+    """``token_loss`` (and ``lse_loss``, ``mean_logit_loss``) on spans of rows: ``(loss,
+    d loss / d logprobs, d loss / d entropy, d loss / d lse, d loss / d mean_logit)``, each
+    loss checked against the :data:`TokenLoss` contract (a constant one has zero
+    gradients: None), and its graph to other tensors kept (``grad``: grad mode was on)."""
 
     def __init__(
-        self, token_loss: TokenLoss, entropy_grad: bool, grad: bool, lse_loss: LseLoss | None = None
+        self,
+        token_loss: TokenLoss,
+        entropy_grad: bool,
+        grad: bool,
+        lse_loss: LseLoss | None = None,
+        mean_logit_loss: MeanLogitLoss | None = None,
     ) -> None:
         self.fn, self.entropy_grad, self.grad, self.lse_fn = token_loss, entropy_grad, grad, lse_loss
+        self.mean_fn = mean_logit_loss
         self.graph: torch.Tensor | None = None
 
     def __call__(
-        self, lp_v: torch.Tensor, ent_v: torch.Tensor, lse_v: torch.Tensor, rows: slice, need: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        self,
+        lp_v: torch.Tensor,
+        ent_v: torch.Tensor,
+        lse_v: torch.Tensor,
+        mean_v: torch.Tensor | None,
+        rows: slice,
+        need: bool,
+    ) -> tuple[torch.Tensor, _Grad, _Grad, _Grad, _Grad]:
         with torch.enable_grad():
             lp, ent = lp_v.detach().requires_grad_(), ent_v.detach().requires_grad_()
             loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
-            args: tuple[torch.Tensor, ...] = (lp, ent)
-            if self.lse_fn is not None:
-                lse = lse_v.detach().requires_grad_()
-                part = _checked_loss("lse_loss", self.lse_fn(lse, rows), (lse,))
-                loss, args = loss + part.to(loss.dtype), (lp, ent, lse)
-            keep = self.grad and loss.requires_grad and _reaches_others(loss, args)
-            grads: tuple[torch.Tensor | None, ...] = (None, None, None)
+            args, extra = [lp, ent], []
+            for name, fn, v in (("lse_loss", self.lse_fn, lse_v), ("mean_logit_loss", self.mean_fn, mean_v)):
+                x = None if fn is None or v is None else v.detach().requires_grad_()
+                if fn is not None and x is not None:
+                    loss = loss + _checked_loss(name, fn(x, rows), (x,)).to(loss.dtype)
+                    args.append(x)
+                extra.append(x)
+            keep = self.grad and loss.requires_grad and _reaches_others(loss, tuple(args))
+            grads: tuple[torch.Tensor | None, ...] = (None,) * len(args)
             if need and loss.requires_grad:
                 grads = torch.autograd.grad(loss, args, allow_unused=True, retain_graph=keep)
             if keep:
                 self.graph = loss if self.graph is None else self.graph + loss
-        g_lp, g_h, g_lse = (*grads, None)[:3]
+        g_lp, g_h, *more = grads
+        g_lse, g_mean = (None if x is None else more.pop(0) for x in extra)
         if g_h is not None and not self.entropy_grad:
             raise ContractError(
                 "token_loss",
@@ -146,7 +171,7 @@ class _Calls:
                 actual="its gradient reaches the entropy",
                 hint="pass entropy_grad=True",
             )
-        return loss.detach(), g_lp, g_h, g_lse
+        return loss.detach(), g_lp, g_h, g_lse, g_mean
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (differentiable in the hidden rows and weight) also carrying the
@@ -157,11 +182,13 @@ class _Calls:
 def _sweep(
     h: torch.Tensor, w: torch.Tensor, setup: TileSetup, calls: _Calls, *need: bool
 ) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
-    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse), dh, dW, db)``."""
+    """The row sweep of :func:`fused_token_loss`: ``((loss, logprobs, entropy, lse,
+    mean_logit), dh, dW, db)`` (``mean_logit`` empty without a ``mean_logit_loss``)."""
     need_dh, need_dw, need_db = need
     eng = Engine(h, w, setup, need_db=need_db)
     acc, ignored = setup.acc_dtype, setup.ignored
-    lp_ent = torch.empty((3, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse
+    mean = calls.mean_fn is not None
+    lp_ent = torch.empty((3 + mean, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse, mean
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw or need_db
 
@@ -169,24 +196,36 @@ def _sweep(
         nonlocal total
         assert stats.entropy is not None
         lse = stats.lse  # a property: formed once
-        lp_ent[:, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
-        loss, g_lp, g_h, g_lse = calls(stats.logprobs, stats.entropy, lse, rows, need)
+        lp_ent[:3, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
+        if stats.mean_logit is not None:
+            lp_ent[3, rows] = stats.mean_logit
+        loss, g_lp, g_h, g_lse, g_mean = calls(
+            stats.logprobs, stats.entropy, lse, stats.mean_logit, rows, need
+        )
         total = total + loss.to(acc)
-        return logit_grad_coefficients(stats, g_lp, g_h, ignored[rows], acc, g_lse=g_lse) if need else None
+        if not need:
+            return None
+        return logit_grad_coefficients(
+            stats, g_lp, g_h, ignored[rows], acc, g_lse=g_lse, g_mean=g_mean, vocab=setup.vocab_size
+        )
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        stats, _ = eng.row_stats(z, rows)
-        coef = loss_of(stats, rows, True)
-        assert coef is not None
+        stats, _ = eng.row_stats(z, rows, with_mean=mean)
+        coef = loss_of(stats, rows, active)
+        if coef is None:
+            return sink.commit(rows)
         eng.row_grad(z, rows, stats.max, coef, sink)
 
     with no_autocast(h):
-        if active and calls.entropy_grad:
+        # with a mean_logit_loss the gradient's uniform term is no scale of exp(z - c):
+        # two passes a tile (statistics, then gradient), no GEMM more
+        if (active and calls.entropy_grad) or mean:
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
         else:  # one pass a tile, the loss once a buffer
             on_stats = functools.partial(loss_of, need=active)
             dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
-    return (total, lp_ent[0], lp_ent[1], lp_ent[2]), dh, dw, eng.db
+    empty = lp_ent.new_empty(0)
+    return (total, lp_ent[0], lp_ent[1], lp_ent[2], lp_ent[3] if mean else empty), dh, dw, eng.db
 
 
 @checked_call()
@@ -201,6 +240,8 @@ def fused_token_loss(
     entropy_grad: bool = True,
     lse_loss: LseLoss | None = None,
     bias: torch.Tensor | None = None,
+    mean_logit_loss: MeanLogitLoss | None = None,
+    mean_logit_weights: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
@@ -218,7 +259,12 @@ def fused_token_loss(
     is then read once instead of twice. ``lse_loss`` (:data:`LseLoss`, or ``None``):
     a loss of the rows' ``lse = logsumexp(z)`` added on the same spans (a z-loss), its
     gradient ``d lse / dz_j = softmax(z)_j`` folded into the same pass (no GEMM more,
-    and no second read of a tile). The gradients are formed only when autograd
+    and no second read of a tile). ``mean_logit_loss`` (:data:`MeanLogitLoss`, or
+    ``None``): likewise of ``mean_logit = z.mean(-1)`` (label smoothing), ``d mean_logit
+    / dz_j = 1 / V`` a uniform term of each row's gradient, which a scale of the
+    single pass's ``exp(z - c)`` cannot carry: each tile is read twice (no GEMM more);
+    ``mean_logit_weights`` as :func:`~torch_impl.processors.linear_logprobs`'.
+    The gradients are formed only when autograd
     needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
     until backward (``dh`` in the accumulation dtype, rounded once after the upstream
     gradient's scale). ``bias``: ``[V_local]`` or ``None``, as
@@ -235,10 +281,17 @@ def fused_token_loss(
         raise ContractError(
             "lse_loss", expected="None or a callable (lse, rows) -> scalar", actual=repr(lse_loss)
         )
+    if mean_logit_loss is not None and not callable(mean_logit_loss):
+        raise ContractError(
+            "mean_logit_loss",
+            expected="None or a callable (mean_logit, rows) -> scalar",
+            actual=repr(mean_logit_loss),
+        )
     _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected, bias=bias)
-    calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss)
+    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
+    calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
-    loss, logprobs, entropy, lse = FormedInForward.apply(
-        h, weight, setup.bias, "fused_token_loss", run, calls.grad
-    )
-    return FusedLossResult(loss=calls.attach(loss), logprobs=logprobs, entropy=entropy, lse=lse)
+    outputs = FormedInForward.apply(h, weight, setup.bias, "fused_token_loss", run, calls.grad)
+    loss, lp, entropy, lse, mean = outputs
+    mean = mean if mean_logit_loss is not None else None
+    return FusedLossResult(loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean)

@@ -123,6 +123,19 @@ def _class_weights_of(ctx: OutputContext, x: HookInputs, class_weights: torch.Te
     return torch.where(ignored, 0.0, cw[torch.where(ignored, 0, y).clamp(0, max(size - 1, 0))])
 
 
+def _smoothing_of(
+    ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor | None
+) -> tuple[torch.Tensor | None, float | torch.Tensor]:
+    """``(c, mean(cw))``: the shard's column weights of the mean logit (``None``: each 1)
+    and the mean class weight (1 without class weights), for label smoothing's
+    ``eps / V * sum_j cw[j] (lse - z_j) = eps * (mean(cw) * lse - mean_logit)``."""
+    if class_weights is None or ctx.vocab is None:
+        return None, 1.0
+    cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
+    cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))  # checked in _class_weights_of
+    return cw[ctx.vocab.start : ctx.vocab.end], cw.mean()
+
+
 def _token_weights(
     ctx: OutputContext, x: HookInputs, reduction: Reduction, cwy: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,6 +180,7 @@ def _reduced(
     tile: LinearOptions,
     z_loss: float,
     class_weights: torch.Tensor | None,
+    eps: float,
 ) -> dict[str, torch.Tensor]:
     """``cross_entropy_loss(reduction="sum" | "mean")`` on one context."""
     x = hook_inputs(ctx, "cross_entropy_loss")
@@ -174,14 +188,26 @@ def _reduced(
     # the z-loss unweighted by the class weights, as Liger-Kernel's
     cwy = None if class_weights is None else _class_weights_of(ctx, x, class_weights)
     w, wz, m = _token_weights(ctx, x, reduction, cwy)
+    c, cw_mean = _smoothing_of(ctx, x, class_weights)
+    ws = w  # label smoothing's token weights: M, divided by sum(M * cw[y]) for the mean
+    if cwy is not None and reduction == "mean":
+        count = (m * cwy).sum()
+        ws = torch.where(count != 0, m / torch.where(count != 0, count, 1.0), 0.0)
+    elif cwy is not None:
+        ws = m
 
     def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         wr = w[rows].to(lp.dtype)
-        return -(torch.where(wr != 0, lp, 0.0) * wr).sum()
+        return -(1.0 - eps) * (torch.where(wr != 0, lp, 0.0) * wr).sum()
 
     def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
-        wr = wz[rows].to(lse.dtype)
-        return z_loss * (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+        wr, sr = wz[rows].to(lse.dtype), ws[rows].to(lse.dtype)
+        zl = (torch.where(wr != 0, lse.square(), 0.0) * wr).sum()
+        return z_loss * zl + eps * (torch.where(sr != 0, lse, 0.0) * sr).sum() * cw_mean
+
+    def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
+        sr = ws[rows].to(mean.dtype)
+        return -eps * (torch.where(sr != 0, mean, 0.0) * sr).sum()
 
     options = x.tensor_options(tile, temp)
     res = fused_token_loss(
@@ -191,7 +217,9 @@ def _reduced(
         tile_loss,
         options=options,
         entropy_grad=False,
-        lse_loss=lse_loss if z_loss != 0.0 else None,
+        lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
+        mean_logit_loss=mean_loss if eps != 0.0 else None,
+        mean_logit_weights=c if eps != 0.0 else None,
     )
     # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
     # even at an uncounted token (its gradient would be NaN anyway)
@@ -204,6 +232,7 @@ def cross_entropy_loss(
     temperature: float | None = None,
     z_loss: float = 0.0,
     class_weights: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
     tile_rows: int | None = None,
     tile_cols: int | None = None,
     **unexpected: Never,
@@ -238,17 +267,6 @@ def cross_entropy_loss(
         w = M                                         # "sum"
         w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
         loss = sum(w * (-logprobs + z_loss * lse ** 2))   # logprobs, lse as above, at T
-
-    ``class_weights`` (``[V]``, finite, ``>= 0``; ``None``: every class 1), as
-    ``torch.nn.functional.cross_entropy(weight=)`` and Liger-Kernel's ``ce_weight``
-    define them: the cross-entropy term of each token is weighted by ``cw[labels]``,
-    the mean divides it by ``sum(M * cw[labels])``; the z-loss term keeps the
-    unweighted ``w`` (``hookspec.conventions``)::
-
-        loss = -cw[labels] * logprobs + z_loss * lse ** 2      # "none"; 0 where ignored
-        loss = sum(M * cw[y] * -logprobs) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)   # "mean"
-
-    (``global_tokens`` with class weights and ``"mean"`` is refused.)
         tokens = sum(M)                               # this rank's counted tokens, detached
 
     through :func:`fused_token_loss`: the gradient formed in the forward pass,
@@ -263,12 +281,32 @@ def cross_entropy_loss(
     entry that is NaN, infinite or negative raises ``ContractError``
     (``loss_mask``). A NaN or inf in the hidden states or weight makes the
     loss NaN.
+
+    ``class_weights`` (``[V]``, finite, ``>= 0``; ``None``: every class 1), as
+    ``torch.nn.functional.cross_entropy(weight=)`` and Liger-Kernel's ``ce_weight``
+    define them: the cross-entropy term of each token is weighted by ``cw[labels]``,
+    the mean divides it by ``sum(M * cw[labels])``; the z-loss term keeps the
+    unweighted ``w`` (``hookspec.conventions``)::
+
+        loss = -cw[labels] * logprobs + z_loss * lse ** 2      # "none"; 0 where ignored
+        loss = sum(M * cw[y] * -logprobs) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)   # "mean"
+
+    (``global_tokens`` with class weights and ``"mean"`` is refused.)
+
+    ``label_smoothing`` (``eps`` in ``[0, 1]``; default 0), as
+    ``torch.nn.functional.cross_entropy(label_smoothing=)``: the cross-entropy term
+    of each counted token becomes ``(1 - eps) * -logprobs + eps * (lse - mean_logit)``,
+    ``mean_logit = z.mean(-1)`` over the whole vocabulary (``hookspec.conventions``;
+    the reduced forms read each tile twice, no GEMM more). With ``class_weights``, as
+    PyTorch (and Liger-Kernel) weight it: ``(1 - eps) * cw[y] * -logprobs + eps / V *
+    sum_j cw[j] (lse - z_j)``, the mean divided by ``sum(M * cw[y])``.
     """
     refuse_unexpected("cross_entropy_loss", unexpected)
     reduction = _check_reduction(reduction)
     if temperature is not None:
         check_temperature(temperature, 1)
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
+    eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
     if class_weights is not None and (
         not isinstance(class_weights, torch.Tensor)
         or class_weights.dim() != 1
@@ -294,22 +332,29 @@ def cross_entropy_loss(
                     f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
                     actual=f"a {type(value).__name__}",
                 )
+        cwy = None if class_weights is None else _class_weights_of(ctx, x, class_weights)
+        c, cw_mean = _smoothing_of(ctx, x, class_weights)
         res = linear_logprobs(
             x.hidden,
             x.weight,
             x.token_labels,
             options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
+            with_mean_logit=eps != 0.0,
+            mean_logit_weights=c if eps != 0.0 else None,
         )
         loss = -res.logprobs
-        if class_weights is not None:
-            loss = loss * _class_weights_of(ctx, x, class_weights)
+        if cwy is not None:
+            loss = loss * cwy
+        if res.mean_logit is not None:
+            smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit)
+            loss = (1.0 - eps) * loss + eps * smooth
         if z_loss != 0.0:
             loss = loss + z_loss * torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse.square())
         return from_tokens(loss, x.b, x.s)
 
     @checked_call()
     def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        return _reduced(ctx, reduction, temperature, tile, z_loss, class_weights)
+        return _reduced(ctx, reduction, temperature, tile, z_loss, class_weights, eps)
 
     if reduction == "none":
         return processor(fn, name="cross_entropy_loss")

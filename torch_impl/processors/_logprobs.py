@@ -10,12 +10,14 @@ from typing import Any, Never
 
 import torch
 
+from hookspec import ContractError
+
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, Recomputed, logit_grad_coefficients
+from ._engine import Engine, Recomputed, TileSetup, logit_grad_coefficients
 from ._options import LinearOptions, prologue
 
-__all__ = ["LogprobResult", "linear_logprobs"]
+__all__ = ["LogprobResult", "linear_logprobs", "with_mean_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,29 +30,54 @@ class LogprobResult:
     ``lse``: ``[n]``, ``logsumexp(z)`` of the tempered logits over the whole
     vocabulary (every shard), every token whatever its label; differentiable
     (``d lse / dz_j = softmax(z)_j``): a z-loss ``lse ** 2`` is a token loss.
+    ``mean_logit``: ``[n]``, ``z.mean(-1)`` over the whole vocabulary, every token,
+    differentiable (``d mean_logit / dz_j = 1 / V``: label smoothing's
+    ``lse - mean_logit``), or ``None`` when not requested.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     lse: torch.Tensor
+    mean_logit: torch.Tensor | None = None
 
 
-def _run(with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
-    """:class:`~._engine.Recomputed`'s run: the sweep's statistics and their gradient's terms."""
-    stats, setup = eng.forward_stats(with_entropy=with_entropy), eng.setup
-    kept = stats.detached()
-    entropy = stats.entropy if stats.entropy is not None else stats.logprobs.new_empty(0)
-
-    def grad_of(g_lp: Any, g_h: Any, g_lse: Any) -> Any:
-        if g_lp is None and g_h is None and g_lse is None:
-            return None
-        return (
-            kept,
-            logit_grad_coefficients(kept, g_lp, g_h, setup.ignored, setup.acc_dtype, g_lse=g_lse),
-            None,
+def with_mean_weights(setup: TileSetup, weights: Any, local: int) -> TileSetup:
+    """``setup`` with the column weights ``c [V_local]`` of the mean logit (``None``:
+    each 1), checked: a floating tensor of this shard's size."""
+    if weights is None:
+        return setup
+    if (
+        not isinstance(weights, torch.Tensor)
+        or not weights.dtype.is_floating_point
+        or weights.shape != (local,)
+    ):
+        actual = (
+            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
         )
+        raise ContractError(
+            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+        )
+    cw = weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
+    return dataclasses.replace(setup, mean_weights=cw)
 
-    return (stats.logprobs, entropy, stats.lse), (() if with_entropy else (entropy,)), grad_of
+
+def _run(with_entropy: bool, with_mean: bool, eng: Engine) -> tuple[Any, ...]:
+    """:class:`~._engine.Recomputed`'s run: the sweep's statistics and their gradient's terms."""
+    stats, setup = eng.forward_stats(with_entropy=with_entropy, with_mean=with_mean), eng.setup
+    kept = stats.detached()
+    empty = stats.logprobs.new_empty(0)
+    entropy = stats.entropy if stats.entropy is not None else empty
+    mean = stats.mean_logit if stats.mean_logit is not None else empty
+
+    def grad_of(g_lp: Any, g_h: Any, g_lse: Any, g_mean: Any) -> Any:
+        if g_lp is None and g_h is None and g_lse is None and g_mean is None:
+            return None
+        terms = {"g_lse": g_lse, "g_mean": g_mean, "vocab": setup.vocab_size}
+        coef = logit_grad_coefficients(kept, g_lp, g_h, setup.ignored, setup.acc_dtype, **terms)
+        return kept, coef, None
+
+    frozen = (() if with_entropy else (entropy,)) + (() if with_mean else (mean,))
+    return (stats.logprobs, entropy, stats.lse, mean), frozen, grad_of
 
 
 @checked_call()
@@ -63,6 +90,8 @@ def linear_logprobs(
     options: LinearOptions | None = None,
     with_entropy: bool = False,
     bias: torch.Tensor | None = None,
+    with_mean_logit: bool = False,
+    mean_logit_weights: torch.Tensor | None = None,
     **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
@@ -72,6 +101,7 @@ def linear_logprobs(
         logprobs = where(labels == ignore_index, 0, log_softmax(z)[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)        # >= 0
         lse = logsumexp(z)                                       # every token
+        mean_logit = z.mean(-1)                                  # with_mean_logit
 
     where ``weight_full`` stacks every rank's shard and ``gather`` is
     ``collectives.gather_hidden_states`` (sequence parallel); ``T``,
@@ -90,6 +120,11 @@ def linear_logprobs(
         with_entropy: also return the entropy of ``softmax(z)``.
         bias: ``[V_local]`` (``weight``'s dtype and device), this rank's part of
             ``bias_full`` (0 when ``None``); differentiable.
+        with_mean_logit: also return the mean logit (one add a logit in the
+            statistics pass, one more reduced row; label smoothing).
+        mean_logit_weights: ``[V_local]`` column weights ``c`` (detached) of a
+            weighted mean logit ``sum_j c_j z_j / V`` (label smoothing with class
+            weights); ``None``: each 1.
 
     Returns:
         :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
@@ -99,7 +134,14 @@ def linear_logprobs(
         naming the transformed input; use ``torch.autograd.grad``, and rows for vmap).
     """
     check_bool("with_entropy", with_entropy)
+    check_bool("with_mean_logit", with_mean_logit)
     _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected, bias=bias)
-    run = functools.partial(_run, with_entropy)
-    logprobs, entropy, lse = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
-    return LogprobResult(logprobs=logprobs, entropy=entropy if with_entropy else None, lse=lse)
+    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
+    run = functools.partial(_run, with_entropy, with_mean_logit)
+    logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
+    return LogprobResult(
+        logprobs=logprobs,
+        entropy=entropy if with_entropy else None,
+        lse=lse,
+        mean_logit=mean if with_mean_logit else None,
+    )

@@ -69,6 +69,7 @@ def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: C
         dz = -a exp(z - M) + g [j == y]
            = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
     """
+    assert coef.u is None  # a uniform term is no scale of E: the fused loss takes the two-pass sweep
     c, zy = vec[0, rows], vec[4, rows]
     f = 1.0 if eng.setup.fold else eng.setup.row_inv_t(rows, column=False)
     scale = -coef.a * torch.exp(c - stats.max) * f

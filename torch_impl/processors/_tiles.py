@@ -40,6 +40,7 @@ class TileSetup:
     kernel: KernelConfig | None  # the Triton kernels' launch shape; None: the torch backend
     bias: torch.Tensor | None = None  # [V_local] as given (the caller's, with its graph), or None
     cap_k: float | None = None  # logit_scale / softcap; None: no softcap
+    mean_weights: torch.Tensor | None = None  # [V_local] acc dtype: mean_logit = sum_j c_j z_j / V
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_max(x) if self.collectives is not None else x

@@ -66,6 +66,21 @@ def _temper(u, k2, f, SOFTCAP: tl.constexpr):
     return z
 
 
+@triton.jit
+def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr):
+    """A block's term of the mean logit's sum before its factor ``inv_t`` (``inv_t /
+    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights."""
+    zs = z
+    if SOFTCAP:
+        zs = _tanh(z, k2)
+    if WEIGHTED:
+        if MASKED:
+            zs = zs * tl.load(cw_ptrs, mask=cw_ok, other=0.0)[None, :]
+        else:
+            zs = zs * tl.load(cw_ptrs)[None, :]
+    return zs
+
+
 SOFT_BF16 = tl.constexpr(interpreting())
 """The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, seen with
 triton 3.6 and 3.7), so under it bf16 is rounded on its bits; compiled, the
@@ -140,13 +155,18 @@ def _chunk_stats_kernel(
     WITH_ENTROPY: tl.constexpr,
     cap_k,
     SOFTCAP: tl.constexpr,
+    sz_ptr,
+    WITH_SUM: tl.constexpr,
+    cw_ptr,
+    WEIGHTED: tl.constexpr,
 ):
     """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
     FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
     per block a cross-warp max and a branch. Compiled: 11.2 SASS per element (9.2
     without entropy), 34-42% of an H200's issue at the copy rate (the per-lane
     online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`. ``SOFTCAP``:
-    ``tanh`` an element more (one MUFU, a divide, three ALU), no byte more."""
+    ``tanh`` an element more (one MUFU, a divide, three ALU), no byte more.
+    ``WITH_SUM``: one FADD more (and a ``tanh`` with ``SOFTCAP``)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     token = r  # index into the tile's rows' vectors
@@ -171,6 +191,7 @@ def _chunk_stats_kernel(
     base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    u_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # WITH_SUM: the untempered logits' sum
     cc = tl.arange(0, BLOCK_N)
     full = cols - cols % BLOCK_N  # full blocks: loads without masks
     z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
@@ -178,15 +199,23 @@ def _chunk_stats_kernel(
         z = z_next
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+        if WITH_SUM:
+            u_l += _summand(z, k2, cw_ptr + col0 + c0 + cc, None, SOFTCAP, WEIGHTED, False)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, True
         )
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
+        if WITH_SUM:
+            zs = _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
+            u_l += tl.where((c < cols)[None, :], zs, 0.0)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
         )
+    if WITH_SUM:  # inv_t is inv_t / cap_k under SOFTCAP: the sum of the capped, tempered logits
+        sz = tl.load(sz_ptr + token, mask=row_ok, other=0.0)
+        tl.store(sz_ptr + token, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
     tl.store(m_ptr + token, m, mask=row_ok)
     tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
     if WITH_ENTROPY:
@@ -218,6 +247,10 @@ def _logit_grad_kernel(
     IN_PLACE: tl.constexpr,
     cap_k,
     SOFTCAP: tl.constexpr,
+    u_ptr,
+    WITH_U: tl.constexpr,
+    cw_ptr,
+    WEIGHTED: tl.constexpr,
 ):
     """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
     (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
@@ -235,17 +268,19 @@ def _logit_grad_kernel(
     g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
     if WITH_B:
         b = tl.load(b_ptr + token, mask=row_ok, other=0.0)
+    if WITH_U:  # a uniform term of the row (d mean_logit / dz_j = 1 / V)
+        u = tl.load(u_ptr + token, mask=row_ok, other=0.0)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
     for c0 in range(0, cols, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (c < cols)[None, :]
-        u = tl.load(z_rows + c[None, :], mask=ok, other=0.0)
+        zr = tl.load(z_rows + c[None, :], mask=ok, other=0.0)
         if SOFTCAP:
-            th = _tanh(u, k2)
+            th = _tanh(zr, k2)
             zc = th * (inv_t / cap_k)[:, None] - big_m[:, None]
         else:
-            zc = u * inv_t[:, None] - big_m[:, None]
+            zc = zr * inv_t[:, None] - big_m[:, None]
         if IN_PLACE:
             # A 2-byte output overwrites the first half of the row's fp32 bytes, and
             # every byte this step writes was read by this step or an earlier one (an
@@ -258,6 +293,11 @@ def _logit_grad_kernel(
         else:
             gz = -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
+        if WITH_U:
+            if WEIGHTED:
+                gz += u[:, None] * tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :]
+            else:
+                gz += u[:, None]
         gz = gz * inv_t[:, None]
         if SOFTCAP:
             gz = gz * (1.0 - th * th)
@@ -426,6 +466,8 @@ def chunk_stats_(
     col0: int,
     cfg: KernelConfig,
     cap_k: float | None = None,
+    sz: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> None:
     """Update, in place, the tile's rows' running ``state = (m, s, t, zy)`` (``[rows]``
     fp32 each; ``t`` None without entropy) with the tile ``z`` ``[rows, cols]`` (fp32,
@@ -437,6 +479,7 @@ def chunk_stats_(
         t = exp(m - m_new) * (t + (m - m_new) * s_old) + (exp(zt - m_new) * (zt - m_new)).sum(1)
         zy += zt[i, labels_local[i] - col0]  (where that column is in the tile)
         m = m_new
+        sz += zt.sum(1)                          # where sz is given (zt @ cw[col0:] with cw)
 
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
     element, taken against the row's running max (a rescale of the per-lane sums only
@@ -446,7 +489,9 @@ def chunk_stats_(
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
-    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, cap_k, WITH_ENTROPY=t is not None)
+    flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
+    flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
+    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, cap_k, **flags)
 
 
 def logit_grad_(
@@ -461,6 +506,8 @@ def logit_grad_(
     cfg: KernelConfig,
     out: torch.Tensor | None = None,
     cap_k: float | None = None,
+    u: torch.Tensor | None = None,
+    cw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of the tile's logits (its rows' ``[r]`` vectors), returned as a
     ``[rows, cols]`` tensor of ``dtype``: into ``out`` where given, else in place in
@@ -469,7 +516,8 @@ def logit_grad_(
     (a, b, g)``::
 
         zc = z * inv_t[:, None] - M[:, None]
-        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local]) * inv_t
+        gz = (-exp(zc) * (a + b * zc) + g * [col0 + j == labels_local] + u * cw[col0 + j]) * inv_t
+        # u: [r] or 0; cw: the shard's column weights, or 1
 
     Bytes: ``4 rows cols`` read, ``dtype.itemsize * rows * cols`` written. ``cap_k``: a
     softcap (``zc`` of the capped logits, ``gz`` times ``1 - tanh(z cap_k)**2``)."""
@@ -489,6 +537,10 @@ def logit_grad_(
         cap_k,
         WITH_B=b is not None,
         IN_PLACE=out.data_ptr() == z.data_ptr(),
+        u_ptr=a if u is None else u,
+        WITH_U=u is not None,
+        cw_ptr=a if cw is None else cw,
+        WEIGHTED=cw is not None,
     )
     return out
 
