@@ -110,6 +110,31 @@ def _fused(
     return run
 
 
+def _smoothed(n: int, h: int, v: int, dtype: torch.dtype, *, softcap: float | None, fused: bool) -> Scenario:
+    """The mean logit (label smoothing) with class weights and a bias: the statistics
+    kernel's ``WITH_SUM``/``WEIGHTED`` and the gradient kernel's ``WITH_U``."""
+
+    def run() -> None:
+        from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
+
+        hid, w, y = _inputs(n, h, v, dtype)
+        cw, b = torch.rand(v, device="cuda"), torch.zeros(v, device="cuda", dtype=dtype, requires_grad=True)
+        options = LinearOptions(backend="triton", softcap=softcap)
+        if fused:
+            r = fused_token_loss(
+                hid, w, y, lambda lp, _, rows: lp.sum(), options=options, bias=b,
+                mean_logit_loss=lambda m, rows: m.sum(), mean_logit_weights=cw,
+            )  # fmt: skip
+            _backward(r.loss)
+        else:
+            r2 = linear_logprobs(
+                hid, w, y, options=options, bias=b, with_mean_logit=True, mean_logit_weights=cw
+            )
+            _backward(r2.logprobs, r2.mean_logit)
+
+    return run
+
+
 def _processor(name: str, dtype: torch.dtype, backend: str | None) -> Scenario:
     def run() -> None:
         from . import test_host_reads as hr
@@ -164,6 +189,11 @@ def _scenarios() -> dict[str, Scenario]:
         out[f"softcap:fused entropy_grad {eg} 4099x1000x32771 bf16"] = _fused(
             4099, 1000, 32771, bf16, "triton", per_token_t=True, entropy_grad=eg, softcap=30.0
         )
+    for cap in (None, 30.0):  # label smoothing's mean logit, weighted, with and without a cap
+        for fused in (False, True):
+            out[f"mean-logit:{'fused' if fused else 'logprobs'} softcap {cap} 2053x1024x32771 bf16"] = (
+                _smoothed(2053, 1024, 32771, bf16, softcap=cap, fused=fused)
+            )
     from . import test_host_reads as hr
 
     for dt in (bf16, fp32):
