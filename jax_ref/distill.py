@@ -98,16 +98,17 @@ def linear_topk_logprobs(
     with_entropy: bool = False,
     vocab_start: Any = 0,
     logit_scale: float = 1.0,
+    softcap: float | None = None,
     collectives: Collectives = _SINGLE,
 ) -> TopkLogprobs:
     """The ``k`` largest logprobs and their ids, plainly::
 
-    z   = linear_logits(hidden, weight, scale=logit_scale) / T       # [..., V_local]
+    z   = linear_logits(hidden, weight, scale=logit_scale, softcap=softcap) / T   # [..., V_local]
     lse = logsumexp over every shard (all_reduce_max, all_reduce_sum)
     ids = argsort(-all_gather(z), stable)[..., :k]                   # ties: the smaller id
     logprobs = all_reduce_sum(z[ids] where local) - lse
     """
-    z = linear_logits(hidden, weight, scale=logit_scale)
+    z = linear_logits(hidden, weight, scale=logit_scale, softcap=softcap)
     t = as_float64(temperature, where="temperature")
     z = z / (t[..., None] if t.ndim else t)
     lse = _lse(z, collectives)
@@ -213,6 +214,7 @@ def topk_logprobs(k: int, *, temperature: float | None = None, entropy: bool = F
             with_entropy=entropy,
             vocab_start=inputs.vocab_start,
             logit_scale=inputs.logit_scale,
+            softcap=inputs.softcap,
             collectives=inputs.collectives,
         )
         out = {"topk_logprobs": res.logprobs, "topk_ids": res.ids.astype(jnp.float64)}
@@ -236,6 +238,8 @@ def distillation_loss(config: Any) -> Any:
     ``vocab_start``: what a sharded check needs), and ``mask``::
 
         M = where(labels == ignore_index, 0, mask or loss_mask or 1)
+        z_s = linear_logits(hidden, weight, scale=inputs.logit_scale, softcap=inputs.softcap)
+        z_t = linear_logits(h_t, w_t, scale=teacher.logit_scale, softcap=teacher.softcap)   # dense
         log q = log_softmax(z_s / T);  log p = log_softmax(z_t / T)       # dense, teacher stop_gradient
         D = divergence(log p, log q)                                      # dense, whole vocabulary
         D = sparse_divergence(lp_t, log q[ids], tail)                     # sparse
@@ -249,7 +253,8 @@ def distillation_loss(config: Any) -> Any:
 
     def distillation_loss_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
         teacher, coll = inputs.context, inputs.collectives
-        zs = linear_logits(_rows(inputs, hidden), weight, scale=inputs.logit_scale) / temp  # [b, s, V_local]
+        zs = linear_logits(_rows(inputs, hidden), weight, scale=inputs.logit_scale, softcap=inputs.softcap)
+        zs = zs / temp  # [b, s, V_local]
         lse_s = _lse(zs, coll)
         full_s = _gather(coll, zs) if _split(coll) else lax.stop_gradient(zs)
         top_s = jnp.argmax(full_s, axis=-1)
@@ -267,7 +272,10 @@ def distillation_loss(config: Any) -> Any:
             else:
                 tw = teacher.weight
             th = lax.stop_gradient(_rows(inputs, teacher.hidden_states))
-            zt = lax.stop_gradient(linear_logits(th, lax.stop_gradient(tw)) / temp)
+            t_scale = float(getattr(teacher, "logit_scale", 1.0))  # the teacher's own (MuP) factor
+            t_cap = getattr(teacher, "softcap", None)  # and final-logit softcap
+            zt = linear_logits(th, lax.stop_gradient(tw), scale=t_scale, softcap=t_cap)
+            zt = lax.stop_gradient(zt / temp)
             log_p = zt - _lse(zt, coll)[..., None]
             log_q = zs - lse_s[..., None]
             d = coll.all_reduce_sum(divergence(log_p, log_q, kind=kind, beta=beta))

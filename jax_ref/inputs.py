@@ -62,6 +62,11 @@ class ReferenceInputs:
         logit_scale: the factor on the logits Megatron's ``scale_logits``
             applies: ``config.mup_output_mult`` when ``config.use_mup``, else
             1. :func:`jax_ref.processors.token_logprobs_of` applies it.
+        softcap: the model's final-logit softcap ``s > 0``
+            (``config.final_logit_softcapping``, Gemma's name), or None: the
+            logits are ``s * tanh(u * logit_scale / s)`` before the temperature
+            (``hookspec.conventions``). Every reference that forms logits
+            applies it.
         collectives: the contract's ``Collectives`` over the vocabulary
             shards: ``SingleProcessCollectives`` (identity) on one shard,
             :class:`jax_ref.JaxCollectives` (``psum``/``pmax``/``all_gather``
@@ -80,6 +85,7 @@ class ReferenceInputs:
     vocab_size: int = 0
     ignore_index: int = IGNORE_INDEX
     logit_scale: float = 1.0
+    softcap: float | None = None
     collectives: Collectives = dataclasses.field(default_factory=SingleProcessCollectives)
     mtp_depth: int = 0
 

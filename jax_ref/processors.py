@@ -62,10 +62,12 @@ def token_logprobs_of(
     ``with_entropy``) of ``hidden [s, b, h]`` against this shard's ``weight
     [V_local, h]``: :func:`jax_ref.references.linear_logprobs` after
     ``inputs.collectives.gather_hidden_states``, with ``inputs``' labels,
-    ``ignore_index``, ``vocab_start``, ``collectives`` and ``logit_scale``
-    (MuP's output multiplier: applied, as Megatron's ``scale_logits`` does)::
+    ``ignore_index``, ``vocab_start``, ``collectives``, ``logit_scale``
+    (MuP's output multiplier: applied, as Megatron's ``scale_logits`` does) and
+    ``softcap`` (the final-logit softcap ``s``, after the scale)::
 
-        z = gather_hidden_states(hidden).transpose(1, 0, 2) @ weight.T * logit_scale / temperature
+        u = gather_hidden_states(hidden).transpose(1, 0, 2) @ weight.T * logit_scale
+        z = s * tanh(u / s) / temperature          # softcap s; else u / temperature
         logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z))   # over all shards
 
     ``temperature``: a number or ``[b, s]``; the user context's temperature is
@@ -76,9 +78,17 @@ def token_logprobs_of(
 
 
 def _token_results(
-    hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs, *, temperature: Any, with_entropy: bool
+    hidden: jax.Array,
+    weight: jax.Array,
+    inputs: ReferenceInputs,
+    *,
+    temperature: Any,
+    with_entropy: bool,
+    mean_logit_weights: jax.Array | None = None,
+    with_mean_logit: bool = False,
 ) -> LinearLogprobs:
-    """:func:`token_logprobs_of`'s :class:`LinearLogprobs` (``[b, s]`` each, ``lse`` too)."""
+    """:func:`token_logprobs_of`'s :class:`LinearLogprobs` (``[b, s]`` each, ``lse``
+    too; ``mean_logit`` with ``with_mean_logit``, column-weighted by ``mean_logit_weights``)."""
     if inputs.labels is None:
         raise ContractError("labels", expected="token ids [b, s] (the reference needs them)", actual="None")
     h = inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
@@ -91,6 +101,9 @@ def _token_results(
         with_entropy=with_entropy,
         vocab_start=inputs.vocab_start,
         logit_scale=inputs.logit_scale,
+        softcap=inputs.softcap,
+        with_mean_logit=with_mean_logit,
+        mean_logit_weights=mean_logit_weights,
         collectives=inputs.collectives,
     )
 
@@ -108,23 +121,51 @@ def selected_logprobs(*, temperature: float | None = None, entropy: bool = False
 
 
 def cross_entropy_loss(
-    *, z_loss: float = 0.0, temperature: float = 1.0, class_weights: Any = None
+    *,
+    z_loss: float = 0.0,
+    temperature: float = 1.0,
+    class_weights: Any = None,
+    label_smoothing: float = 0.0,
 ) -> Reference:
-    """Unreduced cross entropy ``[b, s]`` with an optional z-loss and class weights
-    ``cw [V]`` (``hookspec.conventions``), 0 at ignored labels::
+    """Unreduced cross entropy ``[b, s]`` with an optional z-loss, class weights
+    ``cw [V]`` and label smoothing ``eps`` (``hookspec.conventions``; PyTorch's
+    ``F.cross_entropy(weight=cw, label_smoothing=eps, reduction="none")`` of the
+    tempered logits, plus the z-loss), 0 at ignored labels::
 
         lse = logsumexp(z)                                  # over every shard, at temperature
-        loss = where(labels == ignore_index, 0, -cw[labels] * logprob + z_loss * lse ** 2)
+        smooth = mean(cw) * lse - sum_j cw[j] * z_j / V     # = sum_j cw[j] * -log_softmax(z)_j / V
+        loss = where(labels == ignore_index, 0,
+                     (1 - eps) * -cw[labels] * logprob + eps * smooth + z_loss * lse ** 2)
+
+    (``cw`` all 1 without class weights: ``smooth = lse - mean(z)``.)
     """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ContractError("label_smoothing", expected="a number in [0, 1]", actual=repr(label_smoothing))
 
     def cross_entropy_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
-        res = _token_results(hidden, weight, inputs, temperature=temperature, with_entropy=False)
+        cw = None if class_weights is None else jnp.asarray(class_weights, dtype=jnp.float64)
+        cw_local = None
+        if cw is not None and label_smoothing != 0.0:
+            cw_local = lax.dynamic_slice_in_dim(cw, inputs.vocab_start, weight.shape[0])
+        res = _token_results(
+            hidden,
+            weight,
+            inputs,
+            temperature=temperature,
+            with_entropy=False,
+            with_mean_logit=label_smoothing != 0.0,
+            mean_logit_weights=cw_local,
+        )
         assert inputs.labels is not None  # _token_results refused None
         ignored = inputs.labels == inputs.ignore_index
         ce = -res.logprobs
-        if class_weights is not None:
-            cw = jnp.asarray(class_weights, dtype=ce.dtype)
+        if cw is not None:
             ce = jnp.where(ignored, 0.0, cw[jnp.where(ignored, 0, inputs.labels)] * ce)
+        if label_smoothing != 0.0:
+            assert res.lse is not None and res.mean_logit is not None
+            cw_mean = 1.0 if cw is None else jnp.mean(cw)
+            smooth = jnp.where(ignored, 0.0, cw_mean * res.lse - res.mean_logit)
+            ce = (1.0 - label_smoothing) * ce + label_smoothing * smooth
         if z_loss == 0.0:
             return ce
         assert res.lse is not None

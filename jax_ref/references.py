@@ -61,13 +61,24 @@ def linear_logits(
     *,
     bias: jax.Array | None = None,
     scale: float = 1.0,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """``(hidden @ weight.T + bias) * scale``: ``[..., h] x [V, h] -> [..., V]``
-    in float64 (``scale`` is Megatron's MuP ``mup_output_mult``, else 1)."""
+    """``[..., h] x [V, h] -> [..., V]`` in float64 (``scale`` is Megatron's MuP
+    ``mup_output_mult``, else 1; ``softcap`` ``s > 0``: Gemma's
+    ``final_logit_softcapping``, after the scale, ``hookspec.conventions``)::
+
+        u = (hidden @ weight.T + bias) * scale
+        z = s * tanh(u / s)      # with softcap; else z = u
+    """
     z = as_float64(hidden) @ as_float64(weight).T
     if bias is not None:
         z = z + as_float64(bias)
-    return z * scale
+    z = z * scale
+    if softcap is None:
+        return z
+    if not softcap > 0:
+        raise ContractError("softcap", expected="None or a number > 0", actual=repr(softcap))
+    return softcap * jnp.tanh(z / softcap)
 
 
 def token_logprobs(
@@ -104,11 +115,14 @@ def token_entropy(logits: jax.Array, /, *, temperature: Any = 1.0) -> jax.Array:
 class LinearLogprobs:
     """``logprobs`` ``[...]`` (0 at ignored labels); ``entropy`` ``[...]`` or None;
     ``lse`` ``[...]``: ``logsumexp(z)`` over every shard, every token (None only where
-    a caller builds the result without it)."""
+    a caller builds the result without it); ``mean_logit`` ``[...]``: ``mean(z)``
+    over the whole vocabulary (column-weighted with ``mean_logit_weights``), or None
+    unless asked for (``with_mean_logit``)."""
 
     logprobs: jax.Array
     entropy: jax.Array | None = None
     lse: jax.Array | None = None
+    mean_logit: jax.Array | None = None
 
 
 def linear_logprobs(
@@ -123,6 +137,9 @@ def linear_logprobs(
     vocab_start: Any = 0,
     bias: jax.Array | None = None,
     logit_scale: float = 1.0,
+    softcap: float | None = None,
+    with_mean_logit: bool = False,
+    mean_logit_weights: jax.Array | None = None,
     collectives: Collectives = _SINGLE,
 ) -> LinearLogprobs:
     """Selected-token logprob (and entropy) from hidden states and a vocab shard.
@@ -131,15 +148,22 @@ def linear_logprobs(
     ``[vocab_start, vocab_start + V_local)``, ``labels [...]`` global ids. The
     contract's vocab-parallel recipe, which is the plain one on one shard::
 
-        z   = linear_logits(hidden, weight, bias=bias, scale=logit_scale) / T
+        z   = linear_logits(hidden, weight, bias=bias, scale=logit_scale, softcap=softcap) / T
         m   = all_reduce_max(stop_gradient(max(z, -1)))
         se  = all_reduce_sum(sum(exp(z - m), -1))
         lse = m + log(se)
         z_y = all_reduce_sum(z[y - vocab_start] if y is local else 0)
         logprobs = where(y == ignore_index, 0, z_y - lse)
         entropy  = lse - all_reduce_sum(sum(exp(z - m) * z, -1)) / se
+        V        = all_reduce_sum(V_local)                            # with_mean_logit
+        mean_logit = all_reduce_sum(sum(c * z, -1)) / V               # c = mean_logit_weights, else 1
+
+    ``mean_logit`` is label smoothing's statistic (``hookspec.conventions``):
+    ``mean(z)`` over every shard's columns, or with ``mean_logit_weights``
+    ``[V_local]`` (this shard's class weights ``cw[j]``, held constant)
+    ``sum_j cw[j] * z_j / V``.
     """
-    z = linear_logits(hidden, weight, bias=bias, scale=logit_scale)
+    z = linear_logits(hidden, weight, bias=bias, scale=logit_scale, softcap=softcap)
     t = _temperature(temperature, labels)
     z = z / (t[..., None] if t.ndim else t)
     m = collectives.all_reduce_max(lax.stop_gradient(jnp.max(z, axis=-1)))
@@ -155,7 +179,21 @@ def linear_logprobs(
     entropy = None
     if with_entropy:
         entropy = lse - collectives.all_reduce_sum(jnp.sum(e * z, axis=-1)) / se
-    return LinearLogprobs(logprobs=logprobs, entropy=entropy, lse=lse)
+    mean_logit = None
+    if with_mean_logit or mean_logit_weights is not None:
+        zc = z
+        if mean_logit_weights is not None:
+            c = lax.stop_gradient(as_float64(mean_logit_weights, where="mean_logit_weights"))
+            if c.shape != (rows,):
+                raise ContractError(
+                    "mean_logit_weights",
+                    expected=f"None or an array [V_local={rows}]",
+                    actual=list(c.shape),
+                )
+            zc = z * c
+        size = collectives.all_reduce_sum(jnp.asarray(float(rows), dtype=z.dtype))
+        mean_logit = collectives.all_reduce_sum(jnp.sum(zc, axis=-1)) / size
+    return LinearLogprobs(logprobs=logprobs, entropy=entropy, lse=lse, mean_logit=mean_logit)
 
 
 def kl_penalty(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import jax.numpy as jnp
 import pytest
@@ -192,3 +193,25 @@ def test_tolerance_policy():
     tol = Tolerance(rtol=1e-3, atol=1e-9, slack=4.0)
     assert tol.allows(1e-3, 1.0) and not tol.allows(2e-3, 1.0) and tol.allows(2e-3, 1.0, floor=5e-4)
     assert TOLERANCES["bfloat16"].rtol > TOLERANCES["float16"].rtol > TOLERANCES["float32"].rtol
+
+
+def test_a_softcap_in_the_config_reaches_processor_and_reference():
+    """``config.final_logit_softcapping`` (an instance attribute of a copy of the
+    config, as a release with the field has it): the built-in processor follows it,
+    ``reference_inputs`` reads it (None, 0, False: off), and a reference that
+    ignores it fails, so the cap binds on this case."""
+    from jax_ref import processors as P
+    from jax_ref.check.builtin_processors import LOGPROBS, SOFTCAP, softcapped_config
+    from jax_ref.check.comparison import logit_softcap, reference_inputs
+
+    ctx = synthetic_context("random")
+    capped = ctx.replace(config=softcapped_config(ctx.config))
+    assert reference_inputs(capped).softcap == SOFTCAP and reference_inputs(ctx).softcap is None
+    for off in (None, 0, 0.0, False):
+        assert logit_softcap(types.SimpleNamespace(final_logit_softcapping=off)) is None
+    ref = P.selected_logprobs(entropy=True)
+    assert cross_check(LOGPROBS, ref, capped).passed
+    uncapped = cross_check(LOGPROBS, ref, ctx)
+    assert uncapped.passed
+    wrong = cross_check(LOGPROBS, lambda h, w, i: ref(h, w, i.replace(softcap=None)), capped)
+    assert {q for _, q in _failing(wrong)} == {"value", "d/d hidden", "d/d weight"}, str(wrong)

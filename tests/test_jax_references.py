@@ -289,3 +289,116 @@ def test_the_reference_side_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [], out.stderr
+
+
+def _np_capped(hidden, weight, *, bias=None, scale=1.0, cap=None):
+    u = (hidden @ weight.T + (0.0 if bias is None else bias)) * scale
+    return u if cap is None else cap * np.tanh(u / cap)
+
+
+@pytest.mark.parametrize("cap", [0.5, 3.0, 30.0])
+def test_softcap_linear_logprobs_match_numpy_and_their_gradients_check(data, cap):
+    """``z = s * tanh((h @ W.T + b) * scale / s) / T`` at several caps (0.5: every
+    logit deep in the tanh's saturation; 30: nearly the identity), logprobs, entropy,
+    lse and the mean logit against numpy, and every gradient by check_grads."""
+    hidden, weight, labels, temp = data
+    rng = np.random.default_rng(1)
+    bias = rng.normal(size=weight.shape[0])
+    z = _np_capped(hidden, weight, bias=bias, scale=1.3, cap=cap)
+    assert np.abs(z).max() <= cap  # tanh rounds to 1 in float64 where saturated
+    got_z = R.linear_logits(
+        jnp.asarray(hidden), jnp.asarray(weight), bias=jnp.asarray(bias), scale=1.3, softcap=cap
+    )
+    np.testing.assert_allclose(np.asarray(got_z), z, rtol=1e-13, atol=1e-13)
+    res = R.linear_logprobs(
+        jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp,
+        with_entropy=True, bias=jnp.asarray(bias), logit_scale=1.3, softcap=cap, with_mean_logit=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(res.logprobs), _np_logprobs(z, labels, temp), rtol=1e-12, atol=1e-12
+    )
+    np.testing.assert_allclose(np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(res.lse), logsumexp(z / temp[..., None], -1), rtol=1e-13)
+    np.testing.assert_allclose(
+        np.asarray(res.mean_logit), (z / temp[..., None]).mean(-1), rtol=1e-12, atol=1e-14
+    )
+    # the cap binds: uncapped logits differ
+    plain = R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp)
+    assert float(jnp.abs(plain.logprobs - res.logprobs).max()) > 1e-3
+    y, b = jnp.asarray(labels), jnp.asarray(bias)
+    cw = jnp.asarray(rng.uniform(0.0, 2.0, size=weight.shape[0]))
+
+    def f(h, w):
+        r = R.linear_logprobs(
+            h, w, y, temperature=temp, with_entropy=True, bias=b, logit_scale=1.3, softcap=cap,
+            mean_logit_weights=cw,
+        )  # fmt: skip
+        return r.logprobs, r.entropy, r.lse, r.mean_logit
+
+    check_grads(jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd"))
+
+
+def test_mean_logit_and_its_column_weights(data):
+    """``mean_logit = sum_j c_j z_j / V`` (``c`` = 1 without weights), its gradient
+    ``c_j / V`` on ``z_j`` (none to the weights), a wrong weight shape named."""
+    hidden, weight, labels, temp = data
+    v = weight.shape[0]
+    z = hidden @ weight.T / temp[..., None]
+    h, w, y = jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)
+    cw = np.linspace(0.0, 3.0, v)
+    res = R.linear_logprobs(h, w, y, temperature=temp, mean_logit_weights=jnp.asarray(cw))
+    np.testing.assert_allclose(np.asarray(res.mean_logit), (z * cw).sum(-1) / v, rtol=1e-12, atol=1e-14)
+    assert R.linear_logprobs(h, w, y).mean_logit is None
+
+    def f(w_, c):
+        return R.linear_logprobs(h, w_, y, temperature=temp, mean_logit_weights=c).mean_logit.sum()
+
+    dw, dc = jax.grad(f, argnums=(0, 1))(w, jnp.asarray(cw))
+    want = cw[:, None] * (hidden / temp[..., None]).reshape(-1, hidden.shape[-1]).sum(0)[None, :] / v
+    np.testing.assert_allclose(np.asarray(dw), want, rtol=1e-12, atol=1e-13)
+    assert float(jnp.abs(dc).max()) == 0.0
+    with pytest.raises(ContractError, match=r"mean_logit_weights.*V_local=67"):
+        R.linear_logprobs(h, w, y, mean_logit_weights=jnp.ones(v - 1))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ContractError, match="softcap"):
+            R.linear_logits(h, w, softcap=bad)
+
+
+@pytest.mark.parametrize("class_weights", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 1.0])
+def test_label_smoothing_matches_torch_cross_entropy_in_float64(data, eps, class_weights):
+    """``cross_entropy_loss(label_smoothing=eps, class_weights=cw)`` is PyTorch's
+    ``F.cross_entropy(z / T, y, weight=cw, label_smoothing=eps, ignore_index=-100)``
+    in float64, per token ("none") and, summed and divided by ``sum(cw[y])`` over
+    counted tokens, as its "mean"; under a softcap (the inputs') the logits capped
+    first. Gradients by check_grads."""
+    import torch
+    import torch.nn.functional as F
+
+    from jax_ref import processors as P
+
+    hidden, weight, labels, _ = data
+    v = weight.shape[0]
+    cw = np.random.default_rng(2).uniform(0.1, 2.0, size=v) if class_weights else None
+    hs = jnp.asarray(hidden.transpose(1, 0, 2))  # [s, b, h]
+    for cap in (None, 2.0):
+        inputs = jax_ref.ReferenceInputs(labels=jnp.asarray(labels), vocab_size=v, softcap=cap)
+        ref = P.cross_entropy_loss(temperature=0.8, label_smoothing=eps, class_weights=cw)
+        got = np.asarray(ref(hs, jnp.asarray(weight), inputs))
+        z = torch.from_numpy(_np_capped(hidden, weight, cap=cap) / 0.8).reshape(-1, v)
+        y = torch.from_numpy(labels).reshape(-1)
+        tw = None if cw is None else torch.from_numpy(cw)
+        want = F.cross_entropy(z, y, weight=tw, label_smoothing=eps, reduction="none").reshape(labels.shape)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+        assert np.all(got[labels == -100] == 0.0)
+        mean = F.cross_entropy(z, y, weight=tw, label_smoothing=eps, reduction="mean")
+        counted = labels != -100
+        denom = counted.sum() if cw is None else cw[np.where(counted, labels, 0)][counted].sum()
+        np.testing.assert_allclose(got.sum() / denom, mean.item(), rtol=1e-12)
+
+        def f(h, w, inputs=inputs, ref=ref):
+            return ref(h, w, inputs)
+
+        check_grads(jax.jit(f), (hs, jnp.asarray(weight)), order=1, modes=("rev",))
+    with pytest.raises(ContractError, match="label_smoothing"):
+        P.cross_entropy_loss(label_smoothing=1.5)

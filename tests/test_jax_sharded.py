@@ -55,6 +55,8 @@ def _case(seed: int = 0):
 
 
 def _references():
+    import numpy as np
+
     from jax_ref import processors as P
 
     ppo = types.SimpleNamespace(
@@ -67,7 +69,15 @@ def _references():
         "cross_entropy": P.cross_entropy_loss(),
         "ppo": P.policy_loss(ppo),
         "gspo": P.policy_loss(gspo),
+        "cross_entropy_smoothed_capped": _capped(
+            P.cross_entropy_loss(label_smoothing=0.1, class_weights=np.linspace(0.2, 2.0, 24), z_loss=0.01)
+        ),
     }
+
+
+def _capped(ref):
+    """``ref`` under a final-logit softcap of 2.5 (the inputs' ``softcap``)."""
+    return lambda hidden, weight, inputs: ref(hidden, weight, inputs.replace(softcap=2.5))
 
 
 def sharded_equals_unsharded() -> None:

@@ -9,8 +9,12 @@ scale.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import types
 import typing
+from typing import Any
 
 import torch
 
@@ -42,6 +46,8 @@ from .examples import current_logprobs
 
 __all__ = [
     "CROSS_ENTROPY",
+    "CROSS_ENTROPY_LABEL_SMOOTHING",
+    "CROSS_ENTROPY_SOFTCAP",
     "CROSS_ENTROPY_Z_LOSS",
     "DISTILL_DENSE",
     "DISTILL_DENSE_CONFIG",
@@ -55,10 +61,13 @@ __all__ = [
     "GSPO",
     "GSPO_CONFIG",
     "LOGPROBS",
+    "LABEL_SMOOTHING",
     "LOGPROBS_CONTEXT_TEMPERATURE",
+    "LOGPROBS_SOFTCAP",
     "LOGPROBS_T07",
     "PPO",
     "PPO_CONFIG",
+    "SOFTCAP",
     "SEQ_SUM",
     "SEQ_SUM_CONFIG",
     "TOPK",
@@ -68,6 +77,8 @@ __all__ = [
     "distillation_by_rows",
     "gspo_context",
     "policy_context",
+    "softcapped",
+    "softcapped_config",
     "sparse_teacher_context",
     "temperature_context",
 ]
@@ -79,6 +90,40 @@ LOGPROBS_T07 = selected_logprobs(temperature=0.7, entropy=True, tile_rows=_ROWS,
 LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
 CROSS_ENTROPY = cross_entropy_loss(tile_rows=_ROWS, tile_cols=_COLS)
 CROSS_ENTROPY_Z_LOSS = cross_entropy_loss(z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS)
+LABEL_SMOOTHING = 0.1
+if "label_smoothing" in inspect.signature(cross_entropy_loss).parameters:
+    # where torch_impl lacks the option the name is absent: hookcheck lists the check as unavailable
+    CROSS_ENTROPY_LABEL_SMOOTHING = typing.cast(Any, cross_entropy_loss)(
+        label_smoothing=LABEL_SMOOTHING, z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS
+    )
+
+SOFTCAP = 2.0
+"""The final-logit softcap of the softcapped checks: on the tiny model's logits
+(a few units) it binds, and the capped and uncapped results differ."""
+
+
+def softcapped_config(config: Any) -> Any:
+    """A shallow copy of a model ``config`` with ``final_logit_softcapping = SOFTCAP``
+    as an instance attribute of the copy (a namespace holding only it where
+    ``config`` is None): the field of Megatron releases that have it, set without
+    touching the model's own config or any Megatron class."""
+    capped = types.SimpleNamespace() if config is None else copy.copy(config)
+    capped.final_logit_softcapping = SOFTCAP
+    return capped
+
+
+def softcapped(proc: Processor, /, *, name: str) -> Processor:
+    """``proc`` run on the context with :func:`softcapped_config` of its config: the
+    processor as it runs under a model whose config sets ``final_logit_softcapping``."""
+
+    def fn(ctx: OutputContext) -> Any:
+        return proc(ctx.replace(config=softcapped_config(ctx.config)))
+
+    return processor(fn, name=name)
+
+
+LOGPROBS_SOFTCAP = softcapped(LOGPROBS, name="selected_logprobs")
+CROSS_ENTROPY_SOFTCAP = softcapped(CROSS_ENTROPY_Z_LOSS, name="cross_entropy_loss")
 
 PPO_CONFIG = PolicyLossConfig.ppo(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
 PPO = policy_loss(PPO_CONFIG, tile_rows=3)  # fused: 3 tokens x 64 logits per tile

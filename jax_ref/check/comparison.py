@@ -50,6 +50,7 @@ __all__ = [
     "cross_check",
     "cross_check_tensor_parallel",
     "logit_scale",
+    "logit_softcap",
     "reference_inputs",
     "to_reference_tree",
 ]
@@ -129,6 +130,16 @@ def logit_scale(config: Any) -> float:
     return 1.0
 
 
+def logit_softcap(config: Any) -> float | None:
+    """The model's final-logit softcap ``config.final_logit_softcapping`` (Gemma's
+    name, where a release has the field), None where it is unset, None, 0 or False:
+    the rule the built-in processors follow."""
+    value = getattr(config, "final_logit_softcapping", None)
+    if value is None or value is False or value == 0:
+        return None
+    return float(value)
+
+
 def reference_inputs(ctx: OutputContext, /) -> ReferenceInputs:
     """The data of a torch ``OutputContext`` for a reference (inside :func:`float64`)."""
     with float64():
@@ -148,6 +159,7 @@ def reference_inputs(ctx: OutputContext, /) -> ReferenceInputs:
             vocab_size=0 if vocab is None else vocab.size,
             ignore_index=ctx.ignore_index,
             logit_scale=logit_scale(ctx.config),
+            softcap=logit_softcap(ctx.config),
             mtp_depth=ctx.mtp_depth,
         )
 

@@ -156,6 +156,7 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
             bool(getattr(ctx.config, "use_mup", False)),
             float(getattr(ctx.config, "mup_output_mult", 1.0)),
         ),
+        "final_logit_softcapping": getattr(ctx.config, "final_logit_softcapping", None),
         "run": {
             k: _to_wire(getattr(run, k)) for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
         },
@@ -167,6 +168,7 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
 class _MupConfig:
     use_mup: bool
     mup_output_mult: float
+    final_logit_softcapping: Any = None
 
 
 def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
@@ -177,7 +179,7 @@ def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
         vocab=VocabShard(*wire["vocab"]),
         ignore_index=wire["ignore_index"],
         parallel=wire["parallel"],
-        config=_MupConfig(use_mup, mult),
+        config=_MupConfig(use_mup, mult, wire["final_logit_softcapping"]),
     )
     parts = {k: _from_wire(v) for k, v in wire["run"].items()}
     return TorchRun(context=ctx, single=wire["single"], via_hook=True, **parts)

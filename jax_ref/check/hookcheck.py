@@ -95,6 +95,26 @@ def _distill_ref(config_spec: str | None = None, **topk: Any) -> Callable[[], An
     return make
 
 
+def _capped_ref(name: str, **kwargs: Any) -> Callable[[], Any]:
+    """``jax_ref.processors.<name>(**kwargs)`` under the builtin checks' softcap
+    (``builtin_processors.SOFTCAP``): the reference of a processor run by
+    ``builtin_processors.softcapped``, whose config the harness does not see."""
+
+    def make() -> Any:
+        from .. import processors
+        from .builtin_processors import SOFTCAP
+
+        ref = getattr(processors, name)(**kwargs)
+
+        def capped_reference(hidden: Any, weight: Any, inputs: Any) -> Any:
+            return ref(hidden, weight, inputs.replace(softcap=SOFTCAP))
+
+        capped_reference.__name__ = f"{name}_softcapped"
+        return capped_reference
+
+    return make
+
+
 def _example_ref(name: str) -> Callable[[], Any]:
     def make() -> Any:
         from . import examples
@@ -121,6 +141,21 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     BuiltinCheck("cross_entropy_loss", f"{_B}:CROSS_ENTROPY", _ref("cross_entropy_loss")),
     BuiltinCheck(
         "cross_entropy_loss(z_loss)", f"{_B}:CROSS_ENTROPY_Z_LOSS", _ref("cross_entropy_loss", z_loss=0.01)
+    ),
+    BuiltinCheck(
+        "cross_entropy_loss(label_smoothing)",
+        f"{_B}:CROSS_ENTROPY_LABEL_SMOOTHING",
+        _ref("cross_entropy_loss", label_smoothing=0.1, z_loss=0.01),
+    ),
+    BuiltinCheck(
+        "selected_logprobs(entropy, softcap config)",
+        f"{_B}:LOGPROBS_SOFTCAP",
+        _capped_ref("selected_logprobs", entropy=True),
+    ),
+    BuiltinCheck(
+        "cross_entropy_loss(z_loss, softcap config)",
+        f"{_B}:CROSS_ENTROPY_SOFTCAP",
+        _capped_ref("cross_entropy_loss", z_loss=0.01),
     ),
     BuiltinCheck(
         "policy_loss(ppo, fused)", f"{_B}:PPO", _policy_reference(f"{_B}:PPO_CONFIG"), f"{_B}:policy_context"
