@@ -58,6 +58,7 @@ def test_default_run_checks_every_builtin_processor():
         for kind in ("strongly-negative", "peaked", "awkward"):
             assert rows[check.name, kind, "float32"].startswith("ok")
     assert "policy_loss(gspo)" not in unavailable, "torch_impl.processors should be importable here"
+    assert not unavailable, unavailable
     assert re.search(r"hookcheck: all \d+ comparisons passed", out)
     progress = re.findall(r"^\[\s*(\d+)/(\d+)\]", err, flags=re.M)
     assert progress and progress[-1][0] == progress[-1][1] and int(progress[-1][1]) == len(rows)

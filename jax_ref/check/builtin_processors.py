@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import types
 import typing
 from typing import Any
@@ -91,11 +90,9 @@ LOGPROBS_CONTEXT_TEMPERATURE = selected_logprobs(entropy=True, tile_rows=_ROWS, 
 CROSS_ENTROPY = cross_entropy_loss(tile_rows=_ROWS, tile_cols=_COLS)
 CROSS_ENTROPY_Z_LOSS = cross_entropy_loss(z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS)
 LABEL_SMOOTHING = 0.1
-if "label_smoothing" in inspect.signature(cross_entropy_loss).parameters:
-    # where torch_impl lacks the option the name is absent: hookcheck lists the check as unavailable
-    CROSS_ENTROPY_LABEL_SMOOTHING = typing.cast(Any, cross_entropy_loss)(
-        label_smoothing=LABEL_SMOOTHING, z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS
-    )
+CROSS_ENTROPY_LABEL_SMOOTHING = cross_entropy_loss(
+    label_smoothing=LABEL_SMOOTHING, z_loss=0.01, tile_rows=_ROWS, tile_cols=_COLS
+)
 
 SOFTCAP = 2.0
 """The final-logit softcap of the softcapped checks: on the tiny model's logits
