@@ -2,8 +2,8 @@
 ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T`` of ``u = h @
 W.T``, against float64 autograd through materialised logits (values, ``dh``, ``dW``)
 at several caps, scalar and per-token temperatures, on both backends, at tp=1 and
-tp=2 (gloo); bf16 compute against float64 beside the naive bf16 path; bad caps and
-the functions that refuse one, by name."""
+tp=2 (gloo); top-k and distillation (a dense teacher's own softcap); bf16 compute
+against float64 beside the naive bf16 path; bad caps, by name."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from hookspec import ContractError, OutputContext, VocabShard
 from tests.backend_support import force_backend
 from tests.distributed import run_distributed
 from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
     LinearOptions,
     PolicyBatch,
     SparseTeacher,
@@ -366,26 +368,157 @@ def test_bad_softcap_raises_by_name(bad: Any) -> None:
     assert repr(bad) in str(info.value) or "tensor" in str(info.value)
 
 
-def test_topk_and_distillation_refuse_a_softcap_by_name() -> None:
-    """Their gradients come from sparse terms at a few columns, where the cap's slope
-    is not taken: refused, from the options and from the config."""
-    p = _ce_problem(5)
-    h, w, y = p["h"].reshape(-1, H), p["w"], p["y"].T.reshape(-1)
-    opts = LinearOptions(softcap=5.0)
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
-        linear_topk_logprobs(h, w, k=3, options=opts)
-    lp, ids = torch.log_softmax(h @ w.T, -1).topk(3)
-    teacher = SparseTeacher(ids=ids, logprobs=lp.float())
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_distillation_loss"):
-        linear_distillation_loss(h, w, y, teacher, options=opts)
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
-        topk_logprobs(3)(_ctx(p["h"], w, p["y"], 5.0))
-    ctx = _ctx(p["h"], w, p["y"], 5.0)
-    sparse = SparseTeacher(
-        ids=ids.view(S, B, 3).transpose(0, 1), logprobs=lp.float().view(S, B, 3).transpose(0, 1)
+# ---------------------------------------------------------------- top-k and distillation
+
+
+def _u(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return h @ w.T + b
+
+
+def _topk_truth(
+    p: dict[str, torch.Tensor], b: torch.Tensor, cap: float, t: Any, ids: torch.Tensor, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Float64 autograd of ``sum(c_k * lp[ids]) + sum(c_lp * lp[y]) + sum(c_ent * H)`` at
+    the implementation's ``ids`` (its ties are its own values'), and the true top-k values."""
+    hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b))
+    logp = _capped(_u(hr, wr, br), cap, t).log_softmax(-1)
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    at_ids = logp.gather(1, ids)
+    (p["c_k"] * at_ids).sum().add((p["c_lp"] * lp + p["c_ent"] * ent).sum()).backward()
+    top = logp.detach().topk(ids.shape[1], dim=1).values
+    return {"top": top, "at_ids": at_ids.detach(), "lp": lp.detach(), "ent": ent.detach(),
+            "dh": hr.grad, "dw": wr.grad, "db": br.grad}  # fmt: skip
+
+
+@pytest.mark.parametrize(("cap", "per_token"), [(1.0, True), (5.0, False), (30.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, backend: str) -> None:
+    """``linear_topk_logprobs`` with a bias: the top-k values (ids checked against the
+    truth's values at them), the label's logprob, the entropy, and ``dh``, ``dW``, ``db``
+    of a loss on all three (the top-k's slope taken from the gathered capped values)."""
+    _skip(backend, dtype)
+    p, k = _problem(11), 4
+    p["c_k"] = torch.randn(N, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    b64 = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3.0
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    temp = p["t"].to(dtype) if per_token else 0.8
+    opts = LinearOptions(temperature=temp, logit_scale=SCALE, softcap=cap, tile_rows=4, tile_cols=8)
+    r = linear_topk_logprobs(h, w, k=k, labels=p["y"], options=opts, with_entropy=True, bias=b)
+    assert r.label_logprobs is not None and r.entropy is not None
+    (p["c_k"] * r.logprobs).sum().add(
+        (p["c_lp"] * r.label_logprobs + p["c_ent"] * r.entropy).sum()
+    ).backward()
+    truth = _topk_truth(p, b64, cap, p["t"][:, None] if per_token else 0.8, r.ids, dtype)
+    for got, want in (
+        (r.logprobs, truth["top"]),
+        (r.logprobs, truth["at_ids"]),
+        (r.label_logprobs, truth["lp"]),
+        (r.entropy, truth["ent"]),
+        (h.grad, truth["dh"]),
+        (w.grad, truth["dw"]),
+        (b.grad, truth["db"]),
+    ):
+        assert got is not None
+        _close(got, want, dtype)
+
+
+def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
+    """The conventions' divergences, written independently (every probability > 0 here)."""
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "forward-kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "reverse-kl":
+        return (q * (log_q - log_p)).sum(-1)
+    log_m = torch.logaddexp(math.log(beta) + log_p, math.log(1 - beta) + log_q)
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def _teacher(form: str, seed: int, n: int = N, t: float = 0.8) -> tuple[Any, Any]:
+    """``(teacher, log_p_of(z))``: a sparse teacher's top-4 (renormalize or bucket) of
+    float64 logits, or a dense teacher with its own logit scale and softcap; ``log_p_of``
+    maps the student's capped logits ``z`` ``[n, V]`` to ``(log P, log Q)`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    th, tw = (
+        torch.randn(n, 5, generator=g, dtype=torch.float64) * 3,
+        torch.randn(V, 5, generator=g, dtype=torch.float64),
     )
-    with pytest.raises(ContractError, match=r"^softcap: expected None: distillation_loss"):
-        distillation_loss()(dataclasses.replace(ctx, context=sparse))
+    if form == "dense":
+        log_p = _capped(th @ tw.T * (1.3 / SCALE), 4.0, t).log_softmax(-1)  # c_t = 1.3, s_t = 4
+        return DenseTeacher(th, tw, logit_scale=1.3, softcap=4.0), lambda z: (log_p, z.log_softmax(-1))
+    lp_t, ids = (th @ tw.T).log_softmax(-1).topk(4, dim=1)
+    teacher = SparseTeacher(ids=ids, logprobs=lp_t.float())
+    lp_t = lp_t.float().double()
+
+    def log_pq(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        zi = z.gather(1, ids)
+        if form == "renormalize":
+            return lp_t.log_softmax(-1), zi.log_softmax(-1)
+        lq = zi - torch.logsumexp(z, -1, keepdim=True)
+        tails = [torch.log(-torch.expm1(torch.logsumexp(x, -1, keepdim=True))) for x in (lp_t, lq)]
+        return torch.cat([lp_t, tails[0]], -1), torch.cat([lq, tails[1]], -1)
+
+    return teacher, log_pq
+
+
+@pytest.mark.parametrize("form", ["renormalize", "bucket", "dense"])
+@pytest.mark.parametrize("kind", ["forward-kl", "reverse-kl", "jsd"])
+def test_distillation_against_float64(kind: str, form: str, backend: str) -> None:
+    """``linear_distillation_loss`` with a capped student (and a bias), each divergence
+    and teacher form (the dense teacher capped by its own softcap): the token-mean loss,
+    the per-row KL, ``dh``, ``dW``, ``db`` against float64 autograd (fp64 on the torch
+    backend, fp32 on Triton)."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    cap = CAPS[
+        (["forward-kl", "reverse-kl", "jsd"].index(kind) + ["renormalize", "bucket", "dense"].index(form)) % 3
+    ]
+    p, t, beta = _problem(12), 0.8, 0.3
+    b64 = torch.randn(V, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3.0
+    teacher, log_pq = _teacher(form, 13)
+    hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    log_p, log_q = log_pq(_capped(_u(hr, wr, br), cap, t))
+    m = (p["y"] != IGNORE).double()
+    want = (m * _divergence(log_p, log_q, kind, beta)).sum() / m.sum()
+    want.backward()
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    tail = "renormalize" if form == "renormalize" else "bucket"
+    cfg = DistillConfig(divergence=kind, tail=tail, beta=beta, temperature=t)  # type: ignore[arg-type]
+    opts = LinearOptions(logit_scale=SCALE, softcap=cap, tile_rows=4)
+    r = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg, bias=b)
+    r.loss.backward()
+    _close(r.loss, want.detach(), dtype)
+    kl = _divergence(log_p, log_q, "forward-kl", beta).detach()
+    _close(torch.where(m > 0, r.kl, 0.0), m * kl, dtype)
+    for got, ref in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got is not None and ref is not None
+        _close(got, ref, dtype)
+
+
+def test_topk_and_distillation_follow_the_configs_softcap() -> None:
+    """The processors take ``config.final_logit_softcapping`` as ``cross_entropy_loss``
+    does: ``topk_logprobs`` and ``distillation_loss`` (sparse teacher) equal float64 of
+    the capped logits; a dense teacher's bad softcap is refused by name."""
+    p, cap, t = _ce_problem(5), 2.0, 0.9
+    z = _capped(torch.einsum("sbh,vh->bsv", p["h"], p["w"]), cap, t)
+    logp = z.log_softmax(-1)
+    out = topk_logprobs(3, temperature=t)(_ctx(p["h"], p["w"], p["y"], cap))
+    torch.testing.assert_close(out["topk_logprobs"].double(), logp.topk(3).values, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out["topk_ids"], logp.topk(3).indices)
+    lp_t, ids = (torch.einsum("sbh,vh->bsv", p["h"], p["w"]) * 0.5).log_softmax(-1).topk(3)
+    cfg = DistillConfig(temperature=t)
+    ctx = dataclasses.replace(
+        _ctx(p["h"], p["w"], p["y"], cap), context=SparseTeacher(ids=ids, logprobs=lp_t)
+    )
+    got = distillation_loss(cfg)(ctx)["loss"]
+    lq = z.gather(2, ids).log_softmax(-1)
+    d = (lp_t.softmax(-1) * (lp_t.log_softmax(-1) - lq)).sum(-1)
+    m = (p["y"] != IGNORE).double()
+    torch.testing.assert_close(got.double(), (m * d).sum() / m.sum(), rtol=1e-12, atol=1e-12)
+    bad = DenseTeacher(p["h"], p["w"], softcap=-1.0)
+    with pytest.raises(ContractError) as info:
+        distillation_loss(cfg)(dataclasses.replace(ctx, context=bad))
+    assert info.value.field == "context.softcap"
 
 
 # ---------------------------------------------------------------- bf16 beside the naive path
