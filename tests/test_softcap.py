@@ -435,15 +435,14 @@ def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float
     return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
 
 
-def _teacher(form: str, seed: int, n: int = N, t: float = 0.8) -> tuple[Any, Any]:
+def _teacher(form: str, seed: int, h: torch.Tensor, w: torch.Tensor, t: float = 0.8) -> tuple[Any, Any]:
     """``(teacher, log_p_of(z))``: a sparse teacher's top-4 (renormalize or bucket) of
-    float64 logits, or a dense teacher with its own logit scale and softcap; ``log_p_of``
-    maps the student's capped logits ``z`` ``[n, V]`` to ``(log P, log Q)`` rows."""
-    g = torch.Generator().manual_seed(seed)
-    th, tw = (
-        torch.randn(n, 5, generator=g, dtype=torch.float64) * 3,
-        torch.randn(V, 5, generator=g, dtype=torch.float64),
-    )
+    float64 logits, or a dense teacher with its own logit scale and softcap, near the
+    student's ``h @ w.T``; ``log_p_of`` maps the student's capped logits ``z`` ``[n, V]``
+    to ``(log P, log Q)`` rows."""
+    g, n = torch.Generator().manual_seed(seed), h.shape[0]
+    th = torch.cat([h, torch.randn(n, 2, generator=g, dtype=torch.float64) * 2], 1)
+    tw = torch.cat([w, torch.randn(V, 2, generator=g, dtype=torch.float64)], 1)
     if form == "dense":
         log_p = _capped(th @ tw.T * (1.3 / SCALE), 4.0, t).log_softmax(-1)  # c_t = 1.3, s_t = 4
         return DenseTeacher(th, tw, logit_scale=1.3, softcap=4.0), lambda z: (log_p, z.log_softmax(-1))
@@ -475,7 +474,7 @@ def test_distillation_against_float64(kind: str, form: str, backend: str) -> Non
     ]
     p, t, beta = _problem(12), 0.8, 0.3
     b64 = torch.randn(V, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3.0
-    teacher, log_pq = _teacher(form, 13)
+    teacher, log_pq = _teacher(form, 13, p["h"], p["w"])
     hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
     log_p, log_q = log_pq(_capped(_u(hr, wr, br), cap, t))
     m = (p["y"] != IGNORE).double()
@@ -493,6 +492,12 @@ def test_distillation_against_float64(kind: str, form: str, backend: str) -> Non
     for got, ref in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert got is not None and ref is not None
         _close(got, ref, dtype)
+    z = _capped(_u(*(x.to(dtype).double() for x in (p["h"], p["w"], b64))), cap, t)
+    top2 = z.topk(2).values  # agreement where the student's top-1 is clear of ties
+    clear = (top2[:, 0] - top2[:, 1] > 1e-5) & (m > 0)
+    top1 = log_p.argmax(1) if form == "dense" else teacher.ids[:, 0]
+    agree = z.argmax(1) == top1
+    assert agree[clear].any() and torch.equal(r.top1_agreement[clear], agree[clear])
 
 
 def test_topk_and_distillation_follow_the_configs_softcap() -> None:
@@ -625,15 +630,69 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, Any], backends:
             torch.testing.assert_close(f.loss.double(), want["loss"], **tol)
             torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
             torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+        _tp2_topk_distill(p, truth, dtype, base, (lo, hi), tol)
+
+
+def _tp2_topk_distill(
+    p: dict[str, torch.Tensor], truth: dict[str, Any], dtype: torch.dtype, base: Any, shard: Any, tol: Any
+) -> None:
+    """Top-k (with a bias) and distillation (a dense teacher's jsd, a sparse teacher's
+    bucket reverse KL) on this rank's shard, against the float64 truths."""
+    lo, hi = shard
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"][lo:hi], p["b"][lo:hi]))
+    opts = LinearOptions(tile_rows=4, tile_cols=8, **base)
+    r = linear_topk_logprobs(h, w, k=4, labels=p["y"], options=opts, with_entropy=True, bias=b)
+    assert r.label_logprobs is not None and r.entropy is not None
+    (p["c_k"] * r.logprobs).sum().add(
+        (p["c_lp"] * r.label_logprobs + p["c_ent"] * r.entropy).sum()
+    ).backward()
+    want = truth["topk"]
+    assert torch.equal(r.ids, want["ids"])
+    for got, key in ((r.logprobs, "at_ids"), (r.entropy, "ent"), (h.grad, "dh")):
+        torch.testing.assert_close(got.double(), want[key], **tol)
+    torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+    torch.testing.assert_close(b.grad.double(), want["db"][lo:hi], **tol)
+    for kind, form in (("jsd", "dense"), ("reverse-kl", "bucket")):
+        teacher, want = _teacher(form, 14, p["h"], p["w"])[0], truth[form]
+        if form == "dense":
+            teacher = dataclasses.replace(teacher, weight=teacher.weight[lo:hi], vocab=base["vocab"])
+        h, w = p["h"].to(dtype).clone().requires_grad_(), p["w"][lo:hi].to(dtype).clone().requires_grad_()
+        cfg = DistillConfig(divergence=kind, tail="bucket", beta=0.3, temperature=0.8)  # type: ignore[arg-type]
+        opts = LinearOptions(tile_rows=4, **{**base, "temperature": 1.0})
+        d = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg)
+        d.loss.backward()
+        torch.testing.assert_close(d.loss.double(), want["loss"], **tol)
+        torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
+        torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+
+
+def _distill_truth(p: dict[str, torch.Tensor], kind: str, form: str, cap: float) -> dict[str, Any]:
+    h, w = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+    log_p, log_q = _teacher(form, 14, p["h"], p["w"])[1](_capped(h @ w.T, cap, 0.8))
+    m = (p["y"] != IGNORE).double()
+    loss = (m * _divergence(log_p, log_q, kind, 0.3)).sum() / m.sum()
+    loss.backward()
+    return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
 def test_tp2_against_float64() -> None:
     """Two gloo processes, unequal vocabulary shards: linear_logprobs and both forms
-    of the fused loss, torch (fp64) and, where installed, Triton (fp32, interpreter)."""
+    of the fused loss, top-k and distillation, torch (fp64) and, where installed,
+    Triton (fp32, interpreter)."""
     p = _problem(7)
+    g = torch.Generator().manual_seed(8)
+    p["c_k"], p["b"] = (
+        torch.randn(N, 4, generator=g, dtype=torch.float64),
+        torch.randn(V, generator=g, dtype=torch.float64),
+    )
     truth = _truth(p, 5.0, p["t"][:, None])
     no_ent = {**p, "c_ent": torch.zeros_like(p["c_ent"])}
     truth = {**truth, "full": truth, "ent0": _truth(no_ent, 5.0, p["t"][:, None])}
+    hr, wr, br = (x.double() for x in (p["h"], p["w"], p["b"]))
+    ids = _capped(_u(hr, wr, br), 5.0, p["t"][:, None]).topk(4, dim=1).indices
+    truth["topk"] = {"ids": ids, **_topk_truth(p, p["b"], 5.0, p["t"][:, None], ids, torch.float64)}
+    truth["dense"] = _distill_truth(p, "jsd", "dense", 5.0)
+    truth["bucket"] = _distill_truth(p, "reverse-kl", "bucket", 5.0)
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
     run_distributed(_tp2, p, truth, backends, tp=2)
 
