@@ -534,21 +534,34 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("form", ["linear_logprobs", "fused single pass", "fused two-pass"])
+@pytest.mark.parametrize(
+    "form", ["linear_logprobs", "fused single pass", "fused two-pass", "top-k", "distillation"]
+)
 def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: str) -> None:
     """Ours at ``compute_dtype=bf16`` on bf16 inputs, the naive path (a bf16 GEMM's
     logits, rounded to bf16, capped and normalised in fp32) and the truth (float64 of
     the same bf16 inputs): each value and gradient within a third of the naive error,
     or twice the bf16 rounding of the truth. The loss: ``sum(c * logprobs + 0.3 *
-    entropy)`` (the entropy's term only in the two-pass form)."""
+    entropy)`` (the entropy's term only in the two-pass form and top-k, whose top-4
+    logprobs add ``sum(c_k * top)`` at our ids); distillation: the forward KL to a
+    dense teacher capped at 3 (its logit scale 1.2), token-mean."""
     g = torch.Generator().manual_seed(6)
     n, hid, vocab, cap, t = 24, 16, 512 if backend == "triton" else 2048, 5.0, 0.9
     h0 = (torch.randn(n, hid, generator=g) * 2.0).to(BF16)
     w0 = (torch.randn(vocab, hid, generator=g) * 0.5).to(BF16)
+    th, tw = (
+        (torch.randn(n, 8, generator=g) * 2.0).to(BF16),
+        (torch.randn(vocab, 8, generator=g) * 0.5).to(BF16),
+    )
     y = torch.randint(0, vocab, (n,), generator=g)
     y[3] = IGNORE
-    cot = torch.randn(n, generator=g, dtype=torch.float64)
-    c_ent = 0.3 if form == "fused two-pass" else 0.0
+    cot, cot_k = (
+        torch.randn(n, generator=g, dtype=torch.float64),
+        torch.randn(n, 4, generator=g, dtype=torch.float64),
+    )
+    c_ent = 0.3 if form in ("fused two-pass", "top-k") else 0.0
+    m = (y != IGNORE).double()
+    ids: list[torch.Tensor] = []
 
     def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         out = (cot[rows] * lp.double()).sum()
@@ -557,9 +570,22 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
     def run(how: str) -> dict[str, torch.Tensor]:
         h = h0.to(torch.float64 if how == "truth" else BF16).requires_grad_()
         w = w0.to(h.dtype).requires_grad_()
+        out: dict[str, torch.Tensor] = {}
         if how == "ours":
             opts = LinearOptions(compute_dtype=BF16, temperature=t, logit_scale=SCALE, softcap=cap)
-            if form == "linear_logprobs":
+            if form == "distillation":
+                opts = dataclasses.replace(opts, temperature=1.0)
+                teacher = DenseTeacher(th, tw, logit_scale=1.2, softcap=3.0)
+                loss = linear_distillation_loss(
+                    h, w, y, teacher, options=opts, config=DistillConfig(temperature=t)
+                ).loss
+            elif form == "top-k":
+                r = linear_topk_logprobs(h, w, k=4, labels=y, options=opts, with_entropy=True)
+                assert r.label_logprobs is not None and r.entropy is not None
+                ids.append(r.ids)
+                lp, ent, out["top"] = r.label_logprobs, r.entropy, r.logprobs.detach()
+                loss = token_loss(lp, ent, slice(None)) + (cot_k * r.logprobs.double()).sum()
+            elif form == "linear_logprobs":
                 r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
                 lp, ent = r.logprobs, r.entropy
                 assert ent is not None
@@ -573,10 +599,22 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
             lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
             ent = -(logp.exp() * logp).sum(-1)
             loss = token_loss(lp, ent, slice(None))
+            if form == "top-k":
+                out["top"] = logp.gather(1, ids[0]).detach()
+                loss = loss + (cot_k * logp.gather(1, ids[0]).double()).sum()
+            if form == "distillation":
+                ut = th.to(h.dtype) @ tw.to(h.dtype).T
+                log_p = _capped((ut.float() if how == "naive" else ut) * (1.2 / SCALE), 3.0, t).log_softmax(
+                    -1
+                )
+                d = (log_p.exp() * (log_p - logp)).sum(-1)
+                loss = (m * d.double()).sum() / m.sum()
         dh, dw = torch.autograd.grad(loss, (h, w))
-        return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
+        if form == "distillation":
+            return {"loss": loss.detach(), "dh": dh, "dw": dw}
+        return {**out, "lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
 
-    truth, ours, naive = run("truth"), run("ours"), run("naive")
+    ours, truth, naive = run("ours"), run("truth"), run("naive")
     for key, want in truth.items():
         err, naive_err, rounding = _rel(ours[key], want), _rel(naive[key], want), _rel(want.to(BF16), want)
         assert err <= max(naive_err / 3, 2 * rounding), (key, err, naive_err, rounding)
