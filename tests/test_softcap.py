@@ -424,6 +424,19 @@ def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, b
         _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("tile_cols", [4, 16])
+def test_topk_ties_of_capped_values(tile_cols: int, backend: str) -> None:
+    """Logits that differ before the cap but round to one capped value are a tie (the
+    smaller id first), on both backends (the Triton tiles hold ``u``: their order is
+    not the capped values')."""
+    w = torch.zeros(V, 2)
+    w[:, 1] = torch.linspace(-1, 1, V)
+    w[[1, 2, 5, 7], 0] = torch.tensor([30.0, 35.0, 40.0, 45.0])  # tanh rounds to 1 in fp32
+    h = torch.tensor([[1.0, 0.1], [1.0, -0.2]])
+    r = linear_topk_logprobs(h, w, k=3, options=LinearOptions(softcap=1.0, tile_cols=tile_cols))
+    assert torch.equal(r.ids, torch.tensor([[1, 2, 5], [1, 2, 5]]))
+
+
 def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
     """The conventions' divergences, written independently (every probability > 0 here)."""
     p, q = log_p.exp(), log_q.exp()

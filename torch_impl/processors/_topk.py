@@ -107,9 +107,11 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
     top_v = torch.full((eng.n, k_local), float("-inf"), dtype=setup.acc_dtype, device=eng.hs.device)
     top_i = torch.full((eng.n, k_local), _NO_ID, dtype=torch.long, device=eng.hs.device)
 
+    capped = eng.triton and setup.cap_k is not None  # u's order breaks ties of capped values
+
     def on_tile(z: torch.Tensor, rows: slice, cols: slice) -> None:
-        tv, ti = _tile_topk(z, k_local, setup.vocab_start + cols.start)
-        tv = eng.logits_of(tv, rows)
+        tv, ti = _tile_topk(eng.logits_of(z, rows) if capped else z, k_local, setup.vocab_start + cols.start)
+        tv = tv if capped else eng.logits_of(tv, rows)
         if cols.start == 0:
             top_v[rows, : tv.shape[1]], top_i[rows, : ti.shape[1]] = tv, ti
             return
