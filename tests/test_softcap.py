@@ -428,13 +428,17 @@ def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, b
 def test_topk_ties_of_capped_values(tile_cols: int, backend: str) -> None:
     """Logits that differ before the cap but round to one capped value are a tie (the
     smaller id first), on both backends (the Triton tiles hold ``u``: their order is
-    not the capped values')."""
+    not the capped values'): top-k's ids and distillation's top-1 agreement."""
     w = torch.zeros(V, 2)
     w[:, 1] = torch.linspace(-1, 1, V)
     w[[1, 2, 5, 7], 0] = torch.tensor([30.0, 35.0, 40.0, 45.0])  # tanh rounds to 1 in fp32
     h = torch.tensor([[1.0, 0.1], [1.0, -0.2]])
     r = linear_topk_logprobs(h, w, k=3, options=LinearOptions(softcap=1.0, tile_cols=tile_cols))
     assert torch.equal(r.ids, torch.tensor([[1, 2, 5], [1, 2, 5]]))
+    teacher = SparseTeacher(ids=torch.tensor([[1, 0], [2, 0]]), logprobs=torch.tensor([[-0.1, -3.0]] * 2))
+    opts = LinearOptions(softcap=1.0, tile_rows=1)
+    d = linear_distillation_loss(h, w, None, teacher, options=opts, config=DistillConfig(tail="bucket"))
+    assert d.top1_agreement.tolist() == [True, False]  # the student's top-1: id 1
 
 
 def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:

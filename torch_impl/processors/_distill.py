@@ -277,12 +277,14 @@ def _sparse_epilogue(
         ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
-        local_max, local_arg = z.max(1)  # the first maximal column of the fresh tile
-        top = (eng.logits_of(local_max, rows), local_arg)
-        picked = eng.logits_of(z.gather(1, cols.clamp(min=0)), rows)
-        capped = eng.setup.cap_k is not None  # a softcap's slope over the tile, for the bucket's gz
+        capped = setup.cap_k is not None  # the capped tile (Triton: a copy): its ties, not u's
+        zc = eng.logits_of(z, rows) if capped else z
+        local_max, local_arg = zc.max(1)  # the first maximal column of the fresh tile
+        top = (local_max if capped else eng.logits_of(local_max, rows), local_arg)
+        picked = zc.gather(1, cols.clamp(min=0))
+        picked = picked if capped else eng.logits_of(picked, rows)
         bucket = capped and sink.active and cfg.tail == TeacherTail.BUCKET
-        slope = eng.cap_slope_of(eng.logits_of(z, rows), rows) if bucket else 1.0
+        slope = eng.cap_slope_of(zc, rows) if bucket else 1.0  # for the bucket's gz
         u = setup.reduce_sum(torch.where(cols >= 0, picked, 0.0))  # each id lives in one shard
         stats, e = eng.row_stats(z, rows, with_entropy=False, exps=cfg.tail == TeacherTail.BUCKET)
         if e is not None and capped and eng.triton:  # the kernels' tanh is not torch's: S of this e
@@ -300,7 +302,8 @@ def _sparse_epilogue(
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
         # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's own max
-        agree = _argmax_ids(setup, top, setup.reduce_max(top[0]) if capped else stats.max) == ids[:, 0]
+        big_m = setup.reduce_max(top[0]) if capped and eng.triton else stats.max
+        agree = _argmax_ids(setup, top, big_m) == ids[:, 0]
         out.record(rows, total.detach(), kl.detach(), agree, lse)
         gu = grads[0]
         if gu is None:
