@@ -126,7 +126,9 @@ Dense teacher: ``P = p``, ``Q = q`` over the whole vocabulary. The teacher's
 logits are ``z_t = h_t @ W_t.T * c_t / T`` from its hidden states, its output weight
 (the same vocabulary rows as the student's) and its own logit scale ``c_t`` (MuP's
 output multiplier of the teacher model; 1 without MuP); the student's are ``z = h @
-W.T * c / T`` with its model's scale ``c``. No gradient reaches the teacher. No
+W.T * c / T`` with its model's scale ``c``. Each is capped by its own model's softcap
+where that has one (above; the teacher's ``s_t``: ``z_t = s_t * tanh(h_t @ W_t.T * c_t /
+s_t) / T``), the teacher's independent of the student's. No gradient reaches the teacher. No
 ``T**2`` factor is applied: ``D`` is the divergence at temperature ``T``
 (Hinton's ``T**2`` gradient scale is the caller's to multiply).
 

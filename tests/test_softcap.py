@@ -2,8 +2,8 @@
 ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T`` of ``u = h @
 W.T``, against float64 autograd through materialised logits (values, ``dh``, ``dW``)
 at several caps, scalar and per-token temperatures, on both backends, at tp=1 and
-tp=2 (gloo); bf16 compute against float64 beside the naive bf16 path; bad caps and
-the functions that refuse one, by name."""
+tp=2 (gloo); top-k and distillation (a dense teacher's own softcap); bf16 compute
+against float64 beside the naive bf16 path; bad caps, by name."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from hookspec import ContractError, OutputContext, VocabShard
 from tests.backend_support import force_backend
 from tests.distributed import run_distributed
 from torch_impl.processors import (
+    DenseTeacher,
+    DistillConfig,
     LinearOptions,
     PolicyBatch,
     SparseTeacher,
@@ -366,26 +368,179 @@ def test_bad_softcap_raises_by_name(bad: Any) -> None:
     assert repr(bad) in str(info.value) or "tensor" in str(info.value)
 
 
-def test_topk_and_distillation_refuse_a_softcap_by_name() -> None:
-    """Their gradients come from sparse terms at a few columns, where the cap's slope
-    is not taken: refused, from the options and from the config."""
-    p = _ce_problem(5)
-    h, w, y = p["h"].reshape(-1, H), p["w"], p["y"].T.reshape(-1)
-    opts = LinearOptions(softcap=5.0)
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
-        linear_topk_logprobs(h, w, k=3, options=opts)
-    lp, ids = torch.log_softmax(h @ w.T, -1).topk(3)
-    teacher = SparseTeacher(ids=ids, logprobs=lp.float())
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_distillation_loss"):
-        linear_distillation_loss(h, w, y, teacher, options=opts)
-    with pytest.raises(ContractError, match=r"^softcap: expected None: linear_topk_logprobs"):
-        topk_logprobs(3)(_ctx(p["h"], w, p["y"], 5.0))
-    ctx = _ctx(p["h"], w, p["y"], 5.0)
-    sparse = SparseTeacher(
-        ids=ids.view(S, B, 3).transpose(0, 1), logprobs=lp.float().view(S, B, 3).transpose(0, 1)
+# ---------------------------------------------------------------- top-k and distillation
+
+
+def _u(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return h @ w.T + b
+
+
+def _topk_truth(
+    p: dict[str, torch.Tensor], b: torch.Tensor, cap: float, t: Any, ids: torch.Tensor, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Float64 autograd of ``sum(c_k * lp[ids]) + sum(c_lp * lp[y]) + sum(c_ent * H)`` at
+    the implementation's ``ids`` (its ties are its own values'), and the true top-k values."""
+    hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b))
+    logp = _capped(_u(hr, wr, br), cap, t).log_softmax(-1)
+    y = p["y"]
+    lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    at_ids = logp.gather(1, ids)
+    (p["c_k"] * at_ids).sum().add((p["c_lp"] * lp + p["c_ent"] * ent).sum()).backward()
+    top = logp.detach().topk(ids.shape[1], dim=1).values
+    return {"top": top, "at_ids": at_ids.detach(), "lp": lp.detach(), "ent": ent.detach(),
+            "dh": hr.grad, "dw": wr.grad, "db": br.grad}  # fmt: skip
+
+
+@pytest.mark.parametrize(("cap", "per_token"), [(1.0, True), (5.0, False), (30.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, backend: str) -> None:
+    """``linear_topk_logprobs`` with a bias: the top-k values (ids checked against the
+    truth's values at them), the label's logprob, the entropy, and ``dh``, ``dW``, ``db``
+    of a loss on all three (the top-k's slope taken from the gathered capped values)."""
+    _skip(backend, dtype)
+    p, k = _problem(11), 4
+    p["c_k"] = torch.randn(N, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    b64 = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3.0
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    temp = p["t"].to(dtype) if per_token else 0.8
+    opts = LinearOptions(temperature=temp, logit_scale=SCALE, softcap=cap, tile_rows=4, tile_cols=8)
+    r = linear_topk_logprobs(h, w, k=k, labels=p["y"], options=opts, with_entropy=True, bias=b)
+    assert r.label_logprobs is not None and r.entropy is not None
+    (p["c_k"] * r.logprobs).sum().add(
+        (p["c_lp"] * r.label_logprobs + p["c_ent"] * r.entropy).sum()
+    ).backward()
+    truth = _topk_truth(p, b64, cap, p["t"][:, None] if per_token else 0.8, r.ids, dtype)
+    for got, want in (
+        (r.logprobs, truth["top"]),
+        (r.logprobs, truth["at_ids"]),
+        (r.label_logprobs, truth["lp"]),
+        (r.entropy, truth["ent"]),
+        (h.grad, truth["dh"]),
+        (w.grad, truth["dw"]),
+        (b.grad, truth["db"]),
+    ):
+        assert got is not None
+        _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("tile_cols", [4, 16])
+def test_topk_ties_of_capped_values(tile_cols: int, backend: str) -> None:
+    """Logits that differ before the cap but round to one capped value are a tie (the
+    smaller id first), on both backends (the Triton tiles hold ``u``: their order is
+    not the capped values'): top-k's ids and distillation's top-1 agreement."""
+    w = torch.zeros(V, 2)
+    w[:, 1] = torch.linspace(-1, 1, V)
+    w[[1, 2, 5, 7], 0] = torch.tensor([30.0, 35.0, 40.0, 45.0])  # tanh rounds to 1 in fp32
+    h = torch.tensor([[1.0, 0.1], [1.0, -0.2]])
+    r = linear_topk_logprobs(h, w, k=3, options=LinearOptions(softcap=1.0, tile_cols=tile_cols))
+    assert torch.equal(r.ids, torch.tensor([[1, 2, 5], [1, 2, 5]]))
+    teacher = SparseTeacher(ids=torch.tensor([[1, 0], [2, 0]]), logprobs=torch.tensor([[-0.1, -3.0]] * 2))
+    opts = LinearOptions(softcap=1.0, tile_rows=1)
+    d = linear_distillation_loss(h, w, None, teacher, options=opts, config=DistillConfig(tail="bucket"))
+    assert d.top1_agreement.tolist() == [True, False]  # the student's top-1: id 1
+
+
+def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
+    """The conventions' divergences, written independently (every probability > 0 here)."""
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "forward-kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "reverse-kl":
+        return (q * (log_q - log_p)).sum(-1)
+    log_m = torch.logaddexp(math.log(beta) + log_p, math.log(1 - beta) + log_q)
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def _teacher(form: str, seed: int, h: torch.Tensor, w: torch.Tensor, t: float = 0.8) -> tuple[Any, Any]:
+    """``(teacher, log_p_of(z))``: a sparse teacher's top-4 (renormalize or bucket) of
+    float64 logits, or a dense teacher with its own logit scale and softcap, near the
+    student's ``h @ w.T``; ``log_p_of`` maps the student's capped logits ``z`` ``[n, V]``
+    to ``(log P, log Q)`` rows."""
+    g, n = torch.Generator().manual_seed(seed), h.shape[0]
+    th = torch.cat([h, torch.randn(n, 2, generator=g, dtype=torch.float64) * 2], 1)
+    tw = torch.cat([w, torch.randn(V, 2, generator=g, dtype=torch.float64)], 1)
+    if form == "dense":
+        log_p = _capped(th @ tw.T * (1.3 / SCALE), 4.0, t).log_softmax(-1)  # c_t = 1.3, s_t = 4
+        return DenseTeacher(th, tw, logit_scale=1.3, softcap=4.0), lambda z: (log_p, z.log_softmax(-1))
+    lp_t, ids = (th @ tw.T).log_softmax(-1).topk(4, dim=1)
+    teacher = SparseTeacher(ids=ids, logprobs=lp_t.float())
+    lp_t = lp_t.float().double()
+
+    def log_pq(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        zi = z.gather(1, ids)
+        if form == "renormalize":
+            return lp_t.log_softmax(-1), zi.log_softmax(-1)
+        lq = zi - torch.logsumexp(z, -1, keepdim=True)
+        tails = [torch.log(-torch.expm1(torch.logsumexp(x, -1, keepdim=True))) for x in (lp_t, lq)]
+        return torch.cat([lp_t, tails[0]], -1), torch.cat([lq, tails[1]], -1)
+
+    return teacher, log_pq
+
+
+@pytest.mark.parametrize("form", ["renormalize", "bucket", "dense"])
+@pytest.mark.parametrize("kind", ["forward-kl", "reverse-kl", "jsd"])
+def test_distillation_against_float64(kind: str, form: str, backend: str) -> None:
+    """``linear_distillation_loss`` with a capped student (and a bias), each divergence
+    and teacher form (the dense teacher capped by its own softcap): the token-mean loss,
+    the per-row KL, ``dh``, ``dW``, ``db`` against float64 autograd (fp64 on the torch
+    backend, fp32 on Triton)."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    cap = CAPS[
+        (["forward-kl", "reverse-kl", "jsd"].index(kind) + ["renormalize", "bucket", "dense"].index(form)) % 3
+    ]
+    p, t, beta = _problem(12), 0.8, 0.3
+    b64 = torch.randn(V, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3.0
+    teacher, log_pq = _teacher(form, 13, p["h"], p["w"])
+    hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    log_p, log_q = log_pq(_capped(_u(hr, wr, br), cap, t))
+    m = (p["y"] != IGNORE).double()
+    want = (m * _divergence(log_p, log_q, kind, beta)).sum() / m.sum()
+    want.backward()
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
+    tail = "renormalize" if form == "renormalize" else "bucket"
+    cfg = DistillConfig(divergence=kind, tail=tail, beta=beta, temperature=t)  # type: ignore[arg-type]
+    opts = LinearOptions(logit_scale=SCALE, softcap=cap, tile_rows=4)
+    r = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg, bias=b)
+    r.loss.backward()
+    _close(r.loss, want.detach(), dtype)
+    kl = _divergence(log_p, log_q, "forward-kl", beta).detach()
+    _close(torch.where(m > 0, r.kl, 0.0), m * kl, dtype)
+    for got, ref in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got is not None and ref is not None
+        _close(got, ref, dtype)
+    z = _capped(_u(*(x.to(dtype).double() for x in (p["h"], p["w"], b64))), cap, t)
+    top2 = z.topk(2).values  # agreement where the student's top-1 is clear of ties
+    clear = (top2[:, 0] - top2[:, 1] > 1e-5) & (m > 0)
+    top1 = log_p.argmax(1) if form == "dense" else teacher.ids[:, 0]
+    agree = z.argmax(1) == top1
+    assert agree[clear].any() and torch.equal(r.top1_agreement[clear], agree[clear])
+
+
+def test_topk_and_distillation_follow_the_configs_softcap() -> None:
+    """The processors take ``config.final_logit_softcapping`` as ``cross_entropy_loss``
+    does: ``topk_logprobs`` and ``distillation_loss`` (sparse teacher) equal float64 of
+    the capped logits; a dense teacher's bad softcap is refused by name."""
+    p, cap, t = _ce_problem(5), 2.0, 0.9
+    z = _capped(torch.einsum("sbh,vh->bsv", p["h"], p["w"]), cap, t)
+    logp = z.log_softmax(-1)
+    out = topk_logprobs(3, temperature=t)(_ctx(p["h"], p["w"], p["y"], cap))
+    torch.testing.assert_close(out["topk_logprobs"].double(), logp.topk(3).values, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out["topk_ids"], logp.topk(3).indices)
+    lp_t, ids = (torch.einsum("sbh,vh->bsv", p["h"], p["w"]) * 0.5).log_softmax(-1).topk(3)
+    cfg = DistillConfig(temperature=t)
+    ctx = dataclasses.replace(
+        _ctx(p["h"], p["w"], p["y"], cap), context=SparseTeacher(ids=ids, logprobs=lp_t)
     )
-    with pytest.raises(ContractError, match=r"^softcap: expected None: distillation_loss"):
-        distillation_loss()(dataclasses.replace(ctx, context=sparse))
+    got = distillation_loss(cfg)(ctx)["loss"]
+    lq = z.gather(2, ids).log_softmax(-1)
+    d = (lp_t.softmax(-1) * (lp_t.log_softmax(-1) - lq)).sum(-1)
+    m = (p["y"] != IGNORE).double()
+    torch.testing.assert_close(got.double(), (m * d).sum() / m.sum(), rtol=1e-12, atol=1e-12)
+    bad = DenseTeacher(p["h"], p["w"], softcap=-1.0)
+    with pytest.raises(ContractError) as info:
+        distillation_loss(cfg)(dataclasses.replace(ctx, context=bad))
+    assert info.value.field == "context.softcap"
 
 
 # ---------------------------------------------------------------- bf16 beside the naive path
@@ -396,21 +551,34 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("form", ["linear_logprobs", "fused single pass", "fused two-pass"])
+@pytest.mark.parametrize(
+    "form", ["linear_logprobs", "fused single pass", "fused two-pass", "top-k", "distillation"]
+)
 def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: str) -> None:
     """Ours at ``compute_dtype=bf16`` on bf16 inputs, the naive path (a bf16 GEMM's
     logits, rounded to bf16, capped and normalised in fp32) and the truth (float64 of
     the same bf16 inputs): each value and gradient within a third of the naive error,
     or twice the bf16 rounding of the truth. The loss: ``sum(c * logprobs + 0.3 *
-    entropy)`` (the entropy's term only in the two-pass form)."""
+    entropy)`` (the entropy's term only in the two-pass form and top-k, whose top-4
+    logprobs add ``sum(c_k * top)`` at our ids); distillation: the forward KL to a
+    dense teacher capped at 3 (its logit scale 1.2), token-mean."""
     g = torch.Generator().manual_seed(6)
     n, hid, vocab, cap, t = 24, 16, 512 if backend == "triton" else 2048, 5.0, 0.9
     h0 = (torch.randn(n, hid, generator=g) * 2.0).to(BF16)
     w0 = (torch.randn(vocab, hid, generator=g) * 0.5).to(BF16)
+    th, tw = (
+        (torch.randn(n, 8, generator=g) * 2.0).to(BF16),
+        (torch.randn(vocab, 8, generator=g) * 0.5).to(BF16),
+    )
     y = torch.randint(0, vocab, (n,), generator=g)
     y[3] = IGNORE
-    cot = torch.randn(n, generator=g, dtype=torch.float64)
-    c_ent = 0.3 if form == "fused two-pass" else 0.0
+    cot, cot_k = (
+        torch.randn(n, generator=g, dtype=torch.float64),
+        torch.randn(n, 4, generator=g, dtype=torch.float64),
+    )
+    c_ent = 0.3 if form in ("fused two-pass", "top-k") else 0.0
+    m = (y != IGNORE).double()
+    ids: list[torch.Tensor] = []
 
     def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         out = (cot[rows] * lp.double()).sum()
@@ -419,9 +587,22 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
     def run(how: str) -> dict[str, torch.Tensor]:
         h = h0.to(torch.float64 if how == "truth" else BF16).requires_grad_()
         w = w0.to(h.dtype).requires_grad_()
+        out: dict[str, torch.Tensor] = {}
         if how == "ours":
             opts = LinearOptions(compute_dtype=BF16, temperature=t, logit_scale=SCALE, softcap=cap)
-            if form == "linear_logprobs":
+            if form == "distillation":
+                opts = dataclasses.replace(opts, temperature=1.0)
+                teacher = DenseTeacher(th, tw, logit_scale=1.2, softcap=3.0)
+                loss = linear_distillation_loss(
+                    h, w, y, teacher, options=opts, config=DistillConfig(temperature=t)
+                ).loss
+            elif form == "top-k":
+                r = linear_topk_logprobs(h, w, k=4, labels=y, options=opts, with_entropy=True)
+                assert r.label_logprobs is not None and r.entropy is not None
+                ids.append(r.ids)
+                lp, ent, out["top"] = r.label_logprobs, r.entropy, r.logprobs.detach()
+                loss = token_loss(lp, ent, slice(None)) + (cot_k * r.logprobs.double()).sum()
+            elif form == "linear_logprobs":
                 r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
                 lp, ent = r.logprobs, r.entropy
                 assert ent is not None
@@ -435,10 +616,22 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
             lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
             ent = -(logp.exp() * logp).sum(-1)
             loss = token_loss(lp, ent, slice(None))
+            if form == "top-k":
+                out["top"] = logp.gather(1, ids[0]).detach()
+                loss = loss + (cot_k * logp.gather(1, ids[0]).double()).sum()
+            if form == "distillation":
+                ut = th.to(h.dtype) @ tw.to(h.dtype).T
+                log_p = _capped((ut.float() if how == "naive" else ut) * (1.2 / SCALE), 3.0, t).log_softmax(
+                    -1
+                )
+                d = (log_p.exp() * (log_p - logp)).sum(-1)
+                loss = (m * d.double()).sum() / m.sum()
         dh, dw = torch.autograd.grad(loss, (h, w))
-        return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
+        if form == "distillation":
+            return {"loss": loss.detach(), "dh": dh, "dw": dw}
+        return {**out, "lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw}
 
-    truth, ours, naive = run("truth"), run("ours"), run("naive")
+    ours, truth, naive = run("ours"), run("truth"), run("naive")
     for key, want in truth.items():
         err, naive_err, rounding = _rel(ours[key], want), _rel(naive[key], want), _rel(want.to(BF16), want)
         assert err <= max(naive_err / 3, 2 * rounding), (key, err, naive_err, rounding)
@@ -492,15 +685,69 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, Any], backends:
             torch.testing.assert_close(f.loss.double(), want["loss"], **tol)
             torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
             torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+        _tp2_topk_distill(p, truth, dtype, base, (lo, hi), tol)
+
+
+def _tp2_topk_distill(
+    p: dict[str, torch.Tensor], truth: dict[str, Any], dtype: torch.dtype, base: Any, shard: Any, tol: Any
+) -> None:
+    """Top-k (with a bias) and distillation (a dense teacher's jsd, a sparse teacher's
+    bucket reverse KL) on this rank's shard, against the float64 truths."""
+    lo, hi = shard
+    h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"][lo:hi], p["b"][lo:hi]))
+    opts = LinearOptions(tile_rows=4, tile_cols=8, **base)
+    r = linear_topk_logprobs(h, w, k=4, labels=p["y"], options=opts, with_entropy=True, bias=b)
+    assert r.label_logprobs is not None and r.entropy is not None
+    (p["c_k"] * r.logprobs).sum().add(
+        (p["c_lp"] * r.label_logprobs + p["c_ent"] * r.entropy).sum()
+    ).backward()
+    want = truth["topk"]
+    assert torch.equal(r.ids, want["ids"])
+    for got, key in ((r.logprobs, "at_ids"), (r.entropy, "ent"), (h.grad, "dh")):
+        torch.testing.assert_close(got.double(), want[key], **tol)
+    torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+    torch.testing.assert_close(b.grad.double(), want["db"][lo:hi], **tol)
+    for kind, form in (("jsd", "dense"), ("reverse-kl", "bucket")):
+        teacher, want = _teacher(form, 14, p["h"], p["w"])[0], truth[form]
+        if form == "dense":
+            teacher = dataclasses.replace(teacher, weight=teacher.weight[lo:hi], vocab=base["vocab"])
+        h, w = p["h"].to(dtype).clone().requires_grad_(), p["w"][lo:hi].to(dtype).clone().requires_grad_()
+        cfg = DistillConfig(divergence=kind, tail="bucket", beta=0.3, temperature=0.8)  # type: ignore[arg-type]
+        opts = LinearOptions(tile_rows=4, **{**base, "temperature": 1.0})
+        d = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg)
+        d.loss.backward()
+        torch.testing.assert_close(d.loss.double(), want["loss"], **tol)
+        torch.testing.assert_close(h.grad.double(), want["dh"], **tol)
+        torch.testing.assert_close(w.grad.double(), want["dw"][lo:hi], **tol)
+
+
+def _distill_truth(p: dict[str, torch.Tensor], kind: str, form: str, cap: float) -> dict[str, Any]:
+    h, w = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
+    log_p, log_q = _teacher(form, 14, p["h"], p["w"])[1](_capped(h @ w.T, cap, 0.8))
+    m = (p["y"] != IGNORE).double()
+    loss = (m * _divergence(log_p, log_q, kind, 0.3)).sum() / m.sum()
+    loss.backward()
+    return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
 def test_tp2_against_float64() -> None:
     """Two gloo processes, unequal vocabulary shards: linear_logprobs and both forms
-    of the fused loss, torch (fp64) and, where installed, Triton (fp32, interpreter)."""
+    of the fused loss, top-k and distillation, torch (fp64) and, where installed,
+    Triton (fp32, interpreter)."""
     p = _problem(7)
+    g = torch.Generator().manual_seed(8)
+    p["c_k"], p["b"] = (
+        torch.randn(N, 4, generator=g, dtype=torch.float64),
+        torch.randn(V, generator=g, dtype=torch.float64),
+    )
     truth = _truth(p, 5.0, p["t"][:, None])
     no_ent = {**p, "c_ent": torch.zeros_like(p["c_ent"])}
     truth = {**truth, "full": truth, "ent0": _truth(no_ent, 5.0, p["t"][:, None])}
+    hr, wr, br = (x.double() for x in (p["h"], p["w"], p["b"]))
+    ids = _capped(_u(hr, wr, br), 5.0, p["t"][:, None]).topk(4, dim=1).indices
+    truth["topk"] = {"ids": ids, **_topk_truth(p, p["b"], 5.0, p["t"][:, None], ids, torch.float64)}
+    truth["dense"] = _distill_truth(p, "jsd", "dense", 5.0)
+    truth["bucket"] = _distill_truth(p, "reverse-kl", "bucket", 5.0)
     backends = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
     run_distributed(_tp2, p, truth, backends, tp=2)
 

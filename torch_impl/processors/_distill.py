@@ -39,7 +39,7 @@ from ._engine import Engine, FormedInForward, Stats, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
-from ._options import LinearOptions, prologue, refuse_softcap, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher
 
@@ -245,18 +245,22 @@ def _dense_epilogue(
     assert teacher.hidden is not None and teacher.weight is not None
     t_hidden = teacher.hidden.to(setup.compute_dtype)
     t_weight = teacher.weight.to(setup.compute_dtype)
-    t_inv = teacher.logit_scale / cfg.temperature
+    t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         zs = eng.logits_of(z, rows, inplace=True)
+        slope = eng.cap_slope_of(zs, rows) if sink.active else 1.0  # a softcap's, before zs is shifted
         zt = mm_into(
             eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
         )
-        scaled_(zt, t_inv)  # the teacher's temperature and logit scale
+        if t_cap is None:
+            scaled_(zt, t_inv)  # the teacher's temperature and logit scale
+        else:  # and its own softcap: s_t * tanh(u_t * c_t / s_t) / T
+            zt.mul_(teacher.logit_scale / t_cap).tanh_().mul_(t_cap / cfg.temperature)
         d, kl, agree, lse, gz = _dense_terms(setup, cfg, zs, zt)
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out
-            sink.put(rows, torch.where(w[:, None] != 0, gz * w[:, None], 0.0))
+            sink.put(rows, torch.where(w[:, None] != 0, gz * (w[:, None] * slope), 0.0))
         out.record(rows, weighted_sum(d, w), kl, agree, lse)
 
     return epilogue
@@ -273,11 +277,18 @@ def _sparse_epilogue(
         ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
-        local_max, local_arg = z.max(1)  # the first maximal column of the fresh tile
-        top = (eng.logits_of(local_max, rows), local_arg)
-        picked = eng.logits_of(z.gather(1, cols.clamp(min=0)), rows)
+        capped = setup.cap_k is not None  # the capped tile (Triton: a copy): its ties, not u's
+        zc = eng.logits_of(z, rows) if capped else z
+        local_max, local_arg = zc.max(1)  # the first maximal column of the fresh tile
+        top = (local_max if capped else eng.logits_of(local_max, rows), local_arg)
+        picked = zc.gather(1, cols.clamp(min=0))
+        picked = picked if capped else eng.logits_of(picked, rows)
+        bucket = capped and sink.active and cfg.tail == TeacherTail.BUCKET
+        slope = eng.cap_slope_of(zc, rows) if bucket else 1.0  # for the bucket's gz
         u = setup.reduce_sum(torch.where(cols >= 0, picked, 0.0))  # each id lives in one shard
         stats, e = eng.row_stats(z, rows, with_entropy=False, exps=cfg.tail == TeacherTail.BUCKET)
+        if e is not None and capped and eng.triton:  # the kernels' tanh is not torch's: S of this e
+            stats = dataclasses.replace(stats, sumexp=setup.reduce_sum(e.sum(1)))
         lse = stats.lse
         q_out = None if e is None else _mass_outside(setup, e, stats, cols)
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
@@ -290,13 +301,15 @@ def _sparse_epilogue(
             total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
-        agree = _argmax_ids(setup, top, stats.max) == ids[:, 0]
+        # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's own max
+        big_m = setup.reduce_max(top[0]) if capped and eng.triton else stats.max
+        agree = _argmax_ids(setup, top, big_m) == ids[:, 0]
         out.record(rows, total.detach(), kl.detach(), agree, lse)
         gu = grads[0]
         if gu is None:
             return
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
-            sink.add_sparse(rows, cols, gu)
+            sink.add_sparse(rows, cols, gu * eng.cap_slope_of(picked, rows))
             return
         assert q_out is not None and e is not None
         zero = torch.zeros_like(lse)
@@ -310,7 +323,7 @@ def _sparse_epilogue(
         outside = torch.where(_listed(cols, q.shape), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
         gz.scatter_add_(1, cols.clamp(min=0), torch.where(cols >= 0, gu, 0.0).to(gz.dtype))
-        sink.put(rows, gz)
+        sink.put(rows, gz.mul_(slope) if capped else gz)
 
     return epilogue
 
@@ -504,7 +517,7 @@ def linear_distillation_loss(
     with the formulas of ``hookspec.conventions``. ``teacher`` holds rows:
     :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or :class:`DenseTeacher`
     ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``, ``z_t =
-    gather(hidden_states) @ weight.T * logit_scale / T``) and ``weight``
+    gather(hidden_states) @ weight.T * logit_scale / T``, capped by its ``softcap``) and ``weight``
     ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
     ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
     (``None``: one). ``options``: :class:`LinearOptions` whose ``temperature`` stays 1
@@ -524,7 +537,6 @@ def linear_distillation_loss(
         options = dataclasses.replace(options, temperature=config.temperature)
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
-    refuse_softcap(name, options)
     teacher = _checked_teacher(teacher, config, "teacher")
     n, check = int(h.shape[0]), options.check_values
     tokens: Teacher  # as b = 1, s = n tokens
@@ -590,7 +602,6 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        refuse_softcap("distillation_loss", options)
         # M: the teacher's mask, else the model's loss_mask, else ones (0 at an ignored label)
         own = teacher.mask is not None
         given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")

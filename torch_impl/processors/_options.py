@@ -39,7 +39,6 @@ __all__ = [
     "make_setup",
     "prologue",
     "refuse_double_backward",
-    "refuse_softcap",
     "refuse_unexpected",
 ]
 
@@ -298,17 +297,6 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
                 f"{vocab.end}) of a vocabulary of {vocab.size}, the rest lives on other ranks"
             ),
             actual="None" if collectives is None else "SingleProcessCollectives() (one rank)",
-        )
-
-
-def refuse_softcap(function: str, options: LinearOptions) -> None:
-    """Refuse a softcap by name where a function's gradient comes from sparse terms
-    (top-k, distillation): the cap's slope is elementwise, not taken there."""
-    if options.softcap is not None:
-        raise ContractError(
-            "softcap",
-            expected=f"None: {function} does not take a softcap (nor config.final_logit_softcapping)",
-            actual=repr(options.softcap),
         )
 
 

@@ -32,7 +32,8 @@ class GradSink:
     where the operands are: cuBLAS's fp32 accumulation, one rounding a buffer; else in
     fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
 
-    An epilogue's two ways in, each the gradient of the tempered logits: :meth:`put`
+    An epilogue's two ways in, each the gradient of the tempered logits (with a softcap,
+    times its slope: :meth:`~._tiles.Tiles.cap_slope_of`): :meth:`put`
     (a tile of whole rows) and :meth:`add_sparse` (terms at a few columns). The
     engine's own passes write the GEMMs' form straight into :meth:`tile` and
     :meth:`commit` it; ``on_flush(rows)`` is called once per buffer of committed rows,

@@ -24,13 +24,15 @@ __all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher"]
 class PreparedTeacher:
     """A teacher as rows of the gathered tokens, detached: sparse ``ids``, ``logprobs``
     ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
-    every term finite), or dense ``hidden`` ``[n, h_t]``, ``weight``, ``logit_scale``."""
+    every term finite), or dense ``hidden`` ``[n, h_t]``, ``weight``, ``logit_scale``,
+    ``softcap``."""
 
     ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     logit_scale: float = 1.0
+    softcap: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +145,9 @@ class DenseTeacher:
     the student's); ``vocab``: the weight's rows, the student's ``ctx.vocab``
     (required where that is a shard; ``None``: the whole vocabulary).
     ``logit_scale``: the teacher's own factor (MuP): its logits are
-    ``hidden_states @ weight.T * logit_scale / T``. No gradient reaches them.
+    ``hidden_states @ weight.T * logit_scale / T``; ``softcap``: its own final-logit
+    cap ``s_t > 0`` (Gemma's; ``None``: none, whatever the student's): ``s_t * tanh(
+    hidden_states @ weight.T * logit_scale / s_t) / T``. No gradient reaches them.
     ``mask``, ``global_tokens``, ``global_sequences``: as :class:`SparseTeacher`.
     """
 
@@ -154,6 +158,7 @@ class DenseTeacher:
     global_sequences: float | None = None
     vocab: VocabShard | None = None
     logit_scale: float = 1.0
+    softcap: float | None = None
 
     def prepare(
         self,
@@ -165,6 +170,8 @@ class DenseTeacher:
         """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local);
         ``field``: what errors call it."""
         scale = check_finite_number(f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True)
+        cap = self.softcap
+        cap = None if cap is None else check_finite_number(f"{field}.softcap", cap, low=0.0, low_open=True)
         th, tw = self.hidden_states, self.weight
         check_floating(f"{field}.hidden_states", th)
         check_floating(f"{field}.weight", tw)
@@ -198,4 +205,5 @@ class DenseTeacher:
             hidden=t_h.reshape(-1, t_h.shape[-1]).detach(),
             weight=tw.detach().to(hidden.device),
             logit_scale=scale,
+            softcap=cap,
         )

@@ -139,10 +139,11 @@ class Tiles:
         return gz.addcmul_(gz, t.mul_(t), value=-1.0)
 
     def cap_slope_of(self, zv: torch.Tensor, rows: slice) -> torch.Tensor | float:
-        """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` ``[r]`` (1 without a softcap)."""
+        """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` (``[r]``, or ``[r, k]``: a gather
+        or a tile) of the rows (1 without a softcap)."""
         if self.setup.cap_k is None:
             return 1.0
-        t = zv / self._cap_out(rows, column=False)
+        t = zv / self._cap_out(rows, column=zv.dim() == 2)
         return 1.0 - t * t
 
     def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
@@ -159,10 +160,8 @@ class Tiles:
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
-        (in place) unless the temperature is folded into the hidden rows."""
-        assert self.setup.cap_k is None, (
-            "a softcap's slope is elementwise: refused where gz comes from outside"
-        )
+        (in place) unless the temperature is folded into the hidden rows. With a softcap
+        ``gz`` comes times its slope (:meth:`cap_slope_of`, the caller's: elementwise)."""
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
 
     def bias_grad_(self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None) -> None:

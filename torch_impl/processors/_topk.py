@@ -18,7 +18,7 @@ from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
 from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
-from ._options import LinearOptions, prologue, refuse_softcap, refuse_unexpected
+from ._options import LinearOptions, prologue, refuse_unexpected
 
 __all__ = [
     "TopkResult",
@@ -107,9 +107,11 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
     top_v = torch.full((eng.n, k_local), float("-inf"), dtype=setup.acc_dtype, device=eng.hs.device)
     top_i = torch.full((eng.n, k_local), _NO_ID, dtype=torch.long, device=eng.hs.device)
 
+    capped = eng.triton and setup.cap_k is not None  # u's order breaks ties of capped values
+
     def on_tile(z: torch.Tensor, rows: slice, cols: slice) -> None:
-        tv, ti = _tile_topk(z, k_local, setup.vocab_start + cols.start)
-        tv = eng.logits_of(tv, rows)
+        tv, ti = _tile_topk(eng.logits_of(z, rows) if capped else z, k_local, setup.vocab_start + cols.start)
+        tv = tv if capped else eng.logits_of(tv, rows)
         if cols.start == 0:
             top_v[rows, : tv.shape[1]], top_i[rows, : ti.shape[1]] = tv, ti
             return
@@ -137,6 +139,8 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
     """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their gradient's terms::
 
     dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
+
+    (a softcap's slope at the ids from their capped values; the engine's on the rest)
     """
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
     stats, setup, acc = (
@@ -145,6 +149,7 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
         eng.setup.acc_dtype,
     )
     values, ids = _merge_shards(top_v, top_i, k, gather)
+    slope = eng.cap_slope_of(values, slice(None))
     values = values - stats.lse[:, None]
     entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
     kept, local = stats.detached(), ids - setup.vocab_start
@@ -160,7 +165,7 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
         )
         total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
         coef = logit_grad_coefficients(kept, total, g_ent, torch.zeros_like(setup.ignored), acc)
-        sparse = None if g_val is None else (local, g_val.to(acc))
+        sparse = None if g_val is None else (local, g_val.to(acc) * slope)
         return kept, Coefficients(coef.a, coef.b, g_lab), sparse
 
     return (values, ids, stats.logprobs, entropy), (ids,), grad_of
@@ -221,7 +226,6 @@ def linear_topk_logprobs(
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
-    refuse_softcap(name, options)
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
     run = functools.partial(_run, k, gather, with_entropy)
