@@ -23,6 +23,15 @@ if importlib.util.find_spec("torch") is not None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of the processors' backends in turn, through ``backend="auto"`` (a module's
+    own ``backend`` fixture or parameter takes precedence)."""
+    from tests.backend_support import force_backend
+
+    return force_backend(monkeypatch, request.param)
+
+
 @pytest.fixture
 def megatron_single() -> Iterator[None]:
     """torch.distributed (gloo, world size 1) and Megatron's groups, torn down after."""

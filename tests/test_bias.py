@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, VocabShard
-from tests.backend_support import force_backend
+from tests.backend_support import close_to_float64
 from tests.distributed import run_distributed
 from torch_impl.processors import (
     DistillConfig,
@@ -75,17 +75,6 @@ def _truth(p: dict[str, torch.Tensor], t: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in out.items()}
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return force_backend(monkeypatch, request.param)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp64: 1e-12; fp32: 2e-5 of the largest entry."""
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
-
-
 def _cases(backend: str) -> list[tuple[torch.dtype, str]]:
     dtypes = [torch.float64, torch.float32] if backend == "torch" else [torch.float32]
     return [(d, t) for d in dtypes for t in ("scalar", "tensor")]
@@ -110,17 +99,17 @@ def test_linear_logprobs_and_topk_with_bias_against_float64(backend: str) -> Non
         loss = (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse).sum()
         loss.backward()
         for key, got in [("lp", r.logprobs), ("ent", r.entropy), ("lse", r.lse)]:
-            _close(got, want[key], dtype)
+            close_to_float64(got, want[key], dtype)
         for key, x in [("dh", h), ("dw", w), ("db", b)]:
             assert x.grad is not None and x.grad.dtype == dtype
-            _close(x.grad, want[key], dtype)
+            close_to_float64(x.grad, want[key], dtype)
         h, w, b = _leaves(p, dtype)
         top = linear_topk_logprobs(h, w, k=K, labels=p["y"], options=opts, bias=b)
         assert top.label_logprobs is not None
         (top.logprobs.sum() + top.label_logprobs.sum()).backward()
-        _close(top.logprobs, want["topk"], dtype)
+        close_to_float64(top.logprobs, want["topk"], dtype)
         for key, x in [("tdh", h), ("tdw", w), ("tdb", b)]:
-            _close(x.grad, want[key], dtype)  # type: ignore[arg-type]
+            close_to_float64(x.grad, want[key], dtype)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -151,10 +140,10 @@ def test_fused_token_loss_with_bias_against_float64(entropy_grad: bool, backend:
             bias=b,
         )
         (f.loss * 0.7).backward()
-        _close(f.loss, want["loss"], dtype)
-        _close(f.lse, want["lse"], dtype)
+        close_to_float64(f.loss, want["loss"], dtype)
+        close_to_float64(f.lse, want["lse"], dtype)
         for key, x in [("dh", h), ("dw", w), ("db", b)]:
-            _close(x.grad, 0.7 * want[key], dtype)  # type: ignore[arg-type]
+            close_to_float64(x.grad, 0.7 * want[key], dtype)  # type: ignore[arg-type]
 
 
 def _augmented(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,14 +210,14 @@ def test_bias_alone_requiring_grad() -> None:
     r = linear_logprobs(p["h"], p["w"], p["y"], options=opts, bias=b, with_entropy=True)
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse).sum().backward()
-    _close(b.grad, want["db"], torch.float64)  # type: ignore[arg-type]
+    close_to_float64(b.grad, want["db"], torch.float64)  # type: ignore[arg-type]
     b = p["b"].clone().requires_grad_()
     f = fused_token_loss(
         p["h"], p["w"], p["y"], lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(), options=opts, bias=b
     )
     f.loss.backward()
     want = _truth({**p, "c_ent": p["c_ent"] * 0, "c_lse": p["c_lse"] * 0}, p["t"])
-    _close(b.grad, want["db"], torch.float64)  # type: ignore[arg-type]
+    close_to_float64(b.grad, want["db"], torch.float64)  # type: ignore[arg-type]
 
 
 def test_recomputed_backward_twice_and_create_graph_refused() -> None:
@@ -383,9 +372,9 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
         r = linear_logprobs(h, w, p["y"], options=base, bias=b, with_entropy=True)
         assert r.entropy is not None
         (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse).sum().backward()
-        _close(r.lse, want["lse"], dtype)
+        close_to_float64(r.lse, want["lse"], dtype)
         for key, x, part in [("dh", h, slice(None)), ("dw", w, slice(lo, hi)), ("db", b, slice(lo, hi))]:
-            _close(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
+            close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
         h, w, b = shard()
         f = fused_token_loss(
             h,
@@ -397,16 +386,16 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
             bias=b,
         )
         f.loss.backward()
-        _close(f.loss, want["loss"], dtype)
+        close_to_float64(f.loss, want["loss"], dtype)
         for key, x, part in [("dh", h, slice(None)), ("dw", w, slice(lo, hi)), ("db", b, slice(lo, hi))]:
-            _close(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
+            close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
         h, w, b = shard()
         top = linear_topk_logprobs(h, w, k=K, labels=p["y"], options=base, bias=b)
         assert top.label_logprobs is not None
         (top.logprobs.sum() + top.label_logprobs.sum()).backward()
-        _close(top.logprobs, want["topk"], dtype)
+        close_to_float64(top.logprobs, want["topk"], dtype)
         for key, x, part in [("tdh", h, slice(None)), ("tdw", w, slice(lo, hi)), ("tdb", b, slice(lo, hi))]:
-            _close(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
+            close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
 
 
 def test_tp2_bias_against_float64() -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.backend_support import force_backend
+from tests.backend_support import close_to_float64, skip_fp64_triton
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -59,28 +59,12 @@ def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> di
     return {"mean": mean.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return force_backend(monkeypatch, request.param)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp64: 1e-12; fp32: 2e-5 of the largest entry (the logit gradient rounded once)."""
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
-
-
-def _skip_fp64_triton(backend: str, dtype: torch.dtype) -> None:
-    if backend == "triton" and dtype == torch.float64:
-        pytest.skip("the Triton kernels take fp32/bf16/fp16")
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_linear_logprobs_mean_logit_against_float64(dtype: torch.dtype, backend: str) -> None:
     """The mean logit at every token (ignored labels too), its gradient ``1 / V`` beside
     the logprobs', per-token temperature, tiles that split rows and columns (8 does not
     divide 29: a partial last column tile)."""
-    _skip_fp64_triton(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p = _problem()
     truth = _truth(p, dtype)
     h = p["h"].to(dtype).clone().requires_grad_()
@@ -90,9 +74,9 @@ def test_linear_logprobs_mean_logit_against_float64(dtype: torch.dtype, backend:
     assert r.mean_logit is not None and r.mean_logit.shape == (N,)
     (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
     assert h.grad is not None and w.grad is not None
-    _close(r.mean_logit, truth["mean"], dtype)
-    _close(h.grad, truth["dh"], dtype)
-    _close(w.grad, truth["dw"], dtype)
+    close_to_float64(r.mean_logit, truth["mean"], dtype)
+    close_to_float64(h.grad, truth["dh"], dtype)
+    close_to_float64(w.grad, truth["dw"], dtype)
     assert linear_logprobs(h, w, p["y"], options=opts).mean_logit is None
 
 
@@ -138,9 +122,9 @@ def test_wide_rows_against_float64(fused: bool, weighted: bool, backend: str) ->
         (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()
         mean = r.mean_logit
     assert mean is not None and h.grad is not None and w.grad is not None
-    _close(mean, truth["mean"], torch.float32)
-    _close(h.grad, truth["dh"], torch.float32)
-    _close(w.grad, truth["dw"], torch.float32)
+    close_to_float64(mean, truth["mean"], torch.float32)
+    close_to_float64(h.grad, truth["dh"], torch.float32)
+    close_to_float64(w.grad, truth["dw"], torch.float32)
 
 
 def test_mean_logit_alone_has_the_uniform_gradient() -> None:
@@ -162,7 +146,7 @@ def test_fused_token_loss_mean_logit_loss_against_float64(
     dtype: torch.dtype, entropy_grad: bool, backend: str
 ) -> None:
     """``mean_logit_loss`` beside the token loss, with an upstream gradient 0.7."""
-    _skip_fp64_triton(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p = _problem(1)
     truth = _truth(p, dtype)
     h = p["h"].to(dtype).clone().requires_grad_()
@@ -178,10 +162,10 @@ def test_fused_token_loss_mean_logit_loss_against_float64(
     )
     (f.loss * 0.7).backward()
     assert h.grad is not None and w.grad is not None and f.mean_logit is not None
-    _close(f.loss, truth["loss"], dtype)
-    _close(f.mean_logit, truth["mean"], dtype)
-    _close(h.grad, 0.7 * truth["dh"], dtype)
-    _close(w.grad, 0.7 * truth["dw"], dtype)
+    close_to_float64(f.loss, truth["loss"], dtype)
+    close_to_float64(f.mean_logit, truth["mean"], dtype)
+    close_to_float64(h.grad, 0.7 * truth["dh"], dtype)
+    close_to_float64(w.grad, 0.7 * truth["dw"], dtype)
 
 
 def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
@@ -190,7 +174,9 @@ def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
     with torch.no_grad():
         f = fused_token_loss(*args, mean_logit_loss=lambda m, rows: m.sum())
     assert f.mean_logit is not None
-    _close(f.mean_logit, _truth({**p, "t": torch.ones(N, dtype=torch.float64)})["mean"], torch.float64)
+    close_to_float64(
+        f.mean_logit, _truth({**p, "t": torch.ones(N, dtype=torch.float64)})["mean"], torch.float64
+    )
     assert fused_token_loss(*args).mean_logit is None
     with pytest.raises(ContractError, match=r"^mean_logit_loss: expected None or a callable"):
         fused_token_loss(*args, mean_logit_loss=3.0)  # type: ignore[arg-type]
@@ -289,7 +275,7 @@ def test_cross_entropy_label_smoothing_against_pytorch(
 ) -> None:
     """Against ``F.cross_entropy(label_smoothing=0.1)`` in float64, with a z-loss and a
     temperature; without a mask against PyTorch's own ``"sum"`` and ``"mean"``."""
-    _skip_fp64_triton(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     if reduction == "none" and not mask:
         pytest.skip("the unreduced loss takes no mask")
     p = _ce_problem()
@@ -302,9 +288,9 @@ def test_cross_entropy_label_smoothing_against_pytorch(
     )
     loss = _run_ce(proc, h, w, p, reduction, mask)
     assert h.grad is not None and w.grad is not None
-    _close(loss, truth["loss"], dtype)
-    _close(h.grad, truth["dh"], dtype)
-    _close(w.grad, truth["dw"], dtype)
+    close_to_float64(loss, truth["loss"], dtype)
+    close_to_float64(h.grad, truth["dh"], dtype)
+    close_to_float64(w.grad, truth["dw"], dtype)
 
 
 @pytest.mark.parametrize("eps", [1.0, 0.5])
@@ -317,9 +303,9 @@ def test_label_smoothing_ends_against_pytorch(eps: float, reduction: str) -> Non
     w = p["w"].clone().requires_grad_()
     loss = _run_ce(cross_entropy_loss(reduction=reduction, label_smoothing=eps), h, w, p, reduction, True)
     assert h.grad is not None and w.grad is not None
-    _close(loss, truth["loss"], torch.float64)
-    _close(h.grad, truth["dh"], torch.float64)
-    _close(w.grad, truth["dw"], torch.float64)
+    close_to_float64(loss, truth["loss"], torch.float64)
+    close_to_float64(h.grad, truth["dh"], torch.float64)
+    close_to_float64(w.grad, truth["dw"], torch.float64)
 
 
 def test_ignored_labels_contribute_nothing() -> None:
@@ -368,7 +354,7 @@ def test_label_smoothing_with_class_weights_against_pytorch(
     """``F.cross_entropy(weight=cw, label_smoothing=0.2)`` in float64: the uniform term
     weighted per class (a weighted mean logit, ``sum_j cw[j] z_j / V``, in the engine),
     the mean over ``sum(M * cw[y])``; one class weight 0, the z-loss unweighted."""
-    _skip_fp64_triton(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     if reduction == "none" and not mask:
         pytest.skip("the unreduced loss takes no mask")
     p = _ce_problem(10)
@@ -388,9 +374,9 @@ def test_label_smoothing_with_class_weights_against_pytorch(
     )
     loss = _run_ce(proc, h, w, p, reduction, mask)
     assert h.grad is not None and w.grad is not None
-    _close(loss, truth["loss"], dtype)
-    _close(h.grad, truth["dh"], dtype)
-    _close(w.grad, truth["dw"], dtype)
+    close_to_float64(loss, truth["loss"], dtype)
+    close_to_float64(h.grad, truth["dh"], dtype)
+    close_to_float64(w.grad, truth["dw"], dtype)
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
@@ -418,10 +404,10 @@ def test_mean_logit_weights_against_float64_and_checked_by_name() -> None:
     ww = p["w"].clone().requires_grad_()
     want = ((hh @ ww.T) / p["t"][:, None] * c).sum(-1) / V
     (p["c_mean"] * want).sum().backward()
-    _close(r.mean_logit, want.detach(), torch.float64)
+    close_to_float64(r.mean_logit, want.detach(), torch.float64)
     assert h.grad is not None and w.grad is not None and hh.grad is not None and ww.grad is not None
-    _close(h.grad, hh.grad, torch.float64)
-    _close(w.grad, ww.grad, torch.float64)
+    close_to_float64(h.grad, hh.grad, torch.float64)
+    close_to_float64(w.grad, ww.grad, torch.float64)
     for bad in (torch.ones(V - 1), torch.ones(V, dtype=torch.long), [1.0] * V):
         with pytest.raises(ContractError, match=r"^mean_logit_weights: expected None or a floating tensor"):
             linear_logprobs(p["h"], p["w"], p["y"], with_mean_logit=True, mean_logit_weights=bad)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import force_backend
+from tests.backend_support import close_to_float64
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -59,17 +59,6 @@ def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> di
     return {"lse": lse.detach(), "lp": lp.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return force_backend(monkeypatch, request.param)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp64: 1e-12; fp32: 2e-5 of the largest entry (the logit gradient rounded once)."""
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
-
-
 def test_lse_gradient_sign_and_value_in_float64() -> None:
     """``d lse / dz_j = softmax(z)_j``: a loss of the ``lse`` alone, then beside the
     logprobs and the entropy, equals autograd through materialised logits."""
@@ -101,9 +90,9 @@ def test_linear_logprobs_lse_against_float64(dtype: torch.dtype, backend: str) -
     r = linear_logprobs(h, w, p["y"], options=LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8))
     (p["c_lp"] * r.logprobs + p["c_lse"] * r.lse**2).sum().backward()
     assert h.grad is not None and w.grad is not None
-    _close(r.lse, truth["lse"], dtype)
-    _close(h.grad, truth["dh"], dtype)
-    _close(w.grad, truth["dw"], dtype)
+    close_to_float64(r.lse, truth["lse"], dtype)
+    close_to_float64(h.grad, truth["dh"], dtype)
+    close_to_float64(w.grad, truth["dw"], dtype)
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -130,10 +119,10 @@ def test_fused_token_loss_lse_loss_against_float64(
     )
     (f.loss * 0.7).backward()
     assert h.grad is not None and w.grad is not None
-    _close(f.loss, truth["loss"], dtype)
-    _close(f.lse, truth["lse"], dtype)
-    _close(h.grad, 0.7 * truth["dh"], dtype)
-    _close(w.grad, 0.7 * truth["dw"], dtype)
+    close_to_float64(f.loss, truth["loss"], dtype)
+    close_to_float64(f.lse, truth["lse"], dtype)
+    close_to_float64(h.grad, 0.7 * truth["dh"], dtype)
+    close_to_float64(w.grad, 0.7 * truth["dw"], dtype)
 
 
 def test_fused_lse_loss_checked_by_name() -> None:
@@ -219,9 +208,9 @@ def test_cross_entropy_z_loss_against_float64(reduction: str, dtype: torch.dtype
         loss.backward()
         assert float(out["tokens"]) == float(torch.where(p["y"] == IGNORE, 0.0, p["mask"]).sum())
     assert h.grad is not None and w.grad is not None
-    _close(loss, truth["loss"], dtype)
-    _close(h.grad, truth["dh"], dtype)
-    _close(w.grad, truth["dw"], dtype)
+    close_to_float64(loss, truth["loss"], dtype)
+    close_to_float64(h.grad, truth["dh"], dtype)
+    close_to_float64(w.grad, truth["dw"], dtype)
 
 
 def test_zero_z_loss_is_the_plain_cross_entropy_bitwise() -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import force_backend
+from tests.backend_support import close_to_float64, skip_fp64_triton
 from tests.distributed import run_distributed
+from tests.peer_options import peer_options
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
@@ -91,22 +92,6 @@ def _truth(
     }
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return force_backend(monkeypatch, request.param)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp64: 1e-12; fp32: 2e-5 of the largest entry."""
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
-
-
-def _skip(backend: str, dtype: torch.dtype) -> None:
-    if backend == "triton" and dtype == torch.float64:
-        pytest.skip("the Triton kernels take fp32/bf16/fp16")
-
-
 @pytest.mark.parametrize("per_token", [False, True], ids=["T", "T[n]"])
 @pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -115,7 +100,7 @@ def test_linear_logprobs_against_float64(
 ) -> None:
     """Logprobs, entropy and lse, and their gradient, through tiles that split rows and
     columns (the vocabulary sweep's online statistics across column tiles)."""
-    _skip(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p = _problem()
     t = p["t"] if per_token else 0.8
     truth = _truth(p, cap, t[:, None] if per_token else t, dtype)
@@ -128,7 +113,7 @@ def test_linear_logprobs_against_float64(
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
     assert h.grad is not None and w.grad is not None
     for got, key in ((r.logprobs, "lp"), (r.entropy, "ent"), (r.lse, "lse"), (h.grad, "dh"), (w.grad, "dw")):
-        _close(got, truth[key], dtype)
+        close_to_float64(got, truth[key], dtype)
 
 
 def _token_loss(p: dict[str, torch.Tensor], entropy_grad: bool) -> Any:
@@ -148,7 +133,7 @@ def test_fused_token_loss_against_float64(
     """The single pass (``entropy_grad=False``: the slope in the buffer, the label's
     column scaled at the flush) and the two-pass tile, with an lse loss and an
     upstream gradient 0.7."""
-    _skip(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p = _problem(1)
     if not entropy_grad:
         p["c_ent"] = torch.zeros_like(p["c_ent"])
@@ -166,11 +151,11 @@ def test_fused_token_loss_against_float64(
     )
     (f.loss * 0.7).backward()
     assert h.grad is not None and w.grad is not None
-    _close(f.loss, truth["loss"], dtype)
-    _close(f.logprobs, truth["lp"], dtype)
-    _close(f.entropy, truth["ent"], dtype)
-    _close(h.grad, 0.7 * truth["dh"], dtype)
-    _close(w.grad, 0.7 * truth["dw"], dtype)
+    close_to_float64(f.loss, truth["loss"], dtype)
+    close_to_float64(f.logprobs, truth["lp"], dtype)
+    close_to_float64(f.entropy, truth["ent"], dtype)
+    close_to_float64(h.grad, 0.7 * truth["dh"], dtype)
+    close_to_float64(w.grad, 0.7 * truth["dw"], dtype)
 
 
 @pytest.mark.parametrize("entropy_grad", [None, False, True], ids=["linear", "single", "two-pass"])
@@ -200,10 +185,10 @@ def test_whole_blocks_against_float64(entropy_grad: bool | None, backend: str) -
             lse_loss=lse_loss,
         )
         f.loss.backward()
-        _close(f.loss, truth["loss"], torch.float32)
+        close_to_float64(f.loss, truth["loss"], torch.float32)
     assert h.grad is not None and w.grad is not None
-    _close(h.grad, truth["dh"], torch.float32)
-    _close(w.grad, truth["dw"], torch.float32)
+    close_to_float64(h.grad, truth["dh"], torch.float32)
+    close_to_float64(w.grad, truth["dw"], torch.float32)
 
 
 def test_gathered_values_are_capped(backend: str) -> None:
@@ -284,7 +269,7 @@ def test_cross_entropy_honours_the_configs_softcap(dtype: torch.dtype, cap: floa
     """``config.final_logit_softcapping`` (where a release has it) applied after MuP's
     ``scale_logits`` factor, before the temperature: the mean cross-entropy and its
     gradients equal float64 of the capped logits."""
-    _skip(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p, t = _ce_problem(), 0.8
     hh, ww = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
     z = _capped(torch.einsum("sbh,vh->bsv", hh, ww), cap, t)
@@ -297,9 +282,9 @@ def test_cross_entropy_honours_the_configs_softcap(dtype: torch.dtype, cap: floa
     out = cross_entropy_loss(reduction="mean", temperature=t, tile_rows=4, tile_cols=8)(_ctx(h, w, y, cap))
     out["loss"].backward()
     assert h.grad is not None and w.grad is not None and hh.grad is not None and ww.grad is not None
-    _close(out["loss"], want.detach(), dtype)
-    _close(h.grad, hh.grad, dtype)
-    _close(w.grad, ww.grad, dtype)
+    close_to_float64(out["loss"], want.detach(), dtype)
+    close_to_float64(h.grad, hh.grad, dtype)
+    close_to_float64(w.grad, ww.grad, dtype)
 
 
 def test_selected_logprobs_honours_the_configs_softcap() -> None:
@@ -398,7 +383,7 @@ def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, b
     """``linear_topk_logprobs`` with a bias: the top-k values (ids checked against the
     truth's values at them), the label's logprob, the entropy, and ``dh``, ``dW``, ``db``
     of a loss on all three (the top-k's slope taken from the gathered capped values)."""
-    _skip(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p, k = _problem(11), 4
     p["c_k"] = torch.randn(N, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     b64 = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3.0
@@ -421,7 +406,7 @@ def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, b
         (b.grad, truth["db"]),
     ):
         assert got is not None
-        _close(got, want, dtype)
+        close_to_float64(got, want, dtype)
 
 
 @pytest.mark.parametrize("tile_cols", [4, 16])
@@ -503,12 +488,12 @@ def test_distillation_against_float64(kind: str, form: str, backend: str) -> Non
     opts = LinearOptions(logit_scale=SCALE, softcap=cap, tile_rows=4)
     r = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg, bias=b)
     r.loss.backward()
-    _close(r.loss, want.detach(), dtype)
+    close_to_float64(r.loss, want.detach(), dtype)
     kl = _divergence(log_p, log_q, "forward-kl", beta).detach()
-    _close(torch.where(m > 0, r.kl, 0.0), m * kl, dtype)
+    close_to_float64(torch.where(m > 0, r.kl, 0.0), m * kl, dtype)
     for got, ref in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert got is not None and ref is not None
-        _close(got, ref, dtype)
+        close_to_float64(got, ref, dtype)
     z = _capped(_u(*(x.to(dtype).double() for x in (p["h"], p["w"], b64))), cap, t)
     top2 = z.topk(2).values  # agreement where the student's top-1 is clear of ties
     clear = (top2[:, 0] - top2[:, 1] > 1e-5) & (m > 0)
@@ -757,7 +742,7 @@ def test_tp2_against_float64() -> None:
 def test_a_bias_enters_before_the_cap(dtype: torch.dtype, entropy_grad: bool | None, backend: str) -> None:
     """``z = s * tanh((h @ W.T + b) * logit_scale / s) / T``: values and ``dh``, ``dW``,
     ``db`` against float64 autograd, the linear function and both fused passes."""
-    _skip(backend, dtype)
+    skip_fp64_triton(backend, dtype)
     p, cap = _problem(5), 5.0
     b64 = torch.randn(V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 4.0
     hr, wr, br = (x.to(dtype).double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
@@ -782,18 +767,16 @@ def test_a_bias_enters_before_the_cap(dtype: torch.dtype, entropy_grad: bool | N
         got_lp = f.logprobs
         f.loss.backward()
     assert h.grad is not None and w.grad is not None and b.grad is not None
-    _close(got_lp, lp.detach(), dtype)
+    close_to_float64(got_lp, lp.detach(), dtype)
     for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert want is not None
-        _close(got, want, dtype)
+        close_to_float64(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_the_gpu_checks_body_on_the_cpu(dtype: torch.dtype, backend: str) -> None:
     """``tests/test_gpu_checks.py``'s softcap-and-bias check at a small size, so that its
     body's API drift fails here and not on the GPU."""
-    from tests.test_gpu_checks import peer_options
-
     peer_options(67, 24, 301, dtype, "cpu", backend)
 
 
@@ -834,7 +817,7 @@ def test_the_mean_logit_is_of_the_capped_logits(fused: bool, weighted: bool, bac
         r = linear_logprobs(h, w, y, options=opts, bias=b, with_mean_logit=True, mean_logit_weights=weights)
         got_mean, _ = r.mean_logit, (p["c_lp"] * r.logprobs + c_mean * r.mean_logit).sum().backward()
     assert got_mean is not None
-    _close(got_mean, mean.detach(), torch.float32)
+    close_to_float64(got_mean, mean.detach(), torch.float32)
     for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert got is not None and want is not None
-        _close(got, want, torch.float32)
+        close_to_float64(got, want, torch.float32)
