@@ -11,7 +11,7 @@ import torch
 
 from torch_impl.processors import BackendChoice
 
-__all__ = ["close_to_float64", "force_backend", "skip_fp64_triton"]
+__all__ = ["close_to_float64", "force_backend", "skip_fp64_triton", "token_problem"]
 
 
 def force_backend(monkeypatch: pytest.MonkeyPatch, name: str) -> str:
@@ -34,3 +34,24 @@ def close_to_float64(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) 
 def skip_fp64_triton(backend: str, dtype: torch.dtype) -> None:
     if backend == "triton" and dtype == torch.float64:
         pytest.skip("the Triton kernels take fp32/bf16/fp16")
+
+
+def token_problem(
+    seed: int, n: int, h: int, v: int, *, scale: float = 1.5, coefficients: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Float64 rows ``h [n, h]`` (times ``scale``), a vocabulary ``w [v, h]``, labels
+    ``y [n]`` (rows 2 and 7 ignored, rows 0 and 1 the first and last id), a per-token
+    temperature ``t [n]`` exact in fp32, and a ``[n]`` cotangent per name in
+    ``coefficients``."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[[2, 7]] = -100
+    y[0], y[1] = 0, v - 1
+    f64 = torch.float64
+    out = {
+        "h": torch.randn(n, h, generator=g, dtype=f64) * scale,
+        "w": torch.randn(v, h, generator=g, dtype=f64),
+        "y": y,
+        "t": (torch.rand(n, generator=g, dtype=f64) + 0.5).float().double(),
+    }
+    return out | {name: torch.randn(n, generator=g, dtype=f64) for name in coefficients}

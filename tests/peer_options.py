@@ -9,14 +9,16 @@ import torch
 
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
-__all__ = ["peer_options"]
+__all__ = ["gpu_inputs", "peer_options"]
 
 IGNORE = -100
 
 
-def _inputs(
-    n: int, h: int, v: int, *, dtype: torch.dtype, seed: int, device: str
+def gpu_inputs(
+    n: int, h: int, v: int, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str = "cuda"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[n, h]``, a weight ``[v, h]`` scaled by ``h ** -0.5``, labels with every
+    17th ignored: the GPU checks' inputs."""
     g = torch.Generator(device=device).manual_seed(seed)
     hid = torch.randn(n, h, device=device, generator=g).to(dtype)
     w = (torch.randn(v, h, device=device, generator=g) * h**-0.5).to(dtype)
@@ -31,7 +33,7 @@ def peer_options(n: int, h: int, v: int, dtype: torch.dtype, device: str, backen
     ``linear_logprobs`` and the fused loss's single pass: values, ``dh`` on a row subset,
     ``dW`` and ``db`` on a vocabulary subset against float64 of the same rounded inputs."""
     cap = 30.0
-    hid, w, y = _inputs(n, h, v, dtype=dtype, seed=5, device=device)
+    hid, w, y = gpu_inputs(n, h, v, dtype=dtype, seed=5, device=device)
     g = torch.Generator(device=device).manual_seed(6)
     b = (torch.randn(v, device=device, generator=g) * 2.0).to(dtype)
     t = torch.rand(n, device=device, generator=g) + 0.5

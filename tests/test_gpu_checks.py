@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.peer_options import peer_options
+from tests.peer_options import gpu_inputs, peer_options
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 from torch_impl.value_checks import pending_checks, raise_pending_errors
 
@@ -31,20 +31,9 @@ N, H, V = 2053, 1024, 32771  # no dimension a multiple of a block
 
 
 def _inputs(
-    n: int = N,
-    h: int = H,
-    v: int = V,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-    device: str = "cuda",
+    n: int = N, h: int = H, v: int = V, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    hid = torch.randn(n, h, device=device, generator=g).to(dtype)
-    w = (torch.randn(v, h, device=device, generator=g) * h**-0.5).to(dtype)
-    y = torch.randint(0, v, (n,), device=device, generator=g)
-    y[::17] = IGNORE
-    return hid, w, y
+    return gpu_inputs(n, h, v, dtype=dtype, seed=seed)
 
 
 def _token_loss(n: int) -> Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.backend_support import close_to_float64, skip_fp64_triton
+from tests.backend_support import close_to_float64, skip_fp64_triton, token_problem
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -30,18 +30,7 @@ SCALE = 0.7
 
 
 def _problem(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (N,), generator=g)
-    y[[2, 7]] = IGNORE
-    y[0], y[1] = 0, V - 1
-    return {
-        "h": torch.randn(N, H, generator=g, dtype=torch.float64) * 1.5,
-        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
-        "y": y,
-        "t": (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).float().double(),
-        "c_lp": torch.randn(N, generator=g, dtype=torch.float64),
-        "c_mean": torch.randn(N, generator=g, dtype=torch.float64),
-    }
+    return token_problem(seed, N, H, V, coefficients=("c_lp", "c_mean"))
 
 
 def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:

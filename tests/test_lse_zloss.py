@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import close_to_float64
+from tests.backend_support import close_to_float64, token_problem
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -30,18 +30,7 @@ SCALE = 0.7
 
 
 def _problem(seed: int = 0, n: int = N) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (n,), generator=g)
-    y[[2, 7]] = IGNORE
-    y[0], y[1] = 0, V - 1
-    return {
-        "h": torch.randn(n, H, generator=g, dtype=torch.float64) * 1.5,
-        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
-        "y": y,
-        "t": (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).float().double(),
-        "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
-        "c_lse": torch.randn(n, generator=g, dtype=torch.float64),
-    }
+    return token_problem(seed, n, H, V, coefficients=("c_lp", "c_lse"))
 
 
 def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import close_to_float64, skip_fp64_triton
+from tests.backend_support import close_to_float64, skip_fp64_triton, token_problem
 from tests.distributed import run_distributed
 from tests.peer_options import peer_options
 from torch_impl.processors import (
@@ -48,19 +48,8 @@ BF16 = torch.bfloat16
 
 
 def _problem(seed: int = 0, n: int = N, v: int = V) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, v, (n,), generator=g)
-    y[[2, 7]] = IGNORE
-    y[0], y[1] = 0, v - 1
-    return {
-        "h": torch.randn(n, H, generator=g, dtype=torch.float64) * 3.0,  # |u| up to ~20: the cap bites
-        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
-        "y": y,
-        "t": (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).float().double(),
-        "c_lp": torch.randn(n, generator=g, dtype=torch.float64),
-        "c_ent": torch.randn(n, generator=g, dtype=torch.float64),
-        "c_lse": torch.randn(n, generator=g, dtype=torch.float64),
-    }
+    # |u| up to ~20: the cap bites
+    return token_problem(seed, n, H, v, scale=3.0, coefficients=("c_lp", "c_ent", "c_lse"))
 
 
 def _capped(u: torch.Tensor, cap: float, t: Any) -> torch.Tensor:
