@@ -602,16 +602,14 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        # M: the teacher's mask, else the model's loss_mask, else ones (0 at an ignored label)
-        own = teacher.mask is not None
+        own = teacher.mask is not None  # M: the teacher's mask, else loss_mask, else ones
         given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
         mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        student = typing.cast(torch.Tensor, ctx.hidden_states)
-        vocab = typing.cast(VocabShard, ctx.vocab)  # hook_inputs checked it
+        student, vocab = typing.cast(torch.Tensor, ctx.hidden_states), typing.cast(VocabShard, ctx.vocab)
         at = _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
         res = _fused(h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), at)
-        m = masked_mean
-        return {"loss": res.loss, "kl": m(res.kl, mask), "top1_agreement": m(res.top1_agreement, mask)}
+        agreement = masked_mean(res.top1_agreement, mask)
+        return {"loss": res.loss, "kl": masked_mean(res.kl, mask), "top1_agreement": agreement}
 
     return processor(fn, name="distillation_loss")

@@ -315,6 +315,57 @@ class Recomputed(torch.autograd.Function):
         return (None if dh is None else dh.to(h.dtype)), dw, db, None, None, None
 
 
+def _triton_stats_(
+    setup: TileSetup, z: torch.Tensor, rows: slice, col0: int, state: _State, sz: torch.Tensor | None
+) -> None:
+    """The Triton form of the statistics pass (:func:`~._triton_kernels.chunk_stats_`)."""
+    from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
+
+    assert setup.kernel is not None
+    inv_t, labels, cw = setup.row_inv_t(rows, column=False), setup.labels_local[rows], setup.mean_weights
+    chunk_stats_(z, labels, inv_t, state, col0=col0, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw)
+
+
+def _triton_grad(
+    setup: TileSetup,
+    z: torch.Tensor,
+    rows: slice,
+    col0: int,
+    big_m: torch.Tensor,
+    coef: Coefficients,
+    *,
+    out: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The Triton form of the gradient pass (:func:`~._triton_kernels.logit_grad_`; rows
+    indexed from the tile's first)."""
+    from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
+
+    assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
+    labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
+    coefs, cfg, cw = (coef.a, coef.b, coef.g), setup.kernel, setup.mean_weights
+    return logit_grad_(
+        z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=cfg, out=out, cap_k=setup.cap_k, u=coef.u, cw=cw
+    )
+
+
+def _rows_outer(setup: TileSetup, n: int, local: int, hid: int, w_dtype: torch.dtype) -> bool:
+    """The backward takes the row sweep (whole rows; each ``dh`` row written by one
+    GEMM, ``dW`` read and written per gradient buffer) where its accumulators move
+    fewer bytes than the vocabulary sweep's (``dh`` fp32 read and written per column
+    tile, ``dW`` per row tile), and its tile is no larger::
+
+        vocabulary sweep: ((V / cols - 1) n + (n / rows - 1) V) h * 8
+        row sweep:        (n / buffer - 1) V h * 2 * itemsize(dW)
+    """
+    rows, cols = setup.tile
+    if setup.row_tile * local > rows * cols:
+        return False
+    by_cols = ((-(-local // cols) - 1) * n + (-(-n // rows) - 1) * local) * hid * 8
+    size = w_dtype.itemsize if w_dtype == setup.compute_dtype else 4
+    return (-(-n // setup.grad_capacity) - 1) * local * hid * 2 * size < by_cols
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -331,21 +382,7 @@ class Engine(Tiles):
         torch form shifts ``z`` in place."""
         setup = self.setup
         if self.triton:
-            from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
-
-            assert setup.kernel is not None
-            inv_t, cfg, cw = setup.row_inv_t(rows, column=False), setup.kernel, setup.mean_weights
-            chunk_stats_(
-                z,
-                setup.labels_local[rows],
-                inv_t,
-                state,
-                col0=cols.start,
-                cfg=cfg,
-                cap_k=setup.cap_k,
-                sz=sz,
-                cw=cw,
-            )
+            _triton_stats_(setup, z, rows, cols.start, state, sz)
             return
         e_buf = self.like("e", z)
         cw = None if setup.mean_weights is None else setup.mean_weights[cols]
@@ -396,7 +433,9 @@ class Engine(Tiles):
         cdt = setup.compute_dtype
         if self.triton:
             wide = sparse is not None and cdt != z.dtype
-            gz = self._kernel_grad(z, rows, cols.start, big_m, coef, out=None, dtype=z.dtype if wide else cdt)
+            gz = _triton_grad(
+                setup, z, rows, cols.start, big_m, coef, out=None, dtype=z.dtype if wide else cdt
+            )
         else:
             z.sub_(big_m[:, None])
             e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
@@ -408,40 +447,6 @@ class Engine(Tiles):
         if sparse is not None:
             self._scatter_sparse(gz, rows, cols.start, sparse)
         return gz.to(cdt)
-
-    def _kernel_grad(
-        self,
-        z: torch.Tensor,
-        rows: slice,
-        col0: int,
-        big_m: torch.Tensor,
-        coef: Coefficients,
-        *,
-        out: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """The Triton form of the gradient pass (rows indexed from the tile's first)."""
-        from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
-
-        setup = self.setup
-        assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
-        labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
-        coefs = (coef.a, coef.b, coef.g)
-        cw, cap_k = setup.mean_weights, setup.cap_k
-        return logit_grad_(
-            z,
-            dtype,
-            labels,
-            inv_t,
-            big_m,
-            coefs,
-            col0=col0,
-            cfg=setup.kernel,
-            out=out,
-            cap_k=cap_k,
-            u=coef.u,
-            cw=cw,
-        )
 
     def _scatter_sparse(
         self, gz: torch.Tensor, rows: slice, col0: int, sparse: tuple[torch.Tensor, torch.Tensor]
@@ -476,7 +481,9 @@ class Engine(Tiles):
         acc = setup.acc_dtype
         n, local, hid = self.n, self.local, self.hs.shape[1]
         dev = self.hs.device
-        if n == 0 or local == 0 or (self.triton and self._rows_outer()):  # zeros, or whole rows
+        if (
+            n == 0 or local == 0 or (self.triton and _rows_outer(setup, n, local, hid, self.w_dtype))
+        ):  # zeros, or whole rows
 
             def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
                 part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
@@ -500,22 +507,6 @@ class Engine(Tiles):
         if dw is not None and dw.dtype != self.w_dtype:
             dw = dw.to(self.w_dtype)
         return self.unfold_dh(dh), dw
-
-    def _rows_outer(self) -> bool:
-        """The backward takes the row sweep (whole rows; each ``dh`` row written by one
-        GEMM, ``dW`` read and written per gradient buffer) where its accumulators move
-        fewer bytes than the vocabulary sweep's (``dh`` fp32 read and written per column
-        tile, ``dW`` per row tile), and its tile is no larger::
-
-            vocabulary sweep: ((V / cols - 1) n + (n / rows - 1) V) h * 8
-            row sweep:        (n / buffer - 1) V h * 2 * itemsize(dW)
-        """
-        (rows, cols), n, local, hid = self.setup.tile, self.n, self.local, self.hs.shape[1]
-        if self.setup.row_tile * local > rows * cols:
-            return False
-        by_cols = ((-(-local // cols) - 1) * n + (-(-n // rows) - 1) * local) * hid * 8
-        size = self.w_dtype.itemsize if self.w_dtype == self.setup.compute_dtype else 4
-        return (-(-n // self.setup.grad_capacity) - 1) * local * hid * 2 * size < by_cols
 
     # -- the row sweep
 
@@ -601,7 +592,7 @@ class Engine(Tiles):
             )
         else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
             out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)
-            gz = self._kernel_grad(z, rows, 0, big_m, coef, out=out, dtype=dtype)
+            gz = _triton_grad(setup, z, rows, 0, big_m, coef, out=out, dtype=dtype)
         if sparse is not None:
             self._scatter_sparse(gz, rows, 0, sparse)
         if in_tile:
