@@ -62,6 +62,7 @@ class Workload:
     v: int = 151936  # vocabulary (one shard at tp = 1)
     elt: int = 2  # bf16
     bias: bool = False  # an output-layer bias: an add per logit, a column sum per gradient tile
+    softcap: bool = False  # a final-logit softcap: a tanh an element in each kernel, no byte more
 
 
 WORKLOAD = Workload()
@@ -93,6 +94,27 @@ class Pass:
         if self.rate:
             t = max(t, self.elements / (self.rate * dev.sms * dev.clock_hz))
         return self.count * t
+
+
+SOFTCAP_ISSUE = {"statistics": (10.8, 3.3), "gradient": (12.0, 3.1), "exp": (10.0, 3.2)}
+"""What a softcap adds to each kernel an element: SASS instructions, and the kernel's
+special-function (MUFU) results an element with it; counted in the sm_90 compile with
+Triton 3.6 (docs/gpu-design.md, "A softcap's cost"), not timed."""
+
+KERNEL_SASS = {"gradient": 14.2, "exp": 10.5}
+"""The plain gradient and ``exp_rows`` kernels' SASS an element (compiled, sm_90); the
+statistics kernel's issue is :data:`STATS_RATE_PER_LANE`'s."""
+
+
+def _capped(w: Workload, p: Pass, kernel: str) -> Pass:
+    """``p`` with a softcap: issue-bound at ``min(128 / SASS, 16 / MUFU)`` elements a
+    clock an SM (128 lanes issue a clock, 16 MUFU results), its bytes unchanged."""
+    if not w.softcap:
+        return p
+    sass = (128 / p.rate if p.rate else KERNEL_SASS[kernel]) + SOFTCAP_ISSUE[kernel][0]
+    rate = min(128 / sass, 16 / SOFTCAP_ISSUE[kernel][1])
+    elements = p.elements or p.bytes / (6 if kernel != "statistics" else 4)
+    return dataclasses.replace(p, name=p.name + " + softcap", elements=elements, rate=rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,17 +158,20 @@ def logprobs_entropy(w: Workload = WORKLOAD) -> Prediction:
     for c, k in _tiles(w.v, cols):
         for r, _ in _tiles(w.n, rows):
             logits = _gemm("logits (forward)", r, w.h, c, out=4, elt=w.elt, count=k)
-            passes += [
-                logits,
-                Pass("statistics kernel: read the tile", k, 0, r * c * 4, r * c, STATS_RATE_PER_LANE),
-            ]
+            stats = Pass("statistics kernel: read the tile", k, 0, r * c * 4, r * c, STATS_RATE_PER_LANE)
+            passes += [logits, _capped(w, stats, "statistics")]
             passes += [dataclasses.replace(logits, name="logits (backward)")]
-            passes += [Pass("gradient kernel: read fp32, write bf16 in place", k, 0, r * c * 6)]
+            grad = Pass("gradient kernel: read fp32, write bf16 in place", k, 0, r * c * 6)
+            passes += [_capped(w, grad, "gradient")]
             passes += [_gemm("dh += gz @ W[cols]", r, c, w.h, out=4, elt=w.elt, accumulate=True, count=k)]
             passes += [_gemm("dW[cols] = gz.T @ h", c, r, w.h, out=w.elt, elt=w.elt, count=k)]
             passes += _bias_passes(w, r, c, k, twice=True)
     peak = rows * cols * 4 + w.n * w.h * 4 + w.v * w.h * w.elt + w.n * w.h * w.elt + w.bias * w.v * 8
-    return Prediction("logprobs + entropy" + ", with a bias" * w.bias, 4, _merge(passes), peak)
+    return Prediction("logprobs + entropy" + _with(w), 4, _merge(passes), peak)
+
+
+def _with(w: Workload) -> str:
+    return ", with a bias" * w.bias + ", with a softcap" * w.softcap
 
 
 def _bias_passes(w: Workload, r: int, c: int, k: int, *, twice: bool = False) -> list[Pass]:
@@ -182,7 +207,7 @@ def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: st
     peak = (
         rows * w.v * 4 + buffer * w.v * w.elt + w.v * w.h * w.elt + w.n * w.h * (4 + w.elt) + w.bias * w.v * 8
     )
-    return Prediction(design + ", with a bias" * w.bias, 3, _merge(passes), peak)
+    return Prediction(design + _with(w), 3, _merge(passes), peak)
 
 
 def fused_single_pass(w: Workload = WORKLOAD) -> Prediction:
@@ -190,7 +215,9 @@ def fused_single_pass(w: Workload = WORKLOAD) -> Prediction:
     backend: one epilogue pass (read fp32, write ``E`` in bf16) a tile."""
     return _row_sweep(
         w,
-        epilogue=lambda r: [Pass("exp kernel: read fp32, write E (bf16)", 1, 0, r * w.v * 6)],
+        epilogue=lambda r: [
+            _capped(w, Pass("exp kernel: read fp32, write E (bf16)", 1, 0, r * w.v * 6), "exp")
+        ],
         design="fused loss, single pass (chosen)",
     )
 
@@ -308,6 +335,8 @@ DESIGNS: dict[str, Callable[[], Prediction]] = {
     "fused_buffer_reducing": fused_buffer_two_pass_reducing,
     "logprobs_entropy_bias": lambda: logprobs_entropy(Workload(bias=True)),
     "fused_single_pass_bias": lambda: fused_single_pass(Workload(bias=True)),
+    "logprobs_entropy_softcap": lambda: logprobs_entropy(Workload(softcap=True)),
+    "fused_single_pass_softcap": lambda: fused_single_pass(Workload(softcap=True)),
 }
 
 

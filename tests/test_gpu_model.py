@@ -116,3 +116,16 @@ def test_fewer_launches_a_tile_make_the_fused_loss_gpu_bound() -> None:
     before, after = m.measured_before("fused loss", s), m.predicted_after("fused loss", s)
     assert before.host > before.gpu and after.host < after.gpu
     assert after.busy >= 0.97 and after.wall < before.wall
+
+
+@pytest.mark.parametrize("design", ["logprobs_entropy", "fused_single_pass"])
+def test_a_softcap_adds_issue_not_bytes(design: str) -> None:
+    """The softcapped design moves the same bytes and does the same GEMMs; its kernels
+    are bounded by the counted issue as well, so it is never faster."""
+    plain, capped = gpu_model.predict(design), gpu_model.predict(f"{design}_softcap")
+    assert sum(q.count * q.bytes for q in capped.passes) == sum(q.count * q.bytes for q in plain.passes)
+    assert sum(q.count * q.flops for q in capped.passes) == sum(q.count * q.flops for q in plain.passes)
+    kernels = [q for q in capped.passes if q.name.endswith("+ softcap")]
+    assert kernels and all(0 < q.rate <= 16 / 3.1 for q in kernels)
+    for dev in gpu_model.DEVICES:
+        assert capped.seconds(dev) >= plain.seconds(dev)
