@@ -218,14 +218,14 @@ def tensor_case(d: Draw) -> Case:
             return float((lp * c).sum().detach())
         if "loss_reads_entropy" in muts:
             return (ent * c).sum()
-        if loss_kind == "weighted":
-            return -(lp * c).sum()
-        if loss_kind == "entropy":
-            return (0.5 * ent - lp * c).sum()
         if "loss_calls_backward" in muts:  # the product differentiates the loss itself
             loss = -(lp * c).sum()
             loss.backward(retain_graph=d.rng.random() < 0.5)
             return loss
+        if loss_kind == "weighted":
+            return -(lp * c).sum()
+        if loss_kind == "entropy":
+            return (0.5 * ent - lp * c).sum()
         if loss_kind == "nonlinear":
             return (lp.exp() * c).sum()
         if loss_kind == "learned":
