@@ -28,6 +28,7 @@ __all__ = [
     "check_shape",
     "check_temperature",
     "context_logit_scale",
+    "context_softcap",
     "context_field",
     "resolve_compute_dtype",
 ]
