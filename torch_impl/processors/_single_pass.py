@@ -3,7 +3,7 @@ each tile once, where the loss has no gradient through the entropy. Each whole-r
 tile's ``E = exp(z - c)`` goes unscaled into the gradient buffer and its rows' local
 statistics into ``[5, n]`` vectors; once a buffer, the statistics are combined over
 the shards, the caller's coefficients taken, and the buffer scaled as it is
-multiplied out (:class:`~._engine.RowScale`)."""
+multiplied out (:class:`~._sink.RowScale`)."""
 
 from __future__ import annotations
 
