@@ -40,7 +40,9 @@ done
 gpu_image_tests=(tests/test_processors_triton.py tests/test_triton_compile.py tests/test_cost_model.py
   tests/test_host_reads.py tests/test_processors_logprobs.py tests/test_processors_fused.py
   tests/test_processors_defects.py tests/test_topk.py tests/test_distill.py tests/test_gpu_bench.py
-  tests/test_precision.py tests/test_gpu_model.py tests/test_gpu_paths_on_cpu.py tests/test_softcap.py
+  tests/test_precision.py tests/test_gpu_model.py tests/test_gpu_paths_on_cpu.py
+  tests/test_softcap.py::test_whole_blocks_against_float64 tests/test_softcap.py::test_the_gpu_checks_body_on_the_cpu
+  tests/test_softcap.py::test_the_mean_logit_is_of_the_capped_logits
   tests/test_doctor.py::test_gpu_checks_run_on_the_cpu_with_the_interpreter)
 step "pytest on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's pair)"
 "$venvs/py312-gpu/bin/python" -m pytest -q -p no:cacheprovider -k "not tp2 and not vocab_262144" \
