@@ -40,7 +40,6 @@ from ._engine import (
     logit_grad_coefficients,
 )
 from ._gemm import no_autocast
-from ._logprobs import with_mean_weights
 from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
 from ._sink import GradSink
@@ -287,8 +286,8 @@ def fused_token_loss(
             expected="None or a callable (mean_logit, rows) -> scalar",
             actual=repr(mean_logit_loss),
         )
-    _, h, setup = prologue("fused_token_loss", hidden, weight, labels, options, unexpected, bias=bias)
-    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
+    name, cw = "fused_token_loss", mean_logit_weights
+    _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
     outputs = FormedInForward.apply(h, weight, setup.bias, "fused_token_loss", run, calls.grad)

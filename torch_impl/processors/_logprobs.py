@@ -10,14 +10,12 @@ from typing import Any, Never
 
 import torch
 
-from hookspec import ContractError
-
 from ..value_checks import checked_call
 from ._checks import check_bool
-from ._engine import Engine, Recomputed, TileSetup, logit_grad_coefficients
+from ._engine import Engine, Recomputed, logit_grad_coefficients
 from ._options import LinearOptions, prologue
 
-__all__ = ["LogprobResult", "linear_logprobs", "with_mean_weights"]
+__all__ = ["LogprobResult", "linear_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +37,6 @@ class LogprobResult:
     entropy: torch.Tensor | None
     lse: torch.Tensor
     mean_logit: torch.Tensor | None = None
-
-
-def with_mean_weights(setup: TileSetup, weights: Any, local: int) -> TileSetup:
-    """``setup`` with the column weights ``c [V_local]`` of the mean logit (``None``:
-    each 1), checked: a floating tensor of this shard's size."""
-    if weights is None:
-        return setup
-    if (
-        not isinstance(weights, torch.Tensor)
-        or not weights.dtype.is_floating_point
-        or weights.shape != (local,)
-    ):
-        actual = (
-            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
-        )
-        raise ContractError(
-            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
-        )
-    cw = weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
-    return dataclasses.replace(setup, mean_weights=cw)
 
 
 def _run(with_entropy: bool, with_mean: bool, eng: Engine) -> tuple[Any, ...]:
@@ -135,8 +113,8 @@ def linear_logprobs(
     """
     check_bool("with_entropy", with_entropy)
     check_bool("with_mean_logit", with_mean_logit)
-    _, h, setup = prologue("linear_logprobs", hidden, weight, labels, options, unexpected, bias=bias)
-    setup = with_mean_weights(setup, mean_logit_weights, weight.shape[0])
+    name, cw = "linear_logprobs", mean_logit_weights
+    _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
     run = functools.partial(_run, with_entropy, with_mean_logit)
     logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
     return LogprobResult(

@@ -222,17 +222,40 @@ def prologue(
     *,
     fold: bool = True,
     bias: Any = None,
+    mean_weights: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
     """Every tensor function's first lines: ``(options, h, setup)``, the options
     resolved (:func:`resolve_options`), ``hidden`` gathered (:func:`gather_rows`) and
     the call's :class:`TileSetup` (:func:`make_setup`), ``bias`` checked
-    (:func:`check_bias`) into it."""
+    (:func:`check_bias`) into it, and the mean logit's column weights ``c [V_local]``
+    (``mean_logit_weights``; ``None``: each 1)."""
     options = resolve_options(function, options, unexpected)
     h = gather_rows(hidden, options)
     setup = make_setup(h, weight, labels, options, fold=fold)
-    if bias is None:
-        return options, h, setup
-    return options, h, dataclasses.replace(setup, bias=check_bias(bias, weight, options.check_values))
+    if bias is not None:
+        setup = dataclasses.replace(setup, bias=check_bias(bias, weight, options.check_values))
+    if mean_weights is not None:
+        setup = dataclasses.replace(
+            setup, mean_weights=_mean_weights(mean_weights, setup, int(weight.shape[0]))
+        )
+    return options, h, setup
+
+
+def _mean_weights(weights: Any, setup: TileSetup, local: int) -> torch.Tensor:
+    """``mean_logit_weights`` checked (a floating tensor of this shard's size), detached,
+    in the accumulation dtype."""
+    if (
+        not isinstance(weights, torch.Tensor)
+        or not weights.dtype.is_floating_point
+        or weights.shape != (local,)
+    ):
+        actual = (
+            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
+        )
+        raise ContractError(
+            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+        )
+    return weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
 
 
 def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:
