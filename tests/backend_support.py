@@ -9,9 +9,17 @@ import importlib.util
 import pytest
 import torch
 
+from hookspec import OutputContext, VocabShard
 from torch_impl.processors import BackendChoice
 
-__all__ = ["close_to_float64", "force_backend", "skip_fp64_triton", "token_problem"]
+__all__ = [
+    "close_to_float64",
+    "force_backend",
+    "masked_context",
+    "masked_problem",
+    "skip_fp64_triton",
+    "token_problem",
+]
 
 
 def force_backend(monkeypatch: pytest.MonkeyPatch, name: str) -> str:
@@ -55,3 +63,36 @@ def token_problem(
         "t": (torch.rand(n, generator=g, dtype=f64) + 0.5).float().double(),
     }
     return out | {name: torch.randn(n, generator=g, dtype=f64) for name in coefficients}
+
+
+def masked_problem(seed: int, b: int, s: int, h: int, v: int) -> dict[str, torch.Tensor]:
+    """A processor's float64 ``[s, b, h]`` hidden states (times 2), a weight ``[v, h]``,
+    labels ``[b, s]`` (tokens (0, 2) and (2, 4) ignored) and a loss mask with a 0.5 and a
+    1 at an ignored label."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, v, (b, s), generator=g)
+    y[0, 2] = y[2, 4] = -100
+    mask = (torch.rand(b, s, generator=g) > 0.25).double()
+    mask[0, 0] = 0.5
+    mask[0, 2] = 1.0  # counted by the mask, but the label is ignored
+    return {
+        "h": torch.randn(s, b, h, generator=g, dtype=torch.float64) * 2.0,
+        "w": torch.randn(v, h, generator=g, dtype=torch.float64),
+        "y": y,
+        "mask": mask,
+    }
+
+
+def masked_context(
+    h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], *, scale: float, mask: bool = True
+) -> OutputContext:
+    """:func:`masked_problem`'s context on one shard, the logits scaled by ``scale``."""
+    v = int(w.shape[0])
+    return OutputContext(
+        hidden_states=h,
+        labels=p["y"],
+        vocab_weight=w,
+        vocab=VocabShard(0, v, v),
+        loss_mask=p["mask"].float() if mask else None,
+        scale_logits=lambda x: x * scale,
+    )

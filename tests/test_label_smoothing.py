@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.backend_support import close_to_float64, skip_fp64_triton, token_problem
+from tests.backend_support import (
+    close_to_float64,
+    masked_context,
+    masked_problem,
+    skip_fp64_triton,
+    token_problem,
+)
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -177,18 +183,7 @@ def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
 
 
 def _ce_problem(seed: int = 2, v: int = V) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, v, (B, S), generator=g)
-    y[0, 2] = y[2, 4] = IGNORE
-    mask = (torch.rand(B, S, generator=g) > 0.25).double()
-    mask[0, 0] = 0.5
-    mask[0, 2] = 1.0  # counted by the mask, but the label is ignored
-    return {
-        "h": torch.randn(S, B, H, generator=g, dtype=torch.float64) * 2.0,
-        "w": torch.randn(v, H, generator=g, dtype=torch.float64),
-        "y": y,
-        "mask": mask,
-    }
+    return masked_problem(seed, B, S, H, v)
 
 
 def _ce_truth(
@@ -232,14 +227,7 @@ def _ce_truth(
 
 
 def _ctx(h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], mask: bool = True) -> OutputContext:
-    return OutputContext(
-        hidden_states=h,
-        labels=p["y"],
-        vocab_weight=w,
-        vocab=VocabShard(0, V, V),
-        loss_mask=p["mask"].float() if mask else None,
-        scale_logits=lambda x: x * SCALE,
-    )
+    return masked_context(h, w, p, scale=SCALE, mask=mask)
 
 
 def _run_ce(

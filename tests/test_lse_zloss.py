@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import close_to_float64, token_problem
+from tests.backend_support import close_to_float64, masked_context, masked_problem, token_problem
 from tests.distributed import run_distributed
 from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
 
@@ -127,18 +127,7 @@ def test_fused_lse_loss_checked_by_name() -> None:
 
 
 def _ce_problem(seed: int = 2) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, V, (B, S), generator=g)
-    y[0, 2] = y[2, 4] = IGNORE
-    mask = (torch.rand(B, S, generator=g) > 0.25).double()
-    mask[0, 0] = 0.5
-    mask[0, 2] = 1.0  # counted by the mask, but the label is ignored
-    return {
-        "h": torch.randn(S, B, H, generator=g, dtype=torch.float64) * 2.0,
-        "w": torch.randn(V, H, generator=g, dtype=torch.float64),
-        "y": y,
-        "mask": mask,
-    }
+    return masked_problem(seed, B, S, H, V)
 
 
 def _ce_truth(p: dict[str, torch.Tensor], reduction: str, z_loss: float, t: float) -> dict[str, torch.Tensor]:
@@ -165,14 +154,7 @@ def _ce_truth(p: dict[str, torch.Tensor], reduction: str, z_loss: float, t: floa
 
 
 def _ctx(h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor]) -> OutputContext:
-    return OutputContext(
-        hidden_states=h,
-        labels=p["y"],
-        vocab_weight=w,
-        vocab=VocabShard(0, V, V),
-        loss_mask=p["mask"].float(),
-        scale_logits=lambda x: x * SCALE,
-    )
+    return masked_context(h, w, p, scale=SCALE)
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
