@@ -143,11 +143,8 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
     (a softcap's slope at the ids from their capped values; the engine's on the rest)
     """
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
-    stats, setup, acc = (
-        eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile),
-        eng.setup,
-        eng.setup.acc_dtype,
-    )
+    stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
+    setup, acc = eng.setup, eng.setup.acc_dtype
     values, ids = _merge_shards(top_v, top_i, k, gather)
     slope = eng.cap_slope_of(values, slice(None))
     values = values - stats.lse[:, None]
