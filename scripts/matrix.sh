@@ -12,6 +12,7 @@
 # themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
 # here they only print their row of the release table (docs/releases.md). Every release prints
 # `python -m torch_impl.doctor --facts-row`, the row tests/test_release_matrix.py checks.
+# Two releases run at a time, each into its own log; the logs print whole, in order, at the end.
 # Exit status: 0 when every release passed, 1 otherwise. Expects both environments set up.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,27 +56,23 @@ install_release() {  # $1 release, $2 python; prints the target folder
 }
 
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
-status=0
-summary=()
-for entry in "${MATRIX[@]}"; do
-  read -r release env <<<"$entry"
-  selected "$release" || continue
-  python=$venvs/$env/bin/python
-  start=$SECONDS
+
+run_release() {  # $1 release, $2 environment; prints its log, ends with its row of the summary
+  local release=$1 env=$2 python=$venvs/$2/bin/python start=$SECONDS own target
   own=$("$python" -c 'import importlib.metadata as md; print(md.version("megatron-core"))')
   echo
   if [ "$own" = "$release" ]; then
     echo "== matrix: megatron-core $release ($env's own release: the full suite runs in scripts/test.sh)"
-    "$python" -m torch_impl.doctor --facts-row || status=1
-    summary+=("$release  $env  full suite (scripts/test.sh)")
-    continue
+    "$python" -m torch_impl.doctor --facts-row || { echo "ROW $release  $env  FAILED: doctor"; return; }
+    echo "ROW $release  $env  full suite (scripts/test.sh)"
+    return
   fi
   echo "== matrix: megatron-core $release on $env ($("$python" -c 'import sys; print(sys.version.split()[0])'))"
   if ! target=$(install_release "$release" "$python"); then
     echo "could not fetch or install megatron-core $release"
-    status=1; summary+=("$release  $env  FAILED: install"); continue
+    echo "ROW $release  $env  FAILED: install"; return
   fi
-  if ! PYTHONPATH="$target" "$python" - "$target" "$release" <<'EOF'
+  if ! PYTHONPATH="$target" "$python" - "$target" "$release" <<'EOF2'
 import importlib.metadata as md, os, sys
 import megatron.core
 target, release = os.path.realpath(sys.argv[1]), sys.argv[2]
@@ -83,17 +80,40 @@ where = os.path.realpath(megatron.core.__file__)
 version = md.version("megatron-core")
 print(f"megatron.core from {where} (metadata {version})")
 sys.exit(0 if where.startswith(target + os.sep) and version == release else 1)
-EOF
+EOF2
   then
     echo "megatron.core did not import from $target"
-    status=1; summary+=("$release  $env  FAILED: not shadowed"); continue
+    echo "ROW $release  $env  FAILED: not shadowed"; return
   fi
-  PYTHONPATH="$target" "$python" -m torch_impl.doctor --facts-row || status=1
-  if PYTHONPATH="$target" "$python" -m pytest -q -p no:cacheprovider -m release_matrix "${TESTS[@]}"; then
-    summary+=("$release  $env  passed  $((SECONDS - start)) s")
-  else
-    status=1; summary+=("$release  $env  FAILED  $((SECONDS - start)) s")
-  fi
+  local ok=1
+  PYTHONPATH="$target" "$python" -m torch_impl.doctor --facts-row || ok=0
+  PYTHONPATH="$target" "$python" -m pytest -q -p no:cacheprovider -m release_matrix "${TESTS[@]}" || ok=0
+  if [ $ok = 1 ]; then echo "ROW $release  $env  passed  $((SECONDS - start)) s"
+  else echo "ROW $release  $env  FAILED  $((SECONDS - start)) s"; fi
+}
+
+# Two releases at a time (each run is one process; the machine has two cores), each into its
+# own log, printed whole and in the table's order once all have ended.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+index=0
+for entry in "${MATRIX[@]}"; do
+  read -r release env <<<"$entry"
+  selected "$release" || continue
+  while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n || true; done
+  index=$((index + 1))
+  run_release "$release" "$env" >"$logs/$(printf %02d $index).log" 2>&1 &
+done
+wait
+status=0
+summary=()
+for log in "$logs"/*.log; do
+  [ -e "$log" ] || continue
+  grep -v '^ROW ' "$log"
+  row=$(grep '^ROW ' "$log" | tail -n 1)
+  [ -n "$row" ] || row="ROW $(basename "$log" .log)  FAILED: no result"
+  summary+=("${row#ROW }")
+  case $row in *FAILED*) status=1 ;; esac
 done
 echo
 echo "== release matrix"

@@ -45,7 +45,7 @@ gpu_image_tests=(tests/test_processors_triton.py tests/test_triton_compile.py te
   tests/test_softcap.py::test_the_mean_logit_is_of_the_capped_logits
   tests/test_doctor.py::test_gpu_checks_run_on_the_cpu_with_the_interpreter)
 step "pytest on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's pair)"
-"$venvs/py312-gpu/bin/python" -m pytest -q -p no:cacheprovider -k "not tp2 and not vocab_262144" \
+"$venvs/py312-gpu/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 -k "not tp2 and not vocab_262144" \
   --deselect tests/test_cost_model.py::test_counter_counts_out_dtype_products "${gpu_image_tests[@]}" || status=1
 step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
 bash scripts/matrix.sh || status=1
