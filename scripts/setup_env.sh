@@ -51,5 +51,8 @@ if [ ! -x "$env_dir/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
   pip_install -r "$req"
   echo "$want" > "$stamp"
 fi
+# HOOKSPEC_DEPS_ONLY=1: the requirements only (scripts/test.sh builds the three environments
+# side by side that way, then installs the project into each, one after another)
+if [ "${HOOKSPEC_DEPS_ONLY:-0}" = 1 ]; then echo "== $name requirements ready: $env_dir"; exit 0; fi
 pip_install --no-deps --no-build-isolation -e "$root" >/dev/null
 echo "== $name ready: $env_dir"

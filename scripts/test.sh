@@ -12,12 +12,24 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venvs=${HOOKSPEC_VENVS:-$root/.venvs}
-bash scripts/setup_env.sh py312 || exit 1
-bash scripts/setup_env.sh py311 || exit 1
-bash scripts/setup_env.sh py312-gpu || exit 1
+# The three environments' requirements are installed side by side (mostly downloads and
+# unpacking), each into its own log, printed once all have ended; then the project itself
+# into each, one after another (an editable install reads the one checkout).
+setup_logs=$(mktemp -d)
+trap 'rm -rf "$setup_logs"' EXIT
+setup_pids=()
+for name in py312 py311 py312-gpu; do
+  HOOKSPEC_DEPS_ONLY=1 bash scripts/setup_env.sh "$name" >"$setup_logs/$name.log" 2>&1 &
+  setup_pids+=($!)
+done
+setup_status=0
+for pid in "${setup_pids[@]}"; do wait "$pid" || setup_status=1; done
+cat "$setup_logs"/py312.log "$setup_logs"/py311.log "$setup_logs"/py312-gpu.log
+[ $setup_status -eq 0 ] || { echo "== setting up an environment failed (its log is above)"; exit 1; }
+for name in py312 py311 py312-gpu; do bash scripts/setup_env.sh "$name" || exit 1; done
 
 status=0
-step() { echo; echo "== $*"; }
+step() { echo; echo "== $*  [$((SECONDS / 60)) min $((SECONDS % 60)) s into the run]"; }
 step "lint: ruff check + ruff format --check"
 "$venvs/py312/bin/ruff" check . || status=1
 "$venvs/py312/bin/ruff" format --check . || status=1
@@ -52,5 +64,6 @@ bash scripts/matrix.sh || status=1
 step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh)"
 bash scripts/upstream_check.sh || status=1
 echo
+echo "== $((SECONDS / 60)) min $((SECONDS % 60)) s in all"
 if [ $status -eq 0 ]; then echo "== all checks passed on py311, py312 and the release matrix"; else echo "== SOME CHECKS FAILED"; fi
 exit $status
