@@ -21,7 +21,6 @@ import torch
 from hookspec import (
     TAIL_FLOOR,
     Aggregation,
-    Collectives,
     ContractError,
     DistillDivergence,
     OutputContext,
@@ -33,7 +32,7 @@ from hookspec import (
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Engine, FormedInForward, Stats, TileSetup
+from ._engine import Engine, FormedInForward, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
@@ -116,7 +115,7 @@ def _sparse_divergence(
         log_tail = log(max(q_tail, TAIL_FLOOR)),  q_tail = -expm1(logsumexp(u) - lse)
         D = divergence(log P, log Q)
 
-    ``q_tail`` summed outside the ids (:func:`_mass_outside`: no cancellation), a leaf
+    ``q_tail`` summed outside the ids (:func:`_outside`: no cancellation), a leaf
     whose gradient the caller carries to the logits (``d log q_tail / dz_j = [j outside]
     q_j / q_tail - q_j``). Differentiable in ``u``, ``lse``, ``log_tail``. The teacher's
     tail is formed in float64.
@@ -197,18 +196,17 @@ def _dense_terms(
 Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
-def _mass_outside(setup: TileSetup, e: torch.Tensor, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
-    """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
-    elsewhere; distinct), from the tile's ``e = exp(z - M)`` (:meth:`~._engine.Engine.row_stats`),
-    summed over those entries and the shards: no ``1 - sum`` to cancel."""
-    return setup.reduce_sum(torch.where(_listed(cols, e.shape), 0.0, e).sum(1)) / stats.sumexp
-
-
-def _listed(cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``[r, V_local]`` bool: the columns ``cols`` ``[r, k]`` name (-1: none)."""
+def _outside(
+    setup: TileSetup, e: torch.Tensor, sumexp: torch.Tensor, cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(listed [r, V_local] bool, q_out [r])``: the columns ``cols`` ``[r, k]`` name
+    (local, -1 elsewhere; distinct), and the probability of every other column from the
+    tile's ``e = exp(z - M)``, summed over those entries and the shards: no ``1 - sum``
+    to cancel."""
     here = (cols >= 0).to(torch.uint8)
-    listed = torch.zeros(shape, dtype=torch.uint8, device=cols.device)
-    return listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+    listed = torch.zeros(e.shape, dtype=torch.uint8, device=cols.device)
+    listed = listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+    return listed, setup.reduce_sum(torch.where(listed, 0.0, e).sum(1)) / sumexp
 
 
 def _dense_epilogue(
@@ -263,7 +261,7 @@ def _sparse_epilogue(
         if e is not None and capped and eng.triton:  # the kernels' tanh is not torch's: S of this e
             stats = dataclasses.replace(stats, sumexp=setup.reduce_sum(e.sum(1)))
         lse = stats.lse
-        q_out = None if e is None else _mass_outside(setup, e, stats, cols)
+        listed, q_out = (None, None) if e is None else _outside(setup, e, stats.sumexp, cols)
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
         with torch.set_grad_enabled(need):
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
@@ -282,13 +280,13 @@ def _sparse_epilogue(
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
             sink.add_sparse(rows, cols, gu * eng.cap_slope_of(picked, rows))
             return
-        assert q_out is not None and e is not None
+        assert q_out is not None and e is not None and listed is not None
         gt = torch.where(q_out < TAIL_FLOOR, 0.0, grads[2])  # 0 where the floor holds it (as clamp_min's)
         # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
         # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
         # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
         q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
-        outside = torch.where(_listed(cols, q.shape), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
+        outside = torch.where(listed, 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
         gz.scatter_add_(1, cols.clamp(min=0), torch.where(cols >= 0, gu, 0.0).to(gz.dtype))
         sink.put(rows, gz.mul_(slope) if capped else gz)
@@ -351,43 +349,18 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
     return teacher
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tokens:
-    """Where a call's tokens come from: ``b`` x ``s`` tokens (rows ``s``-major),
-    ``student`` the local hidden states ``[s_local, b, h]``, the vocab shard and its
-    collectives; ``check_values``: read the teacher's values; ``field``: what errors
-    call the teacher."""
-
-    b: int
-    s: int
-    student: torch.Tensor
-    vocab: VocabShard
-    collectives: Collectives | None
-    check_values: bool
-    field: str
-
-
 def _fused(
     h: torch.Tensor,
     weight: torch.Tensor,
     setup: TileSetup,
     config: DistillConfig,
-    teacher: Teacher,
-    mask: torch.Tensor,
-    sequences: tuple[torch.Tensor, int],
-    at: _Tokens,
+    prepared: PreparedTeacher,
+    weights: torch.Tensor,
 ) -> DistillResult:
-    """The loss of both doors, from the gathered rows ``h``, the checked ``mask``
-    ``[n]`` and ``sequences`` ``(segments [n], count)``, the teacher as ``[b, s]``
-    tokens; the gradients formed in the forward pass (:class:`~._engine.FormedInForward`)."""
+    """The loss of both doors, from the gathered rows ``h`` and the aggregation's
+    ``weights`` ``[n]``; the gradients formed in the forward pass
+    (:class:`~._engine.FormedInForward`)."""
     acc = setup.acc_dtype
-    weights = weights_of(mask, *sequences, config.aggregation, **global_counts(teacher)).to(acc)
-    if isinstance(teacher, SparseTeacher):
-        prepared = teacher.prepare(
-            at.b, at.s, weights != 0, at.vocab.size, dtype=acc, check_values=at.check_values, field=at.field
-        )
-    else:
-        prepared = teacher.prepare(at.student, at.vocab, at.collectives, at.field)
     sparse = prepared.ids is not None
 
     def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
@@ -487,7 +460,7 @@ def linear_distillation_loss(
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
-    n, check = int(h.shape[0]), options.check_values
+    n, check, counts = int(h.shape[0]), options.check_values, global_counts(teacher)
     tokens: Teacher  # as b = 1, s = n tokens
     if isinstance(teacher, SparseTeacher):
         ids = check_rows("teacher.ids", teacher.ids, (n,), f"[n={n}, k]")[None]
@@ -496,12 +469,17 @@ def linear_distillation_loss(
     else:
         th = check_rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]")
         tokens = dataclasses.replace(teacher, hidden_states=th[:, None])
+    mask = _row_mask(teacher.mask, setup, check, labels is not None)
+    weights = weights_of(mask, *_row_sequences(sequences, n, h.device, check), config.aggregation, **counts)
     local = int(weight.shape[0])
     vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
-    at = _Tokens(1, n, hidden[:, None], vocab, options.collectives, check, "teacher")
-    mask = _row_mask(teacher.mask, setup, check, labels is not None)
-    sequences = _row_sequences(sequences, n, h.device, check)
-    return _fused(h, weight, setup, config, tokens, mask, sequences, at)
+    if isinstance(tokens, SparseTeacher):
+        prepared = tokens.prepare(
+            1, n, weights != 0, vocab.size, dtype=setup.acc_dtype, check_values=check, field="teacher"
+        )
+    else:
+        prepared = tokens.prepare(hidden[:, None], vocab, options.collectives, "teacher")
+    return _fused(h, weight, setup, config, prepared, weights)
 
 
 # ---------------------------------------------------------------- the processor
@@ -539,9 +517,14 @@ def distillation_loss(
         given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
         mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        student, vocab = typing.cast(torch.Tensor, ctx.hidden_states), typing.cast(VocabShard, ctx.vocab)
-        at = _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
-        res = _fused(h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), at)
+        weights = weights_of(mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher))
+        vocab = typing.cast(VocabShard, ctx.vocab)
+        if isinstance(teacher, SparseTeacher):
+            check, acc = ctx.check_values, setup.acc_dtype
+            prepared = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
+        else:
+            prepared = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
+        res = _fused(h, x.weight, setup, config, prepared, weights)
         agreement = masked_mean(res.top1_agreement, mask)
         return {"loss": res.loss, "kl": masked_mean(res.kl, mask), "top1_agreement": agreement}
 
