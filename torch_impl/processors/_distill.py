@@ -38,7 +38,7 @@ from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
-from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher, check_rows
+from ._teachers import DenseTeacher, SparseTeacher, check_rows
 
 __all__ = [
     "DenseTeacher",
@@ -210,11 +210,10 @@ def _outside(
 
 
 def _dense_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: DenseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    assert teacher.hidden is not None and teacher.weight is not None
-    t_hidden = teacher.hidden.to(setup.compute_dtype)
+    t_hidden = teacher.hidden_states.to(setup.compute_dtype)
     t_weight = teacher.weight.to(setup.compute_dtype)
     t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
 
@@ -238,14 +237,12 @@ def _dense_epilogue(
 
 
 def _sparse_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: SparseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    assert teacher.ids is not None and teacher.logprobs is not None
-    ids_all, lp_all = teacher.ids, teacher.logprobs
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
+        ids, lp_t, w = teacher.ids[rows], teacher.logprobs[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
         capped = setup.cap_k is not None  # the capped tile (Triton: a copy): its ties, not u's
@@ -354,22 +351,24 @@ def _fused(
     weight: torch.Tensor,
     setup: TileSetup,
     config: DistillConfig,
-    prepared: PreparedTeacher,
+    teacher: Teacher,
     weights: torch.Tensor,
 ) -> DistillResult:
-    """The loss of both doors, from the gathered rows ``h`` and the aggregation's
-    ``weights`` ``[n]``; the gradients formed in the forward pass
-    (:class:`~._engine.FormedInForward`)."""
+    """The loss of both doors, from the gathered rows ``h``, the teacher as rows
+    (``prepare``) and the aggregation's ``weights`` ``[n]``; the gradients formed in
+    the forward pass (:class:`~._engine.FormedInForward`)."""
     acc = setup.acc_dtype
-    sparse = prepared.ids is not None
 
     def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
         with no_autocast(h):
             eng = Engine(h, weight, setup, need_db=need_db)
             kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (eng.n, eng.n, ()))
             out = _Outputs(loss, kl, torch.zeros(eng.n, dtype=torch.bool, device=h.device), lse)
-            epilogue = (_sparse_epilogue if sparse else _dense_epilogue)(eng, config, prepared, weights, out)
-            renorm = sparse and config.tail == TeacherTail.RENORMALIZE
+            if isinstance(teacher, SparseTeacher):
+                epilogue = _sparse_epilogue(eng, config, teacher, weights, out)
+            else:
+                epilogue = _dense_epilogue(eng, config, teacher, weights, out)
+            renorm = isinstance(teacher, SparseTeacher) and config.tail == TeacherTail.RENORMALIZE
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
         return tuple(out), dh, dw, eng.db
 
@@ -474,12 +473,12 @@ def linear_distillation_loss(
     local = int(weight.shape[0])
     vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
     if isinstance(tokens, SparseTeacher):
-        prepared = tokens.prepare(
+        tokens = tokens.prepare(
             1, n, weights != 0, vocab.size, dtype=setup.acc_dtype, check_values=check, field="teacher"
         )
     else:
-        prepared = tokens.prepare(hidden[:, None], vocab, options.collectives, "teacher")
-    return _fused(h, weight, setup, config, prepared, weights)
+        tokens = tokens.prepare(hidden[:, None], vocab, options.collectives, "teacher")
+    return _fused(h, weight, setup, config, tokens, weights)
 
 
 # ---------------------------------------------------------------- the processor
@@ -521,10 +520,10 @@ def distillation_loss(
         vocab = typing.cast(VocabShard, ctx.vocab)
         if isinstance(teacher, SparseTeacher):
             check, acc = ctx.check_values, setup.acc_dtype
-            prepared = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
+            teacher = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
         else:
-            prepared = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
-        res = _fused(h, x.weight, setup, config, prepared, weights)
+            teacher = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
+        res = _fused(h, x.weight, setup, config, teacher, weights)
         agreement = masked_mean(res.top1_agreement, mask)
         return {"loss": res.loss, "kl": masked_mean(res.kl, mask), "top1_agreement": agreement}
 

@@ -18,7 +18,7 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_condition_deferred, check_indices_deferred
 from ._checks import check_finite_number, check_floating, check_shape
 
-__all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher", "check_rows"]
+__all__ = ["DenseTeacher", "SparseTeacher", "check_rows"]
 
 
 def check_rows(
@@ -33,21 +33,6 @@ def check_rows(
     if integer and (value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex()):
         raise ContractError(field, expected="an integer dtype", actual=str(value.dtype))
     return value
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedTeacher:
-    """A teacher as rows of the gathered tokens, detached: sparse ``ids``, ``logprobs``
-    ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
-    every term finite), or dense ``hidden`` ``[n, h_t]``, ``weight``, ``logit_scale``,
-    ``softcap``."""
-
-    ids: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    logit_scale: float = 1.0
-    softcap: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +64,11 @@ class SparseTeacher:
         dtype: torch.dtype,
         check_values: bool,
         field: str = "context",
-    ) -> PreparedTeacher:
-        """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at;
-        ``field``: what errors call it."""
+    ) -> SparseTeacher:
+        """The checked teacher as detached rows of the gathered tokens, ``ids``, ``logprobs``
+        ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
+        every term finite); ``counted`` ``[n]`` bool, the tokens it is read at; ``field``:
+        what errors call it."""
         ids = check_rows(f"{field}.ids", self.ids, (b, s), f"[b={b}, s={s}, k]", integer=True)
         k = int(ids.shape[2])
         if k < 1:
@@ -94,7 +81,8 @@ class SparseTeacher:
         if check_values:
             _check_sparse_values(ids, lp, counted, vocab_size, field)
         stand_in = torch.arange(k, device=device) % vocab_size
-        return PreparedTeacher(
+        return dataclasses.replace(
+            self,
             ids=torch.where(counted[:, None], ids, stand_in),
             logprobs=torch.where(counted[:, None], lp.to(dtype), -math.log(k + 1)),
         )
@@ -173,9 +161,10 @@ class DenseTeacher:
         student_vocab: VocabShard,
         collectives: Collectives | None,
         field: str = "context",
-    ) -> PreparedTeacher:
-        """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local);
-        ``field``: what errors call it."""
+    ) -> DenseTeacher:
+        """The checked teacher as detached rows of the gathered tokens, ``hidden_states``
+        ``[n, h_t]``; ``hidden``: the student's ``[s, b, h]`` (local); ``field``: what
+        errors call it."""
         scale = check_finite_number(f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True)
         cap = self.softcap
         cap = None if cap is None else check_finite_number(f"{field}.softcap", cap, low=0.0, low_open=True)
@@ -194,9 +183,5 @@ class DenseTeacher:
             )
         t_h = th.detach().to(hidden.device)
         t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h
-        return PreparedTeacher(
-            hidden=t_h.reshape(-1, t_h.shape[-1]).detach(),
-            weight=tw.detach().to(hidden.device),
-            logit_scale=scale,
-            softcap=cap,
-        )
+        rows, weight = t_h.reshape(-1, t_h.shape[-1]).detach(), tw.detach().to(hidden.device)
+        return dataclasses.replace(self, hidden_states=rows, weight=weight, logit_scale=scale, softcap=cap)
