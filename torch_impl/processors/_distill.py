@@ -459,26 +459,24 @@ def linear_distillation_loss(
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
-    n, check, counts = int(h.shape[0]), options.check_values, global_counts(teacher)
-    tokens: Teacher  # as b = 1, s = n tokens
-    if isinstance(teacher, SparseTeacher):
-        ids = check_rows("teacher.ids", teacher.ids, (n,), f"[n={n}, k]")[None]
-        lp = check_rows("teacher.logprobs", teacher.logprobs, (n,), f"[n={n}, k]")[None]
-        tokens = dataclasses.replace(teacher, ids=ids, logprobs=lp)
-    else:
-        th = check_rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]")
-        tokens = dataclasses.replace(teacher, hidden_states=th[:, None])
+    n, check, acc = int(h.shape[0]), options.check_values, setup.acc_dtype
     mask = _row_mask(teacher.mask, setup, check, labels is not None)
-    weights = weights_of(mask, *_row_sequences(sequences, n, h.device, check), config.aggregation, **counts)
+    segments, count = _row_sequences(sequences, n, h.device, check)
+    weights = weights_of(mask, segments, count, config.aggregation, **global_counts(teacher))
     local = int(weight.shape[0])
     vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
-    if isinstance(tokens, SparseTeacher):
-        tokens = tokens.prepare(
-            1, n, weights != 0, vocab.size, dtype=setup.acc_dtype, check_values=check, field="teacher"
+    if isinstance(teacher, SparseTeacher):  # the rows as b = 1, s = n tokens
+        ids = check_rows("teacher.ids", teacher.ids, (n,), f"[n={n}, k]")[None]
+        lp = check_rows("teacher.logprobs", teacher.logprobs, (n,), f"[n={n}, k]")[None]
+        teacher = dataclasses.replace(teacher, ids=ids, logprobs=lp)
+        teacher = teacher.prepare(
+            1, n, weights != 0, vocab.size, dtype=acc, check_values=check, field="teacher"
         )
     else:
-        tokens = tokens.prepare(hidden[:, None], vocab, options.collectives, "teacher")
-    return _fused(h, weight, setup, config, tokens, weights)
+        th = check_rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]")
+        teacher = dataclasses.replace(teacher, hidden_states=th[:, None])
+        teacher = teacher.prepare(hidden[:, None], vocab, options.collectives, "teacher")
+    return _fused(h, weight, setup, config, teacher, weights)
 
 
 # ---------------------------------------------------------------- the processor
