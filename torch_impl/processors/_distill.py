@@ -115,10 +115,9 @@ def _sparse_divergence(
         log_tail = log(max(q_tail, TAIL_FLOOR)),  q_tail = -expm1(logsumexp(u) - lse)
         D = divergence(log P, log Q)
 
-    ``q_tail`` summed outside the ids (:func:`_outside`: no cancellation), a leaf
-    whose gradient the caller carries to the logits (``d log q_tail / dz_j = [j outside]
-    q_j / q_tail - q_j``). Differentiable in ``u``, ``lse``, ``log_tail``. The teacher's
-    tail is formed in float64.
+    ``q_tail`` summed outside the ids (:func:`_outside`), ``log_tail`` a leaf whose gradient
+    the caller carries to the logits (``d log q_tail / dz_j = [j outside] q_j / q_tail - q_j``).
+    Differentiable in ``u``, ``lse``, ``log_tail``. The teacher's tail is formed in float64.
     """
     lp = lp_t.to(u.dtype)
     if cfg.tail == TeacherTail.RENORMALIZE:
@@ -150,9 +149,7 @@ class _Outputs(NamedTuple):
         self.kl[rows], self.agree[rows], self.lse[rows] = per_token
 
 
-def _argmax_ids(
-    setup: TileSetup, local: tuple[torch.Tensor, torch.Tensor], big_m: torch.Tensor
-) -> torch.Tensor:
+def _argmax_ids(setup: TileSetup, local: tuple[torch.Tensor, ...], big_m: torch.Tensor) -> torch.Tensor:
     """The global argmax of each row over the shards (ties: the smaller id), from this
     shard's ``(max, argmax)`` of the tempered tile and the rows' global max ``big_m``."""
     local_max, local_arg = local
@@ -166,8 +163,7 @@ def _dense_terms(
     """``(D [r], KL [r], agree [r], lse_s [r], dD/dz_s [r, V_local])`` of a dense tile
     (tempered logits of the student ``zs`` and the teacher ``zt``)."""
     local_s, local_t = zs.max(1), zt.max(1)  # (max, argmax): one pass over each tile
-    big = setup.reduce_max(torch.stack([local_s[0], local_t[0]]))
-    ms, mt = big[0], big[1]
+    ms, mt = setup.reduce_max(torch.stack([local_s[0], local_t[0]]))
     agree = _argmax_ids(setup, local_s, ms) == _argmax_ids(setup, local_t, mt)
     ls, lt = zs.sub_(ms[:, None]), zt.sub_(mt[:, None])  # shifted, in place
     es, et = torch.exp(ls), torch.exp(lt)
@@ -199,10 +195,9 @@ Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 def _outside(
     setup: TileSetup, e: torch.Tensor, sumexp: torch.Tensor, cols: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(listed [r, V_local] bool, q_out [r])``: the columns ``cols`` ``[r, k]`` name
-    (local, -1 elsewhere; distinct), and the probability of every other column from the
-    tile's ``e = exp(z - M)``, summed over those entries and the shards: no ``1 - sum``
-    to cancel."""
+    """``(listed [r, V_local] bool, q_out [r])``: the columns ``cols`` ``[r, k]`` name (local,
+    -1 elsewhere; distinct), and the probability of all others, ``e = exp(z - M)`` of the
+    tile summed over those entries and the shards: no ``1 - sum`` to cancel."""
     here = (cols >= 0).to(torch.uint8)
     listed = torch.zeros(e.shape, dtype=torch.uint8, device=cols.device)
     listed = listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
@@ -213,8 +208,7 @@ def _dense_epilogue(
     eng: Engine, cfg: DistillConfig, teacher: DenseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    t_hidden = teacher.hidden_states.to(setup.compute_dtype)
-    t_weight = teacher.weight.to(setup.compute_dtype)
+    t_hidden, t_weight = (x.to(setup.compute_dtype) for x in (teacher.hidden_states, teacher.weight))
     t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:

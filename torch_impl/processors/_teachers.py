@@ -1,8 +1,6 @@
-"""The teachers of :func:`~torch_impl.processors.distillation_loss`, the user contexts
-of its two forms, each checking its own tensors (``hookspec.conventions`` states the
-rules): :class:`SparseTeacher` (the teacher's top-k per token) and
-:class:`DenseTeacher` (its hidden states and output weight shard).
-"""
+"""The teachers of :func:`~torch_impl.processors.distillation_loss`, the user contexts of
+its two forms, each checking its own tensors by the rules of ``hookspec.conventions``:
+:class:`SparseTeacher` (top-k per token), :class:`DenseTeacher` (hidden states, weight)."""
 
 from __future__ import annotations
 
@@ -108,7 +106,6 @@ def _check_sparse_values(
     wide = lp.double()
 
     def refuse(bad: torch.Tensor, values: torch.Tensor, expected: str, noun: str) -> None:
-        """``ContractError`` at the counted tokens where ``bad`` holds, with ``values``."""
         check_condition_deferred(
             counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
         )
