@@ -84,8 +84,7 @@ class DistillConfig:
 
 
 def _xlogy_terms(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(w * (a - b))`` over the last dim, a term whose ``w`` is 0 being 0 (a NaN
-    ``w`` stays NaN)."""
+    """``sum(w * (a - b))`` over the last dim, a term whose ``w`` is 0 being 0 (NaN: NaN)."""
     return torch.where(w == 0, 0.0, w * (a - b)).sum(-1)
 
 
@@ -315,9 +314,8 @@ def _checked_config(config: Any) -> DistillConfig:
 
 
 def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
-    """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are
-    ``None`` or finite ``> 0``, the one its aggregation reads (over ``cp``
-    context-parallel ranks: required)."""
+    """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are ``None``
+    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks: required)."""
     if not isinstance(teacher, (SparseTeacher, DenseTeacher)):
         raise ContractError(
             field,
