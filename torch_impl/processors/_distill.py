@@ -10,19 +10,17 @@ at every token, as ``policy_loss``; the teacher at counted tokens) are
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import typing
 from collections.abc import Callable
-from typing import Any, Never
+from typing import Any, NamedTuple, Never
 
 import torch
 
 from hookspec import (
     TAIL_FLOOR,
     Aggregation,
-    Collectives,
     ContractError,
     DistillDivergence,
     OutputContext,
@@ -31,17 +29,16 @@ from hookspec import (
     VocabShard,
     processor,
 )
-from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_int
-from ._engine import Engine, FormedInForward, Stats, TileSetup
+from ._engine import Engine, FormedInForward, TileSetup
 from ._gemm import mm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
-from ._teachers import DenseTeacher, PreparedTeacher, SparseTeacher
+from ._teachers import DenseTeacher, SparseTeacher, check_rows
 
 __all__ = [
     "DenseTeacher",
@@ -50,7 +47,6 @@ __all__ = [
     "SparseTeacher",
     "distillation_loss",
     "linear_distillation_loss",
-    "sparse_divergence",
 ]
 
 
@@ -88,8 +84,7 @@ class DistillConfig:
 
 
 def _xlogy_terms(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(w * (a - b))`` over the last dim, a term whose ``w`` is 0 being 0 (a NaN
-    ``w`` stays NaN)."""
+    """``sum(w * (a - b))`` over the last dim, a term whose ``w`` is 0 being 0 (NaN: NaN)."""
     return torch.where(w == 0, 0.0, w * (a - b)).sum(-1)
 
 
@@ -106,81 +101,54 @@ def divergence_of(
     return beta * _xlogy_terms(p, log_p, log_m) + (1 - beta) * _xlogy_terms(q, log_q, log_m)
 
 
-def sparse_divergence(
-    teacher_logprobs: torch.Tensor,
-    student_logits: torch.Tensor,
-    student_lse: torch.Tensor | None,
-    /,
-    *,
-    divergence: DistillDivergence,
-    tail: TeacherTail,
-    beta: float = 0.5,
-    student_log_tail: torch.Tensor | None = None,
+def _sparse_divergence(
+    lp_t: torch.Tensor, u: torch.Tensor, lse: torch.Tensor, log_tail: torch.Tensor | None, cfg: DistillConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(D, forward KL)`` per token ``[...]`` of a sparse teacher, from
-    ``teacher_logprobs`` ``lp_t [..., k]``, the student's tempered logits at the
-    teacher's ids ``u [..., k]`` and its full-vocabulary ``logsumexp(z / T)``
-    ``[...]`` (needed for ``tail="bucket"`` only)::
+    """``(D, forward KL)`` per token ``[r]`` of a sparse teacher, from its logprobs
+    ``lp_t [r, k]``, the student's tempered logits at the teacher's ids ``u [r, k]``,
+    its ``lse = logsumexp(z / T)`` ``[r]`` and (bucket) ``log_tail`` ``[r]``::
 
         renormalize: log P = lp_t - logsumexp(lp_t);  log Q = u - logsumexp(u)
         bucket:      log P = [lp_t, log(max(-expm1(logsumexp(lp_t)), TAIL_FLOOR))]
-                     log Q = [u - lse, log(max(-expm1(logsumexp(u) - lse), TAIL_FLOOR))]
+                     log Q = [u - lse, log_tail]
+        log_tail = log(max(q_tail, TAIL_FLOOR)),  q_tail = -expm1(logsumexp(u) - lse)
         D = divergence(log P, log Q)
 
-    Differentiable in ``u`` and ``lse``. The teacher's tail is formed in float64.
-    ``student_log_tail`` ``[...]``, where given, replaces the student's tail term
-    (``log(max(q_tail, TAIL_FLOOR))`` summed outside the ids, where the expression
-    above cancels), a leaf whose gradient the caller carries to the logits
-    (``d log q_tail / dz_j = [j outside] q_j / q_tail - q_j``).
+    ``q_tail`` summed outside the ids (:func:`_outside`), ``log_tail`` a leaf whose gradient
+    the caller carries to the logits (``d log q_tail / dz_j = [j outside] q_j / q_tail - q_j``).
+    Differentiable in ``u``, ``lse``, ``log_tail``. The teacher's tail is formed in float64.
     """
-    lp_t = teacher_logprobs.to(student_logits.dtype)
-    if tail == TeacherTail.RENORMALIZE:
-        log_p = lp_t - torch.logsumexp(lp_t, -1, keepdim=True)
-        log_q = student_logits - torch.logsumexp(student_logits, -1, keepdim=True)
+    lp = lp_t.to(u.dtype)
+    if cfg.tail == TeacherTail.RENORMALIZE:
+        log_p = lp - torch.logsumexp(lp, -1, keepdim=True)
+        log_q = u - torch.logsumexp(u, -1, keepdim=True)
     else:
-        if student_lse is None:
-            raise ContractError(
-                "student_lse", expected="the student's logsumexp (tail 'bucket')", actual="None"
-            )
-        log_q_ids = student_logits - student_lse[..., None]
-        p_tail = -torch.expm1(torch.logsumexp(teacher_logprobs.double(), -1))
-        log_p_tail = torch.log(p_tail.clamp_min(TAIL_FLOOR)).to(lp_t.dtype)
-        if student_log_tail is None:
-            q_tail = -torch.expm1(torch.logsumexp(log_q_ids, -1))
-            student_log_tail = torch.log(q_tail.clamp_min(TAIL_FLOOR))
-        log_p = torch.cat([lp_t, log_p_tail[..., None]], -1)
-        log_q = torch.cat([log_q_ids, student_log_tail.to(log_q_ids.dtype)[..., None]], -1)
-    d = divergence_of(log_p, log_q, divergence, beta)
-    kl = (
-        d
-        if divergence == DistillDivergence.FORWARD_KL
-        else divergence_of(log_p, log_q, DistillDivergence.FORWARD_KL, beta)
-    )
-    return d, kl
+        assert log_tail is not None
+        p_tail = -torch.expm1(torch.logsumexp(lp_t.double(), -1))
+        log_p = torch.cat([lp, torch.log(p_tail.clamp_min(TAIL_FLOOR)).to(lp.dtype)[..., None]], -1)
+        log_q = torch.cat([u - lse[..., None], log_tail.to(u.dtype)[..., None]], -1)
+    d = divergence_of(log_p, log_q, cfg.divergence, cfg.beta)
+    forward = DistillDivergence.FORWARD_KL
+    return d, (d if cfg.divergence == forward else divergence_of(log_p, log_q, forward, cfg.beta))
 
 
 # ---------------------------------------------------------------- the epilogues
 
 
-@dataclasses.dataclass
-class _Outputs:
-    """What the epilogues write per token ``[n]`` (acc dtype), and the loss."""
+class _Outputs(NamedTuple):
+    """What the epilogues write: the loss ``[]`` and per token ``[n]`` (acc dtype)."""
 
+    loss: torch.Tensor
     kl: torch.Tensor
     agree: torch.Tensor
     lse: torch.Tensor
-    loss: torch.Tensor
 
-    def record(
-        self, rows: slice, loss: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor, lse: torch.Tensor
-    ) -> None:
-        self.kl[rows], self.agree[rows], self.lse[rows] = kl, agree, lse
-        self.loss = self.loss + loss.to(self.loss.dtype)
+    def record(self, rows: slice, loss: torch.Tensor, *per_token: torch.Tensor) -> None:
+        self.loss.add_(loss.to(self.loss.dtype))
+        self.kl[rows], self.agree[rows], self.lse[rows] = per_token
 
 
-def _argmax_ids(
-    setup: TileSetup, local: tuple[torch.Tensor, torch.Tensor], big_m: torch.Tensor
-) -> torch.Tensor:
+def _argmax_ids(setup: TileSetup, local: tuple[torch.Tensor, ...], big_m: torch.Tensor) -> torch.Tensor:
     """The global argmax of each row over the shards (ties: the smaller id), from this
     shard's ``(max, argmax)`` of the tempered tile and the rows' global max ``big_m``."""
     local_max, local_arg = local
@@ -194,8 +162,7 @@ def _dense_terms(
     """``(D [r], KL [r], agree [r], lse_s [r], dD/dz_s [r, V_local])`` of a dense tile
     (tempered logits of the student ``zs`` and the teacher ``zt``)."""
     local_s, local_t = zs.max(1), zt.max(1)  # (max, argmax): one pass over each tile
-    big = setup.reduce_max(torch.stack([local_s[0], local_t[0]]))
-    ms, mt = big[0], big[1]
+    ms, mt = setup.reduce_max(torch.stack([local_s[0], local_t[0]]))
     agree = _argmax_ids(setup, local_s, ms) == _argmax_ids(setup, local_t, mt)
     ls, lt = zs.sub_(ms[:, None]), zt.sub_(mt[:, None])  # shifted, in place
     es, et = torch.exp(ls), torch.exp(lt)
@@ -224,27 +191,23 @@ def _dense_terms(
 Epilogue = Callable[[torch.Tensor, slice, GradSink], None]
 
 
-def _mass_outside(setup: TileSetup, e: torch.Tensor, stats: Stats, cols: torch.Tensor) -> torch.Tensor:
-    """The probability ``[r]`` of every column but ``cols`` ``[r, k]`` (local, -1
-    elsewhere; distinct), from the tile's ``e = exp(z - M)`` (:meth:`~._engine.Engine.row_stats`),
-    summed over those entries and the shards: no ``1 - sum`` to cancel."""
-    return setup.reduce_sum(torch.where(_listed(cols, e.shape), 0.0, e).sum(1)) / stats.sumexp
-
-
-def _listed(cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``[r, V_local]`` bool: the columns ``cols`` ``[r, k]`` name (-1: none)."""
+def _outside(
+    setup: TileSetup, e: torch.Tensor, sumexp: torch.Tensor, cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(listed [r, V_local] bool, q_out [r])``: the columns ``cols`` ``[r, k]`` name (local,
+    -1 elsewhere; distinct), and the probability of all others, ``e = exp(z - M)`` of the
+    tile summed over those entries and the shards: no ``1 - sum`` to cancel."""
     here = (cols >= 0).to(torch.uint8)
-    listed = torch.zeros(shape, dtype=torch.uint8, device=cols.device)
-    return listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+    listed = torch.zeros(e.shape, dtype=torch.uint8, device=cols.device)
+    listed = listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+    return listed, setup.reduce_sum(torch.where(listed, 0.0, e).sum(1)) / sumexp
 
 
 def _dense_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: DenseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    assert teacher.hidden is not None and teacher.weight is not None
-    t_hidden = teacher.hidden.to(setup.compute_dtype)
-    t_weight = teacher.weight.to(setup.compute_dtype)
+    t_hidden, t_weight = (x.to(setup.compute_dtype) for x in (teacher.hidden_states, teacher.weight))
     t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
@@ -267,14 +230,12 @@ def _dense_epilogue(
 
 
 def _sparse_epilogue(
-    eng: Engine, cfg: DistillConfig, teacher: PreparedTeacher, weights: torch.Tensor, out: _Outputs
+    eng: Engine, cfg: DistillConfig, teacher: SparseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    assert teacher.ids is not None and teacher.logprobs is not None
-    ids_all, lp_all = teacher.ids, teacher.logprobs
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        ids, lp_t, w = ids_all[rows], lp_all[rows], weights[rows]
+        ids, lp_t, w = teacher.ids[rows], teacher.logprobs[rows], weights[rows]
         local = ids - setup.vocab_start
         cols = torch.where((local >= 0) & (local < eng.local), local, -1)
         capped = setup.cap_k is not None  # the capped tile (Triton: a copy): its ties, not u's
@@ -290,70 +251,37 @@ def _sparse_epilogue(
         if e is not None and capped and eng.triton:  # the kernels' tanh is not torch's: S of this e
             stats = dataclasses.replace(stats, sumexp=setup.reduce_sum(e.sum(1)))
         lse = stats.lse
-        q_out = None if e is None else _mass_outside(setup, e, stats, cols)
+        listed, q_out = (None, None) if e is None else _outside(setup, e, stats.sumexp, cols)
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
-        with torch.enable_grad() if need else contextlib.nullcontext():
+        with torch.set_grad_enabled(need):
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
             lqt_ = None if q_out is None else torch.log(q_out.clamp_min(TAIL_FLOOR)).requires_grad_(need)
-            d, kl = sparse_divergence(
-                lp_t, u_, lse_, divergence=cfg.divergence, tail=cfg.tail, beta=cfg.beta, student_log_tail=lqt_
-            )
+            d, kl = _sparse_divergence(lp_t, u_, lse_, lqt_, cfg)
             total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
-            grads = torch.autograd.grad(total, leaves, allow_unused=True) if need else (None,) * len(leaves)
+            grads = torch.autograd.grad(total, leaves, materialize_grads=True) if need else ()
         # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's own max
         big_m = setup.reduce_max(top[0]) if capped and eng.triton else stats.max
         agree = _argmax_ids(setup, top, big_m) == ids[:, 0]
         out.record(rows, total.detach(), kl.detach(), agree, lse)
-        gu = grads[0]
-        if gu is None:
+        if not need:
             return
+        gu, glse = grads[:2]
         if cfg.tail == TeacherTail.RENORMALIZE:  # the k ids only: no logit gradient tile
             sink.add_sparse(rows, cols, gu * eng.cap_slope_of(picked, rows))
             return
-        assert q_out is not None and e is not None
-        zero = torch.zeros_like(lse)
-        glse = zero if grads[1] is None else grads[1]
-        # the tail's own gradient, 0 where the floor holds it (as clamp_min's)
-        gt = torch.where(q_out < TAIL_FLOOR, 0.0, zero if grads[2] is None else grads[2])
+        assert q_out is not None and e is not None and listed is not None
+        gt = torch.where(q_out < TAIL_FLOOR, 0.0, grads[2])  # 0 where the floor holds it (as clamp_min's)
         # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
         # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
         # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
         q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
-        outside = torch.where(_listed(cols, q.shape), 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
+        outside = torch.where(listed, 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
         gz.scatter_add_(1, cols.clamp(min=0), torch.where(cols >= 0, gu, 0.0).to(gz.dtype))
         sink.put(rows, gz.mul_(slope) if capped else gz)
 
     return epilogue
-
-
-def _fused_distill(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    setup: TileSetup,
-    cfg: DistillConfig,
-    teacher: PreparedTeacher,
-    weights: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
-    """``(loss, kl, agree, lse)``, the gradients formed in the forward pass
-    (:class:`~._engine.FormedInForward`)."""
-
-    def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
-        acc = setup.acc_dtype
-        with no_autocast(h):
-            eng = Engine(h, w, setup, need_db=need_db)
-            n = eng.n
-            kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (n, n, ()))
-            agree = torch.zeros(n, dtype=torch.bool, device=h.device)
-            out = _Outputs(kl=kl, agree=agree, lse=lse, loss=loss)
-            make = _sparse_epilogue if teacher.ids is not None else _dense_epilogue
-            renorm = teacher.ids is not None and cfg.tail == TeacherTail.RENORMALIZE
-            epilogue = make(eng, cfg, teacher, weights.to(acc), out)
-            dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
-        return (out.loss, out.kl, out.agree, out.lse), dh, dw, eng.db
-
-    return FormedInForward.apply(h, w, setup.bias, "distillation_loss", run, torch.is_grad_enabled())  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- the tensor function
@@ -386,34 +314,28 @@ def _checked_config(config: Any) -> DistillConfig:
 
 
 def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
-    """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are
-    ``None`` or finite ``> 0``, the one its aggregation reads (over ``cp``
-    context-parallel ranks: required)."""
+    """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are ``None``
+    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks: required)."""
     if not isinstance(teacher, (SparseTeacher, DenseTeacher)):
         raise ContractError(
             field,
             expected="a torch_impl.processors.SparseTeacher or DenseTeacher",
             actual=type(teacher).__name__,
         )
-    check_counts(config.aggregation, **global_counts(teacher), prefix=f"{field}.")
-    _check_cp(teacher, config.aggregation, cp)
+    how = config.aggregation
+    check_counts(how, **global_counts(teacher), prefix=f"{field}.")
+    if cp > 1 and how == Aggregation.SEQ_MEAN_TOKEN_MEAN:
+        raise ContractError(
+            "parallel.cp_size", expected="1 for seq-mean-token-mean (it needs whole sequences)", actual=cp
+        )
+    need = "global_tokens" if how == Aggregation.TOKEN_MEAN else "global_sequences"
+    if cp > 1 and getattr(teacher, need) is None:
+        raise ContractError(
+            f"context.{need}",
+            expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",
+            actual="None",
+        )
     return teacher
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tokens:
-    """Where a call's tokens come from: ``b`` x ``s`` tokens (rows ``s``-major),
-    ``student`` the local hidden states ``[s_local, b, h]``, the vocab shard and its
-    collectives; ``check_values``: read the teacher's values; ``field``: what errors
-    call the teacher."""
-
-    b: int
-    s: int
-    student: torch.Tensor
-    vocab: VocabShard
-    collectives: Collectives | None
-    check_values: bool
-    field: str
 
 
 def _fused(
@@ -422,37 +344,30 @@ def _fused(
     setup: TileSetup,
     config: DistillConfig,
     teacher: Teacher,
-    mask: torch.Tensor,
-    sequences: tuple[torch.Tensor, int],
-    at: _Tokens,
+    weights: torch.Tensor,
 ) -> DistillResult:
-    """The loss of both doors, from the gathered rows ``h``, the checked ``mask``
-    ``[n]`` and ``sequences`` ``(segments [n], count)``, the teacher as ``[b, s]``
-    tokens."""
-    weights = weights_of(mask, *sequences, config.aggregation, **global_counts(teacher))
-    if isinstance(teacher, SparseTeacher):
-        prepared = teacher.prepare(
-            at.b,
-            at.s,
-            weights != 0,
-            at.vocab.size,
-            dtype=setup.acc_dtype,
-            check_values=at.check_values,
-            field=at.field,
-        )
-    else:
-        prepared = teacher.prepare(at.student, at.vocab, at.collectives, at.field)
-    loss, kl, agree, lse = _fused_distill(h, weight, setup, config, prepared, weights)
+    """The loss of both doors, from the gathered rows ``h``, the teacher as rows
+    (``prepare``) and the aggregation's ``weights`` ``[n]``; the gradients formed in
+    the forward pass (:class:`~._engine.FormedInForward`)."""
+    acc = setup.acc_dtype
+
+    def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
+        with no_autocast(h):
+            eng = Engine(h, weight, setup, need_db=need_db)
+            kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (eng.n, eng.n, ()))
+            out = _Outputs(loss, kl, torch.zeros(eng.n, dtype=torch.bool, device=h.device), lse)
+            if isinstance(teacher, SparseTeacher):
+                epilogue = _sparse_epilogue(eng, config, teacher, weights, out)
+            else:
+                epilogue = _dense_epilogue(eng, config, teacher, weights, out)
+            renorm = isinstance(teacher, SparseTeacher) and config.tail == TeacherTail.RENORMALIZE
+            dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw, zeros=renorm)
+        return tuple(out), dh, dw, eng.db
+
+    grad = torch.is_grad_enabled()
+    loss, kl, agree, lse = FormedInForward.apply(h, weight, setup.bias, "distillation_loss", run, grad)
     # + 0 * sum(lse): NaN where the student's hidden states or weight hold NaN/inf anywhere
     return DistillResult(loss=loss + 0.0 * lse.sum(), kl=kl, top1_agreement=agree)
-
-
-def _rows(field: str, value: Any, n: int, what: str) -> torch.Tensor:
-    """``value`` a tensor of ``n`` rows (``[n, ...]`` as ``what`` says)."""
-    if not isinstance(value, torch.Tensor) or value.dim() != what.count(",") + 1 or value.shape[0] != n:
-        actual = format_shape(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ContractError(field, expected=f"a tensor {what}", actual=actual)
-    return value
 
 
 def _row_mask(mask: Any, setup: TileSetup, check_values: bool, labelled: bool) -> torch.Tensor:
@@ -463,7 +378,7 @@ def _row_mask(mask: Any, setup: TileSetup, check_values: bool, labelled: bool) -
     if mask is None:
         m = torch.ones(n, dtype=setup.acc_dtype, device=setup.ignored.device)
     else:
-        given = _rows("teacher.mask", mask, n, f"[n={n}]")
+        given = check_rows("teacher.mask", mask, (n,), f"[n={n}]")
         if check_values:
             check_finite_deferred(given, field="teacher.mask", nonnegative=True)
         m = given.detach().to(device=setup.ignored.device, dtype=setup.acc_dtype)
@@ -480,9 +395,7 @@ def _row_sequences(
         raise ContractError(
             "sequences", expected="None or (segments [n], count)", actual=type(sequences).__name__
         )
-    segments = _rows("sequences[0]", sequences[0], n, f"[n={n}]")
-    if segments.dtype.is_floating_point or segments.dtype == torch.bool or segments.is_complex():
-        raise ContractError("sequences[0]", expected="an integer dtype", actual=str(segments.dtype))
+    segments = check_rows("sequences[0]", sequences[0], (n,), f"[n={n}]", integer=True)
     count = check_int("sequences[1]", sequences[1], low=1)
     if check_values:
         check_indices_deferred(segments, count, field="sequences[0]")
@@ -538,40 +451,27 @@ def linear_distillation_loss(
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
-    n, check = int(h.shape[0]), options.check_values
-    tokens: Teacher  # as b = 1, s = n tokens
-    if isinstance(teacher, SparseTeacher):
-        ids = _rows("teacher.ids", teacher.ids, n, f"[n={n}, k]")[None]
-        lp = _rows("teacher.logprobs", teacher.logprobs, n, f"[n={n}, k]")[None]
-        tokens = dataclasses.replace(teacher, ids=ids, logprobs=lp)
-    else:
-        th = _rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[0], "[n_local, h_t]")
-        tokens = dataclasses.replace(teacher, hidden_states=th[:, None])
+    n, check, acc = int(h.shape[0]), options.check_values, setup.acc_dtype
+    mask = _row_mask(teacher.mask, setup, check, labels is not None)
+    segments, count = _row_sequences(sequences, n, h.device, check)
+    weights = weights_of(mask, segments, count, config.aggregation, **global_counts(teacher))
     local = int(weight.shape[0])
     vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
-    at = _Tokens(1, n, hidden[:, None], vocab, options.collectives, check, "teacher")
-    mask = _row_mask(teacher.mask, setup, check, labels is not None)
-    sequences = _row_sequences(sequences, n, h.device, check)
-    return _fused(h, weight, setup, config, tokens, mask, sequences, at)
+    if isinstance(teacher, SparseTeacher):  # the rows as b = 1, s = n tokens
+        ids = check_rows("teacher.ids", teacher.ids, (n,), f"[n={n}, k]")[None]
+        lp = check_rows("teacher.logprobs", teacher.logprobs, (n,), f"[n={n}, k]")[None]
+        teacher = dataclasses.replace(teacher, ids=ids, logprobs=lp)
+        teacher = teacher.prepare(
+            1, n, weights != 0, vocab.size, dtype=acc, check_values=check, field="teacher"
+        )
+    else:
+        th = check_rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]")
+        teacher = dataclasses.replace(teacher, hidden_states=th[:, None])
+        teacher = teacher.prepare(hidden[:, None], vocab, options.collectives, "teacher")
+    return _fused(h, weight, setup, config, teacher, weights)
 
 
 # ---------------------------------------------------------------- the processor
-
-
-def _check_cp(teacher: Teacher, how: Aggregation, cp: int) -> None:
-    if cp == 1:
-        return
-    if how == Aggregation.SEQ_MEAN_TOKEN_MEAN:
-        raise ContractError(
-            "parallel.cp_size", expected="1 for seq-mean-token-mean (it needs whole sequences)", actual=cp
-        )
-    need = "global_tokens" if how == Aggregation.TOKEN_MEAN else "global_sequences"
-    if getattr(teacher, need) is None:
-        raise ContractError(
-            f"context.{need}",
-            expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",
-            actual="None",
-        )
 
 
 def distillation_loss(
@@ -606,9 +506,14 @@ def distillation_loss(
         given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
         mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        student, vocab = typing.cast(torch.Tensor, ctx.hidden_states), typing.cast(VocabShard, ctx.vocab)
-        at = _Tokens(x.b, x.s, student, vocab, ctx.collectives, ctx.check_values, "context")
-        res = _fused(h, x.weight, setup, config, teacher, mask, (to_tokens(segments), count), at)
+        weights = weights_of(mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher))
+        vocab = typing.cast(VocabShard, ctx.vocab)
+        if isinstance(teacher, SparseTeacher):
+            check, acc = ctx.check_values, setup.acc_dtype
+            teacher = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
+        else:
+            teacher = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
+        res = _fused(h, x.weight, setup, config, teacher, weights)
         agreement = masked_mean(res.top1_agreement, mask)
         return {"loss": res.loss, "kl": masked_mean(res.kl, mask), "top1_agreement": agreement}
 

@@ -1,13 +1,12 @@
-"""The teachers of :func:`~torch_impl.processors.distillation_loss`, the user contexts
-of its two forms, each checking its own tensors (``hookspec.conventions`` states the
-rules): :class:`SparseTeacher` (the teacher's top-k per token) and
-:class:`DenseTeacher` (its hidden states and output weight shard).
-"""
+"""The teachers of :func:`~torch_impl.processors.distillation_loss`, the user contexts of
+its two forms, each checking its own tensors by the rules of ``hookspec.conventions``:
+:class:`SparseTeacher` (top-k per token), :class:`DenseTeacher` (hidden states, weight)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -17,22 +16,21 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_condition_deferred, check_indices_deferred
 from ._checks import check_finite_number, check_floating, check_shape
 
-__all__ = ["DenseTeacher", "PreparedTeacher", "SparseTeacher"]
+__all__ = ["DenseTeacher", "SparseTeacher", "check_rows"]
 
 
-@dataclasses.dataclass(frozen=True)
-class PreparedTeacher:
-    """A teacher as rows of the gathered tokens, detached: sparse ``ids``, ``logprobs``
-    ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
-    every term finite), or dense ``hidden`` ``[n, h_t]``, ``weight``, ``logit_scale``,
-    ``softcap``."""
-
-    ids: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    logit_scale: float = 1.0
-    softcap: float | None = None
+def check_rows(
+    field: str, value: Any, lead: tuple[int, ...], what: str, *, integer: bool = False
+) -> torch.Tensor:
+    """``value`` a tensor ``what`` (``"[n=4, k]"``: as many dims as it names) whose
+    leading dims are ``lead``; of an integer dtype where ``integer``."""
+    dims = what.count(",") + 1
+    if not isinstance(value, torch.Tensor) or value.dim() != dims or tuple(value.shape[: len(lead)]) != lead:
+        actual = format_shape(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ContractError(field, expected=f"a tensor {what}", actual=actual)
+    if integer and (value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex()):
+        raise ContractError(field, expected="an integer dtype", actual=str(value.dtype))
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,19 +62,13 @@ class SparseTeacher:
         dtype: torch.dtype,
         check_values: bool,
         field: str = "context",
-    ) -> PreparedTeacher:
-        """The checked teacher as rows; ``counted`` ``[n]`` bool, the tokens it is read at;
-        ``field``: what errors call it."""
-        ids = self.ids
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 3:
-            actual = format_shape(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ContractError(
-                f"{field}.ids", expected=f"an integer tensor [b={b}, s={s}, k]", actual=actual
-            )
+    ) -> SparseTeacher:
+        """The checked teacher as detached rows of the gathered tokens, ``ids``, ``logprobs``
+        ``[n, k]`` (at an uncounted token, ``k`` distinct ids of mass ``1 / (k + 1)`` each:
+        every term finite); ``counted`` ``[n]`` bool, the tokens it is read at; ``field``:
+        what errors call it."""
+        ids = check_rows(f"{field}.ids", self.ids, (b, s), f"[b={b}, s={s}, k]", integer=True)
         k = int(ids.shape[2])
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ContractError(f"{field}.ids", expected="an integer dtype", actual=str(ids.dtype))
-        check_shape(f"{field}.ids", ids, (b, s, k), f"[b={b}, s={s}, k]")
         if k < 1:
             raise ContractError(f"{field}.ids", expected="k >= 1 ids per token", actual="k = 0")
         check_floating(f"{field}.logprobs", self.logprobs)
@@ -87,7 +79,8 @@ class SparseTeacher:
         if check_values:
             _check_sparse_values(ids, lp, counted, vocab_size, field)
         stand_in = torch.arange(k, device=device) % vocab_size
-        return PreparedTeacher(
+        return dataclasses.replace(
+            self,
             ids=torch.where(counted[:, None], ids, stand_in),
             logprobs=torch.where(counted[:, None], lp.to(dtype), -math.log(k + 1)),
         )
@@ -113,7 +106,6 @@ def _check_sparse_values(
     wide = lp.double()
 
     def refuse(bad: torch.Tensor, values: torch.Tensor, expected: str, noun: str) -> None:
-        """``ContractError`` at the counted tokens where ``bad`` holds, with ``values``."""
         check_condition_deferred(
             counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
         )
@@ -166,44 +158,27 @@ class DenseTeacher:
         student_vocab: VocabShard,
         collectives: Collectives | None,
         field: str = "context",
-    ) -> PreparedTeacher:
-        """The checked teacher as rows; ``hidden``: the student's ``[s, b, h]`` (local);
-        ``field``: what errors call it."""
+    ) -> DenseTeacher:
+        """The checked teacher as detached rows of the gathered tokens, ``hidden_states``
+        ``[n, h_t]``; ``hidden``: the student's ``[s, b, h]`` (local); ``field``: what
+        errors call it."""
         scale = check_finite_number(f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True)
         cap = self.softcap
         cap = None if cap is None else check_finite_number(f"{field}.softcap", cap, low=0.0, low_open=True)
-        th, tw = self.hidden_states, self.weight
-        check_floating(f"{field}.hidden_states", th)
-        check_floating(f"{field}.weight", tw)
-        if th.dim() != 3 or tuple(th.shape[:2]) != tuple(hidden.shape[:2]):
-            raise ContractError(
-                f"{field}.hidden_states",
-                expected=f"shape [{hidden.shape[0]}, {hidden.shape[1]}, h_t] like ctx.hidden_states",
-                actual=format_shape(th.shape),
-            )
+        th = check_floating(f"{field}.hidden_states", self.hidden_states)
+        tw = check_floating(f"{field}.weight", self.weight)
+        sb = f"[{hidden.shape[0]}, {hidden.shape[1]}, h_t] like ctx.hidden_states"
+        check_rows(f"{field}.hidden_states", th, tuple(hidden.shape[:2]), sb)
         local = student_vocab.end - student_vocab.start
-        if tw.dim() != 2 or tw.shape[0] != local or tw.shape[1] != th.shape[2]:
-            raise ContractError(
-                f"{field}.weight",
-                expected=f"shape [V_local={local}, h_t={th.shape[2]}]",
-                actual=format_shape(tw.shape),
-            )
+        check_rows(f"{field}.weight", tw, (local, th.shape[2]), f"[V_local={local}, h_t={th.shape[2]}]")
         whole = student_vocab.start == 0 and student_vocab.end == student_vocab.size
-        if self.vocab is None and not whole:
+        if self.vocab != student_vocab and (self.vocab is not None or not whole):
             raise ContractError(
                 f"{field}.vocab",
-                expected=f"the VocabShard of the teacher's weight rows: the student's is {student_vocab}",
-                actual="None",
-            )
-        if self.vocab is not None and self.vocab != student_vocab:
-            raise ContractError(
-                f"{field}.vocab", expected=f"the student's {student_vocab}", actual=repr(self.vocab)
+                expected=f"the student's {student_vocab}: the VocabShard of the teacher's weight rows",
+                actual=repr(self.vocab),
             )
         t_h = th.detach().to(hidden.device)
         t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h
-        return PreparedTeacher(
-            hidden=t_h.reshape(-1, t_h.shape[-1]).detach(),
-            weight=tw.detach().to(hidden.device),
-            logit_scale=scale,
-            softcap=cap,
-        )
+        rows, weight = t_h.reshape(-1, t_h.shape[-1]).detach(), tw.detach().to(hidden.device)
+        return dataclasses.replace(self, hidden_states=rows, weight=weight, logit_scale=scale, softcap=cap)
