@@ -43,13 +43,12 @@ from ._sink import GradSink
 __all__ = ["FusedLossResult", "LseLoss", "MeanLogitLoss", "TokenLoss", "fused_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
-"""``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of the
-tokens ``rows`` (a slice of the ``n`` gathered rows: a gradient buffer's rows, several
-tiles, or one tile where the gradient reaches the entropy; every row once). Called
-under ``torch.enable_grad``, differentiated by the fused loss in its first two
-arguments; its gradient to any other tensor requiring grad (a learned coefficient)
-reaches that tensor through the returned loss. It returns the loss: one that calls
-``backward()`` itself is refused."""
+"""``(logprobs [r], entropy [r], rows) -> loss``, a 0-dim floating tensor: the summed loss
+of the tokens ``rows`` (a slice of the ``n`` gathered rows: a gradient buffer's, several
+tiles', or a tile's where the gradient reaches the entropy; every row once), called
+under ``torch.enable_grad`` and differentiated in its first two arguments; its gradient
+to any other tensor requiring grad (a learned coefficient) reaches that tensor through
+the returned loss. One that calls ``backward()`` itself is refused."""
 
 LseLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 """``(lse [r], rows) -> scalar``: a further summed, weighted loss of the same rows'
@@ -129,19 +128,17 @@ class _Calls:
     graph: torch.Tensor | None = None
 
     def __call__(
-        self,
-        lp_v: torch.Tensor,
-        ent_v: torch.Tensor,
-        lse_v: torch.Tensor,
-        mean_v: torch.Tensor | None,
-        rows: slice,
-        need: bool,
+        self, stats: Stats, lse: torch.Tensor, rows: slice, need: bool
     ) -> tuple[torch.Tensor, _Grad, _Grad, _Grad, _Grad]:
+        assert stats.entropy is not None
         with torch.enable_grad():
-            lp, ent = lp_v.detach().requires_grad_(), ent_v.detach().requires_grad_()
+            lp, ent = stats.logprobs.detach().requires_grad_(), stats.entropy.detach().requires_grad_()
             loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
             args, extra = [lp, ent], []
-            for name, fn, v in (("lse_loss", self.lse_fn, lse_v), ("mean_logit_loss", self.mean_fn, mean_v)):
+            for name, fn, v in (
+                ("lse_loss", self.lse_fn, lse),
+                ("mean_logit_loss", self.mean_fn, stats.mean_logit),
+            ):
                 x = None if fn is None or v is None else v.detach().requires_grad_()
                 if fn is not None and x is not None:
                     loss = loss + _checked_loss(name, fn(x, rows), (x,)).to(loss.dtype)
@@ -190,9 +187,7 @@ def _sweep(
         lp_ent[:3, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
         if stats.mean_logit is not None:
             lp_ent[3, rows] = stats.mean_logit
-        loss, g_lp, g_h, g_lse, g_mean = calls(
-            stats.logprobs, stats.entropy, lse, stats.mean_logit, rows, need
-        )
+        loss, g_lp, g_h, g_lse, g_mean = calls(stats, lse, rows, need)
         total = total + loss.to(acc)
         if not need:
             return None
@@ -235,21 +230,19 @@ def fused_token_loss(
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
-    with its gradients formed in this call (see the module docstring); ``logprobs``
-    and ``entropy`` as :func:`~torch_impl.processors.linear_logprobs` computes them.
+    with its gradients formed in this call (see the module docstring); ``logprobs``,
+    ``entropy``, ``bias``, ``mean_logit_weights`` and ``options`` (tiles of ``tile_rows``
+    whole rows) as :func:`~torch_impl.processors.linear_logprobs`'.
 
-    ``options``: :class:`LinearOptions` (tiles of ``tile_rows`` whole rows). ``token_loss``
-    (:data:`TokenLoss`) must return a 0-dim floating tensor (else ``ContractError``);
-    ``entropy_grad=False`` declares it has no gradient through the entropy (a
-    ``ContractError`` if it has). ``lse_loss`` (:data:`LseLoss`) adds a loss of ``lse =
-    logsumexp(z)`` (``d lse / dz_j = softmax(z)_j``, folded into the same pass);
-    ``mean_logit_loss`` (:data:`MeanLogitLoss`) one of ``mean_logit = z.mean(-1)`` (``d
-    mean_logit / dz_j = 1 / V``: each tile read twice, no GEMM more); ``mean_logit_weights``
-    and ``bias`` as :func:`~torch_impl.processors.linear_logprobs`'. The gradients are
-    formed only when autograd needs them and held until backward (``dh`` in the
-    accumulation dtype, rounded once after the upstream gradient's scale). Cost: three
-    GEMM-equivalents ``2 n h V_local``. Differentiable once: a second backward through
-    the same call, or ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
+    ``entropy_grad=False`` declares that ``token_loss`` has no gradient through the
+    entropy (``ContractError`` if it has). ``lse_loss`` adds a loss of ``lse =
+    logsumexp(z)`` (``d lse / dz_j = softmax(z)_j``, in the same pass); ``mean_logit_loss``
+    one of ``mean_logit = z.mean(-1)`` (``d mean_logit / dz_j = 1 / V``: each tile read
+    twice, no GEMM more). The gradients are formed only when autograd needs them and
+    held until backward (``dh`` in the accumulation dtype, rounded once after the
+    upstream gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``.
+    Differentiable once: a second backward through the same call, or
+    ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
     """
     for field, fn, args in (
         ("token_loss", token_loss, "(logprobs, entropy, rows)"),

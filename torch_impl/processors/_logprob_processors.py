@@ -5,8 +5,7 @@ computed from the hidden states and the vocab shard (layout: :mod:`._inputs`).
 
 from __future__ import annotations
 
-import typing
-from typing import Any, Literal, Never
+from typing import Literal, Never
 
 import torch
 
@@ -76,27 +75,6 @@ def selected_logprobs(
     return processor(fn, name="selected_logprobs")
 
 
-def _check_reduction(value: Any) -> Reduction:
-    if not isinstance(value, str) or value not in REDUCTIONS:
-        raise ContractError("reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(value))
-    return typing.cast(Reduction, value)
-
-
-def _global_tokens(ctx: OutputContext, reduction: Reduction) -> float | None:
-    """The user context's ``global_tokens``: a finite number > 0 read by ``"mean"``
-    only (refused, not ignored, with ``"sum"``)."""
-    value = context_field(ctx.context, "global_tokens")
-    if value is None:
-        return None
-    if reduction != "mean":
-        raise ContractError(
-            "context.global_tokens",
-            expected=f"None with reduction={reduction!r}, which divides by no count",
-            actual=repr(value),
-        )
-    return check_finite_number("context.global_tokens", value, low=0.0, low_open=True)
-
-
 def _class_weights_of(
     ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float | torch.Tensor]:
@@ -130,13 +108,19 @@ def _token_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w, wz, ws, M)`` ``[n]`` in row order with ``loss = -(1 - eps) * sum(w * logprobs)
     + z_loss * sum(wz * lse ** 2) + eps * sum(ws * (mean(cw) * lse - mean_logit))``: ``M``
-    is :func:`~._inputs.counted_mask` of ``loss_mask``; ``wz = M`` (sum) or the token
-    mean's ``M / count`` of :func:`~torch_impl.processors.aggregation_weights`, ``count``
-    the context's ``global_tokens`` else ``sum(M)`` (an exactly-0 ``sum(M)`` gives 0);
-    ``w = ws = wz``, or with ``cwy`` (each row's label weight) ``w`` the same of ``M * cwy``
-    and ``ws`` that of ``M``, the mean's both divided by ``sum(M * cwy)``."""
+    :func:`~._inputs.counted_mask` of ``loss_mask``; ``wz = M`` (sum) or the token mean's
+    ``M / (global_tokens or sum(M))`` (0 where ``sum(M) == 0``); ``w = ws = wz``, or with
+    ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over ``sum(M * cwy)``."""
     m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
-    count = _global_tokens(ctx, reduction)
+    count = context_field(ctx.context, "global_tokens")  # read by "mean" only
+    if count is not None:
+        if reduction != "mean":
+            raise ContractError(
+                "context.global_tokens",
+                expected=f"None with reduction={reduction!r}, which divides by no count",
+                actual=repr(count),
+            )
+        count = check_finite_number("context.global_tokens", count, low=0.0, low_open=True)
     if cwy is not None and count is not None:
         raise ContractError(
             "context.global_tokens",
@@ -178,18 +162,20 @@ def cross_entropy_loss(
     **unexpected: Never,
 ) -> Processor:
     """Megatron's ``compute_language_model_loss``, per token or reduced, with an
-    optional z-loss, class weights and label smoothing (``hookspec.conventions``).
+    optional z-loss, class weights and label smoothing (``hookspec.conventions``; the
+    last two as ``torch.nn.functional.cross_entropy``'s ``weight`` and ``label_smoothing``)::
 
-    ``reduction="none"`` (the default): the per-token loss ``[b, s]`` (fp32), unreduced
-    and without the loss mask, like Megatron's, except that it is 0 with a zero gradient
-    where ``labels == ctx.ignore_index`` (Megatron returns the logsumexp there)::
+        z = scale_logits(hidden_states @ vocab_weight.T) / T    # T: temperature (default 1)
+        lse, logprobs = logsumexp(z), log_softmax(z)[labels]    # over the whole vocabulary
+        ce = (1 - eps) * cw[y] * -logprobs + eps / V * sum_j cw[j] (lse - z_j)
+        # eps: label_smoothing in [0, 1]; cw: class_weights [V], finite, >= 0 (None: ones)
 
-        z = scale_logits(hidden_states @ vocab_weight.T) / T      # T: temperature (default 1)
-        loss = -log_softmax(z)[labels] + z_loss * logsumexp(z) ** 2   # z_loss: finite, >= 0
-
-    A user context holding a ``temperature`` or ``global_tokens`` raises (Megatron's
-    loss has neither). Logits recomputed in backward (:func:`linear_logprobs`): four
-    GEMM-equivalents ``2 n h V`` forward plus backward.
+    ``reduction="none"`` (the default): ``loss = ce + z_loss * lse ** 2`` ``[b, s]``
+    (fp32; ``z_loss`` finite, ``>= 0``), without the loss mask, like Megatron's, except
+    0 with a zero gradient where the label is ignored (Megatron returns the logsumexp
+    there). A user context holding a ``temperature`` or ``global_tokens`` raises
+    (Megatron's loss has neither). Logits recomputed in backward: four GEMM-equivalents
+    ``2 n h V``.
 
     ``reduction="sum"`` or ``"mean"``: ``{"loss": [], "tokens": []}`` (fp32), the
     gradient formed in the forward pass (:func:`fused_token_loss`, three GEMM-equivalents)::
@@ -197,31 +183,20 @@ def cross_entropy_loss(
         M = loss_mask * (labels != ignore_index)      # [b, s]; loss_mask None: ones
         w = M                                         # "sum"
         w = M / (global_tokens or sum(M))             # "mean" (token-mean weights)
-        loss = sum(w * (-logprobs + z_loss * lse ** 2))   # logprobs, lse as above, at T
+        loss = sum(w * (ce + z_loss * lse ** 2))      # except "mean" with class_weights:
+        loss = sum(M * ce) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
         tokens = sum(M)                               # this rank's counted tokens, detached
 
-    ``T``: ``temperature``, else the user context's ``temperature`` (a number or
-    ``[b, s]``), else 1; both given raises. ``global_tokens`` (the user context's, a
-    finite number > 0) is read by ``"mean"`` only (refused with ``"sum"``; required
-    under context parallel). A mask summing to exactly 0 gives ``loss = 0`` with a zero
-    gradient; a NaN, infinite or negative ``loss_mask`` entry raises ``ContractError``;
-    a NaN or inf in the hidden states or weight makes the loss NaN.
-
-    ``class_weights`` (``[V]``, finite, ``>= 0``), as ``F.cross_entropy(weight=)``;
-    the z-loss keeps the unweighted ``w`` (``global_tokens`` with ``"mean"`` is refused)::
-
-        loss = -cw[labels] * logprobs + z_loss * lse ** 2      # "none"; 0 where ignored
-        loss = sum(M * cw[y] * -logprobs) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)   # "mean"
-
-    ``label_smoothing`` (``eps`` in ``[0, 1]``), as ``F.cross_entropy(label_smoothing=)``,
-    ``mean_logit = z.mean(-1)`` over the whole vocabulary; the cross-entropy term of
-    each counted token becomes (the mean divided by ``sum(M * cw[y])``)::
-
-        (1 - eps) * -logprobs + eps * (lse - mean_logit)
-        (1 - eps) * cw[y] * -logprobs + eps / V * sum_j cw[j] (lse - z_j)   # with class_weights
+    ``T``: ``temperature``, else the user context's (a number or ``[b, s]``), else 1;
+    both given raises. ``global_tokens`` (the user context's, a finite number > 0) is
+    read by ``"mean"`` only (refused with ``"sum"`` or class weights; required under
+    context parallel). A mask summing to exactly 0 gives 0 with a zero gradient; a NaN,
+    infinite or negative ``loss_mask`` entry raises ``ContractError``; a NaN or inf in
+    the hidden states or weight makes the loss NaN.
     """
     refuse_unexpected("cross_entropy_loss", unexpected)
-    reduction = _check_reduction(reduction)
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ContractError("reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction))
     if temperature is not None:
         check_temperature(temperature, 1)
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
@@ -260,9 +235,7 @@ def cross_entropy_loss(
             with_mean_logit=eps != 0.0,
             mean_logit_weights=c if eps != 0.0 else None,
         )
-        loss = -res.logprobs
-        if cwy is not None:
-            loss = loss * cwy
+        loss = -res.logprobs if cwy is None else -res.logprobs * cwy
         if res.mean_logit is not None:
             smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit)
             loss = (1.0 - eps) * loss + eps * smooth

@@ -98,10 +98,5 @@ def linear_logprobs(
     name, cw = "linear_logprobs", mean_logit_weights
     _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
     run = functools.partial(_run, with_entropy, with_mean_logit)
-    logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
-    return LogprobResult(
-        logprobs=logprobs,
-        entropy=entropy if with_entropy else None,
-        lse=lse,
-        mean_logit=mean if with_mean_logit else None,
-    )
+    logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, name, setup, run)
+    return LogprobResult(logprobs, entropy if with_entropy else None, lse, mean if with_mean_logit else None)

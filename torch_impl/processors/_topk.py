@@ -1,8 +1,6 @@
-"""Top-k logprobs without the ``[n, V]`` logits: :func:`linear_topk_logprobs` (vocab
-parallel) and its processor :func:`topk_logprobs`, an epilogue on the engine's
-vocabulary sweep keeping each row's running top-k (``torch.topk`` on each tile, on
-both backends); the shards' candidates merged with ``Collectives.all_gather``.
-"""
+"""Top-k logprobs without the ``[n, V]`` logits: :func:`linear_topk_logprobs` and its
+processor :func:`topk_logprobs`, an epilogue on the engine's vocabulary sweep
+(``torch.topk`` on each tile, on both backends)."""
 
 from __future__ import annotations
 
@@ -51,11 +49,9 @@ def order_candidates(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Ten
 def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best ``(values, ids)`` of a tile ``z`` ``[r, c]`` (column ``j`` is id
     ``first_id + j``), in :func:`order_candidates` order, ``[r, min(k, c)]``.
-
-    ``torch.topk`` picks a set whose ``k``-th value ``v`` is right, but among entries
-    equal to ``v`` any may be picked: the entries above ``v`` are kept, and the
-    entries equal to ``v`` are taken again by smallest column (a second ``topk`` on
-    ``-column`` where ``z == v``), so the smaller ids win, with no host read."""
+    ``torch.topk``'s ``k``-th value ``v`` is right, but any entries equal to ``v`` may
+    be picked: those are taken again by smallest column (a second ``topk`` on ``-column``
+    where ``z == v``), so the smaller ids win, with no host read."""
     r, c = z.shape
     cols = torch.arange(first_id, first_id + c, device=z.device)
     if c <= k:
@@ -65,13 +61,10 @@ def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, to
     neg_col = -torch.arange(c, device=z.device, dtype=z.dtype)
     tied = torch.topk(torch.where(z == kth, neg_col, float("-inf")), k, dim=1).values
     above = vals > kth
-    cand_v = torch.cat(
-        [torch.where(above, vals, float("-inf")), torch.where(tied > float("-inf"), kth, tied)], 1
-    )
-    cand_i = torch.cat(
-        [torch.where(above, idx, _NO_ID), torch.where(tied > float("-inf"), -tied.long(), _NO_ID)], 1
-    )
-    cand_i = torch.where(cand_i == _NO_ID, _NO_ID, cand_i + first_id)
+    is_tied = tied > float("-inf")
+    cand_v = torch.cat([torch.where(above, vals, float("-inf")), torch.where(is_tied, kth, tied)], 1)
+    ids_above = torch.where(above, idx + first_id, _NO_ID)
+    cand_i = torch.cat([ids_above, torch.where(is_tied, first_id - tied.long(), _NO_ID)], 1)
     cand_v, cand_i = order_candidates(cand_v, cand_i)
     return cand_v[:, :k], cand_i[:, :k]
 
@@ -183,12 +176,7 @@ def linear_topk_logprobs(
             )
     run = functools.partial(_run, k, gather, with_entropy)
     values, ids, label, entropy = Recomputed.apply(h, weight, setup.bias, name, setup, run)
-    return TopkResult(
-        logprobs=values,
-        ids=ids,
-        label_logprobs=label if labels is not None else None,
-        entropy=entropy if with_entropy else None,
-    )
+    return TopkResult(values, ids, label if labels is not None else None, entropy if with_entropy else None)
 
 
 def topk_logprobs(
