@@ -1,20 +1,16 @@
 """A scalar loss of per-token logprobs and entropies whose gradients are formed in the
 forward pass: :func:`fused_token_loss`, the engine's row sweep with a token-loss
-epilogue. It fits losses that are sums of per-token terms with weights known in
-advance (every aggregation of ``hookspec.conventions``)::
+epilogue, for losses that are sums of per-token terms with weights known in advance
+(every aggregation of ``hookspec.conventions``)::
 
     loss = sum_i token_loss_i(logprob_i, entropy_i)
 
-A tile holds whole rows, so its statistics are exact, and so is the loss's gradient
-in them, hence the tile's logit gradient, which the engine multiplies into ``dh`` and
-``dW``: three GEMMs, not the four of a forward pass and a recomputing backward.
-Without a gradient through the entropy (``entropy_grad=False``) each tile is read
-once (:func:`~._single_pass.single_pass`: ``exp(z - c)`` kept unscaled, the rows'
-statistics into ``[n]`` vectors) and ``token_loss`` is called once per gradient
-buffer of rows, where the engine scales that buffer: a tile costs its logits GEMM
-and one pass, whatever the loss does. With it, the loss's gradient is needed before
-each tile's gradient pass (deferring it would need the tile's logits again: a fourth
-GEMM, or a second rounding of the gradient), so ``token_loss`` is called once a tile.
+A tile holds whole rows, so its statistics, and the loss's gradient in them, are exact:
+the tile's logit gradient goes straight into ``dh`` and ``dW``, three GEMMs, not four.
+With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`)
+and ``token_loss`` is called once per gradient buffer of rows; with it, the loss's
+gradient is needed before each tile's gradient pass (deferring it would need the
+tile's logits again), so ``token_loss`` is called once a tile.
 """
 
 from __future__ import annotations
@@ -47,13 +43,12 @@ from ._sink import GradSink
 __all__ = ["FusedLossResult", "LseLoss", "MeanLogitLoss", "TokenLoss", "fused_token_loss"]
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
-"""``(logprobs [r], entropy [r], rows) -> scalar``: the summed, weighted loss of the
-tokens ``rows`` (a slice of the ``n`` gathered rows: a gradient buffer's rows, several
-tiles, or one tile where the gradient reaches the entropy; every row once). Called
-under ``torch.enable_grad``, differentiated by the fused loss in its first two
-arguments; its gradient to any other tensor requiring grad (a learned coefficient)
-reaches that tensor through the returned loss. It returns the loss: one that calls
-``backward()`` itself is refused."""
+"""``(logprobs [r], entropy [r], rows) -> loss``, a 0-dim floating tensor: the summed loss
+of the tokens ``rows`` (a slice of the ``n`` gathered rows: a gradient buffer's, several
+tiles', or a tile's where the gradient reaches the entropy; every row once), called
+under ``torch.enable_grad`` and differentiated in its first two arguments; its gradient
+to any other tensor requiring grad (a learned coefficient) reaches that tensor through
+the returned loss. One that calls ``backward()`` itself is refused."""
 
 LseLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 """``(lse [r], rows) -> scalar``: a further summed, weighted loss of the same rows'
@@ -118,38 +113,32 @@ def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch
 _Grad = torch.Tensor | None
 
 
+@dataclasses.dataclass
 class _Calls:
     """``token_loss`` (and ``lse_loss``, ``mean_logit_loss``) on spans of rows: ``(loss,
     d loss / d logprobs, d loss / d entropy, d loss / d lse, d loss / d mean_logit)``, each
     loss checked against the :data:`TokenLoss` contract (a constant one has zero
     gradients: None), and its graph to other tensors kept (``grad``: grad mode was on)."""
 
-    def __init__(
-        self,
-        token_loss: TokenLoss,
-        entropy_grad: bool,
-        grad: bool,
-        lse_loss: LseLoss | None = None,
-        mean_logit_loss: MeanLogitLoss | None = None,
-    ) -> None:
-        self.fn, self.entropy_grad, self.grad, self.lse_fn = token_loss, entropy_grad, grad, lse_loss
-        self.mean_fn = mean_logit_loss
-        self.graph: torch.Tensor | None = None
+    fn: TokenLoss
+    entropy_grad: bool
+    grad: bool
+    lse_fn: LseLoss | None
+    mean_fn: MeanLogitLoss | None
+    graph: torch.Tensor | None = None
 
     def __call__(
-        self,
-        lp_v: torch.Tensor,
-        ent_v: torch.Tensor,
-        lse_v: torch.Tensor,
-        mean_v: torch.Tensor | None,
-        rows: slice,
-        need: bool,
+        self, stats: Stats, lse: torch.Tensor, rows: slice, need: bool
     ) -> tuple[torch.Tensor, _Grad, _Grad, _Grad, _Grad]:
+        assert stats.entropy is not None
         with torch.enable_grad():
-            lp, ent = lp_v.detach().requires_grad_(), ent_v.detach().requires_grad_()
+            lp, ent = stats.logprobs.detach().requires_grad_(), stats.entropy.detach().requires_grad_()
             loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
             args, extra = [lp, ent], []
-            for name, fn, v in (("lse_loss", self.lse_fn, lse_v), ("mean_logit_loss", self.mean_fn, mean_v)):
+            for name, fn, v in (
+                ("lse_loss", self.lse_fn, lse),
+                ("mean_logit_loss", self.mean_fn, stats.mean_logit),
+            ):
                 x = None if fn is None or v is None else v.detach().requires_grad_()
                 if fn is not None and x is not None:
                     loss = loss + _checked_loss(name, fn(x, rows), (x,)).to(loss.dtype)
@@ -198,9 +187,7 @@ def _sweep(
         lp_ent[:3, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
         if stats.mean_logit is not None:
             lp_ent[3, rows] = stats.mean_logit
-        loss, g_lp, g_h, g_lse, g_mean = calls(
-            stats.logprobs, stats.entropy, lse, stats.mean_logit, rows, need
-        )
+        loss, g_lp, g_h, g_lse, g_mean = calls(stats, lse, rows, need)
         total = total + loss.to(acc)
         if not need:
             return None
@@ -223,8 +210,7 @@ def _sweep(
         else:  # one pass a tile, the loss once a buffer
             on_stats = functools.partial(loss_of, need=active)
             dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
-    empty = lp_ent.new_empty(0)
-    return (total, lp_ent[0], lp_ent[1], lp_ent[2], lp_ent[3] if mean else empty), dh, dw, eng.db
+    return (total, *lp_ent[:3], lp_ent[3] if mean else lp_ent.new_empty(0)), dh, dw, eng.db
 
 
 @checked_call()
@@ -244,53 +230,33 @@ def fused_token_loss(
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
-    with its gradients formed in this call (see the module docstring); ``logprobs``
-    and ``entropy`` as :func:`~torch_impl.processors.linear_logprobs` computes them.
+    with its gradients formed in this call (see the module docstring); ``logprobs``,
+    ``entropy``, ``bias``, ``mean_logit_weights`` and ``options`` (tiles of ``tile_rows``
+    whole rows) as :func:`~torch_impl.processors.linear_logprobs`'.
 
-    ``options``: :class:`LinearOptions`; tiles of ``options.tile_rows`` whole rows
-    (default per device: ``TILE_BYTES`` of fp32 logits). ``token_loss``
-    (:data:`TokenLoss`) is called once per gradient buffer of rows (``GRAD_BUFFER_BYTES``;
-    once a tile with ``entropy_grad=True``, see the module docstring) and must return
-    a 0-dim floating tensor (a ``ContractError`` names it otherwise); one that does not
-    depend on its arguments gives zero gradients; its gradient to other tensors
-    requiring grad is carried by ``loss``. ``entropy_grad=False`` declares that the
-    loss has no gradient through the entropy (a ``ContractError`` if it has): each tile
-    is then read once instead of twice. ``lse_loss`` (:data:`LseLoss`, or ``None``):
-    a loss of the rows' ``lse = logsumexp(z)`` added on the same spans (a z-loss), its
-    gradient ``d lse / dz_j = softmax(z)_j`` folded into the same pass (no GEMM more,
-    and no second read of a tile). ``mean_logit_loss`` (:data:`MeanLogitLoss`, or
-    ``None``): likewise of ``mean_logit = z.mean(-1)`` (label smoothing), ``d mean_logit
-    / dz_j = 1 / V`` a uniform term of each row's gradient, which a scale of the
-    single pass's ``exp(z - c)`` cannot carry: each tile is read twice (no GEMM more);
-    ``mean_logit_weights`` as :func:`~torch_impl.processors.linear_logprobs`'.
-    The gradients are formed only when autograd
-    needs them (grad mode on and ``hidden`` or ``weight`` requiring grad) and held
-    until backward (``dh`` in the accumulation dtype, rounded once after the upstream
-    gradient's scale). ``bias``: ``[V_local]`` or ``None``, as
-    :func:`~torch_impl.processors.linear_logprobs`'. Cost: three GEMM-equivalents
-    ``2 n h V_local``. Differentiable once: a second backward through the same call,
-    or ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
+    ``entropy_grad=False`` declares that ``token_loss`` has no gradient through the
+    entropy (``ContractError`` if it has). ``lse_loss`` adds a loss of ``lse =
+    logsumexp(z)`` (``d lse / dz_j = softmax(z)_j``, in the same pass); ``mean_logit_loss``
+    one of ``mean_logit = z.mean(-1)`` (``d mean_logit / dz_j = 1 / V``: each tile read
+    twice, no GEMM more). The gradients are formed only when autograd needs them and
+    held until backward (``dh`` in the accumulation dtype, rounded once after the
+    upstream gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``.
+    Differentiable once: a second backward through the same call, or
+    ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
     """
-    if not callable(token_loss):
-        raise ContractError(
-            "token_loss", expected="a callable (logprobs, entropy, rows) -> scalar", actual=repr(token_loss)
-        )
+    for field, fn, args in (
+        ("token_loss", token_loss, "(logprobs, entropy, rows)"),
+        ("lse_loss", lse_loss, "(lse, rows)"),
+        ("mean_logit_loss", mean_logit_loss, "(mean_logit, rows)"),
+    ):
+        if not callable(fn) and (fn is not None or field == "token_loss"):
+            optional = "" if field == "token_loss" else "None or "
+            raise ContractError(field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn))
     check_bool("entropy_grad", entropy_grad)
-    if lse_loss is not None and not callable(lse_loss):
-        raise ContractError(
-            "lse_loss", expected="None or a callable (lse, rows) -> scalar", actual=repr(lse_loss)
-        )
-    if mean_logit_loss is not None and not callable(mean_logit_loss):
-        raise ContractError(
-            "mean_logit_loss",
-            expected="None or a callable (mean_logit, rows) -> scalar",
-            actual=repr(mean_logit_loss),
-        )
     name, cw = "fused_token_loss", mean_logit_weights
     _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
-    outputs = FormedInForward.apply(h, weight, setup.bias, "fused_token_loss", run, calls.grad)
-    loss, lp, entropy, lse, mean = outputs
+    loss, lp, entropy, lse, mean = FormedInForward.apply(h, weight, setup.bias, name, run, calls.grad)
     mean = mean if mean_logit_loss is not None else None
     return FusedLossResult(loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean)

@@ -20,17 +20,12 @@ __all__ = ["LogprobResult", "linear_logprobs"]
 
 @dataclasses.dataclass(frozen=True)
 class LogprobResult:
-    """Per-token results of :func:`linear_logprobs`, fp32 (fp64 for fp64 inputs).
-
-    ``logprobs``: ``[n]``, ``0.0`` where the label is the ignore index.
-    ``entropy``: ``[n]`` (every token, whatever its label), or ``None`` when not
-    requested.
-    ``lse``: ``[n]``, ``logsumexp(z)`` of the tempered logits over the whole
-    vocabulary (every shard), every token whatever its label; differentiable
-    (``d lse / dz_j = softmax(z)_j``): a z-loss ``lse ** 2`` is a token loss.
-    ``mean_logit``: ``[n]``, ``z.mean(-1)`` over the whole vocabulary, every token,
-    differentiable (``d mean_logit / dz_j = 1 / V``: label smoothing's
-    ``lse - mean_logit``), or ``None`` when not requested.
+    """Per-token results of :func:`linear_logprobs`, ``[n]`` each, fp32 (fp64 for fp64
+    inputs): ``logprobs`` (0 where the label is the ignore index), ``entropy`` (every
+    token; ``None`` unless requested), ``lse = logsumexp(z)`` and ``mean_logit =
+    z.mean(-1)`` (``None`` unless requested) of the tempered logits over every shard,
+    every token, differentiable (``d lse / dz_j = softmax(z)_j``, ``d mean_logit / dz_j =
+    1 / V``: a z-loss and label smoothing are token losses).
     """
 
     logprobs: torch.Tensor
@@ -81,45 +76,27 @@ def linear_logprobs(
         lse = logsumexp(z)                                       # every token
         mean_logit = z.mean(-1)                                  # with_mean_logit
 
-    where ``weight_full`` stacks every rank's shard and ``gather`` is
-    ``collectives.gather_hidden_states`` (sequence parallel); ``T``,
-    ``logit_scale``, the shard and the tiles are ``options``
-    (:class:`LinearOptions`).
+    ``weight_full`` stacks every rank's shard, ``gather`` is
+    ``collectives.gather_hidden_states`` (sequence parallel); ``T``, ``logit_scale``,
+    the shard and the tiles are ``options`` (:class:`LinearOptions`; default
+    ``LinearOptions()``). ``hidden`` ``[n_local, h]``: this rank's rows, gathered here
+    (its gradient holds every shard's part); ``weight`` ``[V_local, h]``, the shard;
+    ``labels`` ``[n]`` global ids of the gathered rows, or ``ignore_index``; ``bias``
+    ``[V_local]`` (``weight``'s dtype and device; ``None``: 0), differentiable;
+    ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of a weighted
+    ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights; ``None``:
+    each 1).
 
-    Cost: four GEMM-equivalents ``2 n h V_local`` (the engine's vocabulary sweep: the
-    logits, then the logits again, ``dh`` and ``dW``); one tile of fp32 logits.
-
-    Args:
-        hidden: ``[n_local, h]``: this rank's rows (``n / tp`` under sequence
-            parallel), gathered here, so its gradient holds every shard's part.
-        weight: ``[V_local, h]``, this rank's vocab shard (``options.vocab``).
-        labels: ``[n]`` global token ids of the gathered rows, or ``ignore_index``.
-        options: :class:`LinearOptions` (default: ``LinearOptions()``).
-        with_entropy: also return the entropy of ``softmax(z)``.
-        bias: ``[V_local]`` (``weight``'s dtype and device), this rank's part of
-            ``bias_full`` (0 when ``None``); differentiable.
-        with_mean_logit: also return the mean logit (one add a logit in the
-            statistics pass, one more reduced row; label smoothing).
-        mean_logit_weights: ``[V_local]`` column weights ``c`` (detached) of a
-            weighted mean logit ``sum_j c_j z_j / V`` (label smoothing with class
-            weights); ``None``: each 1.
-
-    Returns:
-        :class:`LogprobResult`, fp32 (fp64 for fp64 compute). NaN or inf in
-        ``hidden`` or ``weight`` gives NaN at the tokens they touch, never a finite
-        number. Differentiable once: a backward with ``create_graph=True`` raises,
-        and so does a call inside ``torch.func.vmap`` / ``grad`` (``ContractError``
-        naming the transformed input; use ``torch.autograd.grad``, and rows for vmap).
+    Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
+    ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``
+    gives NaN at the tokens they touch. Differentiable once: a backward with
+    ``create_graph=True`` raises, and so does a call inside ``torch.func.vmap`` /
+    ``grad`` (``ContractError`` naming the transformed input).
     """
     check_bool("with_entropy", with_entropy)
     check_bool("with_mean_logit", with_mean_logit)
     name, cw = "linear_logprobs", mean_logit_weights
     _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
     run = functools.partial(_run, with_entropy, with_mean_logit)
-    logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, "linear_logprobs", setup, run)
-    return LogprobResult(
-        logprobs=logprobs,
-        entropy=entropy if with_entropy else None,
-        lse=lse,
-        mean_logit=mean if with_mean_logit else None,
-    )
+    logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, name, setup, run)
+    return LogprobResult(logprobs, entropy if with_entropy else None, lse, mean if with_mean_logit else None)

@@ -1,8 +1,6 @@
-"""Top-k logprobs without the ``[n, V]`` logits: :func:`linear_topk_logprobs` (vocab
-parallel) and its processor :func:`topk_logprobs`, an epilogue on the engine's
-vocabulary sweep keeping each row's running top-k (``torch.topk`` on each tile, on
-both backends); the shards' candidates merged with ``Collectives.all_gather``.
-"""
+"""Top-k logprobs without the ``[n, V]`` logits: :func:`linear_topk_logprobs` and its
+processor :func:`topk_logprobs`, an epilogue on the engine's vocabulary sweep
+(``torch.topk`` on each tile, on both backends)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from typing import Any, Never
 
 import torch
 
-from hookspec import Collectives, ContractError, OutputContext, Processor, processor
+from hookspec import ContractError, OutputContext, Processor, processor
 
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int, check_temperature
@@ -20,13 +18,7 @@ from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
 from ._inputs import from_tokens, hook_inputs, resolve_temperature
 from ._options import LinearOptions, prologue, refuse_unexpected
 
-__all__ = [
-    "TopkResult",
-    "gather_collective",
-    "linear_topk_logprobs",
-    "order_candidates",
-    "topk_logprobs",
-]
+__all__ = ["TopkResult", "linear_topk_logprobs", "topk_logprobs"]
 
 _NO_ID = 1 << 62
 """The id of a padding candidate (a shard with fewer than ``k`` entries): after every real id."""
@@ -34,13 +26,10 @@ _NO_ID = 1 << 62
 
 @dataclasses.dataclass(frozen=True)
 class TopkResult:
-    """What :func:`linear_topk_logprobs` returns, per gathered row (fp32; fp64 for fp64).
-
-    ``logprobs`` ``[n, k]``: the ``k`` largest logprobs, descending (ties: the
-    smaller id first). ``ids`` ``[n, k]`` int64: their global token ids.
-    ``label_logprobs`` ``[n]``: the logprob of ``labels`` (0 where ignored), or
-    ``None`` without labels. ``entropy`` ``[n]`` or ``None``.
-    """
+    """What :func:`linear_topk_logprobs` returns, per gathered row (fp32; fp64 for fp64):
+    ``logprobs`` ``[n, k]`` descending (ties: the smaller id first), ``ids`` ``[n, k]``
+    int64 global token ids, ``label_logprobs`` ``[n]`` (0 where ignored; ``None``
+    without labels), ``entropy`` ``[n]`` or ``None``."""
 
     logprobs: torch.Tensor
     ids: torch.Tensor
@@ -60,11 +49,9 @@ def order_candidates(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Ten
 def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best ``(values, ids)`` of a tile ``z`` ``[r, c]`` (column ``j`` is id
     ``first_id + j``), in :func:`order_candidates` order, ``[r, min(k, c)]``.
-
-    ``torch.topk`` picks a set whose ``k``-th value ``v`` is right, but among entries
-    equal to ``v`` any may be picked: the entries above ``v`` are kept, and the
-    entries equal to ``v`` are taken again by smallest column (a second ``topk`` on
-    ``-column`` where ``z == v``), so the smaller ids win, with no host read."""
+    ``torch.topk``'s ``k``-th value ``v`` is right, but any entries equal to ``v`` may
+    be picked: those are taken again by smallest column (a second ``topk`` on ``-column``
+    where ``z == v``), so the smaller ids win, with no host read."""
     r, c = z.shape
     cols = torch.arange(first_id, first_id + c, device=z.device)
     if c <= k:
@@ -74,30 +61,12 @@ def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, to
     neg_col = -torch.arange(c, device=z.device, dtype=z.dtype)
     tied = torch.topk(torch.where(z == kth, neg_col, float("-inf")), k, dim=1).values
     above = vals > kth
-    cand_v = torch.cat(
-        [torch.where(above, vals, float("-inf")), torch.where(tied > float("-inf"), kth, tied)], 1
-    )
-    cand_i = torch.cat(
-        [torch.where(above, idx, _NO_ID), torch.where(tied > float("-inf"), -tied.long(), _NO_ID)], 1
-    )
-    cand_i = torch.where(cand_i == _NO_ID, _NO_ID, cand_i + first_id)
+    is_tied = tied > float("-inf")
+    cand_v = torch.cat([torch.where(above, vals, float("-inf")), torch.where(is_tied, kth, tied)], 1)
+    ids_above = torch.where(above, idx + first_id, _NO_ID)
+    cand_i = torch.cat([ids_above, torch.where(is_tied, first_id - tied.long(), _NO_ID)], 1)
     cand_v, cand_i = order_candidates(cand_v, cand_i)
     return cand_v[:, :k], cand_i[:, :k]
-
-
-def gather_collective(collectives: Collectives | None, *, split: bool) -> Any:
-    """``collectives.all_gather`` where the vocabulary is ``split`` over shards
-    (``tp > 1``), else ``None``; a collectives object without it (spec < 1.2) raises."""
-    if not split:
-        return None
-    fn = getattr(collectives, "all_gather", None)
-    if not callable(fn):
-        raise ContractError(
-            "collectives.all_gather",
-            expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the vocab shards",
-            actual=f"{type(collectives).__name__} without all_gather",
-        )
-    return fn
 
 
 def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -121,20 +90,6 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
     return top_v, top_i, on_tile
 
 
-def _merge_shards(
-    top_v: torch.Tensor, top_i: torch.Tensor, k: int, gather: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shards' candidates merged (one all-gather each of values and ids): the
-    first ``k`` of :func:`order_candidates` over all of them."""
-    n = top_v.shape[0]
-    if gather is not None:
-        gv, gi = gather(top_v), gather(top_i)  # [tp, n, k_local]
-        top_v, top_i = order_candidates(
-            gv.permute(1, 0, 2).reshape(n, -1), gi.permute(1, 0, 2).reshape(n, -1)
-        )
-    return top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
-
-
 def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
     """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their gradient's terms::
 
@@ -145,7 +100,12 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
     stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
     setup, acc = eng.setup, eng.setup.acc_dtype
-    values, ids = _merge_shards(top_v, top_i, k, gather)
+    if gather is not None:  # the shards' candidates merged: one all-gather each of values and ids
+        gv, gi = gather(top_v), gather(top_i)  # [tp, n, k_local]
+        top_v, top_i = order_candidates(
+            gv.permute(1, 0, 2).reshape(eng.n, -1), gi.permute(1, 0, 2).reshape(eng.n, -1)
+        )
+    values, ids = top_v[:, :k].contiguous(), top_i[:, :k].contiguous()
     slope = eng.cap_slope_of(values, slice(None))
     values = values - stats.lse[:, None]
     entropy = stats.entropy if stats.entropy is not None else values.new_empty(0)
@@ -191,48 +151,32 @@ def linear_topk_logprobs(
         label_logprobs = where(labels == ignore_index, 0, lp[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)
 
-    ``weight_full`` stacks the shards; ``gather`` is
-    ``collectives.gather_hidden_states``; ``T``, the shard and the tiles are
-    ``options`` (:class:`LinearOptions`). An epilogue on the engine's vocabulary
-    sweep: each shard keeps a running top-k per row over its tiles and the
-    online logsumexp; the shards' candidates are merged with
+    ``hidden`` ``[n_local, h]``, ``weight`` ``[V_local, h]``, ``labels`` ``[n]`` or
+    ``None``, ``bias``, ``options`` and ``gather`` as :func:`linear_logprobs`';
+    ``1 <= k <= vocab size``. Each shard keeps a running top-k per row over its tiles
+    (a shard with fewer than ``k`` entries contributes all of them), merged with
     ``collectives.all_gather`` (spec 1.2; required at ``tp > 1``, else
-    ``ContractError``) and their statistics with one all-reduce max and one
-    all-reduce sum.
-
-    Cost, ``n`` rows, ``V_local`` entries, ``h`` hidden: the forward is one GEMM
-    (``2 n V_local h`` flops) plus a ``k``-wide selection per tile. The backward
-    is the recomputing sweep, three GEMMs (logits, ``dh``, ``dW``): the
-    gradient at the ``k`` ids and the label is added to each tile's logit
-    gradient in fp32 before it is rounded.
-
-    Args:
-        hidden: ``[n_local, h]`` this rank's rows (gathered here).
-        weight: ``[V_local, h]``, this rank's shard (``options.vocab``).
-        k: ``1 <= k <= vocab size``; at ``tp > 1`` a shard with fewer than ``k``
-            entries contributes all of them.
-        labels: ``[n]`` global ids or ``ignore_index``, or ``None``.
-        options: :class:`LinearOptions`.
-        bias: ``[V_local]`` or ``None``, as :func:`linear_logprobs`'.
-
-    Returns:
-        :class:`TopkResult`. NaN or inf in ``hidden`` or ``weight`` gives NaN
-        logprobs at the rows they touch (the log-sum-exp is NaN), never a finite
-        number.
+    ``ContractError``). Cost: one GEMM ``2 n V_local h`` forward plus a ``k``-wide
+    selection per tile; the recomputing backward three GEMMs (the gradient at the ``k``
+    ids and the label added to each tile's logit gradient in fp32). NaN or inf in
+    ``hidden`` or ``weight`` gives NaN logprobs at the rows they touch.
     """
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
     k = check_int("k", k, low=1, high=setup.vocab_size)
-    gather = gather_collective(options.collectives, split=int(weight.shape[0]) < setup.vocab_size)
+    gather = None
+    if int(weight.shape[0]) < setup.vocab_size:  # the vocabulary split over shards
+        gather = getattr(options.collectives, "all_gather", None)
+        if not callable(gather):
+            raise ContractError(
+                "collectives.all_gather",
+                expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the vocab shards",
+                actual=f"{type(options.collectives).__name__} without all_gather",
+            )
     run = functools.partial(_run, k, gather, with_entropy)
     values, ids, label, entropy = Recomputed.apply(h, weight, setup.bias, name, setup, run)
-    return TopkResult(
-        logprobs=values,
-        ids=ids,
-        label_logprobs=label if labels is not None else None,
-        entropy=entropy if with_entropy else None,
-    )
+    return TopkResult(values, ids, label if labels is not None else None, entropy if with_entropy else None)
 
 
 def topk_logprobs(
@@ -250,14 +194,11 @@ def topk_logprobs(
         {"topk_logprobs": [b, s, k] fp32, "topk_ids": [b, s, k] int64,
          "logprobs": [b, s] (with labels), "entropy": [b, s] (with entropy=True)}
 
-    as :func:`linear_topk_logprobs` computes them (descending; ties: the smaller
-    id first; ``logprobs``: the label's, 0 where it is the ignore index). ``T``:
-    ``temperature``, else the user context's ``temperature`` (a number or
-    ``[b, s]``), else 1. At ``tp > 1`` the context's collectives need
-    ``all_gather`` (spec 1.2). Cache a teacher's ``topk_logprobs`` and
-    ``topk_ids`` for :func:`distillation_loss`'s sparse form. Tiles of
-    ``tile_rows`` x ``tile_cols`` (:class:`LinearOptions`' names; ``None``: the
-    default per device).
+    as :func:`linear_topk_logprobs` computes them (``logprobs``: the label's). ``T``:
+    ``temperature``, else the user context's ``temperature`` (a number or ``[b, s]``),
+    else 1. At ``tp > 1`` the context's collectives need ``all_gather`` (spec 1.2).
+    Cache a teacher's ``topk_logprobs`` and ``topk_ids`` for :func:`distillation_loss`'s
+    sparse form. Tiles: :class:`LinearOptions`' names.
     """
     refuse_unexpected("topk_logprobs", unexpected)
     k = check_int("k", k, low=1)
@@ -278,13 +219,11 @@ def topk_logprobs(
             with_entropy=entropy,
         )
         out = {
-            "topk_logprobs": from_tokens(res.logprobs, x.b, x.s),
-            "topk_ids": from_tokens(res.ids, x.b, x.s),
+            "topk_logprobs": res.logprobs,
+            "topk_ids": res.ids,
+            "logprobs": res.label_logprobs,
+            "entropy": res.entropy,
         }
-        if res.label_logprobs is not None:
-            out["logprobs"] = from_tokens(res.label_logprobs, x.b, x.s)
-        if res.entropy is not None:
-            out["entropy"] = from_tokens(res.entropy, x.b, x.s)
-        return out
+        return {key: from_tokens(v, x.b, x.s) for key, v in out.items() if v is not None}
 
     return processor(fn, name="topk_logprobs")
