@@ -80,11 +80,7 @@ def check_finite_number(
 
 def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
-    ``[low, high]`` and within int64 (every integer option ends up in a tensor or a
-    kernel argument). Raises ``ContractError(field, ...)``::
-
-        check_int("tile_rows", n, low=1)
-    """
+    ``[low, high]`` and within int64 (it ends up in a tensor or a kernel argument)."""
     expected = f"an int {_interval(low, high, False, False)}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ContractError(field, expected=expected, actual=_describe(value))
@@ -122,9 +118,8 @@ def _describe(value: Any) -> str:
 
 
 def context_field(context: Any, name: str) -> Any:
-    """``context[name]`` when the user context is a mapping (how veRL passes it),
-    else ``getattr(context, name)``; ``None`` when absent. The one way every
-    processor reads the user context."""
+    """``context[name]`` for a mapping (how veRL passes it), else
+    ``getattr(context, name)``; ``None`` when absent."""
     if isinstance(context, Mapping):
         return context.get(name)
     return getattr(context, name, None)
@@ -161,13 +156,9 @@ def check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) ->
 def check_temperature(
     temperature: Any, n: int, *, field: str = "temperature", check_values: bool = True
 ) -> float | torch.Tensor:
-    """A finite ``T > 0``: a Python number, or a tensor of shape ``[n]`` (one per token;
-    a ``[b, s]`` tensor is refused, not flattened: the rows are ``s``-major).
-
-    Returns a float or a tensor ``[n]`` (float32, or float64 when given float64). A
-    tensor's values are checked only with ``check_values``, without a host read on
-    CUDA (:func:`torch_impl.value_checks.check_positive_deferred`).
-    """
+    """A finite ``T > 0``: a number, or a tensor ``[n]`` (one per row; a ``[b, s]`` is
+    refused, not flattened), returned as a float or a float32 (float64 if given) tensor
+    whose values are checked with ``check_values``, without a host read on CUDA."""
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() == 0:
             temperature = float(temperature)
@@ -215,25 +206,18 @@ def resolve_compute_dtype(
     CPU float32 (no fast bf16/fp16 GEMM there); elsewhere the input dtype."""
     if override is not None:
         return check_compute_dtype(override)
-    if dtype == torch.float64:
-        return torch.float64
-    if device.type == "cpu":
-        return torch.float32
-    return dtype
+    return torch.float32 if device.type == "cpu" and dtype != torch.float64 else dtype
 
 
 UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = ("logit_dtype", "output_logit_softcapping", "logit_softcapping")
-"""Config fields that would change the stock model's logits in a way the built-in
-processors do not follow (output logits in another dtype, softcapping by another
-name). None is read by the output path of megatron-core 0.13.1 to 0.19.2; a release
-that adds one gets a ``ContractError`` naming it when it is set, not a silent
-difference. ``final_logit_softcapping`` is followed (:func:`context_softcap`)."""
+"""Config fields that would change the stock logits in a way the built-in processors do
+not follow; none is read by megatron-core 0.13.1 to 0.19.2's output path, so a release
+that adds one gets a ``ContractError`` naming it when set, not a silent difference."""
 
 
 def context_softcap(ctx: Any) -> float | None:
-    """The model's final-logit softcap ``s`` where its config has the field
-    (``config.final_logit_softcapping``, Gemma's name; None, 0 or False: off), applied
-    after ``logit_scale`` (``hookspec.conventions``)."""
+    """The model's final-logit softcap ``s``, ``config.final_logit_softcapping``
+    (Gemma's name; None, 0 or False: off), applied after ``logit_scale``."""
     value = getattr(getattr(ctx, "config", None), "final_logit_softcapping", None)
     if value is None or value is False or (isinstance(value, numbers.Real) and value == 0):
         return None
@@ -241,26 +225,20 @@ def context_softcap(ctx: Any) -> float | None:
 
 
 _PROBE = (1.0, -2.0, 0.5, 3.0, 1e4, -1e6, 1e30, -1e-30)
-"""The values ``ctx.scale_logits`` is probed on, float64: from 1e-30 to 1e30 in
-size, both signs, so that a map that is ``c * z`` only on part of the range (a
-clamp or a softcap at any cap below 1e30, a flush of small values) is refused."""
+"""The float64 values ``ctx.scale_logits`` is probed on: both signs, 1e-30 to 1e30 in
+size, so that a clamp, a softcap or a flush of small values (``c * z`` on part of the
+range only) is refused."""
 
 
 def context_logit_scale(ctx: Any, *, processor: str) -> float:
-    """The factor ``c`` by which the stock model scales its logits, for a built-in
-    processor that forms ``c * hidden @ weight.T`` itself (it reads the weight,
-    not ``output_layer``): every model option that changes the stock logits is
-    followed here or refused by name.
+    """The factor ``c`` by which the stock model scales its logits, for a processor
+    that forms ``c * hidden @ weight.T`` itself; any other change to the stock logits
+    is refused by name (a set field of :data:`UNSUPPORTED_LOGIT_OPTIONS`).
 
-    - ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``, MuP's
-      ``config.mup_output_mult`` where ``config.use_mup``; the identity before
-      MuP) is probed on CPU values from 1e-30 to 1e30 in size (:data:`_PROBE`):
-      it must be ``x -> c * x`` with one finite ``c > 0`` on all of them, to
-      ``rtol=1e-6`` (float32 rounding passes); anything else (a clamp, a
-      softcap, an offset) is refused.
-    - With no ``scale_logits`` (a context built by hand), ``c`` is the config's
-      MuP multiplier (``use_mup``, ``mup_output_mult``), else 1.
-    - A set field of :data:`UNSUPPORTED_LOGIT_OPTIONS` on ``ctx.config`` is refused.
+    ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``: MuP's
+    ``config.mup_output_mult`` where ``config.use_mup``) must be ``x -> c * x`` with
+    one finite ``c > 0`` on :data:`_PROBE`, to ``rtol=1e-6``. Without it (a context
+    built by hand) ``c`` is the config's MuP multiplier, else 1.
     """
     config = getattr(ctx, "config", None)
     for name in UNSUPPORTED_LOGIT_OPTIONS:

@@ -26,7 +26,7 @@ from ._checks import (
     check_token_labels,
     resolve_compute_dtype,
 )
-from ._engine import TileSetup, refuse_double_backward
+from ._engine import TileSetup
 from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
 
 __all__ = [
@@ -34,11 +34,7 @@ __all__ = [
     "Backend",
     "LinearOptions",
     "RENAMED",
-    "gather_rows",
-    "resolve_options",
-    "make_setup",
     "prologue",
-    "refuse_double_backward",
     "refuse_unexpected",
 ]
 
@@ -185,33 +181,6 @@ def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = F
     raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
 
 
-def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
-    """``options`` (default ``LinearOptions()``) with its collectives' results checked
-    (``hookspec.collectives.checked_collectives``); a keyword of the earlier signature
-    (``temperature=``, ``vocab_start=``, ...) raises ``TypeError`` naming its field of
-    :class:`LinearOptions`."""
-    refuse_unexpected(function, extra, options=True)
-    options = LinearOptions() if options is None else options
-    if not isinstance(options, LinearOptions):
-        raise ContractError(
-            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
-        )
-    vocab = options.vocab
-    tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
-    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
-    return options if checked is options.collectives else dataclasses.replace(options, collectives=checked)
-
-
-def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
-    """The checked ``hidden`` ``[n_local, h]``, gathered to the rows every vocab shard
-    needs (``collectives.gather_hidden_states``, whose backward sums the shards'
-    hidden-state gradients)."""
-    if check_floating("hidden", hidden).dim() != 2:
-        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
-    coll = options.collectives
-    return hidden if coll is None else coll.gather_hidden_states(hidden)
-
-
 def prologue(
     function: str,
     hidden: Any,
@@ -224,30 +193,34 @@ def prologue(
     bias: Any = None,
     mean_weights: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
-    """Every tensor function's first lines: ``(options, h, setup)``, the options
-    resolved (:func:`resolve_options`), ``hidden`` gathered (:func:`gather_rows`) and
-    the call's :class:`TileSetup` (:func:`make_setup`), ``bias`` checked
-    (:func:`check_bias`) into it, and the mean logit's column weights ``c [V_local]``
-    (``mean_logit_weights``; ``None``: each 1)."""
-    options = resolve_options(function, options, unexpected)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options, fold=fold)
-    if bias is not None:
-        setup = dataclasses.replace(setup, bias=check_bias(bias, weight, options.check_values))
-    if mean_weights is not None:
-        setup = dataclasses.replace(
-            setup, mean_weights=_mean_weights(mean_weights, setup, int(weight.shape[0]))
+    """Every tensor function's first lines: ``(options, h, setup)``. ``options``
+    (default ``LinearOptions()``) with its collectives' results checked
+    (``hookspec.collectives.checked_collectives``; a keyword that moved into it raises
+    ``TypeError`` naming its field); ``h`` the checked ``hidden`` ``[n_local, h]``
+    gathered to the rows every vocab shard needs (``collectives.gather_hidden_states``,
+    whose backward sums the shards' gradients); ``setup`` the call's checked
+    :class:`TileSetup` (:func:`_make_setup`)."""
+    refuse_unexpected(function, unexpected, options=True)
+    options = LinearOptions() if options is None else options
+    if not isinstance(options, LinearOptions):
+        raise ContractError(
+            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
         )
-    return options, h, setup
+    vocab = options.vocab
+    tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
+    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
+    if checked is not options.collectives:
+        options = dataclasses.replace(options, collectives=checked)
+    if check_floating("hidden", hidden).dim() != 2:
+        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
+    h = hidden if checked is None else checked.gather_hidden_states(hidden)
+    return options, h, _make_setup(h, weight, labels, options, fold, bias, mean_weights)
 
 
-def _mean_weights(weights: Any, setup: TileSetup, local: int) -> torch.Tensor:
-    """``mean_logit_weights`` checked (a floating tensor of this shard's size), detached,
-    in the accumulation dtype."""
-    if (
-        not isinstance(weights, torch.Tensor)
-        or not weights.dtype.is_floating_point
-        or weights.shape != (local,)
+def _mean_weights(weights: Any, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``mean_logit_weights`` checked (a floating tensor ``[V_local]``), detached, in ``dtype``."""
+    if not (
+        isinstance(weights, torch.Tensor) and weights.dtype.is_floating_point and weights.shape == (local,)
     ):
         actual = (
             f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
@@ -255,7 +228,7 @@ def _mean_weights(weights: Any, setup: TileSetup, local: int) -> torch.Tensor:
         raise ContractError(
             "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
         )
-    return weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
+    return weights.detach().to(device=device, dtype=dtype).contiguous()
 
 
 def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:
@@ -276,28 +249,19 @@ def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton kernels run: ``"auto"`` takes the device class's choice
     (:mod:`._backends`) for bf16/fp16/fp32, torch for float64."""
     fp64 = torch.float64 in (h.dtype, weight.dtype)
-    if backend == "auto":
-        return not fp64 and auto_choice(h.device).backend == "triton"
-    if backend == "triton":
-        if fp64:
-            raise ContractError(
-                "backend", expected="'torch' for float64 inputs (the kernels run in fp32)", actual="'triton'"
-            )
-        if not triton_available():
-            raise ContractError(
-                "backend", expected="'torch' or 'auto' (triton is not installed)", actual="'triton'"
-            )
-        mismatch = triton_mode_mismatch()
-        if mismatch:
-            raise ContractError("backend", expected=f"a Triton in one mode: {mismatch}", actual="'triton'")
-        if not (h.is_cuda or interpreting()):
-            raise ContractError(
-                "backend",
-                expected=f"'torch' or 'auto' for tensors on {h.device} (or TRITON_INTERPRET=1)",
-                actual="'triton'",
-            )
+    if backend != "triton":
+        return backend == "auto" and not fp64 and auto_choice(h.device).backend == "triton"
+    if fp64:
+        expected = "'torch' for float64 inputs (the kernels run in fp32)"
+    elif not triton_available():
+        expected = "'torch' or 'auto' (triton is not installed)"
+    elif mismatch := triton_mode_mismatch():
+        expected = f"a Triton in one mode: {mismatch}"
+    elif not (h.is_cuda or interpreting()):
+        expected = f"'torch' or 'auto' for tensors on {h.device} (or TRITON_INTERPRET=1)"
+    else:
         return True
-    return False
+    raise ContractError("backend", expected=expected, actual="'triton'")
 
 
 def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None) -> None:
@@ -325,10 +289,9 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
 
 def refuse_function_transforms(**tensors: Any) -> None:
     """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
-    transform level is active), naming the first of ``tensors`` it wraps. The tensor
+    transform level is active), naming the first of ``tensors`` it wraps: the tensor
     functions form their gradients in tiles outside autograd (old-style
-    ``autograd.Function``, no vmap rule); torch's own error ("must override the
-    setup_context staticmethod") named none of this."""
+    ``autograd.Function``, no vmap rule)."""
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is None or functorch.maybe_current_level() is None:
         return
@@ -346,11 +309,18 @@ def refuse_function_transforms(**tensors: Any) -> None:
     )
 
 
-def make_setup(
-    h: torch.Tensor, weight: Any, labels: Any, options: LinearOptions, *, fold: bool = True
+def _make_setup(
+    h: torch.Tensor,
+    weight: Any,
+    labels: Any,
+    options: LinearOptions,
+    fold: bool,
+    bias: Any,
+    mean_weights: Any,
 ) -> TileSetup:
-    """Check one call's tensors (``h`` gathered; ``labels`` ``[n]`` or ``None``)
-    against ``options`` and build its :class:`TileSetup`. ``fold``: the torch backend
+    """Check one call's tensors against ``options``: ``h`` gathered, ``labels`` ``[n]``,
+    ``bias`` (:func:`check_bias`) and the mean logit's column weights ``c [V_local]``
+    (``mean_logit_weights``), each ``None`` where absent. ``fold``: the torch backend
     may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
     equal logits must stay equal: top-k's ties)."""
     check_floating("weight", weight)
@@ -374,17 +344,12 @@ def make_setup(
         y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
         y = y.to(device=h.device, dtype=torch.long)
     t = check_temperature(options.temperature, n, check_values=options.check_values)
-    # float64 if either operand is: a float32 weight with float64 hidden states (or the
-    # reverse) is multiplied exactly in float64, as torch's promotion would
+    # float64 if either operand is, as torch would promote (Triton refused float64 above);
+    # Triton's default is the input dtype on a CPU too
     wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
-    if triton:
-        cdtype = resolve_compute_dtype(h.device, h.dtype, options.compute_dtype or h.dtype)
-        if cdtype == torch.float64:
-            raise ContractError(
-                "compute_dtype", expected="not float64 with backend 'triton'", actual="float64"
-            )
-    else:
-        cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype)
+    cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype or (h.dtype if triton else None))
+    if triton and cdtype == torch.float64:
+        raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
     acc = torch.float64 if cdtype == torch.float64 else torch.float32
     # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
     # an exact float64 quotient of its (float32) values
@@ -411,5 +376,7 @@ def make_setup(
         grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
         collectives=options.collectives,
         kernel=kernel_config(h.device) if triton else None,
+        bias=None if bias is None else check_bias(bias, weight, options.check_values),
         cap_k=None if options.softcap is None else scale / options.softcap,
+        mean_weights=None if mean_weights is None else _mean_weights(mean_weights, local, h.device, acc),
     )
