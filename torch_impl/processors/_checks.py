@@ -163,13 +163,10 @@ def check_temperature(
         if temperature.dim() == 0:
             temperature = float(temperature)
         else:
-            check_floating(field, temperature)
-            if tuple(temperature.shape) != (n,):  # the shape, not the count: a [b, s] is not [s * b]
-                raise ContractError(
-                    field,
-                    expected=f"a number or a tensor [n={n}] (one value per row, in the rows' order)",
-                    actual=format_shape(temperature.shape),
-                )
+            check_floating(field, temperature)  # the shape, not the count: a [b, s] is not [s * b]
+            check_shape(
+                field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)"
+            )
             t = temperature.detach().reshape(n)
             t = t.double() if t.dtype == torch.float64 else t.float()
             if check_values:
@@ -183,15 +180,10 @@ def check_temperature(
 def check_token_labels(
     labels: Any, n: int, vocab_size: int, ignore_index: int, *, check_values: bool
 ) -> torch.Tensor:
-    if not isinstance(labels, torch.Tensor):
-        raise ContractError("labels", expected="a torch.Tensor of token ids", actual=type(labels).__name__)
+    check_shape("labels", labels, (n,), f"[n={n}] of token ids (one per hidden-state row)")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise ContractError(
             "labels", expected="an integer dtype", actual=str(labels.dtype).removeprefix("torch.")
-        )
-    if tuple(labels.shape) != (n,):
-        raise ContractError(
-            "labels", expected=f"shape [n={n}] (one per hidden-state row)", actual=format_shape(labels.shape)
         )
     refuse_meta(labels, field="labels")
     if check_values:

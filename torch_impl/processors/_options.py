@@ -22,6 +22,7 @@ from ._checks import (
     check_finite_number,
     check_floating,
     check_int,
+    check_shape,
     check_temperature,
     check_token_labels,
     resolve_compute_dtype,
@@ -49,38 +50,29 @@ class LinearOptions:
     construction (``ContractError``), the tensors' shapes at the call.
 
     Attributes:
-        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered
-            row; not differentiated; its values checked with ``check_values``).
-        logit_scale: a constant factor ``> 0`` on the logits (MuP's output
-            multiplier).
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row;
+            not differentiated).
+        logit_scale: a constant factor ``> 0`` on the logits (MuP's output multiplier).
         ignore_index: the label of rows that count nowhere (logprob 0).
-        vocab: this rank's rows of the vocabulary (``weight`` is rows
-            ``[vocab.start, vocab.end)`` of ``vocab.size``); ``None``: the
-            weight is the whole vocabulary. A shard needs ``collectives``.
-        collectives: the vocab-parallel group's ``hookspec.Collectives``
-            (``gather_hidden_states`` for sequence parallel, the reductions);
-            ``None`` for one process.
-        backend: ``"triton"`` (cuBLAS GEMMs, Triton kernels for the passes over
-            each tile; on a CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
-            (cuBLAS GEMMs, torch ops), or ``"auto"``: the device class's measured
-            choice, else Triton on CUDA where installed, torch on a CPU and for
-            float64.
-        compute_dtype: the GEMM operands' dtype; default float32 on a CPU,
-            float64 where an input is float64, the input dtype elsewhere.
-            Products accumulate in fp32 (fp64) whatever it is.
-        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``:
-            the default per device (:mod:`torch_impl.processors` ``TILE_BYTES``,
-            ``TILES_BY_DEVICE``). Functions whose tiles hold whole rows read
+        vocab: the weight's rows ``[vocab.start, vocab.end)`` of ``vocab.size``;
+            ``None``: the whole vocabulary. A shard needs ``collectives``.
+        collectives: the vocab-parallel group's ``hookspec.Collectives`` (the
+            reductions, ``gather_hidden_states``); ``None`` for one process.
+        backend: ``"triton"`` (Triton kernels for the passes over each tile; on a CPU
+            only under ``TRITON_INTERPRET=1``), ``"torch"``, or ``"auto"``: the device
+            class's measured choice, else Triton on CUDA where installed, else torch.
+        compute_dtype: the GEMM operands' dtype, accumulating in fp32 (fp64); default
+            float64 where an input is, float32 on a CPU, the input dtype elsewhere.
+        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``: the
+            device's default (``TILE_BYTES``, ``TILES_BY_DEVICE``). Row sweeps read
             ``tile_rows`` only.
         check_values: read the labels and a tensor temperature to check them
-            (at once on a CPU, deferred without a host read on a GPU).
+            (deferred, without a host read, on a GPU).
         softcap: ``s > 0`` caps the logits before the temperature (Gemma's
-            ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``
-            (``hookspec.conventions``); ``None``: off.
+            ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``; ``None``: off.
 
-    Two options are equal when their fields are, a tensor temperature by identity
-    (the same tensor object: comparing values would read them, a host read on a GPU,
-    and a tensor changed in place would change the options); the hash agrees.
+    Equal options have equal fields, a tensor temperature the same object (comparing
+    its values would be a host read); the hash agrees.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -97,16 +89,15 @@ class LinearOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        if not isinstance(self.temperature, torch.Tensor):
-            check_temperature(self.temperature, 1)
-        elif self.temperature.dim() > 0:
-            check_floating("temperature", self.temperature)
-            if self.temperature.dim() != 1:  # a [b, s] flattened would give each row another token's T
-                raise ContractError(
-                    "temperature",
-                    expected="a number or a tensor [n] (one per gathered row, s-major)",
-                    actual=format_shape(self.temperature.shape),
-                )
+        t = self.temperature
+        if not isinstance(t, torch.Tensor):
+            check_temperature(t, 1)
+        elif t.dim() > 0 and check_floating("temperature", t).dim() != 1:  # a [b, s] is not the rows
+            raise ContractError(
+                "temperature",
+                expected="a number or a tensor [n] (one per gathered row, s-major)",
+                actual=format_shape(t.shape),
+            )
         put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
@@ -137,9 +128,8 @@ class LinearOptions:
         return (temperature, *rest)
 
     def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
+        if not isinstance(other, LinearOptions) or other.__class__ is not self.__class__:
             return NotImplemented
-        assert isinstance(other, LinearOptions)
         return self._key() == other._key()
 
     def __hash__(self) -> int:
@@ -198,8 +188,12 @@ def prologue(
     (``hookspec.collectives.checked_collectives``; a keyword that moved into it raises
     ``TypeError`` naming its field); ``h`` the checked ``hidden`` ``[n_local, h]``
     gathered to the rows every vocab shard needs (``collectives.gather_hidden_states``,
-    whose backward sums the shards' gradients); ``setup`` the call's checked
-    :class:`TileSetup` (:func:`_make_setup`)."""
+    whose backward sums the shards' gradients); ``setup`` the call's :class:`TileSetup`,
+    ``weight``, ``labels`` ``[n]``, ``bias`` (:func:`check_bias`) and the mean logit's
+    column weights ``c [V_local]`` (``mean_weights``) checked, each but ``weight``
+    ``None`` where absent. ``fold``: the torch backend may multiply the hidden rows by
+    ``1 / T`` instead of each logits tile (not where equal logits must stay equal:
+    top-k's ties)."""
     refuse_unexpected(function, unexpected, options=True)
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
@@ -214,21 +208,68 @@ def prologue(
     if check_floating("hidden", hidden).dim() != 2:
         raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
     h = hidden if checked is None else checked.gather_hidden_states(hidden)
-    return options, h, _make_setup(h, weight, labels, options, fold, bias, mean_weights)
-
-
-def _mean_weights(weights: Any, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``mean_logit_weights`` checked (a floating tensor ``[V_local]``), detached, in ``dtype``."""
-    if not (
-        isinstance(weights, torch.Tensor) and weights.dtype.is_floating_point and weights.shape == (local,)
-    ):
-        actual = (
-            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
-        )
+    check_floating("weight", weight)
+    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
+    n, width = h.shape
+    if weight.dim() != 2 or weight.shape[1] != width:
         raise ContractError(
-            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+            "weight", expected=f"shape [V_local, h={width}]", actual=format_shape(weight.shape)
         )
-    return weights.detach().to(device=device, dtype=dtype).contiguous()
+    if weight.device != h.device:
+        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
+    local = int(weight.shape[0])
+    if vocab is not None:
+        _check_shard(vocab, local, options.collectives)
+    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
+    triton = _backend(options.backend, h, weight)
+    if labels is None:
+        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
+    else:
+        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
+        y = y.to(device=h.device, dtype=torch.long)
+    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    # float64 if either operand is, as torch would promote (Triton refused float64 above);
+    # Triton's default is the input dtype on a CPU too
+    wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
+    cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype or (h.dtype if triton else None))
+    if triton and cdtype == torch.float64:
+        raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
+    acc = torch.float64 if cdtype == torch.float64 else torch.float32
+    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
+    # an exact float64 quotient of its (float32) values
+    scale = options.logit_scale
+    inv_t: torch.Tensor | float = (
+        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
+    )
+    bias = None if bias is None else check_bias(bias, weight, options.check_values)
+    if mean_weights is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
+        c = check_floating("mean_logit_weights", mean_weights)
+        check_shape("mean_logit_weights", c, (local,), f"[V_local={local}] (or None)")
+        mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
+    rows = row_tile(n, local, h.device, rows=options.tile_rows)
+    ignored = y == options.ignore_index
+    local_row = y - start
+    in_shard = (local_row >= 0) & (local_row < local) & ~ignored
+    setup = TileSetup(
+        labels_local=torch.where(in_shard, local_row, -1),
+        ignored=ignored,
+        inv_t=inv_t,
+        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
+        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
+        compute_dtype=cdtype,
+        acc_dtype=acc,
+        vocab_start=start,
+        vocab_size=size,
+        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
+        row_tile=rows,
+        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
+        collectives=options.collectives,
+        kernel=kernel_config(h.device) if triton else None,
+        bias=bias,
+        cap_k=None if options.softcap is None else scale / options.softcap,
+        mean_weights=mean_weights,
+    )
+    return options, h, setup
 
 
 def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:
@@ -306,77 +347,4 @@ def refuse_function_transforms(**tensors: Any) -> None:
         "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
         "rows instead of vmap (the functions take any number of rows)",
         actual="a call inside a torch.func transform",
-    )
-
-
-def _make_setup(
-    h: torch.Tensor,
-    weight: Any,
-    labels: Any,
-    options: LinearOptions,
-    fold: bool,
-    bias: Any,
-    mean_weights: Any,
-) -> TileSetup:
-    """Check one call's tensors against ``options``: ``h`` gathered, ``labels`` ``[n]``,
-    ``bias`` (:func:`check_bias`) and the mean logit's column weights ``c [V_local]``
-    (``mean_logit_weights``), each ``None`` where absent. ``fold``: the torch backend
-    may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
-    equal logits must stay equal: top-k's ties)."""
-    check_floating("weight", weight)
-    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
-    n, hidden = h.shape
-    if weight.dim() != 2 or weight.shape[1] != hidden:
-        raise ContractError(
-            "weight", expected=f"shape [V_local, h={hidden}]", actual=format_shape(weight.shape)
-        )
-    if weight.device != h.device:
-        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
-    local = int(weight.shape[0])
-    vocab = options.vocab
-    if vocab is not None:
-        _check_shard(vocab, local, options.collectives)
-    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
-    triton = _backend(options.backend, h, weight)
-    if labels is None:
-        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
-    else:
-        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
-        y = y.to(device=h.device, dtype=torch.long)
-    t = check_temperature(options.temperature, n, check_values=options.check_values)
-    # float64 if either operand is, as torch would promote (Triton refused float64 above);
-    # Triton's default is the input dtype on a CPU too
-    wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
-    cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype or (h.dtype if triton else None))
-    if triton and cdtype == torch.float64:
-        raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
-    acc = torch.float64 if cdtype == torch.float64 else torch.float32
-    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
-    # an exact float64 quotient of its (float32) values
-    scale = options.logit_scale
-    inv_t: torch.Tensor | float = (
-        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
-    )
-    rows = row_tile(n, local, h.device, rows=options.tile_rows)
-    ignored = y == options.ignore_index
-    local_row = y - start
-    in_shard = (local_row >= 0) & (local_row < local) & ~ignored
-    return TileSetup(
-        labels_local=torch.where(in_shard, local_row, -1),
-        ignored=ignored,
-        inv_t=inv_t,
-        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
-        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
-        compute_dtype=cdtype,
-        acc_dtype=acc,
-        vocab_start=start,
-        vocab_size=size,
-        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
-        row_tile=rows,
-        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
-        collectives=options.collectives,
-        kernel=kernel_config(h.device) if triton else None,
-        bias=None if bias is None else check_bias(bias, weight, options.check_values),
-        cap_k=None if options.softcap is None else scale / options.softcap,
-        mean_weights=None if mean_weights is None else _mean_weights(mean_weights, local, h.device, acc),
     )
