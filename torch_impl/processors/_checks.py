@@ -59,10 +59,7 @@ def check_finite_number(
 ) -> float:
     """``value`` as a ``float``: a real number (Python or NumPy, not ``bool``, not a
     tensor), finite, and in ``[low, high]`` (``low_open``/``high_open``: that end
-    excluded; ``None``: unbounded). Raises ``ContractError(field, ...)``::
-
-        check_finite_number("logit_scale", x, low=0.0, low_open=True)   # finite x > 0
-    """
+    excluded; ``None``: unbounded)."""
     where = _interval(low, high, low_open, high_open)
     expected = f"a finite number {where}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -122,12 +122,9 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     # a tensor on the meta device (the context's fields, the user context's entries)
     # is refused by name before torch fails deep inside
     user = ctx.context
-    if isinstance(user, typing.Mapping):
-        named = [(f"context.{k}", v) for k, v in user.items()]
-    elif dataclasses.is_dataclass(user) and not isinstance(user, type):
-        named = [(f"context.{f.name}", getattr(user, f.name)) for f in dataclasses.fields(user)]
-    else:
-        named = []
+    if dataclasses.is_dataclass(user) and not isinstance(user, type):
+        user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
+    named = [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
     for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
         refuse_meta(value, field=field)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):

@@ -22,7 +22,6 @@ from ._checks import (
     check_finite_number,
     check_floating,
     check_int,
-    check_shape,
     check_temperature,
     check_token_labels,
     resolve_compute_dtype,
@@ -31,10 +30,7 @@ from ._engine import TileSetup
 from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
 
 __all__ = [
-    "BACKENDS",
-    "Backend",
     "LinearOptions",
-    "RENAMED",
     "prologue",
     "refuse_unexpected",
 ]
@@ -243,8 +239,12 @@ def prologue(
     )
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
     if mean_weights is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
-        c = check_floating("mean_logit_weights", mean_weights)
-        check_shape("mean_logit_weights", c, (local,), f"[V_local={local}] (or None)")
+        c = mean_weights
+        if not (isinstance(c, torch.Tensor) and c.dtype.is_floating_point and c.shape == (local,)):
+            actual = f"{type(c).__name__} {getattr(c, 'dtype', '')} {tuple(getattr(c, 'shape', ()))}"
+            raise ContractError(
+                "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+            )
         mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
     rows = row_tile(n, local, h.device, rows=options.tile_rows)
     ignored = y == options.ignore_index
@@ -336,11 +336,8 @@ def refuse_function_transforms(**tensors: Any) -> None:
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is None or functorch.maybe_current_level() is None:
         return
-    wrapped = [
-        k
-        for k, v in tensors.items()
-        if isinstance(v, torch.Tensor) and functorch.is_functorch_wrapped_tensor(v)
-    ]
+    is_wrapped = functorch.is_functorch_wrapped_tensor
+    wrapped = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and is_wrapped(v)]
     raise ContractError(
         wrapped[0] if wrapped else next(iter(tensors)),
         expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
