@@ -147,9 +147,8 @@ RENAMED: dict[str, str] = {
 
 def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = False) -> None:
     """Raise ``TypeError`` for keywords a signature does not take (``**unexpected:
-    Never``, so that a type checker refuses them too), naming where a moved one went:
-    a field of :class:`LinearOptions` (``options``: a tensor function's), else the
-    processor factory's ``tile_rows=`` / ``tile_cols=``."""
+    Never``), naming where a moved one went: a field of :class:`LinearOptions`
+    (``options``: a tensor function's), else the factory's ``tile_rows=``/``tile_cols=``."""
     if not extra:
         return
     fields = {f.name for f in dataclasses.fields(LinearOptions)}
@@ -179,17 +178,15 @@ def prologue(
     bias: Any = None,
     mean_weights: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
-    """Every tensor function's first lines: ``(options, h, setup)``. ``options``
+    """Every tensor function's first lines, ``(options, h, setup)``: ``options``
     (default ``LinearOptions()``) with its collectives' results checked
-    (``hookspec.collectives.checked_collectives``; a keyword that moved into it raises
-    ``TypeError`` naming its field); ``h`` the checked ``hidden`` ``[n_local, h]``
-    gathered to the rows every vocab shard needs (``collectives.gather_hidden_states``,
-    whose backward sums the shards' gradients); ``setup`` the call's :class:`TileSetup`,
-    ``weight``, ``labels`` ``[n]``, ``bias`` (:func:`check_bias`) and the mean logit's
-    column weights ``c [V_local]`` (``mean_weights``) checked, each but ``weight``
-    ``None`` where absent. ``fold``: the torch backend may multiply the hidden rows by
-    ``1 / T`` instead of each logits tile (not where equal logits must stay equal:
-    top-k's ties)."""
+    (``hookspec.collectives.checked_collectives``); ``h`` the checked ``hidden``
+    ``[n_local, h]`` gathered to the rows every vocab shard needs
+    (``collectives.gather_hidden_states``; its backward sums the shards' gradients);
+    ``setup`` the call's :class:`TileSetup` from the checked ``weight``, ``labels``
+    ``[n]``, ``bias`` and mean-logit column weights ``c [V_local]`` (each ``None``
+    where absent). ``fold``: the torch backend may scale the hidden rows by ``1 / T``,
+    not each logits tile (not where equal logits must stay equal: top-k's ties)."""
     refuse_unexpected(function, unexpected, options=True)
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
