@@ -59,10 +59,7 @@ def check_finite_number(
 ) -> float:
     """``value`` as a ``float``: a real number (Python or NumPy, not ``bool``, not a
     tensor), finite, and in ``[low, high]`` (``low_open``/``high_open``: that end
-    excluded; ``None``: unbounded). Raises ``ContractError(field, ...)``::
-
-        check_finite_number("logit_scale", x, low=0.0, low_open=True)   # finite x > 0
-    """
+    excluded; ``None``: unbounded)."""
     where = _interval(low, high, low_open, high_open)
     expected = f"a finite number {where}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -80,11 +77,7 @@ def check_finite_number(
 
 def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
-    ``[low, high]`` and within int64 (every integer option ends up in a tensor or a
-    kernel argument). Raises ``ContractError(field, ...)``::
-
-        check_int("tile_rows", n, low=1)
-    """
+    ``[low, high]`` and within int64 (it ends up in a tensor or a kernel argument)."""
     expected = f"an int {_interval(low, high, False, False)}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ContractError(field, expected=expected, actual=_describe(value))
@@ -122,9 +115,8 @@ def _describe(value: Any) -> str:
 
 
 def context_field(context: Any, name: str) -> Any:
-    """``context[name]`` when the user context is a mapping (how veRL passes it),
-    else ``getattr(context, name)``; ``None`` when absent. The one way every
-    processor reads the user context."""
+    """``context[name]`` for a mapping (how veRL passes it), else
+    ``getattr(context, name)``; ``None`` when absent."""
     if isinstance(context, Mapping):
         return context.get(name)
     return getattr(context, name, None)
@@ -161,24 +153,17 @@ def check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) ->
 def check_temperature(
     temperature: Any, n: int, *, field: str = "temperature", check_values: bool = True
 ) -> float | torch.Tensor:
-    """A finite ``T > 0``: a Python number, or a tensor of shape ``[n]`` (one per token;
-    a ``[b, s]`` tensor is refused, not flattened: the rows are ``s``-major).
-
-    Returns a float or a tensor ``[n]`` (float32, or float64 when given float64). A
-    tensor's values are checked only with ``check_values``, without a host read on
-    CUDA (:func:`torch_impl.value_checks.check_positive_deferred`).
-    """
+    """A finite ``T > 0``: a number, or a tensor ``[n]`` (one per row; a ``[b, s]`` is
+    refused, not flattened), returned as a float or a float32 (float64 if given) tensor
+    whose values are checked with ``check_values``, without a host read on CUDA."""
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() == 0:
             temperature = float(temperature)
         else:
-            check_floating(field, temperature)
-            if tuple(temperature.shape) != (n,):  # the shape, not the count: a [b, s] is not [s * b]
-                raise ContractError(
-                    field,
-                    expected=f"a number or a tensor [n={n}] (one value per row, in the rows' order)",
-                    actual=format_shape(temperature.shape),
-                )
+            check_floating(field, temperature)  # the shape, not the count: a [b, s] is not [s * b]
+            check_shape(
+                field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)"
+            )
             t = temperature.detach().reshape(n)
             t = t.double() if t.dtype == torch.float64 else t.float()
             if check_values:
@@ -192,15 +177,10 @@ def check_temperature(
 def check_token_labels(
     labels: Any, n: int, vocab_size: int, ignore_index: int, *, check_values: bool
 ) -> torch.Tensor:
-    if not isinstance(labels, torch.Tensor):
-        raise ContractError("labels", expected="a torch.Tensor of token ids", actual=type(labels).__name__)
+    check_shape("labels", labels, (n,), f"[n={n}] of token ids (one per hidden-state row)")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise ContractError(
             "labels", expected="an integer dtype", actual=str(labels.dtype).removeprefix("torch.")
-        )
-    if tuple(labels.shape) != (n,):
-        raise ContractError(
-            "labels", expected=f"shape [n={n}] (one per hidden-state row)", actual=format_shape(labels.shape)
         )
     refuse_meta(labels, field="labels")
     if check_values:
@@ -215,25 +195,18 @@ def resolve_compute_dtype(
     CPU float32 (no fast bf16/fp16 GEMM there); elsewhere the input dtype."""
     if override is not None:
         return check_compute_dtype(override)
-    if dtype == torch.float64:
-        return torch.float64
-    if device.type == "cpu":
-        return torch.float32
-    return dtype
+    return torch.float32 if device.type == "cpu" and dtype != torch.float64 else dtype
 
 
 UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = ("logit_dtype", "output_logit_softcapping", "logit_softcapping")
-"""Config fields that would change the stock model's logits in a way the built-in
-processors do not follow (output logits in another dtype, softcapping by another
-name). None is read by the output path of megatron-core 0.13.1 to 0.19.2; a release
-that adds one gets a ``ContractError`` naming it when it is set, not a silent
-difference. ``final_logit_softcapping`` is followed (:func:`context_softcap`)."""
+"""Config fields that would change the stock logits in a way the built-in processors do
+not follow; none is read by megatron-core 0.13.1 to 0.19.2's output path, so a release
+that adds one gets a ``ContractError`` naming it when set, not a silent difference."""
 
 
 def context_softcap(ctx: Any) -> float | None:
-    """The model's final-logit softcap ``s`` where its config has the field
-    (``config.final_logit_softcapping``, Gemma's name; None, 0 or False: off), applied
-    after ``logit_scale`` (``hookspec.conventions``)."""
+    """The model's final-logit softcap ``s``, ``config.final_logit_softcapping``
+    (Gemma's name; None, 0 or False: off), applied after ``logit_scale``."""
     value = getattr(getattr(ctx, "config", None), "final_logit_softcapping", None)
     if value is None or value is False or (isinstance(value, numbers.Real) and value == 0):
         return None
@@ -241,26 +214,20 @@ def context_softcap(ctx: Any) -> float | None:
 
 
 _PROBE = (1.0, -2.0, 0.5, 3.0, 1e4, -1e6, 1e30, -1e-30)
-"""The values ``ctx.scale_logits`` is probed on, float64: from 1e-30 to 1e30 in
-size, both signs, so that a map that is ``c * z`` only on part of the range (a
-clamp or a softcap at any cap below 1e30, a flush of small values) is refused."""
+"""The float64 values ``ctx.scale_logits`` is probed on: both signs, 1e-30 to 1e30 in
+size, so that a clamp, a softcap or a flush of small values (``c * z`` on part of the
+range only) is refused."""
 
 
 def context_logit_scale(ctx: Any, *, processor: str) -> float:
-    """The factor ``c`` by which the stock model scales its logits, for a built-in
-    processor that forms ``c * hidden @ weight.T`` itself (it reads the weight,
-    not ``output_layer``): every model option that changes the stock logits is
-    followed here or refused by name.
+    """The factor ``c`` by which the stock model scales its logits, for a processor
+    that forms ``c * hidden @ weight.T`` itself; any other change to the stock logits
+    is refused by name (a set field of :data:`UNSUPPORTED_LOGIT_OPTIONS`).
 
-    - ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``, MuP's
-      ``config.mup_output_mult`` where ``config.use_mup``; the identity before
-      MuP) is probed on CPU values from 1e-30 to 1e30 in size (:data:`_PROBE`):
-      it must be ``x -> c * x`` with one finite ``c > 0`` on all of them, to
-      ``rtol=1e-6`` (float32 rounding passes); anything else (a clamp, a
-      softcap, an offset) is refused.
-    - With no ``scale_logits`` (a context built by hand), ``c`` is the config's
-      MuP multiplier (``use_mup``, ``mup_output_mult``), else 1.
-    - A set field of :data:`UNSUPPORTED_LOGIT_OPTIONS` on ``ctx.config`` is refused.
+    ``ctx.scale_logits`` (Megatron's ``LanguageModule._scale_logits``: MuP's
+    ``config.mup_output_mult`` where ``config.use_mup``) must be ``x -> c * x`` with
+    one finite ``c > 0`` on :data:`_PROBE`, to ``rtol=1e-6``. Without it (a context
+    built by hand) ``c`` is the config's MuP multiplier, else 1.
     """
     config = getattr(ctx, "config", None)
     for name in UNSUPPORTED_LOGIT_OPTIONS:

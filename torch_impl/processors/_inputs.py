@@ -12,10 +12,16 @@ from typing import Any
 import torch
 
 from hookspec import ContractError, OutputContext, validate_context
-from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred, refuse_meta
-from ._checks import check_floating, check_temperature, context_field, context_logit_scale, context_softcap
+from ._checks import (
+    check_floating,
+    check_shape,
+    check_temperature,
+    context_field,
+    context_logit_scale,
+    context_softcap,
+)
 from ._options import LinearOptions, refuse_function_transforms
 
 __all__ = [
@@ -53,7 +59,7 @@ class HookInputs:
     @property
     def acc_dtype(self) -> torch.dtype:
         """float64 where the hidden states or the weight are, else float32: the dtype of
-        per-token weights and masks (as torch would promote)."""
+        per-token weights and masks."""
         return torch.float64 if torch.float64 in (self.hidden.dtype, self.weight.dtype) else torch.float32
 
     @property
@@ -75,17 +81,15 @@ class HookInputs:
 
 
 def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:
-    """The mask ``M`` ``[b, s]`` of the tokens a loss counts: ``given`` (every token when
-    ``None``; a tensor ``[b, s]``), 0 where the label is the ignore index. Its values are
-    checked finite and ``>= 0`` when ``ctx.check_values`` (at once on a CPU, deferred
-    on a GPU); an entry that is not becomes NaN wherever it is, so the loss shows it."""
+    """The mask ``M`` ``[b, s]`` of the tokens a loss counts: ``given`` (``None``: every
+    token), 0 where the label is the ignore index. Its values are checked finite and
+    ``>= 0`` when ``ctx.check_values``; an entry that is not becomes NaN, so the loss
+    shows it."""
     device, dtype = x.hidden.device, x.acc_dtype
     if given is None:
         mask = torch.ones(x.b, x.s, dtype=dtype, device=device)
     else:
-        if not isinstance(given, torch.Tensor) or tuple(given.shape) != (x.b, x.s):
-            actual = format_shape(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
-            raise ContractError(field, expected=f"a tensor [b={x.b}, s={x.s}] like labels", actual=actual)
+        check_shape(field, given, (x.b, x.s), f"[b={x.b}, s={x.s}] like labels")
         if ctx.check_values:
             check_finite_deferred(given, field=field, nonnegative=True)
         mask = given.detach().to(device=device, dtype=dtype)
@@ -98,9 +102,8 @@ def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> t
 
 def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> HookInputs:
     """The one prologue of every processor: check what processor ``name`` reads from
-    ``ctx`` (shapes and types by ``hookspec.validate_context(check_values=False)``, so
-    that a direct call is checked too; the labels' range where the hook has not) and
-    return it as rows."""
+    ``ctx`` (``hookspec.validate_context(check_values=False)``, so that a direct call
+    is checked too; the labels' range where the hook has not) and return it as rows."""
     if not isinstance(ctx, OutputContext):
         raise ContractError(
             f"processor {name!r}", expected="a hookspec.OutputContext", actual=type(ctx).__name__
@@ -119,25 +122,18 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     # a tensor on the meta device (the context's fields, the user context's entries)
     # is refused by name before torch fails deep inside
     user = ctx.context
-    if isinstance(user, typing.Mapping):
-        named = [(f"context.{k}", v) for k, v in user.items()]
-    elif dataclasses.is_dataclass(user) and not isinstance(user, type):
-        named = [(f"context.{f.name}", getattr(user, f.name)) for f in dataclasses.fields(user)]
-    else:
-        named = []
+    if dataclasses.is_dataclass(user) and not isinstance(user, type):
+        user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
+    named = [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
     for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
         refuse_meta(value, field=field)
     if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
         raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
-    labels = None
-    if ctx.labels is not None:
-        if ctx.check_values and not ctx.labels_checked:
-            check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
-        b, s = int(ctx.labels.shape[0]), int(ctx.labels.shape[1])
-        labels = to_tokens(typing.cast(torch.Tensor, ctx.labels))
-    else:
-        s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
-        b = int(hs.shape[1])
+    if ctx.labels is not None and ctx.check_values and not ctx.labels_checked:
+        check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
+    # labels [b, s] where given (validate_context checked them against the hidden states)
+    s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
+    b = int(hs.shape[1])
     options = LinearOptions(
         ignore_index=ctx.ignore_index,
         vocab=ctx.vocab,
@@ -151,7 +147,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
         weight=typing.cast(torch.Tensor, ctx.vocab_weight),
-        labels=labels,
+        labels=None if ctx.labels is None else to_tokens(typing.cast(torch.Tensor, ctx.labels)),
         b=b,
         s=s,
         options=options,
@@ -168,11 +164,8 @@ def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tu
     psp = ctx.packed_seq_params
     if psp is None:
         return torch.arange(b, device=device)[:, None].expand(b, s), b
-    name = "cu_seqlens_q_padded"
+    name = "cu_seqlens_q" if getattr(psp, "cu_seqlens_q_padded", None) is None else "cu_seqlens_q_padded"
     cu = getattr(psp, name, None)
-    if cu is None:
-        name = "cu_seqlens_q"
-        cu = getattr(psp, name, None)
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1:
         raise ContractError(
             "packed_seq_params",
@@ -207,12 +200,7 @@ def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int)
     if from_context is None:
         return 1.0 if given is None else given
     if isinstance(from_context, torch.Tensor) and from_context.dim() > 0:
-        if tuple(from_context.shape) != (b, s):
-            raise ContractError(
-                "context.temperature",
-                expected=f"a number or shape [b={b}, s={s}]",
-                actual=format_shape(from_context.shape),
-            )
+        check_shape("context.temperature", from_context, (b, s), f"[b={b}, s={s}] (or a number)")
         return check_temperature(
             to_tokens(from_context), b * s, field="context.temperature", check_values=ctx.check_values
         )

@@ -26,19 +26,12 @@ from ._checks import (
     check_token_labels,
     resolve_compute_dtype,
 )
-from ._engine import TileSetup, refuse_double_backward
+from ._engine import TileSetup
 from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
 
 __all__ = [
-    "BACKENDS",
-    "Backend",
     "LinearOptions",
-    "RENAMED",
-    "gather_rows",
-    "resolve_options",
-    "make_setup",
     "prologue",
-    "refuse_double_backward",
     "refuse_unexpected",
 ]
 
@@ -53,38 +46,29 @@ class LinearOptions:
     construction (``ContractError``), the tensors' shapes at the call.
 
     Attributes:
-        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered
-            row; not differentiated; its values checked with ``check_values``).
-        logit_scale: a constant factor ``> 0`` on the logits (MuP's output
-            multiplier).
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row;
+            not differentiated).
+        logit_scale: a constant factor ``> 0`` on the logits (MuP's output multiplier).
         ignore_index: the label of rows that count nowhere (logprob 0).
-        vocab: this rank's rows of the vocabulary (``weight`` is rows
-            ``[vocab.start, vocab.end)`` of ``vocab.size``); ``None``: the
-            weight is the whole vocabulary. A shard needs ``collectives``.
-        collectives: the vocab-parallel group's ``hookspec.Collectives``
-            (``gather_hidden_states`` for sequence parallel, the reductions);
-            ``None`` for one process.
-        backend: ``"triton"`` (cuBLAS GEMMs, Triton kernels for the passes over
-            each tile; on a CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
-            (cuBLAS GEMMs, torch ops), or ``"auto"``: the device class's measured
-            choice, else Triton on CUDA where installed, torch on a CPU and for
-            float64.
-        compute_dtype: the GEMM operands' dtype; default float32 on a CPU,
-            float64 where an input is float64, the input dtype elsewhere.
-            Products accumulate in fp32 (fp64) whatever it is.
-        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``:
-            the default per device (:mod:`torch_impl.processors` ``TILE_BYTES``,
-            ``TILES_BY_DEVICE``). Functions whose tiles hold whole rows read
+        vocab: the weight's rows ``[vocab.start, vocab.end)`` of ``vocab.size``;
+            ``None``: the whole vocabulary. A shard needs ``collectives``.
+        collectives: the vocab-parallel group's ``hookspec.Collectives`` (the
+            reductions, ``gather_hidden_states``); ``None`` for one process.
+        backend: ``"triton"`` (Triton kernels for the passes over each tile; on a CPU
+            only under ``TRITON_INTERPRET=1``), ``"torch"``, or ``"auto"``: the device
+            class's measured choice, else Triton on CUDA where installed, else torch.
+        compute_dtype: the GEMM operands' dtype, accumulating in fp32 (fp64); default
+            float64 where an input is, float32 on a CPU, the input dtype elsewhere.
+        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``: the
+            device's default (``TILE_BYTES``, ``TILES_BY_DEVICE``). Row sweeps read
             ``tile_rows`` only.
         check_values: read the labels and a tensor temperature to check them
-            (at once on a CPU, deferred without a host read on a GPU).
+            (deferred, without a host read, on a GPU).
         softcap: ``s > 0`` caps the logits before the temperature (Gemma's
-            ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``
-            (``hookspec.conventions``); ``None``: off.
+            ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``; ``None``: off.
 
-    Two options are equal when their fields are, a tensor temperature by identity
-    (the same tensor object: comparing values would read them, a host read on a GPU,
-    and a tensor changed in place would change the options); the hash agrees.
+    Equal options have equal fields, a tensor temperature the same object (comparing
+    its values would be a host read); the hash agrees.
     """
 
     temperature: float | torch.Tensor = 1.0
@@ -101,16 +85,15 @@ class LinearOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        if not isinstance(self.temperature, torch.Tensor):
-            check_temperature(self.temperature, 1)
-        elif self.temperature.dim() > 0:
-            check_floating("temperature", self.temperature)
-            if self.temperature.dim() != 1:  # a [b, s] flattened would give each row another token's T
-                raise ContractError(
-                    "temperature",
-                    expected="a number or a tensor [n] (one per gathered row, s-major)",
-                    actual=format_shape(self.temperature.shape),
-                )
+        t = self.temperature
+        if not isinstance(t, torch.Tensor):
+            check_temperature(t, 1)
+        elif t.dim() > 0 and check_floating("temperature", t).dim() != 1:  # a [b, s] is not the rows
+            raise ContractError(
+                "temperature",
+                expected="a number or a tensor [n] (one per gathered row, s-major)",
+                actual=format_shape(t.shape),
+            )
         put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
@@ -141,9 +124,8 @@ class LinearOptions:
         return (temperature, *rest)
 
     def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
+        if not isinstance(other, LinearOptions) or other.__class__ is not self.__class__:
             return NotImplemented
-        assert isinstance(other, LinearOptions)
         return self._key() == other._key()
 
     def __hash__(self) -> int:
@@ -165,9 +147,8 @@ RENAMED: dict[str, str] = {
 
 def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = False) -> None:
     """Raise ``TypeError`` for keywords a signature does not take (``**unexpected:
-    Never``, so that a type checker refuses them too), naming where a moved one went:
-    a field of :class:`LinearOptions` (``options``: a tensor function's), else the
-    processor factory's ``tile_rows=`` / ``tile_cols=``."""
+    Never``), naming where a moved one went: a field of :class:`LinearOptions`
+    (``options``: a tensor function's), else the factory's ``tile_rows=``/``tile_cols=``."""
     if not extra:
         return
     fields = {f.name for f in dataclasses.fields(LinearOptions)}
@@ -185,33 +166,6 @@ def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = F
     raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
 
 
-def resolve_options(function: str, options: LinearOptions | None, extra: dict[str, Any]) -> LinearOptions:
-    """``options`` (default ``LinearOptions()``) with its collectives' results checked
-    (``hookspec.collectives.checked_collectives``); a keyword of the earlier signature
-    (``temperature=``, ``vocab_start=``, ...) raises ``TypeError`` naming its field of
-    :class:`LinearOptions`."""
-    refuse_unexpected(function, extra, options=True)
-    options = LinearOptions() if options is None else options
-    if not isinstance(options, LinearOptions):
-        raise ContractError(
-            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
-        )
-    vocab = options.vocab
-    tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
-    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
-    return options if checked is options.collectives else dataclasses.replace(options, collectives=checked)
-
-
-def gather_rows(hidden: Any, options: LinearOptions) -> torch.Tensor:
-    """The checked ``hidden`` ``[n_local, h]``, gathered to the rows every vocab shard
-    needs (``collectives.gather_hidden_states``, whose backward sums the shards'
-    hidden-state gradients)."""
-    if check_floating("hidden", hidden).dim() != 2:
-        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
-    coll = options.collectives
-    return hidden if coll is None else coll.gather_hidden_states(hidden)
-
-
 def prologue(
     function: str,
     hidden: Any,
@@ -224,38 +178,95 @@ def prologue(
     bias: Any = None,
     mean_weights: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
-    """Every tensor function's first lines: ``(options, h, setup)``, the options
-    resolved (:func:`resolve_options`), ``hidden`` gathered (:func:`gather_rows`) and
-    the call's :class:`TileSetup` (:func:`make_setup`), ``bias`` checked
-    (:func:`check_bias`) into it, and the mean logit's column weights ``c [V_local]``
-    (``mean_logit_weights``; ``None``: each 1)."""
-    options = resolve_options(function, options, unexpected)
-    h = gather_rows(hidden, options)
-    setup = make_setup(h, weight, labels, options, fold=fold)
-    if bias is not None:
-        setup = dataclasses.replace(setup, bias=check_bias(bias, weight, options.check_values))
-    if mean_weights is not None:
-        setup = dataclasses.replace(
-            setup, mean_weights=_mean_weights(mean_weights, setup, int(weight.shape[0]))
-        )
-    return options, h, setup
-
-
-def _mean_weights(weights: Any, setup: TileSetup, local: int) -> torch.Tensor:
-    """``mean_logit_weights`` checked (a floating tensor of this shard's size), detached,
-    in the accumulation dtype."""
-    if (
-        not isinstance(weights, torch.Tensor)
-        or not weights.dtype.is_floating_point
-        or weights.shape != (local,)
-    ):
-        actual = (
-            f"{type(weights).__name__} {getattr(weights, 'dtype', '')} {tuple(getattr(weights, 'shape', ()))}"
-        )
+    """Every tensor function's first lines, ``(options, h, setup)``: ``options``
+    (default ``LinearOptions()``) with its collectives' results checked
+    (``hookspec.collectives.checked_collectives``); ``h`` the checked ``hidden``
+    ``[n_local, h]`` gathered to the rows every vocab shard needs
+    (``collectives.gather_hidden_states``; its backward sums the shards' gradients);
+    ``setup`` the call's :class:`TileSetup` from the checked ``weight``, ``labels``
+    ``[n]``, ``bias`` and mean-logit column weights ``c [V_local]`` (each ``None``
+    where absent). ``fold``: the torch backend may scale the hidden rows by ``1 / T``,
+    not each logits tile (not where equal logits must stay equal: top-k's ties)."""
+    refuse_unexpected(function, unexpected, options=True)
+    options = LinearOptions() if options is None else options
+    if not isinstance(options, LinearOptions):
         raise ContractError(
-            "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
         )
-    return weights.detach().to(device=setup.labels_local.device, dtype=setup.acc_dtype).contiguous()
+    vocab = options.vocab
+    tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
+    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
+    if checked is not options.collectives:
+        options = dataclasses.replace(options, collectives=checked)
+    if check_floating("hidden", hidden).dim() != 2:
+        raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
+    h = hidden if checked is None else checked.gather_hidden_states(hidden)
+    check_floating("weight", weight)
+    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
+    n, width = h.shape
+    if weight.dim() != 2 or weight.shape[1] != width:
+        raise ContractError(
+            "weight", expected=f"shape [V_local, h={width}]", actual=format_shape(weight.shape)
+        )
+    if weight.device != h.device:
+        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
+    local = int(weight.shape[0])
+    if vocab is not None:
+        _check_shard(vocab, local, options.collectives)
+    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
+    triton = _backend(options.backend, h, weight)
+    if labels is None:
+        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
+    else:
+        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
+        y = y.to(device=h.device, dtype=torch.long)
+    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    # float64 if either operand is, as torch would promote (Triton refused float64 above);
+    # Triton's default is the input dtype on a CPU too
+    wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
+    cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype or (h.dtype if triton else None))
+    if triton and cdtype == torch.float64:
+        raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
+    acc = torch.float64 if cdtype == torch.float64 else torch.float32
+    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
+    # an exact float64 quotient of its (float32) values
+    scale = options.logit_scale
+    inv_t: torch.Tensor | float = (
+        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
+    )
+    bias = None if bias is None else check_bias(bias, weight, options.check_values)
+    if mean_weights is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
+        c = mean_weights
+        if not (isinstance(c, torch.Tensor) and c.dtype.is_floating_point and c.shape == (local,)):
+            actual = f"{type(c).__name__} {getattr(c, 'dtype', '')} {tuple(getattr(c, 'shape', ()))}"
+            raise ContractError(
+                "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
+            )
+        mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
+    rows = row_tile(n, local, h.device, rows=options.tile_rows)
+    ignored = y == options.ignore_index
+    local_row = y - start
+    in_shard = (local_row >= 0) & (local_row < local) & ~ignored
+    setup = TileSetup(
+        labels_local=torch.where(in_shard, local_row, -1),
+        ignored=ignored,
+        inv_t=inv_t,
+        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
+        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
+        compute_dtype=cdtype,
+        acc_dtype=acc,
+        vocab_start=start,
+        vocab_size=size,
+        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
+        row_tile=rows,
+        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
+        collectives=options.collectives,
+        kernel=kernel_config(h.device) if triton else None,
+        bias=bias,
+        cap_k=None if options.softcap is None else scale / options.softcap,
+        mean_weights=mean_weights,
+    )
+    return options, h, setup
 
 
 def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:
@@ -276,28 +287,19 @@ def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton kernels run: ``"auto"`` takes the device class's choice
     (:mod:`._backends`) for bf16/fp16/fp32, torch for float64."""
     fp64 = torch.float64 in (h.dtype, weight.dtype)
-    if backend == "auto":
-        return not fp64 and auto_choice(h.device).backend == "triton"
-    if backend == "triton":
-        if fp64:
-            raise ContractError(
-                "backend", expected="'torch' for float64 inputs (the kernels run in fp32)", actual="'triton'"
-            )
-        if not triton_available():
-            raise ContractError(
-                "backend", expected="'torch' or 'auto' (triton is not installed)", actual="'triton'"
-            )
-        mismatch = triton_mode_mismatch()
-        if mismatch:
-            raise ContractError("backend", expected=f"a Triton in one mode: {mismatch}", actual="'triton'")
-        if not (h.is_cuda or interpreting()):
-            raise ContractError(
-                "backend",
-                expected=f"'torch' or 'auto' for tensors on {h.device} (or TRITON_INTERPRET=1)",
-                actual="'triton'",
-            )
+    if backend != "triton":
+        return backend == "auto" and not fp64 and auto_choice(h.device).backend == "triton"
+    if fp64:
+        expected = "'torch' for float64 inputs (the kernels run in fp32)"
+    elif not triton_available():
+        expected = "'torch' or 'auto' (triton is not installed)"
+    elif mismatch := triton_mode_mismatch():
+        expected = f"a Triton in one mode: {mismatch}"
+    elif not (h.is_cuda or interpreting()):
+        expected = f"'torch' or 'auto' for tensors on {h.device} (or TRITON_INTERPRET=1)"
+    else:
         return True
-    return False
+    raise ContractError("backend", expected=expected, actual="'triton'")
 
 
 def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None) -> None:
@@ -325,91 +327,18 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
 
 def refuse_function_transforms(**tensors: Any) -> None:
     """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
-    transform level is active), naming the first of ``tensors`` it wraps. The tensor
+    transform level is active), naming the first of ``tensors`` it wraps: the tensor
     functions form their gradients in tiles outside autograd (old-style
-    ``autograd.Function``, no vmap rule); torch's own error ("must override the
-    setup_context staticmethod") named none of this."""
+    ``autograd.Function``, no vmap rule)."""
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is None or functorch.maybe_current_level() is None:
         return
-    wrapped = [
-        k
-        for k, v in tensors.items()
-        if isinstance(v, torch.Tensor) and functorch.is_functorch_wrapped_tensor(v)
-    ]
+    is_wrapped = functorch.is_functorch_wrapped_tensor
+    wrapped = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and is_wrapped(v)]
     raise ContractError(
         wrapped[0] if wrapped else next(iter(tensors)),
         expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
         "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
         "rows instead of vmap (the functions take any number of rows)",
         actual="a call inside a torch.func transform",
-    )
-
-
-def make_setup(
-    h: torch.Tensor, weight: Any, labels: Any, options: LinearOptions, *, fold: bool = True
-) -> TileSetup:
-    """Check one call's tensors (``h`` gathered; ``labels`` ``[n]`` or ``None``)
-    against ``options`` and build its :class:`TileSetup`. ``fold``: the torch backend
-    may multiply the hidden rows by ``1 / T`` instead of each logits tile (not where
-    equal logits must stay equal: top-k's ties)."""
-    check_floating("weight", weight)
-    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
-    n, hidden = h.shape
-    if weight.dim() != 2 or weight.shape[1] != hidden:
-        raise ContractError(
-            "weight", expected=f"shape [V_local, h={hidden}]", actual=format_shape(weight.shape)
-        )
-    if weight.device != h.device:
-        raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
-    local = int(weight.shape[0])
-    vocab = options.vocab
-    if vocab is not None:
-        _check_shard(vocab, local, options.collectives)
-    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
-    triton = _backend(options.backend, h, weight)
-    if labels is None:
-        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
-    else:
-        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
-        y = y.to(device=h.device, dtype=torch.long)
-    t = check_temperature(options.temperature, n, check_values=options.check_values)
-    # float64 if either operand is: a float32 weight with float64 hidden states (or the
-    # reverse) is multiplied exactly in float64, as torch's promotion would
-    wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
-    if triton:
-        cdtype = resolve_compute_dtype(h.device, h.dtype, options.compute_dtype or h.dtype)
-        if cdtype == torch.float64:
-            raise ContractError(
-                "compute_dtype", expected="not float64 with backend 'triton'", actual="float64"
-            )
-    else:
-        cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype)
-    acc = torch.float64 if cdtype == torch.float64 else torch.float32
-    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
-    # an exact float64 quotient of its (float32) values
-    scale = options.logit_scale
-    inv_t: torch.Tensor | float = (
-        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
-    )
-    rows = row_tile(n, local, h.device, rows=options.tile_rows)
-    ignored = y == options.ignore_index
-    local_row = y - start
-    in_shard = (local_row >= 0) & (local_row < local) & ~ignored
-    return TileSetup(
-        labels_local=torch.where(in_shard, local_row, -1),
-        ignored=ignored,
-        inv_t=inv_t,
-        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
-        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
-        compute_dtype=cdtype,
-        acc_dtype=acc,
-        vocab_start=start,
-        vocab_size=size,
-        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
-        row_tile=rows,
-        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
-        collectives=options.collectives,
-        kernel=kernel_config(h.device) if triton else None,
-        cap_k=None if options.softcap is None else scale / options.softcap,
     )
