@@ -43,11 +43,7 @@ def _tanh(u, k2):
 def _temper(u, k2, f, SOFTCAP: tl.constexpr):
     """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
     f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``)."""
-    if SOFTCAP:
-        z = _tanh(u, k2) * f
-    else:
-        z = u * f
-    return z
+    return (_tanh(u, k2) if SOFTCAP else u) * f
 
 
 @triton.jit
@@ -66,23 +62,19 @@ def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.const
 @triton.jit
 def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr):
     """A block's term of the mean logit's sum before its factor ``inv_t`` (``inv_t /
-    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights."""
-    zs = z
-    if SOFTCAP:
-        zs = _tanh(z, k2)
+    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights; 0 in
+    a masked column (``MASKED``: ``cw_ok`` False)."""
+    zs = _tanh(z, k2) if SOFTCAP else z
     if WEIGHTED:
-        if MASKED:
-            zs = zs * tl.load(cw_ptrs, mask=cw_ok, other=0.0)[None, :]
-        else:
-            zs = zs * tl.load(cw_ptrs)[None, :]
-    return zs
+        zs = zs * (tl.load(cw_ptrs, mask=cw_ok, other=0.0) if MASKED else tl.load(cw_ptrs))[None, :]
+    return tl.where(cw_ok[None, :], zs, 0.0) if MASKED else zs
 
 
 SOFT_BF16 = tl.constexpr(interpreting())
-"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, seen with
-triton 3.6 and 3.7), so under it bf16 is rounded on its bits; compiled, the
-conversion is the hardware's ``cvt.rn.bf16`` (round to nearest even): the same bits
-for every finite value and infinity. Read once, when this module is imported."""
+"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, triton 3.6
+and 3.7), so under it bf16 is rounded on its bits; compiled, the hardware's
+``cvt.rn.bf16`` rounds to nearest even: the same bits for every finite value and
+infinity. Read once, when this module is imported."""
 
 
 @triton.jit
@@ -170,9 +162,7 @@ def _chunk_stats_kernel(
     # the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
     m = tl.load(m_ptr + r, mask=row_ok, other=float("-inf"))
     s_in = tl.load(s_ptr + r, mask=row_ok, other=0.0)
-    t_in = tl.zeros((BLOCK_M,), tl.float32)
-    if WITH_ENTROPY:
-        t_in = tl.load(t_ptr + r, mask=row_ok, other=0.0)
+    t_in = tl.load(t_ptr + r, mask=row_ok, other=0.0) if WITH_ENTROPY else tl.zeros((BLOCK_M,), tl.float32)
     base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -193,8 +183,7 @@ def _chunk_stats_kernel(
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         if WITH_SUM:
-            zs = _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
-            u_l += tl.where((c < cols)[None, :], zs, 0.0)
+            u_l += _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
         )
@@ -269,16 +258,11 @@ def _logit_grad_kernel(
             # warp's stores until all of this step's loads are done.
             tl.debug_barrier()
         e = tl.exp2(zc * LOG2E)
-        if WITH_B:
-            gz = -e * (a[:, None] + b[:, None] * zc)
-        else:
-            gz = -e * a[:, None]
+        gz = -e * (a[:, None] + b[:, None] * zc) if WITH_B else -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         if WITH_U:
-            if WEIGHTED:
-                gz += u[:, None] * tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :]
-            else:
-                gz += u[:, None]
+            cw = tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :] if WEIGHTED else 1.0
+            gz += u[:, None] * cw
         gz = gz * inv_t[:, None]
         if SOFTCAP:
             gz = gz * (1.0 - th * th)
@@ -299,10 +283,7 @@ def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.cons
     s_l += e
     t_l += e * tl.maximum(zc, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
     m_l = tl.maximum(m_l, z)
-    if SOFTCAP:
-        _store_rounded(out_ptrs, e * (1.0 - th * th), mask)
-    else:
-        _store_rounded(out_ptrs, e, mask)
+    _store_rounded(out_ptrs, e * (1.0 - th * th) if SOFTCAP else e, mask)
     return m_l, s_l, t_l
 
 
@@ -456,10 +437,8 @@ def chunk_stats_(
         m = m_new
         sz += zt.sum(1)                          # where sz is given (zt @ cw[col0:] with cw)
 
-    ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
-    element, taken against the row's running max (a rescale of the per-lane sums only
-    in a step whose block raises it). ``cap_k``: a softcap, ``zt = tanh(z cap_k) *
-    inv_t / cap_k`` (:mod:`._tiles`)."""
+    ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else. ``cap_k``: a softcap,
+    ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
