@@ -308,83 +308,69 @@ def _exp_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
-    REDO: tl.constexpr,
     cap_k,
     SOFTCAP: tl.constexpr,
 ):
-    """:func:`exp_rows_`. Per element of a full block, 4 bytes read, 2 written and 10.5
-    SASS: FFMA (``zc``), FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``),
-    FMNMX (``m_l``), half a packed bf16 conversion."""
+    """:func:`exp_rows_`, both passes in one launch: a program owns its rows, so it redoes
+    its own flagged rows (``REDO``) after a barrier, its flags and maxima written first.
+    Per element of a full block, 4 bytes read, 2 written and 10.5 SASS: FFMA (``zc``),
+    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``),
+    half a packed bf16 conversion."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    if REDO:  # only the rows the first launch flagged, with c = their max
-        row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
-    if tl.max(row_ok.to(tl.int32), axis=0) > 0:
-        inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
-        # loads without a row mask (a row past the end reads the last row); stores masked
-        z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
-        out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
-        lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
-        here = row_ok & (lab >= 0) & (lab < cols)
-        zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-        zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
-        cc = tl.arange(0, BLOCK_N)
-        if REDO:
-            ref = tl.load(m_ptr + r, mask=row_ok, other=0.0)
-        else:
-            z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
-            ref = tl.maximum(
-                _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
-            )
-        ref = tl.where(row_ok, ref, 0.0)
-        m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
-        s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        full = cols - cols % BLOCK_N  # full blocks: loads without masks
-        z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
-        for c0 in range(0, full, BLOCK_N):
-            z = z_next
-            # the next block's load is issued before this block's arithmetic: two in flight
-            z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
-            out = out_rows + (c0 + cc)[None, :]
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
-        if full < cols:
-            c = full + cc
-            ok = row_ok[:, None] & (c < cols)[None, :]
-            z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP)
-        # the label's column is 0 in E: written above by whichever thread held it, so
-        # overwritten once every thread's stores are ordered before this one
-        tl.debug_barrier()
-        zero = tl.zeros((BLOCK_M, 1), tl.float32)
-        _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
-        tl.store(c_ptr + r, ref, mask=row_ok)
-        big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
-        tl.store(m_ptr + r, big_m, mask=row_ok)
-        tl.store(s_ptr + r, tl.sum(s_l, axis=1), mask=row_ok)
-        tl.store(t_ptr + r, tl.sum(t_l, axis=1), mask=row_ok)
-        tl.store(zy_ptr + r, zy, mask=row_ok)
-        if not REDO:
-            tl.store(redo_ptr + r, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
-
-
-# fmt: off
-@triton.jit
-def _exp_rows_both_kernel(
-    z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols, stride_z,
-    stride_out, exp_range, inv_t_scalar,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr, cap_k, SOFTCAP: tl.constexpr,
-):
-    """Both passes of :func:`exp_rows_` in one launch: a program owns its rows, so it
-    redoes its own flagged rows after a barrier (its flags and maxima written first)."""
-    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
-                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     False, cap_k, SOFTCAP)
-    tl.debug_barrier()
-    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
-                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     True, cap_k, SOFTCAP)
-# fmt: on
+    for REDO in tl.static_range(2):  # constexpr 0, then 1
+        if REDO:  # only the rows the first pass flagged, with c = their max
+            tl.debug_barrier()
+            row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) > 0:
+            inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
+            # loads without a row mask (a row past the end reads the last row); stores masked
+            z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
+            out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
+            lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
+            here = row_ok & (lab >= 0) & (lab < cols)
+            zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
+            zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
+            cc = tl.arange(0, BLOCK_N)
+            if REDO:
+                ref = tl.load(m_ptr + r, mask=row_ok, other=0.0)
+            else:
+                z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
+                ref = tl.maximum(
+                    _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
+                )
+            ref = tl.where(row_ok, ref, 0.0)
+            m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+            s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            full = cols - cols % BLOCK_N  # full blocks: loads without masks
+            z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
+            for c0 in range(0, full, BLOCK_N):
+                z = z_next
+                # the next block's load is issued before this block's arithmetic: two in flight
+                z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+                out = out_rows + (c0 + cc)[None, :]
+                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
+            if full < cols:
+                c = full + cc
+                ok = row_ok[:, None] & (c < cols)[None, :]
+                z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
+                m_l, s_l, t_l = _exp_step(
+                    z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP
+                )
+            # the label's column is 0 in E: written above by whichever thread held it, so
+            # overwritten once every thread's stores are ordered before this one
+            tl.debug_barrier()
+            zero = tl.zeros((BLOCK_M, 1), tl.float32)
+            _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
+            tl.store(c_ptr + r, ref, mask=row_ok)
+            big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
+            tl.store(m_ptr + r, big_m, mask=row_ok)
+            tl.store(s_ptr + r, tl.sum(s_l, axis=1), mask=row_ok)
+            tl.store(t_ptr + r, tl.sum(t_l, axis=1), mask=row_ok)
+            tl.store(zy_ptr + r, zy, mask=row_ok)
+            if not REDO:
+                tl.store(redo_ptr + r, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
 def _launch(
@@ -518,4 +504,4 @@ def exp_rows_(
     c, m, s, t, zy, flags = vectors
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    _launch(_exp_rows_both_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
+    _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
