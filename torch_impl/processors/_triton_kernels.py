@@ -312,7 +312,7 @@ def _exp_rows_kernel(
     SOFTCAP: tl.constexpr,
 ):
     """:func:`exp_rows_`, both passes in one launch: a program owns its rows, so it redoes
-    its own flagged rows (``REDO``) after a barrier, its flags and maxima written first.
+    its own flagged rows after a barrier, its flags and maxima written first.
     Per element of a full block, 4 bytes read, 2 written and 10.5 SASS: FFMA (``zc``),
     FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``),
     half a packed bf16 conversion."""
