@@ -15,14 +15,12 @@ import torch
 
 __all__ = ["MEASURED_CHOICES", "BackendChoice", "auto_choice", "device_class", "triton_available"]
 
-BackendName = Literal["torch", "triton"]
-
 
 @dataclasses.dataclass(frozen=True)
 class BackendChoice:
     """The backend ``"auto"`` picks, and whether a measurement on this class chose it."""
 
-    backend: BackendName
+    backend: Literal["torch", "triton"]
     measured: bool
     source: str  # where the measurement is recorded, or why there is none
 

@@ -24,41 +24,34 @@ _GEMM_OUT_DTYPE = (
 )
 
 
-def _out_dtype_gemm(a: torch.Tensor) -> bool:
-    """cuBLAS multiplies bf16/fp16 operands into an fp32 output here
-    (``torch.mm(..., out_dtype=torch.float32)``, CUDA only, torch >= 2.8)."""
-    return _GEMM_OUT_DTYPE and a.is_cuda
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
+    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
+    accumulator is written by its first GEMM, never zero-filled. Operands of ``out``'s
+    dtype multiply straight into it; bf16/fp16 operands into an fp32 ``out`` go through
+    ``torch.mm(a, b, out_dtype=torch.float32, out=out)`` on CUDA, torch >= 2.8 (fp32
+    accumulation, one fp32 result, no copy of either operand), else are upcast first
+    (the products of bf16 numbers are exact in fp32, so the result is the same)."""
+    same = a.dtype == out.dtype and b.dtype == out.dtype
+    if not same and not (_GEMM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype):
+        a, b, same = a.to(out.dtype), b.to(out.dtype), True
+    if same:
+        return torch.mm(a, b, out=out) if first else out.addmm_(a, b)
+    if first:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    try:
+        return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
+        return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b``: operands of ``out``'s dtype multiply straight into it; bf16/fp16
-    operands into an fp32 ``out`` go through ``torch.mm(a, b, out_dtype=torch.float32,
-    out=out)`` on CUDA (fp32 accumulation, one fp32 result, no copy of either operand),
-    else are upcast first (the products of bf16 numbers are exact in fp32, so the
-    result is the same)."""
-    if a.dtype == out.dtype and b.dtype == out.dtype:
-        return torch.mm(a, b, out=out)
-    if _out_dtype_gemm(a) and a.dtype == b.dtype:
-        return torch.mm(a, b, out_dtype=out.dtype, out=out)
-    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+    """``out = a @ b``, dtypes as :func:`gemm_into`."""
+    return gemm_into(out, a, b, first=True)
 
 
 def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out += a @ b`` in place, dtypes as :func:`mm_into`."""
-    if a.dtype == out.dtype and b.dtype == out.dtype:
-        return out.addmm_(a, b)
-    if _out_dtype_gemm(a) and a.dtype == b.dtype:
-        try:
-            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
-            return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
-    return out.addmm_(a.to(out.dtype), b.to(out.dtype))
-
-
-def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
-    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
-    accumulator is written by its first GEMM, never zero-filled."""
-    return mm_into(out, a, b) if first else addmm_into(out, a, b)
+    """``out += a @ b`` in place, dtypes as :func:`gemm_into`."""
+    return gemm_into(out, a, b, first=False)
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,8 @@ def single_pass(
     vec = torch.empty((5, eng.n), dtype=eng.setup.acc_dtype, device=eng.hs.device)
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        out = (
-            sink.tile(rows)
-            if sink.active
-            else eng.buffer("E", z.shape[0], z.shape[1], eng.setup.compute_dtype)
-        )
+        r, c = z.shape
+        out = sink.tile(rows) if sink.active else eng.buffer("E", r, c, eng.setup.compute_dtype)
         exp_rows(eng, z, rows, out, vec[:, rows])
         sink.commit(rows)
 

@@ -3,19 +3,12 @@
 (:func:`chunk_stats_`: one read; a running max per row, per-lane sums rescaled only when
 a block raises that max), the logit gradient (:func:`logit_grad_`: one read, one write),
 and the fused loss's single pass over whole rows (:func:`exp_rows_`: one read, one
-write). A program owns ``BLOCK_M`` whole rows: no atomics, the same bits run to run.
+write). A program owns ``BLOCK_M`` whole rows: no atomics, the same bits run to run;
+it issues its next block's load before the current block's arithmetic (two blocks in
+flight). Each kernel's docstring counts its SASS per element (sm_90, Triton 3.6, one
+row by 2048 columns a step, 4 warps); ``docs/gpu-design.md`` ("What each kernel issues
+per element") turns them into shares of an H200's issue slots and predictions.
 Imported on first use, so that ``TRITON_INTERPRET`` is read when the kernels are made.
-
-The budget of a pass at the copy bandwidth ``B`` on ``S`` SMs at clock ``f`` (an SM
-issues 128 thread-instructions a clock): ``B / (bytes_per_element * S * f)`` elements
-per SM a clock, so the share of issue slots it needs is ``sass_per_element *
-elements_per_clock / 128``. On an H200 (``B`` = 4.1 TB/s measured, 132 SMs, 1.6-1.98
-GHz): 3.9-4.9 elements a clock reading 4 bytes each, 2.6-3.2 reading 4 and writing 2.
-Each kernel's docstring gives its count (compiled for sm_90 by Triton 3.6, one row by
-2048 columns a step, 4 warps); ``docs/gpu-design.md`` turns them into predictions.
-Streaming also needs about 5 MB in flight over the GPU (the copy rate times the
-latency): each program issues its next block's load before the current block's
-arithmetic, two blocks in flight.
 """
 
 from __future__ import annotations
@@ -29,15 +22,6 @@ import triton.language as tl
 from ._geometry import EXP_RANGE, KernelConfig, interpreting
 
 __all__ = ["chunk_stats_", "exp_rows_", "logit_grad_"]
-
-
-@triton.jit
-def _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M: tl.constexpr, PER_TOKEN_T: tl.constexpr):
-    if PER_TOKEN_T:
-        inv_t = tl.load(inv_t_ptr + token, mask=row_ok, other=1.0)
-    else:
-        inv_t = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t_scalar
-    return inv_t
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -59,45 +43,47 @@ def _tanh(u, k2):
 def _temper(u, k2, f, SOFTCAP: tl.constexpr):
     """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
     f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``)."""
-    if SOFTCAP:
-        z = _tanh(u, k2) * f
+    return (_tanh(u, k2) if SOFTCAP else u) * f
+
+
+@triton.jit
+def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The rows' ``f`` and ``k2`` of :func:`_temper`: ``inv_t`` (per row or a scalar), or
+    ``inv_t / cap_k`` under ``SOFTCAP``."""
+    if PER_TOKEN_T:
+        inv_t = tl.load(inv_t_ptr + r, mask=row_ok, other=1.0)
     else:
-        z = u * f
-    return z
+        inv_t = tl.full(r.shape, 1.0, tl.float32) * inv_t_scalar
+    if SOFTCAP:
+        inv_t = inv_t / cap_k
+    return inv_t, cap_k * -2.0 * LOG2E
 
 
 @triton.jit
 def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr):
     """A block's term of the mean logit's sum before its factor ``inv_t`` (``inv_t /
-    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights."""
-    zs = z
-    if SOFTCAP:
-        zs = _tanh(z, k2)
+    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights; 0 in
+    a masked column (``MASKED``: ``cw_ok`` False)."""
+    zs = _tanh(z, k2) if SOFTCAP else z
     if WEIGHTED:
-        if MASKED:
-            zs = zs * tl.load(cw_ptrs, mask=cw_ok, other=0.0)[None, :]
-        else:
-            zs = zs * tl.load(cw_ptrs)[None, :]
-    return zs
+        zs = zs * (tl.load(cw_ptrs, mask=cw_ok, other=0.0) if MASKED else tl.load(cw_ptrs))[None, :]
+    return tl.where(cw_ok[None, :], zs, 0.0) if MASKED else zs
 
 
 SOFT_BF16 = tl.constexpr(interpreting())
-"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, seen with
-triton 3.6 and 3.7), so under it bf16 is rounded on its bits; compiled, the
-conversion is the hardware's ``cvt.rn.bf16`` (round to nearest even): the same bits
-for every finite value and infinity. Read once, when this module is imported."""
+"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, triton 3.6
+and 3.7), so under it bf16 is rounded on its bits; compiled, the hardware's
+``cvt.rn.bf16`` rounds to nearest even: the same bits for every finite value and
+infinity. Read once, when this module is imported."""
 
 
 @triton.jit
 def _store_rounded(ptrs, x, mask):
     """``x`` (fp32) stored in the pointers' dtype, rounded to nearest even."""
-    if SOFT_BF16:
-        if ptrs.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            tl.store(ptrs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+    if SOFT_BF16 and ptrs.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptrs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
@@ -160,34 +146,23 @@ def _chunk_stats_kernel(
     cw_ptr,
     WEIGHTED: tl.constexpr,
 ):
-    """Per element of a full block, 4 bytes read: FMNMX (the block max), FFMA (``d``),
-    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``): 6 ALU and one MUFU;
-    per block a cross-warp max and a branch. Compiled: 11.2 SASS per element (9.2
-    without entropy), 34-42% of an H200's issue at the copy rate (the per-lane
-    online update it replaces: 25.1, 77-95%). See :func:`chunk_stats_`. ``SOFTCAP``:
-    ``tanh`` an element more (one MUFU, a divide, three ALU), no byte more.
-    ``WITH_SUM``: one FADD more (and a ``tanh`` with ``SOFTCAP``)."""
+    """:func:`chunk_stats_`. Per element of a full block, 4 bytes read and 11.2 SASS (9.2
+    without entropy): FMNMX (the block max), FFMA (``d``), FMUL + MUFU (``exp2``), FADD
+    (``s_l``), FMNMX + FFMA (``t_l``); per block a cross-warp max and a branch.
+    ``SOFTCAP``: a ``tanh`` more (one MUFU, a divide, three ALU); ``WITH_SUM``: a FADD."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = r  # index into the tile's rows' vectors
-    inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
-    k2 = cap_k * -2.0 * LOG2E  # _tanh's
-    if SOFTCAP:
-        inv_t = inv_t / cap_k
+    inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
     # a row past the end reads the last row (no row mask on the loads) and stores nothing
     z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
-    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
+    lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
     zy_new = _temper(tl.sum(zy_new, axis=1), k2, inv_t, SOFTCAP)
-    # The row's running max m, starting from the earlier tiles'; every exponent is
-    # taken against it (through base, 0 while m is -inf), so the per-lane sums need a
-    # rescale only in a step whose block raises m; the earlier tiles' (s, t) ride along.
-    m = tl.load(m_ptr + token, mask=row_ok, other=float("-inf"))
-    s_in = tl.load(s_ptr + token, mask=row_ok, other=0.0)
-    t_in = tl.zeros((BLOCK_M,), tl.float32)
-    if WITH_ENTROPY:
-        t_in = tl.load(t_ptr + token, mask=row_ok, other=0.0)
+    # the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
+    m = tl.load(m_ptr + r, mask=row_ok, other=float("-inf"))
+    s_in = tl.load(s_ptr + r, mask=row_ok, other=0.0)
+    t_in = tl.load(t_ptr + r, mask=row_ok, other=0.0) if WITH_ENTROPY else tl.zeros((BLOCK_M,), tl.float32)
     base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -208,20 +183,19 @@ def _chunk_stats_kernel(
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         if WITH_SUM:
-            zs = _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
-            u_l += tl.where((c < cols)[None, :], zs, 0.0)
+            u_l += _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
         )
     if WITH_SUM:  # inv_t is inv_t / cap_k under SOFTCAP: the sum of the capped, tempered logits
-        sz = tl.load(sz_ptr + token, mask=row_ok, other=0.0)
-        tl.store(sz_ptr + token, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
-    tl.store(m_ptr + token, m, mask=row_ok)
-    tl.store(s_ptr + token, s_in + tl.sum(s_l, axis=1), mask=row_ok)
+        sz = tl.load(sz_ptr + r, mask=row_ok, other=0.0)
+        tl.store(sz_ptr + r, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
+    tl.store(m_ptr + r, m, mask=row_ok)
+    tl.store(s_ptr + r, s_in + tl.sum(s_l, axis=1), mask=row_ok)
     if WITH_ENTROPY:
-        tl.store(t_ptr + token, t_in + tl.sum(t_l, axis=1), mask=row_ok)
-    zy = tl.load(zy_ptr + token, mask=row_ok, other=0.0)
-    tl.store(zy_ptr + token, zy + zy_new, mask=row_ok)
+        tl.store(t_ptr + r, t_in + tl.sum(t_l, axis=1), mask=row_ok)
+    zy = tl.load(zy_ptr + r, mask=row_ok, other=0.0)
+    tl.store(zy_ptr + r, zy + zy_new, mask=row_ok)
 
 
 @triton.jit
@@ -252,24 +226,20 @@ def _logit_grad_kernel(
     cw_ptr,
     WEIGHTED: tl.constexpr,
 ):
-    """Per element, 4 bytes read and 2 (or 4) written: FFMA (``zc``), FMUL + MUFU
-    (``exp2``), FFMA + FMUL (``gz``), a compare and select (the label), the mask and
-    the conversion. Compiled: 14.2 SASS per element, 29-36% of an H200's issue at the
-    copy rate (20.3 with the software rounding; measured at about the copy rate).
-    ``SOFTCAP``: ``tanh`` and its slope ``1 - tanh**2`` an element more, no byte more."""
+    """:func:`logit_grad_`. Per element, 4 bytes read, 2 (or 4) written and 14.2 SASS:
+    FFMA (``zc``), FMUL + MUFU (``exp2``), FFMA + FMUL (``gz``), a compare and select
+    (the label), the mask and the conversion. ``SOFTCAP``: ``tanh`` and its slope more."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = r
-    lab = tl.load(lab_ptr + token, mask=row_ok, other=-1) - col0
-    inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
-    big_m = tl.load(max_ptr + token, mask=row_ok, other=0.0)
-    k2 = cap_k * -2.0 * LOG2E  # _tanh's
-    a = tl.load(a_ptr + token, mask=row_ok, other=0.0)
-    g = tl.load(g_ptr + token, mask=row_ok, other=0.0)
+    lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
+    inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, False)
+    big_m = tl.load(max_ptr + r, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + r, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + r, mask=row_ok, other=0.0)
     if WITH_B:
-        b = tl.load(b_ptr + token, mask=row_ok, other=0.0)
+        b = tl.load(b_ptr + r, mask=row_ok, other=0.0)
     if WITH_U:  # a uniform term of the row (d mean_logit / dz_j = 1 / V)
-        u = tl.load(u_ptr + token, mask=row_ok, other=0.0)
+        u = tl.load(u_ptr + r, mask=row_ok, other=0.0)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
     for c0 in range(0, cols, BLOCK_N):
@@ -288,16 +258,11 @@ def _logit_grad_kernel(
             # warp's stores until all of this step's loads are done.
             tl.debug_barrier()
         e = tl.exp2(zc * LOG2E)
-        if WITH_B:
-            gz = -e * (a[:, None] + b[:, None] * zc)
-        else:
-            gz = -e * a[:, None]
+        gz = -e * (a[:, None] + b[:, None] * zc) if WITH_B else -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
         if WITH_U:
-            if WEIGHTED:
-                gz += u[:, None] * tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :]
-            else:
-                gz += u[:, None]
+            cw = tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :] if WEIGHTED else 1.0
+            gz += u[:, None] * cw
         gz = gz * inv_t[:, None]
         if SOFTCAP:
             gz = gz * (1.0 - th * th)
@@ -318,10 +283,7 @@ def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.cons
     s_l += e
     t_l += e * tl.maximum(zc, -_FLT_MAX)  # 0, not 0 * -inf, for a -inf lane
     m_l = tl.maximum(m_l, z)
-    if SOFTCAP:
-        _store_rounded(out_ptrs, e * (1.0 - th * th), mask)
-    else:
-        _store_rounded(out_ptrs, e, mask)
+    _store_rounded(out_ptrs, e * (1.0 - th * th) if SOFTCAP else e, mask)
     return m_l, s_l, t_l
 
 
@@ -346,89 +308,69 @@ def _exp_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
-    REDO: tl.constexpr,
     cap_k,
     SOFTCAP: tl.constexpr,
 ):
-    """Per element of a full block, 4 bytes read and 2 written: FFMA (``zc``), FMUL +
-    MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``), half a
-    packed bf16 conversion: 6.5 ALU and one MUFU. Compiled: 10.5 SASS per element,
-    21-27% of an H200's issue at the copy rate (with the software rounding and a
-    compare per element it replaces: 22.9, 47-58%). See :func:`exp_rows_`."""
+    """:func:`exp_rows_`, both passes in one launch: a program owns its rows, so it redoes
+    its own flagged rows after a barrier, its flags and maxima written first.
+    Per element of a full block, 4 bytes read, 2 written and 10.5 SASS: FFMA (``zc``),
+    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``),
+    half a packed bf16 conversion."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    token = r
-    if REDO:  # only the rows the first launch flagged, with c = their max
-        row_ok = row_ok & (tl.load(redo_ptr + token, mask=row_ok, other=0) != 0)
-    if tl.max(row_ok.to(tl.int32), axis=0) > 0:
-        inv_t = _row_inv_t(inv_t_ptr, token, row_ok, inv_t_scalar, BLOCK_M, PER_TOKEN_T)
-        k2 = cap_k * -2.0 * LOG2E  # _tanh's
-        if SOFTCAP:
-            inv_t = inv_t / cap_k
-        # loads without a row mask (a row past the end reads the last row); stores masked
-        z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
-        out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
-        lab = tl.load(lab_ptr + token, mask=row_ok, other=-1)
-        here = row_ok & (lab >= 0) & (lab < cols)
-        zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-        zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
-        cc = tl.arange(0, BLOCK_N)
-        if REDO:
-            ref = tl.load(m_ptr + token, mask=row_ok, other=0.0)
-        else:
-            z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
-            ref = tl.maximum(
-                _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
-            )
-        ref = tl.where(row_ok, ref, 0.0)
-        m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
-        s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        full = cols - cols % BLOCK_N  # full blocks: loads without masks
-        z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
-        for c0 in range(0, full, BLOCK_N):
-            z = z_next
-            # the next block's load is issued before this block's arithmetic: two in flight
-            z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
-            out = out_rows + (c0 + cc)[None, :]
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
-        if full < cols:
-            c = full + cc
-            ok = row_ok[:, None] & (c < cols)[None, :]
-            z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-            m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP)
-        # the label's column is 0 in E: written above by whichever thread held it, so
-        # overwritten once every thread's stores are ordered before this one
-        tl.debug_barrier()
-        zero = tl.zeros((BLOCK_M, 1), tl.float32)
-        _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
-        tl.store(c_ptr + token, ref, mask=row_ok)
-        big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
-        tl.store(m_ptr + token, big_m, mask=row_ok)
-        tl.store(s_ptr + token, tl.sum(s_l, axis=1), mask=row_ok)
-        tl.store(t_ptr + token, tl.sum(t_l, axis=1), mask=row_ok)
-        tl.store(zy_ptr + token, zy, mask=row_ok)
-        if not REDO:
-            tl.store(redo_ptr + token, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
-
-
-# fmt: off
-@triton.jit
-def _exp_rows_both_kernel(
-    z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr, rows, cols, stride_z,
-    stride_out, exp_range, inv_t_scalar,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_TOKEN_T: tl.constexpr, cap_k, SOFTCAP: tl.constexpr,
-):
-    """Both passes of :func:`exp_rows_` in one launch: a program owns its rows, so it
-    redoes its own flagged rows after a barrier (its flags and maxima written first)."""
-    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
-                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     False, cap_k, SOFTCAP)
-    tl.debug_barrier()
-    _exp_rows_kernel(z_ptr, out_ptr, lab_ptr, inv_t_ptr, c_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, redo_ptr,
-                     rows, cols, stride_z, stride_out, exp_range, inv_t_scalar, BLOCK_M, BLOCK_N, PER_TOKEN_T,
-                     True, cap_k, SOFTCAP)
-# fmt: on
+    for REDO in tl.static_range(2):  # constexpr 0, then 1
+        if REDO:  # only the rows the first pass flagged, with c = their max
+            tl.debug_barrier()
+            row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) > 0:
+            inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
+            # loads without a row mask (a row past the end reads the last row); stores masked
+            z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
+            out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
+            lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
+            here = row_ok & (lab >= 0) & (lab < cols)
+            zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
+            zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
+            cc = tl.arange(0, BLOCK_N)
+            if REDO:
+                ref = tl.load(m_ptr + r, mask=row_ok, other=0.0)
+            else:
+                z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
+                ref = tl.maximum(
+                    _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
+                )
+            ref = tl.where(row_ok, ref, 0.0)
+            m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+            s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            full = cols - cols % BLOCK_N  # full blocks: loads without masks
+            z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
+            for c0 in range(0, full, BLOCK_N):
+                z = z_next
+                # the next block's load is issued before this block's arithmetic: two in flight
+                z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
+                out = out_rows + (c0 + cc)[None, :]
+                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
+            if full < cols:
+                c = full + cc
+                ok = row_ok[:, None] & (c < cols)[None, :]
+                z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
+                m_l, s_l, t_l = _exp_step(
+                    z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP
+                )
+            # the label's column is 0 in E: written above by whichever thread held it, so
+            # overwritten once every thread's stores are ordered before this one
+            tl.debug_barrier()
+            zero = tl.zeros((BLOCK_M, 1), tl.float32)
+            _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
+            tl.store(c_ptr + r, ref, mask=row_ok)
+            big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
+            tl.store(m_ptr + r, big_m, mask=row_ok)
+            tl.store(s_ptr + r, tl.sum(s_l, axis=1), mask=row_ok)
+            tl.store(t_ptr + r, tl.sum(t_l, axis=1), mask=row_ok)
+            tl.store(zy_ptr + r, zy, mask=row_ok)
+            if not REDO:
+                tl.store(redo_ptr + r, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
 def _launch(
@@ -481,10 +423,8 @@ def chunk_stats_(
         m = m_new
         sz += zt.sum(1)                          # where sz is given (zt @ cw[col0:] with cw)
 
-    ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else; one exponential an
-    element, taken against the row's running max (a rescale of the per-lane sums only
-    in a step whose block raises it). ``cap_k``: a softcap, ``zt = tanh(z cap_k) *
-    inv_t / cap_k`` (:mod:`._tiles`)."""
+    ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else. ``cap_k``: a softcap,
+    ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
     rows, cols = z.shape
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
@@ -528,20 +468,10 @@ def logit_grad_(
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else big_m
     b_ptr = a if b is None else b
     args = (z, out, labels_local, inv_ptr, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
-    _launch(
-        _logit_grad_kernel,
-        cfg,
-        rows,
-        args,
-        inv_t,
-        cap_k,
-        WITH_B=b is not None,
-        IN_PLACE=out.data_ptr() == z.data_ptr(),
-        u_ptr=a if u is None else u,
-        WITH_U=u is not None,
-        cw_ptr=a if cw is None else cw,
-        WEIGHTED=cw is not None,
-    )
+    in_place = out.data_ptr() == z.data_ptr()
+    flags = {"WITH_B": b is not None, "IN_PLACE": in_place, "u_ptr": a if u is None else u}
+    flags.update(WITH_U=u is not None, cw_ptr=a if cw is None else cw, WEIGHTED=cw is not None)
+    _launch(_logit_grad_kernel, cfg, rows, args, inv_t, cap_k, **flags)
     return out
 
 
@@ -574,4 +504,4 @@ def exp_rows_(
     c, m, s, t, zy, flags = vectors
     inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
     args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    _launch(_exp_rows_both_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
+    _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
