@@ -1,8 +1,5 @@
 """The losses' maths on per-token values (any shape), the formulas of
-``hookspec.conventions``: the policy-loss family (:class:`PolicyLossConfig`, the
-ratios, the KL estimators, the PPO token loss) and the aggregations every loss
-shares (:func:`aggregation_weights`).
-"""
+``hookspec.conventions``: the policy-loss family and the aggregations every loss shares."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ __all__ = [
     "masked_mean",
     "ppo_token_loss",
     "segment_sum",
-    "sequence_ratio_of",
-    "sequence_sums",
+    "symmetric_clamp",
     "weighted_sum",
     "weights_of",
 ]
@@ -60,18 +56,14 @@ class PolicyLossConfig:
         loss = aggregate(L, mask, aggregation)
 
     ``kl`` is the ``kl_estimator`` (k1, k2, k3) of ``log_ratio = clamp(ref - logp)``.
-    The clamp (default 20, as veRL) keeps ``exp`` finite so that a masked or
-    far-off-policy token cannot turn a gradient into NaN; ``None`` turns it off.
-    ``fused``: form the gradients in the forward pass when the loss is a sum of
-    per-token terms (``RatioLevel.TOKEN``); GSPO's sequence ratio always takes the
-    recomputing path.
+    The clamp (default 20, as veRL; ``None``: off) keeps ``exp`` finite. ``fused``: form
+    the gradients in the forward pass (``RatioLevel.TOKEN`` only; GSPO recomputes).
 
-    Ranges, checked at construction (``ContractError``; NumPy numbers are taken
-    and stored as ``float``): ``0 <= clip_low <= 1``; ``clip_high >= 0`` or
-    ``None`` (then ``clip_low``: :attr:`effective_clip_high`); ``dual_clip > 1``
-    or ``None``; ``kl_coef >= 0``; ``entropy_coef`` any finite number (negative:
-    an entropy penalty); ``log_ratio_clamp > 0`` or ``None``; every number
-    finite; ``fused`` a bool.
+    Ranges, checked at construction (``ContractError``; NumPy numbers stored as
+    ``float``, every number finite): ``0 <= clip_low <= 1``; ``clip_high >= 0`` or
+    ``None`` (then ``clip_low``); ``dual_clip > 1`` or ``None``; ``kl_coef >= 0``;
+    ``entropy_coef`` any (negative: an entropy penalty); ``log_ratio_clamp > 0`` or
+    ``None``; ``fused`` a bool.
 
     Deprecated for one release (``DeprecationWarning``): ``ratio`` as a string
     (pass :class:`RatioLevel`) and ``eps_high`` (read :attr:`effective_clip_high`).
@@ -154,7 +146,8 @@ class PolicyLossConfig:
         return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
 
 
-def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """``clamp(x, -bound, bound)``; ``x`` itself when ``bound`` is ``None``."""
     return x if bound is None else x.clamp(-bound, bound)
 
 
@@ -180,7 +173,7 @@ def kl_terms(
     logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
 ) -> torch.Tensor:
     """:func:`kl_penalty` on options already checked."""
-    log_ratio = _clamp(ref - logp, clamp)
+    log_ratio = symmetric_clamp(ref - logp, clamp)
     if estimator == KLEstimator.K1:
         return -log_ratio
     if estimator == KLEstimator.K2:
@@ -214,28 +207,6 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor, count: int) -> tor
     flat = values.reshape(-1)
     out = torch.zeros(count, dtype=flat.dtype, device=flat.device)
     return out.index_add(0, segments.reshape(-1), flat)
-
-
-def sequence_sums(
-    logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor, count: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num [count], den [count])``: ``num_k = sum_t M_t (logp_t - old_t)`` and
-    ``den_k = sum_t M_t`` over the tokens of sequence ``k`` held here (under
-    context parallel, this rank's part: the sums over the group make them whole);
-    ``logp - old`` is not read where ``M == 0``; ``den`` in ``num``'s dtype."""
-    diff = torch.where(mask > 0, logp - old, 0.0) * mask
-    num = segment_sum(diff, segments, count)
-    den = segment_sum(mask.to(num.dtype), segments, count)
-    return num, den
-
-
-def sequence_ratio_of(
-    num: torch.Tensor, den: torch.Tensor, segments: torch.Tensor, *, clamp: float | None
-) -> torch.Tensor:
-    """GSPO's ``log s_k = clamp(num_k / den_k)`` (:func:`sequence_sums`) broadcast to
-    each token's sequence (``0`` where ``den_k == 0``, NaN where it is NaN)."""
-    per_seq = num / torch.where(den == 0, 1.0, den)
-    return _clamp(per_seq[segments], clamp)
 
 
 def global_counts(owner: Any) -> dict[str, Any]:
@@ -302,10 +273,9 @@ def aggregation_weights(
         what = str(segments.dtype) if isinstance(segments, torch.Tensor) else type(segments).__name__
         raise ContractError("segments", expected="an integer tensor (each token's sequence)", actual=what)
     if segments.shape != mask.shape:
+        shape = format_shape(mask.shape)
         raise ContractError(
-            "segments",
-            expected=f"the shape of mask {format_shape(mask.shape)}",
-            actual=format_shape(segments.shape),
+            "segments", expected=f"the shape of mask {shape}", actual=format_shape(segments.shape)
         )
     count = check_int("count", count, low=0)
     check_indices_deferred(segments, count, field="segments")
