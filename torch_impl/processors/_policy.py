@@ -1,6 +1,5 @@
-"""The policy-loss processor: :class:`PolicyBatch` (its user context) and
-:func:`policy_loss`, on the formulas of :mod:`._loss_math`. What each input may hold:
-the table "What each input may hold" in ``docs/processors.md``."""
+"""The policy-loss processor: :class:`PolicyBatch` (its user context) and :func:`policy_loss`,
+on the formulas of :mod:`._loss_math` (what each input may hold: ``docs/processors.md``)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ from ._loss_math import (
     global_counts,
     kl_terms,
     masked_mean,
-    ppo_token_loss,
     segment_sum,
     symmetric_clamp,
     weighted_sum,
@@ -66,12 +64,11 @@ class PolicyBatch:
       ``ContractError`` (never "empty").
     - ``ref_logprobs``: the reference policy's logprobs, needed when ``kl_coef != 0``.
     - ``temperature``: the sampling temperature, a number or ``[b, s]``.
-    - ``global_tokens`` / ``global_sequences``: the token / sequence counts of
-      the whole loss split over ranks, finite numbers ``> 0`` (not tensors): they
-      replace the local ``sum(mask)`` / number of sequences, so that the ranks'
-      losses sum to the global loss. Give the one the aggregation reads (the
-      other is refused); under context parallel they are optional (the group's
-      sums are taken): give them for the data-parallel ranks beyond it.
+    - ``global_tokens`` / ``global_sequences``: the token / sequence counts of the
+      whole loss split over ranks, finite numbers ``> 0`` (not tensors), replacing
+      the local ``sum(mask)`` / number of sequences so that the ranks' losses sum to
+      the global loss. Give the one the aggregation reads (the other is refused);
+      optional under context parallel (give them for the data-parallel ranks).
 
     ``old_logprobs``, ``advantages`` and ``ref_logprobs`` are read at counted
     tokens only.
@@ -87,7 +84,7 @@ class PolicyBatch:
 
     def validate(self, b: int, s: int, *, need_ref: bool) -> None:
         """Shapes ``[b, s]``, floating dtypes; ``ref_logprobs`` when ``need_ref``;
-        the counts finite and ``> 0``. Reads no tensor values (the mask: ``counted_mask``)."""
+        the counts finite and ``> 0``. Reads no tensor values (the mask is checked where read)."""
         if need_ref and self.ref_logprobs is None:
             raise ContractError(
                 "context.ref_logprobs", expected="a tensor [b, s] (kl_coef != 0)", actual="None"
@@ -120,24 +117,15 @@ CpSum = Callable[[torch.Tensor], torch.Tensor]
 def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext) -> CpSum | None:
     """The sum over the context-parallel group the loss makes its per-sequence
     sums whole with (``ctx.collectives.all_reduce_sum_context_parallel``), or
-    ``None`` at ``cp_size`` 1.
-
-    Collectives without the method (spec 1.1), or the one-rank
-    :class:`~hookspec.SingleProcessCollectives`, are taken where the loss does not
-    need it (token-mean with ``global_tokens``, seq-mean-token-sum with
-    ``global_sequences``); GSPO and seq-mean-token-mean then raise
-    ``ContractError`` naming the method.
-    """
+    ``None`` at ``cp_size`` 1. Collectives without it, or of one rank, raise
+    ``ContractError`` only where the loss needs the sum (``docs/processors.md``)."""
     cp = ctx.parallel.cp_size
     if cp == 1:
         return None
     coll = ctx.collectives
     method = getattr(coll, "all_reduce_sum_context_parallel", None)
-    if (
-        callable(method)
-        and not isinstance(coll, SingleProcessCollectives)
-        and getattr(coll, "cp_size", None) != 1
-    ):
+    one_rank = isinstance(coll, SingleProcessCollectives) or getattr(coll, "cp_size", None) == 1
+    if callable(method) and not one_rank:
         return typing.cast(CpSum, method)
     need = "global_tokens" if config.aggregation == Aggregation.TOKEN_MEAN else "global_sequences"
     hint = "torch_impl builds it from Megatron's context-parallel group"
@@ -161,12 +149,9 @@ def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: Outp
 
 @dataclasses.dataclass(frozen=True)
 class TokenRows:
-    """The batch as hidden-state rows ``[n]`` (``s``-major), checked.
-
-    ``mask``: ``M`` (NaN where an entry is bad); ``weights``: the aggregation's
-    ``w`` with ``loss = sum(w * L)``; ``old``, ``adv``, ``ref``: detached,
-    ``adv`` 0 where ``M == 0`` (never read there).
-    """
+    """The batch as hidden-state rows ``[n]`` (``s``-major), checked and detached:
+    ``mask`` ``M`` (NaN where an entry is bad), ``weights`` ``w`` (``loss = sum(w * L)``),
+    ``old``, ``adv`` (0 where ``M == 0``), ``ref``."""
 
     mask: torch.Tensor
     weights: torch.Tensor
@@ -180,16 +165,24 @@ class TokenRows:
         return TokenRows(**fields)
 
 
+def _rows(mask: torch.Tensor, weights: torch.Tensor, batch: PolicyBatch) -> TokenRows:
+    device = mask.device
+    mask_t = to_tokens(mask)
+    return TokenRows(
+        mask=mask_t,
+        weights=to_tokens(weights),
+        old=to_tokens(batch.old_logprobs).detach().to(device),
+        adv=torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0),
+        ref=None if batch.ref_logprobs is None else to_tokens(batch.ref_logprobs).detach().to(device),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenTerms:
-    """The terms ``[r]`` of ``L = pg + kl_coef * kl - entropy_coef * entropy`` and the
-    ``logp``, ``entropy`` they are of; ``loss = sum(w * L)``.
-
-    ``pg``: the clipped policy-gradient term; ``kl``: the KL estimator to the
-    reference (``None`` without ``ref_logprobs``); ``clipped``: the clip branch
-    taken (bool); ``dual``: the dual-clip bound taken (bool, ``None`` without
-    ``dual_clip``).
-    """
+    """The terms ``[r]`` of ``L = pg + kl_coef * kl - entropy_coef * entropy``, the
+    ``logp`` and ``entropy`` they are of, and ``loss = sum(w * L)``. ``kl``: ``None``
+    without ``ref_logprobs``; ``clipped``: the clip branch taken (``-A clip(r) > -A r``);
+    ``dual``: ``A < 0`` and the bound ``-A dual_clip`` taken (``None`` without it)."""
 
     loss: torch.Tensor
     pg: torch.Tensor
@@ -207,14 +200,23 @@ def token_terms(
     config: PolicyLossConfig,
     log_ratio: torch.Tensor | None = None,
 ) -> TokenTerms:
-    """:class:`TokenTerms` of ``logp`` and ``entropy`` ``[r]`` against ``rows``
-    (``log_ratio``: GSPO's sequence log-ratio; default the token one, 0 where ``M == 0``)."""
+    """:class:`TokenTerms` of ``logp`` and ``entropy`` ``[r]`` against ``rows``, by
+    :class:`PolicyLossConfig`'s formula (``log_ratio``: GSPO's sequence log-ratio;
+    default the token one, 0 where ``M == 0``)."""
     live = rows.mask > 0
     if log_ratio is None:
-        log_ratio = symmetric_clamp(
-            torch.where(live, logp - rows.old.to(logp.dtype), 0.0), config.log_ratio_clamp
-        )
-    pg, clipped, dual = ppo_token_loss(log_ratio, rows.adv.to(logp.dtype), config)
+        log_ratio = torch.where(live, logp - rows.old.to(logp.dtype), 0.0)
+        log_ratio = symmetric_clamp(log_ratio, config.log_ratio_clamp)
+    adv = rows.adv.to(logp.dtype)
+    ratio = torch.exp(log_ratio)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.effective_clip_high)
+    pg = torch.maximum(pg1, pg2)
+    dual = None
+    if config.dual_clip is not None:
+        pg3 = -adv * config.dual_clip
+        dual = (adv < 0) & (pg > pg3)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
     total = pg
     kl = None
     if rows.ref is not None:
@@ -225,15 +227,14 @@ def token_terms(
     if config.entropy_coef != 0.0:
         total = total - config.entropy_coef * entropy
     loss = (total * rows.weights.to(logp.dtype)).sum()
-    return TokenTerms(loss=loss, pg=pg, kl=kl, clipped=clipped, dual=dual, logp=logp, entropy=entropy)
+    return TokenTerms(loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy)
 
 
 def _checked_mask(ctx: OutputContext, x: HookInputs, batch: PolicyBatch) -> torch.Tensor:
     """``M`` ``[b, s]``; with ``ctx.check_values``, the mask's values at every
     token and the batch's at the counted ones checked (deferred on a GPU)."""
-    from_batch = batch.mask is not None
-    given = batch.mask if from_batch else ctx.loss_mask
-    mask = counted_mask(ctx, x, given, "context.mask" if from_batch else "loss_mask")
+    field = "loss_mask" if batch.mask is None else "context.mask"
+    mask = counted_mask(ctx, x, ctx.loss_mask if batch.mask is None else batch.mask, field)
     if ctx.check_values:
         counted = mask > 0
         for name in ("old_logprobs", "advantages", "ref_logprobs"):
@@ -252,40 +253,38 @@ def _sequence_log_ratio(
     cp_sum: CpSum | None,
     clamp: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GSPO's log-ratio ``[b, s]`` and, under context parallel, each sequence's ``n_k``
+    """GSPO's log-ratio ``[n]`` and, under context parallel, each sequence's ``n_k``
     ``[count]`` over the group; the sums are made whole in one collective::
 
         num = segment_sum(M * (logp - old))    # [count]; logp - old not read where M == 0
         num, n = cp_sum(stack([num, segment_sum(M)]))
         log_ratio = clamp(num / n)[segments]   # 0 where n == 0
     """
-    diff = torch.where(mask > 0, logp - old.to(device=logp.device, dtype=logp.dtype), 0.0) * mask
+    logp_bs = from_tokens(logp, *mask.shape)
+    diff = torch.where(mask > 0, logp_bs - old.to(device=logp.device, dtype=logp.dtype), 0.0) * mask
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
     totals = None
     if cp_sum is not None:
         num, den = cp_sum(torch.stack([num, den])).unbind(0)
         totals = den.detach()
-    return symmetric_clamp((num / torch.where(den == 0, 1.0, den))[segments], clamp), totals
+    return to_tokens(symmetric_clamp((num / torch.where(den == 0, 1.0, den))[segments], clamp)), totals
 
 
 def _metrics(
-    loss: torch.Tensor, t: TokenTerms, rows: TokenRows, config: PolicyLossConfig, totals: torch.Tensor | None
+    t: TokenTerms, rows: TokenRows, config: PolicyLossConfig, totals: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
-    """The loss (NaN when a model output anywhere is: see the module docstring)
-    and the detached metrics; ``totals``: the sequences' ``n_k`` over the
-    context-parallel group, whose sum the means divide by (each rank's metric
-    is then its share: the ranks' metrics sum to the whole micro-batch's)."""
+    """The loss and the detached metrics; ``totals``: the sequences' ``n_k`` over the
+    context-parallel group, whose sum the means divide by (each rank's is its share)."""
     w = rows.weights.to(t.logp.dtype)
     m = rows.mask.to(t.logp.dtype)
     total = None if totals is None else totals.sum().to(m.dtype)
-    approx_kl = kl_terms(
-        t.logp.detach(), rows.old.to(t.logp.dtype), KLEstimator.K3, clamp=config.log_ratio_clamp
-    )
+    logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
+    approx_kl = kl_terms(logp, old, KLEstimator.K3, clamp=config.log_ratio_clamp)
     out = {
         # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
         # or the weight holds NaN/inf, even at an uncounted token.
-        "loss": loss + 0.0 * t.entropy.detach().sum(),
+        "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),
         "clip_fraction": masked_mean(t.clipped, m, total),
@@ -296,34 +295,6 @@ def _metrics(
     if t.dual is not None:
         out["dual_clip_fraction"] = masked_mean(t.dual, m, total)
     return out
-
-
-def _rows(
-    mask: torch.Tensor,
-    segments: torch.Tensor,
-    count: int,
-    batch: PolicyBatch,
-    config: PolicyLossConfig,
-    totals: torch.Tensor | None,
-) -> TokenRows:
-    """The batch as rows, with the aggregation's weights (``totals``: each
-    sequence's ``n_k`` summed over the context-parallel group, or ``None``)."""
-    device = mask.device
-    weights = weights_of(mask, segments, count, config.aggregation, **global_counts(batch), totals=totals)
-    mask_t = to_tokens(mask)
-    return TokenRows(
-        mask=mask_t,
-        weights=to_tokens(weights),
-        old=to_tokens(batch.old_logprobs).detach().to(device),
-        adv=torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0),
-        ref=None if batch.ref_logprobs is None else to_tokens(batch.ref_logprobs).detach().to(device),
-    )
-
-
-def _logprobs(x: HookInputs, options: LinearOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` ``[n]`` by ``linear_logprobs`` (logits recomputed in backward)."""
-    lr = linear_logprobs(x.hidden, x.weight, x.token_labels, options=options, with_entropy=True)
-    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
 
 
 def policy_loss(
@@ -369,16 +340,19 @@ def policy_loss(
         mask = _checked_mask(ctx, x, batch)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
         options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
-        log_ratio = None
+        log_ratio: torch.Tensor | None = None
+        totals: torch.Tensor | None = None
+        if not fused:  # autograd through linear_logprobs (logits recomputed in backward)
+            lr = linear_logprobs(x.hidden, x.weight, x.token_labels, options=options, with_entropy=True)
+            logp, entropy = lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
         if config.ratio == RatioLevel.SEQUENCE:
-            logp, entropy = _logprobs(x, options)
-            seqs = (mask, segments, count, cp_sum, config.log_ratio_clamp)
-            log_ratio, totals = _sequence_log_ratio(from_tokens(logp, x.b, x.s), batch.old_logprobs, *seqs)
-            log_ratio = to_tokens(log_ratio)
-        else:
-            # one collective: each sequence's token count over the context-parallel group
-            totals = None if cp_sum is None else cp_sum(segment_sum(mask, segments, count))
-        rows = _rows(mask, segments, count, batch, config, totals)
+            log_ratio, totals = _sequence_log_ratio(
+                logp, batch.old_logprobs, mask, segments, count, cp_sum, config.log_ratio_clamp
+            )
+        elif cp_sum is not None:  # one collective: each sequence's token count over the group
+            totals = cp_sum(segment_sum(mask, segments, count))
+        weights = weights_of(mask, segments, count, config.aggregation, **global_counts(batch), totals=totals)
+        rows = _rows(mask, weights, batch)
         if fused:  # gradients formed in the forward pass, tile by tile
 
             def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
@@ -388,12 +362,8 @@ def policy_loss(
             res = fused_token_loss(
                 x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=entropy_grad
             )
-            return _metrics(
-                res.loss, token_terms(res.logprobs, res.entropy, rows, config), rows, config, totals
-            )
-        if log_ratio is None:  # the token ratio by autograd
-            logp, entropy = _logprobs(x, options)
-        terms = token_terms(logp, entropy, rows, config, log_ratio)
-        return _metrics(terms.loss, terms, rows, config, totals)
+            terms = dataclasses.replace(token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss)
+            return _metrics(terms, rows, config, totals)
+        return _metrics(token_terms(logp, entropy, rows, config, log_ratio), rows, config, totals)
 
     return processor(fn, name="policy_loss")
