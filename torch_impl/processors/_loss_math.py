@@ -199,10 +199,9 @@ def check_counts(
             check_finite_number(f"{prefix}{name}", count, low=0.0, low_open=True)
     if how is None:
         return
-    token_mean = how == Aggregation.TOKEN_MEAN
-    used, unused = (
-        ("global_tokens", "global_sequences") if token_mean else ("global_sequences", "global_tokens")
-    )
+    used, unused = "global_tokens", "global_sequences"
+    if how != Aggregation.TOKEN_MEAN:
+        used, unused = unused, used
     if counts[unused] is not None:
         raise ContractError(
             f"{prefix}{unused}",

@@ -200,9 +200,8 @@ def token_terms(
     config: PolicyLossConfig,
     log_ratio: torch.Tensor | None = None,
 ) -> TokenTerms:
-    """:class:`TokenTerms` of ``logp`` and ``entropy`` ``[r]`` against ``rows``, by
-    :class:`PolicyLossConfig`'s formula (``log_ratio``: GSPO's sequence log-ratio;
-    default the token one, 0 where ``M == 0``)."""
+    """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by :class:`PolicyLossConfig`'s
+    formula; ``log_ratio``: GSPO's (default the token one, 0 where ``M == 0``)."""
     live = rows.mask > 0
     if log_ratio is None:
         log_ratio = torch.where(live, logp - rows.old.to(logp.dtype), 0.0)
@@ -264,11 +263,10 @@ def _sequence_log_ratio(
     diff = torch.where(mask > 0, logp_bs - old.to(device=logp.device, dtype=logp.dtype), 0.0) * mask
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
-    totals = None
     if cp_sum is not None:
         num, den = cp_sum(torch.stack([num, den])).unbind(0)
-        totals = den.detach()
-    return to_tokens(symmetric_clamp((num / torch.where(den == 0, 1.0, den))[segments], clamp)), totals
+    per_seq = num / torch.where(den == 0, 1.0, den)
+    return to_tokens(symmetric_clamp(per_seq[segments], clamp)), None if cp_sum is None else den.detach()
 
 
 def _metrics(
