@@ -23,15 +23,7 @@ from hookspec import (
 from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_floating, check_shape
 from ._fused import fused_token_loss
-from ._inputs import (
-    HookInputs,
-    counted_mask,
-    from_tokens,
-    hook_inputs,
-    resolve_temperature,
-    sequence_ids,
-    to_tokens,
-)
+from ._inputs import HookInputs, counted_mask, hook_inputs, resolve_temperature, sequence_ids, to_tokens
 from ._logprobs import linear_logprobs
 from ._loss_math import (
     PolicyLossConfig,
@@ -252,21 +244,21 @@ def _sequence_log_ratio(
     cp_sum: CpSum | None,
     clamp: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GSPO's log-ratio ``[n]`` and, under context parallel, each sequence's ``n_k``
-    ``[count]`` over the group; the sums are made whole in one collective::
+    """GSPO's log-ratio ``[n]`` (``old``, ``mask``, ``segments``: ``[b, s]``) and, under context
+    parallel, each sequence's ``n_k`` ``[count]`` over the group, made whole in one collective::
 
         num = segment_sum(M * (logp - old))    # [count]; logp - old not read where M == 0
         num, n = cp_sum(stack([num, segment_sum(M)]))
         log_ratio = clamp(num / n)[segments]   # 0 where n == 0
     """
-    logp_bs = from_tokens(logp, *mask.shape)
-    diff = torch.where(mask > 0, logp_bs - old.to(device=logp.device, dtype=logp.dtype), 0.0) * mask
+    mask, segments = to_tokens(mask), to_tokens(segments)
+    diff = torch.where(mask > 0, logp - to_tokens(old).to(device=logp.device, dtype=logp.dtype), 0.0) * mask
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
     if cp_sum is not None:
         num, den = cp_sum(torch.stack([num, den])).unbind(0)
     per_seq = num / torch.where(den == 0, 1.0, den)
-    return to_tokens(symmetric_clamp(per_seq[segments], clamp)), None if cp_sum is None else den.detach()
+    return symmetric_clamp(per_seq[segments], clamp), None if cp_sum is None else den.detach()
 
 
 def _metrics(
