@@ -1,8 +1,5 @@
 """The losses' maths on per-token values (any shape), the formulas of
-``hookspec.conventions``: the policy-loss family (:class:`PolicyLossConfig`, the
-ratios, the KL estimators, the PPO token loss) and the aggregations every loss
-shares (:func:`aggregation_weights`).
-"""
+``hookspec.conventions``: the policy-loss family and the aggregations every loss shares."""
 
 from __future__ import annotations
 
@@ -28,10 +25,8 @@ __all__ = [
     "kl_penalty",
     "kl_terms",
     "masked_mean",
-    "ppo_token_loss",
     "segment_sum",
-    "sequence_ratio_of",
-    "sequence_sums",
+    "symmetric_clamp",
     "weighted_sum",
     "weights_of",
 ]
@@ -52,26 +47,19 @@ class PolicyLossConfig:
 
         log_ratio = clamp(logp - old, -log_ratio_clamp, log_ratio_clamp)
         ratio = exp(log_ratio)                   # RatioLevel.TOKEN: PPO, GRPO
-        ratio = exp(seq_mean(logp - old))        # RatioLevel.SEQUENCE: GSPO, over the
-                                                 # masked tokens of t's sequence
+        ratio = exp(seq_mean_M(logp - old))      # RatioLevel.SEQUENCE: GSPO, over t's sequence
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         pg = where(A < 0, min(pg, -A * dual_clip), pg)          # if dual_clip
         L = pg + kl_coef * kl(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, mask, aggregation)
 
     ``kl`` is the ``kl_estimator`` (k1, k2, k3) of ``log_ratio = clamp(ref - logp)``.
-    The clamp (default 20, as veRL) keeps ``exp`` finite so that a masked or
-    far-off-policy token cannot turn a gradient into NaN; ``None`` turns it off.
-    ``fused``: form the gradients in the forward pass when the loss is a sum of
-    per-token terms (``RatioLevel.TOKEN``); GSPO's sequence ratio always takes the
-    recomputing path.
+    The clamp (default 20, as veRL; ``None``: off) keeps ``exp`` finite. ``fused``: form
+    the gradients in the forward pass (``RatioLevel.TOKEN`` only; GSPO recomputes).
 
-    Ranges, checked at construction (``ContractError``; NumPy numbers are taken
-    and stored as ``float``): ``0 <= clip_low <= 1``; ``clip_high >= 0`` or
-    ``None`` (then ``clip_low``: :attr:`effective_clip_high`); ``dual_clip > 1``
-    or ``None``; ``kl_coef >= 0``; ``entropy_coef`` any finite number (negative:
-    an entropy penalty); ``log_ratio_clamp > 0`` or ``None``; every number
-    finite; ``fused`` a bool.
+    Checked at construction (``ContractError``; NumPy numbers stored as ``float``):
+    every number finite, ``0 <= clip_low <= 1``, ``clip_high >= 0`` (``None``:
+    ``clip_low``), ``dual_clip > 1``, ``kl_coef >= 0``, ``log_ratio_clamp > 0``.
 
     Deprecated for one release (``DeprecationWarning``): ``ratio`` as a string
     (pass :class:`RatioLevel`) and ``eps_high`` (read :attr:`effective_clip_high`).
@@ -141,8 +129,7 @@ class PolicyLossConfig:
 
     @classmethod
     def grpo(cls, *, clip_low: float = 0.2, kl_coef: float = 0.04, **kw: Any) -> PolicyLossConfig:
-        """GRPO (DeepSeekMath): PPO clip with a k3 KL penalty to the reference,
-        averaged per sequence (seq-mean-token-mean)."""
+        """GRPO (DeepSeekMath): PPO clip, a k3 KL penalty to the reference, seq-mean-token-mean."""
         kw.setdefault("aggregation", Aggregation.SEQ_MEAN_TOKEN_MEAN)
         kw.setdefault("kl_estimator", KLEstimator.K3)
         return cls(clip_low=clip_low, kl_coef=kl_coef, **kw)
@@ -154,7 +141,8 @@ class PolicyLossConfig:
         return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
 
 
-def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """``clamp(x, -bound, bound)``; ``x`` itself when ``bound`` is ``None``."""
     return x if bound is None else x.clamp(-bound, bound)
 
 
@@ -170,9 +158,8 @@ def kl_penalty(
     check_floating("logp", logp)
     check_floating("ref", ref)
     if ref.shape != logp.shape:
-        raise ContractError(
-            "ref", expected=f"the shape of logp {format_shape(logp.shape)}", actual=format_shape(ref.shape)
-        )
+        expected = f"the shape of logp {format_shape(logp.shape)}"
+        raise ContractError("ref", expected=expected, actual=format_shape(ref.shape))
     return kl_terms(logp, ref, estimator, clamp=clamp)
 
 
@@ -180,7 +167,7 @@ def kl_terms(
     logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
 ) -> torch.Tensor:
     """:func:`kl_penalty` on options already checked."""
-    log_ratio = _clamp(ref - logp, clamp)
+    log_ratio = symmetric_clamp(ref - logp, clamp)
     if estimator == KLEstimator.K1:
         return -log_ratio
     if estimator == KLEstimator.K2:
@@ -188,54 +175,11 @@ def kl_terms(
     return torch.expm1(log_ratio) - log_ratio
 
 
-def ppo_token_loss(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(pg, clipped, dual_clipped)`` per token from ``log_ratio = log(ratio)``.
-
-    ``clipped``: the clipped branch is the larger (``-A clip(r) > -A r``);
-    ``dual_clipped``: ``A < 0`` and the dual bound ``-A c`` is taken.
-    """
-    ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.effective_clip_high)
-    pg = torch.maximum(pg1, pg2)
-    clipped = pg2 > pg1
-    dual = None
-    if config.dual_clip is not None:
-        pg3 = -advantages * config.dual_clip
-        dual = (advantages < 0) & (pg > pg3)
-        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
-    return pg, clipped, dual
-
-
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, count: int) -> torch.Tensor:
     """``out[k] = sum(values[segments == k])`` for ``k < count`` (differentiable)."""
     flat = values.reshape(-1)
     out = torch.zeros(count, dtype=flat.dtype, device=flat.device)
     return out.index_add(0, segments.reshape(-1), flat)
-
-
-def sequence_sums(
-    logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor, count: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num [count], den [count])``: ``num_k = sum_t M_t (logp_t - old_t)`` and
-    ``den_k = sum_t M_t`` over the tokens of sequence ``k`` held here (under
-    context parallel, this rank's part: the sums over the group make them whole);
-    ``logp - old`` is not read where ``M == 0``; ``den`` in ``num``'s dtype."""
-    diff = torch.where(mask > 0, logp - old, 0.0) * mask
-    num = segment_sum(diff, segments, count)
-    den = segment_sum(mask.to(num.dtype), segments, count)
-    return num, den
-
-
-def sequence_ratio_of(
-    num: torch.Tensor, den: torch.Tensor, segments: torch.Tensor, *, clamp: float | None
-) -> torch.Tensor:
-    """GSPO's ``log s_k = clamp(num_k / den_k)`` (:func:`sequence_sums`) broadcast to
-    each token's sequence (``0`` where ``den_k == 0``, NaN where it is NaN)."""
-    per_seq = num / torch.where(den == 0, 1.0, den)
-    return _clamp(per_seq[segments], clamp)
 
 
 def global_counts(owner: Any) -> dict[str, Any]:
@@ -255,10 +199,9 @@ def check_counts(
             check_finite_number(f"{prefix}{name}", count, low=0.0, low_open=True)
     if how is None:
         return
-    token_mean = how == Aggregation.TOKEN_MEAN
-    used, unused = (
-        ("global_tokens", "global_sequences") if token_mean else ("global_sequences", "global_tokens")
-    )
+    used, unused = "global_tokens", "global_sequences"
+    if how != Aggregation.TOKEN_MEAN:
+        used, unused = unused, used
     if counts[unused] is not None:
         raise ContractError(
             f"{prefix}{unused}",
@@ -282,31 +225,24 @@ def aggregation_weights(
         seq-mean-token-sum:   w = M / K
         seq-mean-token-mean:  w = M / (n_k * K)
 
-    ``n_k``: the mask's sum over sequence ``k`` (``segments`` gives each
-    token's sequence, ``count`` sequences); ``K``: the sequences with
-    ``n_k != 0``. ``global_tokens`` / ``global_sequences`` (finite numbers
-    > 0) replace ``sum(M)`` / ``K`` (counts over the ranks that share the
-    loss). A mask whose sum is exactly 0 gives ``w = 0``. An entry of ``M``
-    that is NaN, infinite or negative raises ``ContractError`` (``mask``; on a
-    GPU deferred, the weights it reaches NaN until then, never 0).
+    ``n_k``: the mask's sum over sequence ``k`` (``segments`` gives each token's
+    sequence, ``count`` sequences); ``K``: the sequences with ``n_k != 0``.
+    ``global_tokens`` / ``global_sequences`` (finite numbers > 0, counts over the ranks
+    sharing the loss) replace ``sum(M)`` / ``K``. A mask whose sum is exactly 0 gives
+    ``w = 0``; an entry of ``M`` that is NaN, infinite or negative raises
+    ``ContractError`` (``mask``; deferred on a GPU, the weights NaN until then).
     """
     how = check_enum("aggregation", Aggregation, how)
     check_counts(how, global_tokens=global_tokens, global_sequences=global_sequences)
     if not isinstance(mask, torch.Tensor) or mask.is_complex():
         raise ContractError("mask", expected="a real tensor", actual=type(mask).__name__)
-    if (
-        not isinstance(segments, torch.Tensor)
-        or segments.dtype.is_floating_point
-        or segments.dtype == torch.bool
-    ):
-        what = str(segments.dtype) if isinstance(segments, torch.Tensor) else type(segments).__name__
+    is_tensor = isinstance(segments, torch.Tensor)
+    if not is_tensor or segments.dtype.is_floating_point or segments.dtype == torch.bool:
+        what = str(segments.dtype) if is_tensor else type(segments).__name__
         raise ContractError("segments", expected="an integer tensor (each token's sequence)", actual=what)
     if segments.shape != mask.shape:
-        raise ContractError(
-            "segments",
-            expected=f"the shape of mask {format_shape(mask.shape)}",
-            actual=format_shape(segments.shape),
-        )
+        expected = f"the shape of mask {format_shape(mask.shape)}"
+        raise ContractError("segments", expected=expected, actual=format_shape(segments.shape))
     count = check_int("count", count, low=0)
     check_indices_deferred(segments, count, field="segments")
     check_finite_deferred(mask, field="mask", nonnegative=True)
@@ -325,11 +261,9 @@ def weights_of(
     global_sequences: float | None,
     totals: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`aggregation_weights` on inputs already checked (``m`` floating,
-    its bad entries already NaN). ``totals``: ``n_k`` ``[count]`` when it is not
-    this ``m``'s own (under context parallel, summed over the group, whose
-    ranks each hold part of every sequence); ``sum(M)`` and ``K`` then come
-    from it too."""
+    """:func:`aggregation_weights` on inputs already checked (``m`` floating, bad
+    entries NaN). ``totals``: ``n_k`` ``[count]`` summed over the context-parallel
+    group, which ``sum(M)`` and ``K`` then come from too."""
     if how == Aggregation.TOKEN_MEAN:
         if global_tokens is not None:
             total = torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
@@ -337,11 +271,10 @@ def weights_of(
             total = m.sum() if totals is None else totals.to(m.dtype).sum()
         return m / torch.where(total == 0, 1.0, total)  # an exactly-0 total has m == 0
     n_k = segment_sum(m, segments, count) if totals is None else totals.to(m.dtype)
-    k = (
-        (n_k != 0).sum().to(m.dtype).clamp_min(1.0)  # K == 0 only where m == 0
-        if global_sequences is None
-        else torch.tensor(float(global_sequences), dtype=m.dtype, device=m.device)
-    )
+    if global_sequences is None:
+        k = (n_k != 0).sum().to(m.dtype).clamp_min(1.0)  # K == 0 only where m == 0
+    else:
+        k = torch.tensor(float(global_sequences), dtype=m.dtype, device=m.device)
     if how == Aggregation.SEQ_MEAN_TOKEN_SUM:
         return m / k
     per_tok = n_k[segments]
