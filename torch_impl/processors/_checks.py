@@ -30,6 +30,7 @@ __all__ = [
     "context_logit_scale",
     "context_softcap",
     "context_field",
+    "describe_tensor",
     "resolve_compute_dtype",
 ]
 
@@ -112,6 +113,13 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor {format_shape(value.shape)} (pass a Python number)"
     return type(value).__name__
+
+
+def describe_tensor(value: Any) -> str:
+    """``"a float32 tensor [2, 3]"`` for a tensor, else its type's name."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    return f"a {str(value.dtype).removeprefix('torch.')} tensor {format_shape(value.shape)}"
 
 
 def context_field(context: Any, name: str) -> Any:

@@ -22,11 +22,12 @@ from ._checks import (
     context_logit_scale,
     context_softcap,
 )
-from ._options import LinearOptions, refuse_function_transforms
+from ._options import LinearOptions, refuse_function_transforms, refuse_unexpected
 
 __all__ = [
     "HookInputs",
     "counted_mask",
+    "factory_tiles",
     "from_tokens",
     "hook_inputs",
     "resolve_temperature",
@@ -78,6 +79,21 @@ class HookInputs:
             tile_cols=tiles.tile_cols,
             compute_dtype=tiles.compute_dtype,
         )
+
+    def per_token(self, **out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """A processor's result: the rows ``[n, ...]`` as ``[b, s, ...]``, ``None`` left out."""
+        return {key: from_tokens(v, self.b, self.s) for key, v in out.items() if v is not None}
+
+
+def factory_tiles(
+    name: str, unexpected: dict[str, Any], temperature: float | None, rows: int | None, cols: int | None
+) -> LinearOptions:
+    """A processor factory's first lines: refuse its ``unexpected`` keywords, check a
+    given ``temperature``, and return its tiles (:meth:`HookInputs.tensor_options`)."""
+    refuse_unexpected(name, unexpected)
+    if temperature is not None:
+        check_temperature(temperature, 1)
+    return LinearOptions(tile_rows=rows, tile_cols=cols)
 
 
 def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:

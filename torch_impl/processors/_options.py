@@ -24,6 +24,7 @@ from ._checks import (
     check_int,
     check_temperature,
     check_token_labels,
+    describe_tensor,
     resolve_compute_dtype,
 )
 from ._engine import TileSetup
@@ -235,13 +236,10 @@ def prologue(
         (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
     )
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
-    if mean_weights is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
-        c = mean_weights
+    if (c := mean_weights) is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
         if not (isinstance(c, torch.Tensor) and c.dtype.is_floating_point and c.shape == (local,)):
-            actual = f"{type(c).__name__} {getattr(c, 'dtype', '')} {tuple(getattr(c, 'shape', ()))}"
-            raise ContractError(
-                "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
-            )
+            expected = f"None or a floating tensor [V_local={local}]"
+            raise ContractError("mean_logit_weights", expected=expected, actual=describe_tensor(c))
         mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
     rows = row_tile(n, local, h.device, rows=options.tile_rows)
     ignored = y == options.ignore_index
