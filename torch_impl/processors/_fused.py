@@ -7,10 +7,8 @@ epilogue, for losses that are sums of per-token terms with weights known in adva
 
 A tile holds whole rows, so its statistics, and the loss's gradient in them, are exact:
 the tile's logit gradient goes straight into ``dh`` and ``dW``, three GEMMs, not four.
-With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`)
-and ``token_loss`` is called once per gradient buffer of rows; with it, the loss's
-gradient is needed before each tile's gradient pass (deferring it would need the
-tile's logits again), so ``token_loss`` is called once a tile.
+With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`);
+with it, ``token_loss`` is called once a tile, before the tile's gradient pass.
 """
 
 from __future__ import annotations

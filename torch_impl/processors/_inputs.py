@@ -135,16 +135,13 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
-    # a tensor on the meta device (the context's fields, the user context's entries)
-    # is refused by name before torch fails deep inside
+    # a meta tensor (a field, a user context's entry) refused by name, not deep inside torch
     user = ctx.context
     if dataclasses.is_dataclass(user) and not isinstance(user, type):
         user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
     named = [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
     for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
         refuse_meta(value, field=field)
-    if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
-        raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
     if ctx.labels is not None and ctx.check_values and not ctx.labels_checked:
         check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
     # labels [b, s] where given (validate_context checked them against the hidden states)
@@ -156,9 +153,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         collectives=ctx.collectives,
         logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
         softcap=context_softcap(ctx),
-        # each value is checked once: the labels above or in the hook, a
-        # temperature by resolve_temperature
-        check_values=False,
+        check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
     )
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
