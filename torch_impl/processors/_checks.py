@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from hookspec import INT64_MAX, INT64_MIN, ContractError
+from hookspec import ContractError
+from hookspec import check_int64 as check_int  # an int in [low, high] and int64
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_labels_deferred, check_positive_deferred, refuse_meta
@@ -30,6 +31,7 @@ __all__ = [
     "context_logit_scale",
     "context_softcap",
     "context_field",
+    "describe_tensor",
     "resolve_compute_dtype",
 ]
 
@@ -75,22 +77,6 @@ def check_finite_number(
     return x
 
 
-def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
-    """``value`` as an ``int``: an integer (Python or NumPy, not ``bool``) in
-    ``[low, high]`` and within int64 (it ends up in a tensor or a kernel argument)."""
-    expected = f"an int {_interval(low, high, False, False)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ContractError(field, expected=expected, actual=_describe(value))
-    n = int(value)
-    if (low is not None and n < low) or (high is not None and n > high):
-        raise ContractError(field, expected=expected, actual=repr(value))
-    if not INT64_MIN <= n <= INT64_MAX:
-        lo = "-2**63" if low is None else _number(low)
-        hi = "2**63 - 1" if high is None else _number(high)
-        raise ContractError(field, expected=f"an int in [{lo}, {hi}] (int64)", actual=repr(n))
-    return n
-
-
 def check_enum(field: str, kind: Any, value: Any) -> Any:
     """``kind(value)``: a member of the enum ``kind`` or its value."""
     try:
@@ -112,6 +98,13 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor {format_shape(value.shape)} (pass a Python number)"
     return type(value).__name__
+
+
+def describe_tensor(value: Any) -> str:
+    """``"a float32 tensor of shape [2, 3]"`` for a tensor, else its type's name."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {format_shape(value.shape)}"
 
 
 def context_field(context: Any, name: str) -> Any:

@@ -7,10 +7,8 @@ epilogue, for losses that are sums of per-token terms with weights known in adva
 
 A tile holds whole rows, so its statistics, and the loss's gradient in them, are exact:
 the tile's logit gradient goes straight into ``dh`` and ``dW``, three GEMMs, not four.
-With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`)
-and ``token_loss`` is called once per gradient buffer of rows; with it, the loss's
-gradient is needed before each tile's gradient pass (deferring it would need the
-tile's logits again), so ``token_loss`` is called once a tile.
+With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`);
+with it, ``token_loss`` is called once a tile, before the tile's gradient pass.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ from typing import Any, Never
 import torch
 
 from hookspec import ContractError
-from hookspec.arrays import format_shape
 
 from ..value_checks import checked_call
-from ._checks import check_bool
+from ._checks import check_bool, describe_tensor
 from ._engine import (
     Coefficients,
     Engine,
@@ -73,9 +70,6 @@ class FusedLossResult:
     mean_logit: torch.Tensor | None = None
 
 
-_RETURNS = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
-
-
 def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
     """``loss``'s graph reaches a tensor requiring grad other than ``own``."""
     ids, todo, seen = {id(x) for x in own}, [loss.grad_fn], set()
@@ -96,11 +90,8 @@ def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
 def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``loss`` as the :data:`TokenLoss` contract has it, else a ``ContractError`` naming ``name``."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-        actual = type(loss).__name__
-        if isinstance(loss, torch.Tensor):
-            dtype = str(loss.dtype).removeprefix("torch.")
-            actual = f"a {dtype} tensor of shape {format_shape(loss.shape)}"
-        raise ContractError(name, expected=_RETURNS, actual=f"it returned {actual}")
+        expected = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
+        raise ContractError(name, expected=expected, actual=f"it returned {describe_tensor(loss)}")
     if any(x.grad is not None for x in args):
         raise ContractError(
             name,
@@ -134,24 +125,22 @@ class _Calls:
         with torch.enable_grad():
             lp, ent = stats.logprobs.detach().requires_grad_(), stats.entropy.detach().requires_grad_()
             loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
-            args, extra = [lp, ent], []
+            args = {"token_loss": lp, "entropy": ent}
             for name, fn, v in (
                 ("lse_loss", self.lse_fn, lse),
                 ("mean_logit_loss", self.mean_fn, stats.mean_logit),
             ):
-                x = None if fn is None or v is None else v.detach().requires_grad_()
-                if fn is not None and x is not None:
+                if fn is not None and v is not None:
+                    args[name] = x = v.detach().requires_grad_()
                     loss = loss + _checked_loss(name, fn(x, rows), (x,)).to(loss.dtype)
-                    args.append(x)
-                extra.append(x)
-            keep = self.grad and loss.requires_grad and _reaches_others(loss, tuple(args))
-            grads: tuple[torch.Tensor | None, ...] = (None,) * len(args)
+            keep = self.grad and loss.requires_grad and _reaches_others(loss, tuple(args.values()))
+            grads: dict[str, _Grad] = {}
             if need and loss.requires_grad:
-                grads = torch.autograd.grad(loss, args, allow_unused=True, retain_graph=keep)
+                g = torch.autograd.grad(loss, list(args.values()), allow_unused=True, retain_graph=keep)
+                grads = dict(zip(args, g, strict=True))
             if keep:
                 self.graph = loss if self.graph is None else self.graph + loss
-        g_lp, g_h, *more = grads
-        g_lse, g_mean = (None if x is None else more.pop(0) for x in extra)
+        g_h = grads.get("entropy")
         if g_h is not None and not self.entropy_grad:
             raise ContractError(
                 "token_loss",
@@ -159,7 +148,8 @@ class _Calls:
                 actual="its gradient reaches the entropy",
                 hint="pass entropy_grad=True",
             )
-        return loss.detach(), g_lp, g_h, g_lse, g_mean
+        get = grads.get
+        return loss.detach(), get("token_loss"), g_h, get("lse_loss"), get("mean_logit_loss")
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (differentiable in the hidden rows and weight) also carrying the

@@ -22,11 +22,12 @@ from ._checks import (
     context_logit_scale,
     context_softcap,
 )
-from ._options import LinearOptions, refuse_function_transforms
+from ._options import LinearOptions, refuse_function_transforms, refuse_unexpected
 
 __all__ = [
     "HookInputs",
     "counted_mask",
+    "factory_tiles",
     "from_tokens",
     "hook_inputs",
     "resolve_temperature",
@@ -79,6 +80,21 @@ class HookInputs:
             compute_dtype=tiles.compute_dtype,
         )
 
+    def per_token(self, **out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """A processor's result: the rows ``[n, ...]`` as ``[b, s, ...]``, ``None`` left out."""
+        return {key: from_tokens(v, self.b, self.s) for key, v in out.items() if v is not None}
+
+
+def factory_tiles(
+    name: str, unexpected: dict[str, Any], temperature: float | None, rows: int | None, cols: int | None
+) -> LinearOptions:
+    """A processor factory's first lines: refuse its ``unexpected`` keywords, check a
+    given ``temperature``, and return its tiles (:meth:`HookInputs.tensor_options`)."""
+    refuse_unexpected(name, unexpected)
+    if temperature is not None:
+        check_temperature(temperature, 1)
+    return LinearOptions(tile_rows=rows, tile_cols=cols)
+
 
 def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:
     """The mask ``M`` ``[b, s]`` of the tokens a loss counts: ``given`` (``None``: every
@@ -119,16 +135,13 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
-    # a tensor on the meta device (the context's fields, the user context's entries)
-    # is refused by name before torch fails deep inside
+    # a meta tensor (a field, a user context's entry) refused by name, not deep inside torch
     user = ctx.context
     if dataclasses.is_dataclass(user) and not isinstance(user, type):
         user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
     named = [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
     for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
         refuse_meta(value, field=field)
-    if isinstance(ctx.ignore_index, bool) or not isinstance(ctx.ignore_index, int):
-        raise ContractError("ignore_index", expected="an int", actual=repr(ctx.ignore_index))
     if ctx.labels is not None and ctx.check_values and not ctx.labels_checked:
         check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
     # labels [b, s] where given (validate_context checked them against the hidden states)
@@ -140,9 +153,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
         collectives=ctx.collectives,
         logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
         softcap=context_softcap(ctx),
-        # each value is checked once: the labels above or in the hook, a
-        # temperature by resolve_temperature
-        check_values=False,
+        check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
     )
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),

@@ -13,11 +13,12 @@ from hookspec import Aggregation, ContractError, OutputContext, Processor, proce
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, checked_call
-from ._checks import check_bool, check_finite_number, check_temperature, context_field
+from ._checks import check_bool, check_finite_number, context_field, describe_tensor
 from ._fused import fused_token_loss
 from ._inputs import (
     HookInputs,
     counted_mask,
+    factory_tiles,
     from_tokens,
     hook_inputs,
     resolve_temperature,
@@ -25,7 +26,6 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import weighted_sum, weights_of
-from ._options import LinearOptions, refuse_unexpected
 
 Reduction = Literal["none", "sum", "mean"]
 REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
@@ -53,11 +53,8 @@ def selected_logprobs(
     ``T``: ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1; both given raises. Tiles: :class:`LinearOptions`' names.
     """
-    refuse_unexpected("selected_logprobs", unexpected)
-    if temperature is not None:
-        check_temperature(temperature, 1)
+    tile = factory_tiles("selected_logprobs", unexpected, temperature, tile_rows, tile_cols)
     check_bool("entropy", entropy)
-    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -69,8 +66,7 @@ def selected_logprobs(
             options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
             with_entropy=entropy,
         )
-        out = {"logprobs": res.logprobs, "entropy": res.entropy}
-        return {key: from_tokens(v, x.b, x.s) for key, v in out.items() if v is not None}
+        return x.per_token(logprobs=res.logprobs, entropy=res.entropy)
 
     return processor(fn, name="selected_logprobs")
 
@@ -194,25 +190,16 @@ def cross_entropy_loss(
     infinite or negative ``loss_mask`` entry raises ``ContractError``; a NaN or inf in
     the hidden states or weight makes the loss NaN.
     """
-    refuse_unexpected("cross_entropy_loss", unexpected)
+    tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ContractError("reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction))
-    if temperature is not None:
-        check_temperature(temperature, 1)
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
     eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    if class_weights is not None and (
-        not isinstance(class_weights, torch.Tensor)
-        or class_weights.dim() != 1
-        or not class_weights.dtype.is_floating_point
-    ):
-        actual = (
-            f"a {str(class_weights.dtype).removeprefix('torch.')} tensor {format_shape(class_weights.shape)}"
-            if isinstance(class_weights, torch.Tensor)
-            else type(class_weights).__name__
+    cw = class_weights
+    if cw is not None and not (isinstance(cw, torch.Tensor) and cw.dim() == 1 and cw.dtype.is_floating_point):
+        raise ContractError(
+            "class_weights", expected="None or a floating tensor [V]", actual=describe_tensor(cw)
         )
-        raise ContractError("class_weights", expected="None or a floating tensor [V]", actual=actual)
-    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> torch.Tensor:

@@ -20,13 +20,10 @@ __all__ = ["LogprobResult", "linear_logprobs"]
 
 @dataclasses.dataclass(frozen=True)
 class LogprobResult:
-    """Per-token results of :func:`linear_logprobs`, ``[n]`` each, fp32 (fp64 for fp64
-    inputs): ``logprobs`` (0 where the label is the ignore index), ``entropy`` (every
-    token; ``None`` unless requested), ``lse = logsumexp(z)`` and ``mean_logit =
-    z.mean(-1)`` (``None`` unless requested) of the tempered logits over every shard,
-    every token, differentiable (``d lse / dz_j = softmax(z)_j``, ``d mean_logit / dz_j =
-    1 / V``: a z-loss and label smoothing are token losses).
-    """
+    """Per-token results of :func:`linear_logprobs` (its docstring's maths), ``[n]`` each,
+    fp32 (fp64 for fp64 inputs), differentiable (``d lse / dz_j = softmax(z)_j``, ``d
+    mean_logit / dz_j = 1 / V``: a z-loss and label smoothing are token losses);
+    ``entropy`` and ``mean_logit`` ``None`` unless requested."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None

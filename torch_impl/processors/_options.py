@@ -24,6 +24,7 @@ from ._checks import (
     check_int,
     check_temperature,
     check_token_labels,
+    describe_tensor,
     resolve_compute_dtype,
 )
 from ._engine import TileSetup
@@ -124,7 +125,7 @@ class LinearOptions:
         return (temperature, *rest)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, LinearOptions) or other.__class__ is not self.__class__:
+        if other.__class__ is not self.__class__:
             return NotImplemented
         return self._key() == other._key()
 
@@ -132,8 +133,7 @@ class LinearOptions:
         return hash(self._key())
 
 
-# The keywords that left the signatures, and where each went: the tensor functions'
-# options moved into LinearOptions; the processor factories' tiles took its two names.
+# The keywords that left the signatures, and where each went.
 RENAMED: dict[str, str] = {
     "token_chunk_size": "tile_rows",
     "vocab_chunk_size": "tile_cols",
@@ -178,15 +178,12 @@ def prologue(
     bias: Any = None,
     mean_weights: Any = None,
 ) -> tuple[LinearOptions, torch.Tensor, TileSetup]:
-    """Every tensor function's first lines, ``(options, h, setup)``: ``options``
-    (default ``LinearOptions()``) with its collectives' results checked
-    (``hookspec.collectives.checked_collectives``); ``h`` the checked ``hidden``
-    ``[n_local, h]`` gathered to the rows every vocab shard needs
-    (``collectives.gather_hidden_states``; its backward sums the shards' gradients);
-    ``setup`` the call's :class:`TileSetup` from the checked ``weight``, ``labels``
-    ``[n]``, ``bias`` and mean-logit column weights ``c [V_local]`` (each ``None``
-    where absent). ``fold``: the torch backend may scale the hidden rows by ``1 / T``,
-    not each logits tile (not where equal logits must stay equal: top-k's ties)."""
+    """Every tensor function's first lines, ``(options, h, setup)``: ``options`` (default
+    ``LinearOptions()``) with its collectives' results checked; ``h`` the checked ``hidden``
+    gathered to the rows every vocab shard needs (``gather_hidden_states``); ``setup``
+    the call's :class:`TileSetup` from the checked ``weight``, ``labels``, ``bias`` and
+    mean-logit column weights (each ``None`` where absent). ``fold``: the torch backend
+    may scale the rows by ``1 / T``, not each tile (not where equal logits must stay equal)."""
     refuse_unexpected(function, unexpected, options=True)
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
@@ -235,13 +232,10 @@ def prologue(
         (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
     )
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
-    if mean_weights is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
-        c = mean_weights
+    if (c := mean_weights) is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
         if not (isinstance(c, torch.Tensor) and c.dtype.is_floating_point and c.shape == (local,)):
-            actual = f"{type(c).__name__} {getattr(c, 'dtype', '')} {tuple(getattr(c, 'shape', ()))}"
-            raise ContractError(
-                "mean_logit_weights", expected=f"None or a floating tensor [V_local={local}]", actual=actual
-            )
+            expected = f"None or a floating tensor [V_local={local}]"
+            raise ContractError("mean_logit_weights", expected=expected, actual=describe_tensor(c))
         mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
     rows = row_tile(n, local, h.device, rows=options.tile_rows)
     ignored = y == options.ignore_index
@@ -326,10 +320,9 @@ def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None)
 
 
 def refuse_function_transforms(**tensors: Any) -> None:
-    """Refuse a call under ``torch.func.vmap`` / ``grad`` / ``jacrev`` (a functorch
-    transform level is active), naming the first of ``tensors`` it wraps: the tensor
-    functions form their gradients in tiles outside autograd (old-style
-    ``autograd.Function``, no vmap rule)."""
+    """Refuse a call under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``),
+    naming the first of ``tensors`` it wraps: the gradients are formed in tiles outside
+    autograd (an old-style ``autograd.Function``, no vmap rule)."""
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is None or functorch.maybe_current_level() is None:
         return

@@ -13,10 +13,10 @@ import torch
 from hookspec import ContractError, OutputContext, Processor, processor
 
 from ..value_checks import checked_call
-from ._checks import check_bool, check_int, check_temperature
+from ._checks import check_bool, check_int
 from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
-from ._inputs import from_tokens, hook_inputs, resolve_temperature
-from ._options import LinearOptions, prologue, refuse_unexpected
+from ._inputs import factory_tiles, hook_inputs, resolve_temperature
+from ._options import LinearOptions, prologue
 
 __all__ = ["TopkResult", "linear_topk_logprobs", "topk_logprobs"]
 
@@ -200,12 +200,9 @@ def topk_logprobs(
     Cache a teacher's ``topk_logprobs`` and ``topk_ids`` for :func:`distillation_loss`'s
     sparse form. Tiles: :class:`LinearOptions`' names.
     """
-    refuse_unexpected("topk_logprobs", unexpected)
+    tile = factory_tiles("topk_logprobs", unexpected, temperature, tile_rows, tile_cols)
     k = check_int("k", k, low=1)
-    if temperature is not None:
-        check_temperature(temperature, 1)
     check_bool("entropy", entropy)
-    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -218,12 +215,8 @@ def topk_logprobs(
             options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
             with_entropy=entropy,
         )
-        out = {
-            "topk_logprobs": res.logprobs,
-            "topk_ids": res.ids,
-            "logprobs": res.label_logprobs,
-            "entropy": res.entropy,
-        }
-        return {key: from_tokens(v, x.b, x.s) for key, v in out.items() if v is not None}
+        return x.per_token(
+            topk_logprobs=res.logprobs, topk_ids=res.ids, logprobs=res.label_logprobs, entropy=res.entropy
+        )
 
     return processor(fn, name="topk_logprobs")
