@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._gemm import gemm_into, no_autocast, rowdot, scaled_
+from ._gemm import gemm_into, no_autocast, rowdot
 from ._sink import GradSink, RowScale
 from ._tiles import Tiles, TileSetup
 
@@ -120,33 +120,30 @@ def _torch_stats_(
     labels_local: torch.Tensor,
     col0: int,
     *,
-    first: bool,
     sz: torch.Tensor | None = None,
     cw: torch.Tensor | None = None,
 ) -> None:
     """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
     (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
     running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``
-    (``z @ cw`` with the tile's column weights ``cw [c]``)."""
+    (``z @ cw`` with the tile's column weights ``cw [c]``). ``col0 == 0``: the first tile."""
     m, s, t, zy = state
     if sz is not None:
         sz += z.sum(1) if cw is None else z @ cw.to(z.dtype)
     hit, col = _target_in_tile(labels_local, col0, z.shape[1])
     zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
-    cm = z.amax(1)
-    m_new = cm if first else torch.maximum(m, cm)
+    m_new = z.amax(1) if col0 == 0 else torch.maximum(m, z.amax(1))
     z.sub_(m_new[:, None])
     e = torch.exp(z, out=e_buf)
-    se = e.sum(1)
-    if first:
-        s.copy_(se)
+    if col0 == 0:
+        s.copy_(e.sum(1))
         if t is not None:
             t.copy_(rowdot(e, z))
     else:
         a = torch.exp(m - m_new)
         if t is not None:
             t.copy_(a * (t + (m - m_new) * s) + rowdot(e, z))
-        s.mul_(a).add_(se)
+        s.mul_(a).add_(e.sum(1))
     m.copy_(m_new)
 
 
@@ -206,29 +203,6 @@ def logit_grad_coefficients(
     gh = g_h.to(acc_dtype)
     a = (lead + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
     return Coefficients(a, gh * inv_s, g, u)
-
-
-def _torch_grad_(
-    z: torch.Tensor,
-    e: torch.Tensor,
-    coef: Coefficients,
-    target: tuple[torch.Tensor, torch.Tensor],
-    inv_t: torch.Tensor | float | None,
-    cw: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
-    holds ``exp(z - M)`` (may be ``z`` itself when ``b`` is None); ``inv_t``: the
-    temperature factor still to apply (None when folded into the hidden rows); ``cw``:
-    the tile's column weights of ``u``."""
-    if coef.b is None:
-        gz = e.mul_(-coef.a[:, None])
-    else:
-        gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
-    hit, col = target  # as _target_in_tile's
-    gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
-    if coef.u is not None:
-        gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw.to(gz.dtype))
-    return gz if inv_t is None else scaled_(gz, inv_t)
 
 
 def refuse_double_backward(name: str) -> None:
@@ -344,9 +318,7 @@ class Engine(Tiles):
         setup, labels, cw = self.setup, self.setup.labels_local[rows], self.setup.mean_weights
         if not self.triton:
             cw = None if cw is None else cw[cols]
-            _torch_stats_(
-                z, self.like("e", z), state, labels, cols.start, first=cols.start == 0, sz=sz, cw=cw
-            )
+            _torch_stats_(z, self.like("e", z), state, labels, cols.start, sz=sz, cw=cw)
             return
         from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
 
@@ -384,31 +356,17 @@ class Engine(Tiles):
         big_m: torch.Tensor,
         coef: Coefficients,
         *,
-        sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The vocabulary sweep's gradient pass: the logit gradient of the tile ``z``
-        (fresh from :meth:`logits`) in the compute dtype, in place. ``big_m``, ``coef``:
-        the tile's rows. ``sparse``: ``(cols [n, k], g [n, k])`` of every row, more terms
-        at those columns of the shard (-1: elsewhere), added in the accumulation dtype
-        before the gradient is rounded to the compute dtype."""
-        return self._grad(z, rows, cols, big_m, coef, sparse, shifted=False).to(self.setup.compute_dtype)
-
-    def _grad(
-        self,
-        z: torch.Tensor,
-        rows: slice,
-        cols: slice,
-        big_m: torch.Tensor,
-        coef: Coefficients,
-        sparse: tuple[torch.Tensor, torch.Tensor] | None,
-        *,
         shifted: bool,
+        sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The logit gradient of the tile in the GEMMs' form. Triton: in the compute dtype
-        (into ``out`` where given), or in ``z``'s where sparse terms come on a narrower
-        compute dtype (added in fp32, then rounded). Torch: in place, ``shifted``: after
-        :meth:`row_stats` (``z - M`` in ``z``, ``exp(z - M)`` in the ``"e"`` buffer)."""
+        """The logit gradient of the tile ``z`` in the GEMMs' form (``big_m``, ``coef``: the
+        tile's rows), fresh from :meth:`logits`, or ``shifted``: after :meth:`row_stats`
+        (the torch form's ``z - M`` in ``z``, ``exp(z - M)`` in the ``"e"`` buffer). The
+        torch form works in place; Triton writes the compute dtype (into ``out`` where
+        given). ``sparse``: ``(cols [n, k], g [n, k])`` of every row, more terms at those
+        columns of the shard (-1: elsewhere), added in the accumulation dtype (on Triton with
+        a narrower compute dtype the gradient is then in ``z``'s, rounded by the caller)."""
         setup = self.setup
         if self.triton:
             from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
@@ -422,15 +380,19 @@ class Engine(Tiles):
                 z, dtype, labels, inv_t, big_m, abg, col0=col0, cfg=cfg, out=out, cap_k=cap, u=coef.u, cw=cw
             )
         else:
-            if shifted:
-                e = self.like("e", z)
+            if shifted:  # whole rows: their label columns made once a call
+                e, (hit, col, _) = self.like("e", z), self.label_columns(rows)
             else:
                 z.sub_(big_m[:, None])
                 e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
-            target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            cw = None if setup.mean_weights is None else setup.mean_weights[cols]
-            gz = _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows), cw)
-            gz = self.cap_slope_(gz, rows)
+                hit, col = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
+            f = -coef.a[:, None] if coef.b is None else z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+            gz = e.mul_(f)  # as Coefficients' dz, in place in e
+            gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
+            if coef.u is not None:
+                cw = None if setup.mean_weights is None else setup.mean_weights[cols].to(gz.dtype)
+                gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw)
+            gz = self.cap_slope_(self.untempered_grad(gz, rows), rows)
         if sparse is not None:  # gz[i, where[i, j] - col0] += g[i, j] for the columns in this tile
             where, g = sparse[0][rows], sparse[1][rows]
             local = where - cols.start
@@ -450,7 +412,7 @@ class Engine(Tiles):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The vocabulary sweep's backward, each tile recomputed (columns outer)::
 
-            gz = grad_pass(logits(rows, cols))
+            gz = grad_pass(logits(rows, cols)).to(compute_dtype)
             dh[rows] (+)= gz @ W[cols];  dW[cols] (+)= gz.T @ h[rows]
 
         ``dh`` in the accumulation dtype, ``dW`` in ``W``'s (each ``dW`` tile one GEMM
@@ -464,12 +426,13 @@ class Engine(Tiles):
                 self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=sparse)
 
             return self.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
-        acc, dev = setup.acc_dtype, self.hs.device
-        direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
+        acc, cdt, dev = setup.acc_dtype, setup.compute_dtype, self.hs.device
+        direct = setup.tile[0] >= n and self.w_dtype == cdt
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
         dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
         for rows, cols, wc, z in self.vocab_tiles():
-            gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.of_rows(rows), sparse=sparse)
+            part = coef.of_rows(rows)
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse).to(cdt)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
@@ -546,9 +509,9 @@ class Engine(Tiles):
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """The gradient of a whole-row tile after :meth:`row_stats` (``big_m``: its rows'
-        ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`."""
+        ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
         out = sink.tile(rows) if self.triton else None  # Triton writes the GEMMs' form into the buffer
-        gz = self._grad(z, rows, slice(0, self.local), big_m, coef, sparse, shifted=True, out=out)
+        gz = self.grad_pass(z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out)
         if gz is out:
             sink.commit(rows)
         else:
