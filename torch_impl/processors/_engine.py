@@ -3,14 +3,11 @@
 It forms the logits ``z = h @ W.T * logit_scale / T`` of the gathered rows and this
 rank's vocabulary shard a tile at a time (:class:`~._tiles.Tiles`), reduces each row
 over the shards, and turns a tile's logit gradient into ``dh`` and ``dW`` with two more
-GEMMs. Two sweeps (tile sizes: :mod:`._geometry`): the vocabulary sweep
-(:meth:`Engine.forward_stats`, the online statistics; :meth:`Engine.backward`, the tiles
-recomputed: four GEMMs in all) and the row sweep (:meth:`Engine.row_sweep`: whole rows,
-exact statistics, the gradient formed in the forward pass into a
-:class:`~._sink.GradSink`: three GEMMs). Each memory-bound pass has a torch form and a
-Triton form (:mod:`._triton_kernels`); no pass reads a device value back to the host.
-An epilogue sees tempered logits (:meth:`~._tiles.Tiles.logits_of`) and hands over the
-gradient of the tempered logits.
+GEMMs: in the vocabulary sweep (:meth:`Engine.forward_stats`, then :meth:`Engine.backward`
+recomputing the tiles: four GEMMs) or the row sweep (:meth:`Engine.row_sweep`: whole
+rows, exact statistics, the gradient formed in the forward pass into a
+:class:`~._sink.GradSink`: three GEMMs). Each memory-bound pass has a torch and a Triton
+form (:mod:`._triton_kernels`); none reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -107,8 +104,7 @@ None), the label's logit."""
 def _fresh_state(
     r: int, acc: torch.dtype, device: torch.device, *, with_entropy: bool, with_mean: bool
 ) -> tuple[_State, torch.Tensor | None]:
-    """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy) and the running
-    sum of their logits (None without the mean)."""
+    """A fresh :data:`_State` of ``r`` rows and the running sum of their logits (or None)."""
     m, s, t, zy, sz = torch.zeros(5, r, dtype=acc, device=device).unbind(0)
     return (m.fill_(float("-inf")), s, (t if with_entropy else None), zy), (sz if with_mean else None)
 

@@ -57,11 +57,10 @@ class TileSetup:
 
 class Tiles:
     """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
-    compute dtype (times ``inv_t`` when folded), ``w`` the shard, reused buffers, and
-    the temperature. How it is applied (folded into ``hs``, scaled per tile, or inside
-    the Triton kernels) is this class's own: an epilogue reads a tile's values through
-    :meth:`logits_of` and hands the gradient of the tempered logits to a
-    :class:`~._sink.GradSink`, which takes it into the GEMMs' form (:meth:`untempered_grad`)."""
+    compute dtype (times ``inv_t`` when folded), ``w`` the shard, reused buffers, and the
+    temperature, applied here alone (folded into ``hs``, scaled per tile, or inside the
+    Triton kernels): an epilogue reads tiles through :meth:`logits_of` and hands the
+    gradient of the tempered logits to a :class:`~._sink.GradSink` (:meth:`untempered_grad`)."""
 
     def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, *, need_db: bool = False) -> None:
         self.setup = setup
