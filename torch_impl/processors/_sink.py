@@ -63,10 +63,7 @@ class GradSink:
         self.start = 0  # first row held in the buffer
         self.held = 0  # rows held
         self.on_flush = on_flush
-
-    @property
-    def active(self) -> bool:
-        return self.dh is not None or self.dw is not None or self.engine.db is not None
+        self.active = need_dh or need_dw or engine.db is not None  # a gradient is formed
 
     def put(self, rows: slice, gz: torch.Tensor) -> None:
         """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
@@ -117,10 +114,9 @@ class GradSink:
         if self.buf is None or not self.active:
             return
         g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
-        w = eng.weight_all()
         if self.dh is not None:
             dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
-            gemm_into(dh, g, w, first=not self.zeros)
+            gemm_into(dh, g, eng.weight_all(), first=not self.zeros)
             if scale is not None:
                 dh.mul_(scale.scale[:, None])
         if self.dw is not None:
