@@ -1,18 +1,13 @@
 """The one tile engine under every processor (``docs/architecture.md``).
 
 It forms the logits ``z = h @ W.T * logit_scale / T`` of the gathered rows and this
-rank's vocabulary shard a tile at a time (:class:`~._tiles.Tiles`: one ``torch.mm``
-with an fp32 output each, :func:`~._gemm.mm_into`), reduces each row over the
-shards, and turns a tile's logit gradient into ``dh`` and ``dW`` with two more GEMMs.
-Two sweeps (tile sizes: :mod:`._geometry`): the vocabulary sweep
-(:meth:`Engine.forward_stats`, the online statistics; :meth:`Engine.backward`, the
-tiles recomputed: four GEMMs in all) and the row sweep (:meth:`Engine.row_sweep`:
-whole rows, exact statistics, the gradient formed in the forward pass into a
-:class:`~._sink.GradSink`: three GEMMs; the fused loss's single pass on it:
-:mod:`._single_pass`). Each memory-bound pass has a torch form and a Triton form
-(:mod:`._triton_kernels`), chosen by ``backend``; no pass reads a device value back
-to the host. The temperature stays inside: an epilogue sees tempered logits
-(:meth:`~._tiles.Tiles.logits_of`) and hands over the gradient of the tempered logits.
+rank's vocabulary shard a tile at a time (:class:`~._tiles.Tiles`), reduces each row
+over the shards, and turns a tile's logit gradient into ``dh`` and ``dW`` with two more
+GEMMs: in the vocabulary sweep (:meth:`Engine.forward_stats`, then :meth:`Engine.backward`
+recomputing the tiles: four GEMMs) or the row sweep (:meth:`Engine.row_sweep`: whole
+rows, exact statistics, the gradient formed in the forward pass into a
+:class:`~._sink.GradSink`: three GEMMs). Each memory-bound pass has a torch and a Triton
+form (:mod:`._triton_kernels`); none reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._gemm import gemm_into, no_autocast, rowdot, scaled_
+from ._gemm import gemm_into, no_autocast, rowdot
 from ._sink import GradSink, RowScale
 from ._tiles import Tiles, TileSetup
 
@@ -84,25 +79,20 @@ def combine(
     parts = [s * a, torch.where(setup.labels_local[rows] >= 0, zy - big_m, 0.0)]
     if t is not None:
         parts.append(a * (t + (m - big_m) * s))
-    if sz is not None:
-        parts.append(sz)
-    vocab = None if sz is None else setup.vocab_size
-    return _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows], vocab)
+    return _summed_stats(big_m, parts, sz, setup, rows)
 
 
-def _stats_of_sums(
-    big_m: torch.Tensor, summed: torch.Tensor, ignored: torch.Tensor, vocab: int | None = None
+def _summed_stats(
+    big_m: torch.Tensor, parts: list[torch.Tensor], sz: torch.Tensor | None, setup: TileSetup, rows: slice
 ) -> Stats:
-    """:class:`Stats` from the rows' global max ``M`` and their summed ``[S, z_y - M]``
-    (and ``T = sum_j exp(z_j - M) (z_j - M)`` as a third row, where entropy is wanted;
-    with ``vocab``, ``sum_j z_j`` as the last row: the mean logit)."""
-    mean = None
-    if vocab is not None:
-        mean, summed = summed[-1] / vocab, summed[:-1]
-    big_s = summed[0]
-    log_s = torch.log(big_s)
-    logprobs = torch.where(ignored, 0.0, summed[1] - log_s)
-    entropy = log_s - summed[2] / big_s if summed.shape[0] > 2 else None
+    """:class:`Stats` from the rows' global max ``M`` and the shards' ``parts = [S, z_y -
+    M(, T = sum_j exp(z_j - M) (z_j - M), where entropy is wanted)]`` and ``sz = sum_j
+    z_j`` (where the mean logit is), summed over the shards in one all-reduce."""
+    summed = setup.reduce_sum(torch.stack(parts if sz is None else [*parts, sz]))
+    big_s, log_s = summed[0], torch.log(summed[0])
+    logprobs = torch.where(setup.ignored[rows], 0.0, summed[1] - log_s)
+    entropy = log_s - summed[2] / big_s if len(parts) > 2 else None
+    mean = None if sz is None else summed[-1] / setup.vocab_size
     return Stats(max=big_m, sumexp=big_s, logprobs=logprobs, entropy=entropy, mean_logit=mean)
 
 
@@ -111,10 +101,12 @@ _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
 None), the label's logit."""
 
 
-def _fresh_state(r: int, acc: torch.dtype, device: torch.device, *, with_entropy: bool) -> _State:
-    """Running ``(m, s, t, zy)`` of ``r`` rows (``t`` None without entropy)."""
-    m, s, t, zy = torch.zeros(4, r, dtype=acc, device=device).unbind(0)
-    return m.fill_(float("-inf")), s, (t if with_entropy else None), zy
+def _fresh_state(
+    r: int, acc: torch.dtype, device: torch.device, *, with_entropy: bool, with_mean: bool
+) -> tuple[_State, torch.Tensor | None]:
+    """A fresh :data:`_State` of ``r`` rows and the running sum of their logits (or None)."""
+    m, s, t, zy, sz = torch.zeros(5, r, dtype=acc, device=device).unbind(0)
+    return (m.fill_(float("-inf")), s, (t if with_entropy else None), zy), (sz if with_mean else None)
 
 
 def _torch_stats_(
@@ -124,33 +116,30 @@ def _torch_stats_(
     labels_local: torch.Tensor,
     col0: int,
     *,
-    first: bool,
     sz: torch.Tensor | None = None,
     cw: torch.Tensor | None = None,
 ) -> None:
     """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
     (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
     running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``
-    (``z @ cw`` with the tile's column weights ``cw [c]``)."""
+    (``z @ cw`` with the tile's column weights ``cw [c]``). ``col0 == 0``: the first tile."""
     m, s, t, zy = state
     if sz is not None:
         sz += z.sum(1) if cw is None else z @ cw.to(z.dtype)
     hit, col = _target_in_tile(labels_local, col0, z.shape[1])
     zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
-    cm = z.amax(1)
-    m_new = cm if first else torch.maximum(m, cm)
+    m_new = z.amax(1) if col0 == 0 else torch.maximum(m, z.amax(1))
     z.sub_(m_new[:, None])
     e = torch.exp(z, out=e_buf)
-    se = e.sum(1)
-    if first:
-        s.copy_(se)
+    if col0 == 0:
+        s.copy_(e.sum(1))
         if t is not None:
             t.copy_(rowdot(e, z))
     else:
         a = torch.exp(m - m_new)
         if t is not None:
             t.copy_(a * (t + (m - m_new) * s) + rowdot(e, z))
-        s.mul_(a).add_(se)
+        s.mul_(a).add_(e.sum(1))
     m.copy_(m_new)
 
 
@@ -201,8 +190,7 @@ def logit_grad_coefficients(
     d mean_logit / dz_j = c_j / V                # u = g_mean / vocab (every row; c: 1 or mean_weights)
     """
     u = None if g_mean is None else g_mean.to(acc_dtype) / vocab
-    n = stats.max.shape[0]
-    g = torch.zeros(n, dtype=acc_dtype, device=stats.max.device) if g_lp is None else g_lp.to(acc_dtype)
+    g = torch.zeros_like(stats.max, dtype=acc_dtype) if g_lp is None else g_lp.to(acc_dtype)
     g = torch.where(ignored, 0.0, g)
     inv_s = 1.0 / stats.sumexp
     lead = g if g_lse is None else g - g_lse.to(acc_dtype)
@@ -211,29 +199,6 @@ def logit_grad_coefficients(
     gh = g_h.to(acc_dtype)
     a = (lead + gh * (stats.entropy - torch.log(stats.sumexp))) * inv_s
     return Coefficients(a, gh * inv_s, g, u)
-
-
-def _torch_grad_(
-    z: torch.Tensor,
-    e: torch.Tensor,
-    coef: Coefficients,
-    target: tuple[torch.Tensor, torch.Tensor],
-    inv_t: torch.Tensor | float | None,
-    cw: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The torch form of the gradient pass, in place in ``e``: ``z`` holds ``z - M``, ``e``
-    holds ``exp(z - M)`` (may be ``z`` itself when ``b`` is None); ``inv_t``: the
-    temperature factor still to apply (None when folded into the hidden rows); ``cw``:
-    the tile's column weights of ``u``."""
-    if coef.b is None:
-        gz = e.mul_(-coef.a[:, None])
-    else:
-        gz = e.mul_(z.mul_(-coef.b[:, None]).sub_(coef.a[:, None]))
-    hit, col = target  # as _target_in_tile's
-    gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
-    if coef.u is not None:
-        gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw.to(gz.dtype))
-    return gz if inv_t is None else scaled_(gz, inv_t)
 
 
 def refuse_double_backward(name: str) -> None:
@@ -315,40 +280,6 @@ class Recomputed(torch.autograd.Function):
         return (None if dh is None else dh.to(h.dtype)), dw, db, None, None, None
 
 
-def _triton_stats_(
-    setup: TileSetup, z: torch.Tensor, rows: slice, col0: int, state: _State, sz: torch.Tensor | None
-) -> None:
-    """The Triton form of the statistics pass (:func:`~._triton_kernels.chunk_stats_`)."""
-    from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
-
-    assert setup.kernel is not None
-    inv_t, labels, cw = setup.row_inv_t(rows, column=False), setup.labels_local[rows], setup.mean_weights
-    chunk_stats_(z, labels, inv_t, state, col0=col0, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw)
-
-
-def _triton_grad(
-    setup: TileSetup,
-    z: torch.Tensor,
-    rows: slice,
-    col0: int,
-    big_m: torch.Tensor,
-    coef: Coefficients,
-    *,
-    out: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The Triton form of the gradient pass (:func:`~._triton_kernels.logit_grad_`; rows
-    indexed from the tile's first)."""
-    from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
-
-    assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
-    labels, inv_t = setup.labels_local[rows], setup.row_inv_t(rows, column=False)
-    coefs, cfg, cw = (coef.a, coef.b, coef.g), setup.kernel, setup.mean_weights
-    return logit_grad_(
-        z, dtype, labels, inv_t, big_m, coefs, col0=col0, cfg=cfg, out=out, cap_k=setup.cap_k, u=coef.u, cw=cw
-    )
-
-
 def _rows_outer(setup: TileSetup, n: int, local: int, hid: int, w_dtype: torch.dtype) -> bool:
     """The backward takes the row sweep (whole rows; each ``dh`` row written by one
     GEMM, ``dW`` read and written per gradient buffer) where its accumulators move
@@ -380,14 +311,17 @@ class Engine(Tiles):
         """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,
         updated in place; ``sz``: the running sum of the logits, where asked for). The
         torch form shifts ``z`` in place."""
-        setup = self.setup
-        if self.triton:
-            _triton_stats_(setup, z, rows, cols.start, state, sz)
+        setup, labels, cw = self.setup, self.setup.labels_local[rows], self.setup.mean_weights
+        if not self.triton:
+            cw = None if cw is None else cw[cols]
+            _torch_stats_(z, self.like("e", z), state, labels, cols.start, sz=sz, cw=cw)
             return
-        e_buf = self.like("e", z)
-        cw = None if setup.mean_weights is None else setup.mean_weights[cols]
-        _torch_stats_(
-            z, e_buf, state, setup.labels_local[rows], cols.start, first=cols.start == 0, sz=sz, cw=cw
+        from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
+
+        assert setup.kernel is not None
+        inv_t = setup.row_inv_t(rows, column=False)
+        chunk_stats_(
+            z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw
         )
 
     def forward_stats(
@@ -400,18 +334,14 @@ class Engine(Tiles):
         """The vocabulary sweep's forward: every row's global :class:`Stats` (with
         ``mean_logit`` where ``with_mean``). ``on_tile`` sees each logits tile first
         (untouched; :meth:`logits_of` its values)."""
-        state = _fresh_state(self.n, self.setup.acc_dtype, self.hs.device, with_entropy=with_entropy)
-        sz = torch.zeros_like(state[0]) if with_mean else None
-        if self.n and self.local:
-            for rows, cols in self.vocab_tiles():
-                if rows.start == 0:
-                    wc = self.weight(cols)
-                z = self.logits(rows, wc, cols)
-                if on_tile is not None:
-                    on_tile(z, rows, cols)
-                m, s, t, zy = state
-                part = (m[rows], s[rows], None if t is None else t[rows], zy[rows])
-                self.stats_pass(z, rows, cols, part, None if sz is None else sz[rows])
+        acc, dev = self.setup.acc_dtype, self.hs.device
+        state, sz = _fresh_state(self.n, acc, dev, with_entropy=with_entropy, with_mean=with_mean)
+        m, s, t, zy = state
+        for rows, cols, _, z in self.vocab_tiles():
+            if on_tile is not None:
+                on_tile(z, rows, cols)
+            part = (m[rows], s[rows], None if t is None else t[rows], zy[rows])
+            self.stats_pass(z, rows, cols, part, None if sz is None else sz[rows])
         return combine(*state, self.setup, sz=sz)
 
     def grad_pass(
@@ -422,43 +352,50 @@ class Engine(Tiles):
         big_m: torch.Tensor,
         coef: Coefficients,
         *,
+        shifted: bool,
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The vocabulary sweep's gradient pass: the logit gradient of the tile ``z``
-        (fresh from :meth:`logits`) in the compute dtype, in place. ``big_m``, ``coef``:
-        the tile's rows. ``sparse``: ``(cols [r, k], g [r, k])`` more terms at those
-        columns of the shard (-1: elsewhere), added in the accumulation dtype before the
-        gradient is rounded to the compute dtype."""
+        """The logit gradient of the tile ``z`` in the GEMMs' form (``big_m``, ``coef``: the
+        tile's rows), fresh from :meth:`logits`, or ``shifted``: after :meth:`row_stats`
+        (the torch form's ``z - M`` in ``z``, ``exp(z - M)`` in the ``"e"`` buffer). The
+        torch form works in place; Triton writes the compute dtype (into ``out`` where
+        given). ``sparse``: ``(cols [n, k], g [n, k])`` of every row, more terms at those
+        columns of the shard (-1: elsewhere), added in the accumulation dtype (on Triton with
+        a narrower compute dtype the gradient is then in ``z``'s, rounded by the caller)."""
         setup = self.setup
-        cdt = setup.compute_dtype
         if self.triton:
-            wide = sparse is not None and cdt != z.dtype
-            gz = _triton_grad(
-                setup, z, rows, cols.start, big_m, coef, out=None, dtype=z.dtype if wide else cdt
+            from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
+
+            assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
+            wide = sparse is not None and setup.compute_dtype != z.dtype
+            dtype, out = (z.dtype, None) if wide else (setup.compute_dtype, out)
+            labels, inv_t, col0 = setup.labels_local[rows], setup.row_inv_t(rows, column=False), cols.start
+            abg, cfg, cap, cw = (coef.a, coef.b, coef.g), setup.kernel, setup.cap_k, setup.mean_weights
+            gz = logit_grad_(
+                z, dtype, labels, inv_t, big_m, abg, col0=col0, cfg=cfg, out=out, cap_k=cap, u=coef.u, cw=cw
             )
         else:
-            z.sub_(big_m[:, None])
-            e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
-            target = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            cw = None if setup.mean_weights is None else setup.mean_weights[cols]
-            gz = self.cap_slope_(
-                _torch_grad_(z, e, coef, target, None if setup.fold else setup.row_inv_t(rows), cw), rows
-            )
-        if sparse is not None:
-            self._scatter_sparse(gz, rows, cols.start, sparse)
-        return gz.to(cdt)
-
-    def _scatter_sparse(
-        self, gz: torch.Tensor, rows: slice, col0: int, sparse: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        """``gz[i, where[i, j] - col0] += g[i, j]`` (in the GEMMs' form) for the columns in
-        this tile."""
-        where, g = sparse
-        local = where - col0
-        g = self.untempered_grad(
-            torch.where((where >= 0) & (local >= 0) & (local < gz.shape[1]), g, 0.0), rows
-        )
-        gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1), g.to(gz.dtype))
+            if shifted:  # whole rows: their label columns made once a call
+                e, (hit, col, _) = self.like("e", z), self.label_columns(rows)
+            else:
+                z.sub_(big_m[:, None])
+                e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
+                hit, col = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
+            f = -coef.a[:, None] if coef.b is None else z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+            gz = e.mul_(f)  # as Coefficients' dz, in place in e
+            gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
+            if coef.u is not None:
+                cw = None if setup.mean_weights is None else setup.mean_weights[cols].to(gz.dtype)
+                gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw)
+            gz = self.cap_slope_(self.untempered_grad(gz, rows), rows)
+        if sparse is not None:  # gz[i, where[i, j] - col0] += g[i, j] for the columns in this tile
+            where, g = sparse[0][rows], sparse[1][rows]
+            local = where - cols.start
+            hit = (where >= 0) & (local >= 0) & (local < gz.shape[1])
+            g = self.untempered_grad(torch.where(hit, g, 0.0), rows)
+            gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1), g.to(gz.dtype))
+        return gz
 
     def backward(
         self,
@@ -471,42 +408,33 @@ class Engine(Tiles):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The vocabulary sweep's backward, each tile recomputed (columns outer)::
 
-            gz = grad_pass(logits(rows, cols))
+            gz = grad_pass(logits(rows, cols)).to(compute_dtype)
             dh[rows] (+)= gz @ W[cols];  dW[cols] (+)= gz.T @ h[rows]
 
         ``dh`` in the accumulation dtype, ``dW`` in ``W``'s (each ``dW`` tile one GEMM
         straight into it where one tile holds every row and ``W`` is the compute dtype).
         """
         setup = self.setup
-        acc = setup.acc_dtype
         n, local, hid = self.n, self.local, self.hs.shape[1]
-        dev = self.hs.device
-        if (
-            n == 0 or local == 0 or (self.triton and _rows_outer(setup, n, local, hid, self.w_dtype))
-        ):  # zeros, or whole rows
+        if n == 0 or local == 0 or (self.triton and _rows_outer(setup, n, local, hid, self.w_dtype)):
 
-            def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-                part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-                self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=part)
+            def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:  # zeros, or whole rows
+                self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=sparse)
 
             return self.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
-        direct = setup.tile[0] >= n and self.w_dtype == setup.compute_dtype
+        acc, cdt, dev = setup.acc_dtype, setup.compute_dtype, self.hs.device
+        direct = setup.tile[0] >= n and self.w_dtype == cdt
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
         dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
-        for rows, cols in self.vocab_tiles():
-            if rows.start == 0:
-                wc = self.weight(cols)
-            z = self.logits(rows, wc, cols)
-            part = None if sparse is None else (sparse[0][rows], sparse[1][rows])
-            gz = self.grad_pass(z, rows, cols, stats.max[rows], coef.of_rows(rows), sparse=part)
+        for rows, cols, wc, z in self.vocab_tiles():
+            part = coef.of_rows(rows)
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse).to(cdt)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
                 gemm_into(dw[cols], gz.T, self.hs[rows], first=rows.start == 0)
             self.bias_grad_(gz, rows, cols)
-        if dw is not None and dw.dtype != self.w_dtype:
-            dw = dw.to(self.w_dtype)
-        return self.unfold_dh(dh), dw
+        return self.unfold_dh(dh), None if dw is None else dw.to(self.w_dtype)
 
     # -- the row sweep
 
@@ -521,14 +449,11 @@ class Engine(Tiles):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Tiles of whole rows: ``epilogue(z, rows, sink)`` gets each tile's logits
         (:meth:`logits` of the whole shard: :meth:`row_stats`, :meth:`row_grad`, or
-        :meth:`logits_of` its values) and puts its gradient into ``sink``
-        (:meth:`GradSink.put`, :meth:`GradSink.add_sparse`; ``zeros``, ``on_flush`` as
-        :class:`GradSink`'s). Returns ``(dh, dW)`` as :meth:`GradSink.result`."""
+        :meth:`logits_of` its values) and puts its gradient into ``sink`` (``zeros``,
+        ``on_flush`` as :class:`GradSink`'s). Returns ``(dh, dW)`` as :meth:`GradSink.result`."""
         sink = GradSink(self, need_dh=need_dh, need_dw=need_dw, zeros=zeros, on_flush=on_flush)
-        if self.n and self.local:
-            wc = self.weight_all()
-            for rows in self.row_tiles():
-                epilogue(self.logits(rows, wc), rows, sink)
+        for rows, z in self.row_tiles():
+            epilogue(z, rows, sink)
         return sink.result()
 
     def row_stats(
@@ -548,8 +473,10 @@ class Engine(Tiles):
         ``mean_logit``."""
         setup = self.setup
         if self.triton:
-            state = _fresh_state(rows.stop - rows.start, setup.acc_dtype, z.device, with_entropy=with_entropy)
-            sz = torch.zeros_like(state[0]) if with_mean else None
+            r = rows.stop - rows.start
+            state, sz = _fresh_state(
+                r, setup.acc_dtype, z.device, with_entropy=with_entropy, with_mean=with_mean
+            )
             self.stats_pass(z, rows, slice(0, self.local), state, sz)
             stats = combine(*state, setup, rows, sz=sz)
             if not exps:
@@ -559,12 +486,12 @@ class Engine(Tiles):
         hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
         cw = setup.mean_weights
-        zsum = [z.sum(1) if cw is None else z @ cw.to(z.dtype)] if with_mean else []
+        sz = (z.sum(1) if cw is None else z @ cw.to(z.dtype)) if with_mean else None
         z.sub_(big_m[:, None])
         e = torch.exp(z, out=self.like("e", z))
-        parts = [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else []) + zsum
-        vocab = setup.vocab_size if with_mean else None
-        stats = _stats_of_sums(big_m, setup.reduce_sum(torch.stack(parts)), setup.ignored[rows], vocab)
+        stats = _summed_stats(
+            big_m, [e.sum(1), zy] + ([rowdot(e, z)] if with_entropy else []), sz, setup, rows
+        )
         return stats, (e if exps else None)
 
     def row_grad(
@@ -578,24 +505,10 @@ class Engine(Tiles):
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """The gradient of a whole-row tile after :meth:`row_stats` (``big_m``: its rows'
-        ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`."""
-        setup = self.setup
-        cdt = setup.compute_dtype
-        in_tile = self.triton and not (sparse is not None and cdt != z.dtype)  # into the sink's buffer
-        if not self.triton:
-            inv_t = None if setup.fold else setup.row_inv_t(rows)
-            gz = self.cap_slope_(
-                _torch_grad_(
-                    z, self.like("e", z), coef, self.label_columns(rows)[:2], inv_t, setup.mean_weights
-                ),
-                rows,
-            )
-        else:  # sparse terms on a narrower compute dtype: added in fp32, then rounded
-            out, dtype = (sink.tile(rows), cdt) if in_tile else (None, z.dtype)
-            gz = _triton_grad(setup, z, rows, 0, big_m, coef, out=out, dtype=dtype)
-        if sparse is not None:
-            self._scatter_sparse(gz, rows, 0, sparse)
-        if in_tile:
+        ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
+        out = sink.tile(rows) if self.triton else None  # Triton writes the GEMMs' form into the buffer
+        gz = self.grad_pass(z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out)
+        if gz is out:
             sink.commit(rows)
         else:
             sink._hold(rows, gz)

@@ -102,9 +102,8 @@ def kernel_config(device: torch.device) -> KernelConfig:
     """Small blocks under the interpreter (edges exercised); on a GPU one row per
     program, 2048 columns a step (8 KiB of fp32 in flight per program; 384 programs
     for a row-sweep tile, thousands for a vocabulary-sweep tile)."""
-    if device.type != "cuda":
-        return KernelConfig(block_m=2, block_n=64, num_warps=4)
-    return KernelConfig(block_m=1, block_n=2048, num_warps=4)
+    cuda = device.type == "cuda"
+    return KernelConfig(block_m=1 if cuda else 2, block_n=2048 if cuda else 64)
 
 
 def _budget(table: dict[str, int], device: torch.device, itemsize: int) -> int:

@@ -33,12 +33,11 @@ class GradSink:
     fp32). ``zeros``: ``dh`` and ``dW`` start at 0 (sparse terms added too).
 
     An epilogue's two ways in, each the gradient of the tempered logits (with a softcap,
-    times its slope: :meth:`~._tiles.Tiles.cap_slope_of`): :meth:`put`
-    (a tile of whole rows) and :meth:`add_sparse` (terms at a few columns). The
-    engine's own passes write the GEMMs' form straight into :meth:`tile` and
-    :meth:`commit` it; ``on_flush(rows)`` is called once per buffer of committed rows,
-    before they are multiplied out (also where no gradient is formed), and its
-    :class:`RowScale` scales them (:mod:`._single_pass`)."""
+    times its slope: :meth:`~._tiles.Tiles.cap_slope_of`): :meth:`put` (a tile of whole
+    rows) and :meth:`add_sparse` (terms at a few columns). The engine's own passes write
+    the GEMMs' form into :meth:`tile` and :meth:`commit` it; ``on_flush(rows)``, called
+    once per buffer of committed rows before they are multiplied out (also where no
+    gradient is formed), gives the :class:`RowScale` that scales them."""
 
     def __init__(
         self,
@@ -51,26 +50,20 @@ class GradSink:
     ) -> None:
         self.engine = engine
         setup = engine.setup
-        n, local, hid = engine.n, engine.local, engine.hs.shape[1]
-        dev = engine.hs.device
+        n, local, hid, dev = engine.n, engine.local, engine.hs.shape[1], engine.hs.device
         self.capacity = setup.grad_capacity
-        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
-        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
-        self.dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
+        dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
         self.zeros = zeros or n == 0 or local == 0
         make = torch.zeros if self.zeros else torch.empty
         self.dh = make((n, hid), dtype=setup.acc_dtype, device=dev) if need_dh else None
-        self.dw = make((local, hid), dtype=self.dw_dtype, device=dev) if need_dw else None
+        self.dw = make((local, hid), dtype=dw_dtype, device=dev) if need_dw else None
         self.dw_written = self.zeros
         self.buf: torch.Tensor | None = None
         self.aliased = False  # buf is the caller's tile itself (one tile a buffer)
         self.start = 0  # first row held in the buffer
         self.held = 0  # rows held
         self.on_flush = on_flush
-
-    @property
-    def active(self) -> bool:
-        return self.dh is not None or self.dw is not None or self.engine.db is not None
+        self.active = need_dh or need_dw or engine.db is not None  # a gradient is formed
 
     def put(self, rows: slice, gz: torch.Tensor) -> None:
         """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
@@ -121,17 +114,15 @@ class GradSink:
         if self.buf is None or not self.active:
             return
         g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
-        w = eng.weight_all()
         if self.dh is not None:
             dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
-            gemm_into(dh, g, w, first=not self.zeros)
+            gemm_into(dh, g, eng.weight_all(), first=not self.zeros)
             if scale is not None:
                 dh.mul_(scale.scale[:, None])
         if self.dw is not None:
-            xs = (
-                x if scale is None else (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
-            )
-            gemm_into(self.dw, g.T, xs, first=not self.dw_written)
+            if scale is not None:
+                x = (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
+            gemm_into(self.dw, g.T, x, first=not self.dw_written)
             self.dw_written = True
         eng.bias_grad_(g, slice(b0, b1), scale=None if scale is None else scale.scale)
         if scale is not None:  # the label's column, formed in the accumulation dtype
@@ -155,7 +146,4 @@ class GradSink:
         """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
         ``dW`` in ``W``'s dtype."""
         self._flush()
-        dw = self.dw
-        if dw is not None and dw.dtype != self.engine.w_dtype:
-            dw = dw.to(self.engine.w_dtype)
-        return self.engine.unfold_dh(self.dh), dw
+        return self.engine.unfold_dh(self.dh), None if self.dw is None else self.dw.to(self.engine.w_dtype)

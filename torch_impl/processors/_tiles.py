@@ -57,28 +57,23 @@ class TileSetup:
 
 class Tiles:
     """The tiles of ``z = h @ W.T * inv_t`` for one call: ``hs`` the hidden rows in the
-    compute dtype (times ``inv_t`` when folded), ``w`` the shard, reused buffers, and
-    the temperature. How it is applied (folded into ``hs``, scaled per tile, or inside
-    the Triton kernels) is this class's own: an epilogue reads a tile's values through
-    :meth:`logits_of` and hands the gradient of the tempered logits to a
-    :class:`~._sink.GradSink`, which takes it into the GEMMs' form (:meth:`untempered_grad`)."""
+    compute dtype (times ``inv_t`` when folded), ``w`` the shard, reused buffers, and the
+    temperature, applied here alone (folded into ``hs``, scaled per tile, or inside the
+    Triton kernels): an epilogue reads tiles through :meth:`logits_of` and hands the
+    gradient of the tempered logits to a :class:`~._sink.GradSink` (:meth:`untempered_grad`)."""
 
     def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, *, need_db: bool = False) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
-        if setup.fold:  # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile
-            hs = hs * (
-                setup.inv_t.to(hs.dtype)[:, None] if isinstance(setup.inv_t, torch.Tensor) else setup.inv_t
-            )
-        self.hs = hs
+        # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype = compute)
+        self.hs = hs * setup.row_inv_t(slice(None)) if setup.fold else hs
         self.w = w.detach()
         self.w_dtype = w.dtype
         self.n, self.local = int(hs.shape[0]), int(w.shape[0])
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
         self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        bias = setup.bias
-        self.b = None if bias is None else bias.detach().to(setup.acc_dtype)
+        self.b = None if setup.bias is None else setup.bias.detach().to(setup.acc_dtype)
         self.db = torch.zeros_like(self.b) if need_db and self.b is not None else None  # acc dtype
 
     @property
@@ -97,12 +92,6 @@ class Tiles:
     def like(self, name: str, z: torch.Tensor) -> torch.Tensor:
         """A reused buffer of ``z``'s shape and dtype."""
         return self.buffer(name, z.shape[0], z.shape[1], z.dtype)
-
-    def weight(self, cols: slice) -> torch.Tensor:
-        """``W[cols]`` in the compute dtype."""
-        if self._w_all is not None:
-            return self._w_all[cols]
-        return self.w[cols].to(self.setup.compute_dtype)
 
     def weight_all(self) -> torch.Tensor:
         """The whole shard in the compute dtype (kept for the call)."""
@@ -127,8 +116,7 @@ class Tiles:
     def _cap_out(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
         """``inv_t / cap_k``: ``z = tanh(u cap_k) * inv_t / cap_k``."""
         assert self.setup.cap_k is not None
-        inv_t = self.setup.row_inv_t(rows, column=column)
-        return inv_t / self.setup.cap_k
+        return self.setup.row_inv_t(rows, column=column) / self.setup.cap_k
 
     def cap_slope_(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """``gz * (1 - tanh(u cap_k)**2)`` in place, the tile's tanh from :meth:`logits`
@@ -152,11 +140,10 @@ class Tiles:
         if not self.triton:
             return values
         column = values.dim() == 2
-        if self.setup.cap_k is not None:
-            t = torch.mul(values, self.setup.cap_k, out=values if inplace else None).tanh_()
-            return scaled_(t, self._cap_out(rows, column=column))
-        factor = self.setup.row_inv_t(rows, column=column)
-        return scaled_(values if inplace else values.clone(), factor)
+        if self.setup.cap_k is None:
+            return scaled_(values if inplace else values.clone(), self.setup.row_inv_t(rows, column=column))
+        t = torch.mul(values, self.setup.cap_k, out=values if inplace else None).tanh_()
+        return scaled_(t, self._cap_out(rows, column=column))
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``
@@ -181,9 +168,7 @@ class Tiles:
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
-        if dh is None or not self.setup.fold:
-            return dh
-        return scaled_(dh, self.setup.row_inv_t(slice(None)))
+        return dh if dh is None or not self.setup.fold else scaled_(dh, self.setup.row_inv_t(slice(None)))
 
     def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
@@ -195,14 +180,20 @@ class Tiles:
         hit, col, keep = self._label
         return hit[rows], col[rows], keep[rows]
 
-    def vocab_tiles(self) -> Iterator[tuple[slice, slice]]:
-        """The vocabulary sweep's tiles, columns outer (each ``W`` tile converted once)."""
-        rows, cols = self.setup.tile
-        for j0 in range(0, self.local, cols):
-            for i0 in range(0, self.n, rows):
-                yield slice(i0, min(i0 + rows, self.n)), slice(j0, min(j0 + cols, self.local))
+    def vocab_tiles(self) -> Iterator[tuple[slice, slice, torch.Tensor, torch.Tensor]]:
+        """The vocabulary sweep's tiles ``(rows, cols, W[cols], logits)``, columns outer
+        (each ``W`` tile converted once)."""
+        height, width = self.setup.tile
+        for j0 in range(0, self.local if self.n else 0, width):
+            cols = slice(j0, min(j0 + width, self.local))
+            wc = self.w[cols].to(self.setup.compute_dtype) if self._w_all is None else self._w_all[cols]
+            for i0 in range(0, self.n, height):
+                rows = slice(i0, min(i0 + height, self.n))
+                yield rows, cols, wc, self.logits(rows, wc, cols)
 
-    def row_tiles(self) -> Iterator[slice]:
+    def row_tiles(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The row sweep's tiles ``(rows, logits)`` of whole rows of the shard."""
         height = self.setup.row_tile
-        for i0 in range(0, self.n, height):
-            yield slice(i0, min(i0 + height, self.n))
+        for i0 in range(0, self.n if self.local else 0, height):
+            rows = slice(i0, min(i0 + height, self.n))
+            yield rows, self.logits(rows, self.weight_all())
