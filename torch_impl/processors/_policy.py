@@ -23,7 +23,7 @@ from hookspec import (
 from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_floating, check_shape
 from ._fused import fused_token_loss
-from ._inputs import HookInputs, counted_mask, hook_inputs, resolve_temperature, sequence_ids, to_tokens
+from ._inputs import counted_mask, factory_tiles, hook_inputs, resolve_temperature, sequence_ids, to_tokens
 from ._logprobs import linear_logprobs
 from ._loss_math import (
     PolicyLossConfig,
@@ -37,7 +37,6 @@ from ._loss_math import (
     weighted_sum,
     weights_of,
 )
-from ._options import LinearOptions, refuse_unexpected
 
 __all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
 
@@ -89,7 +88,8 @@ class PolicyBatch:
         check_counts(None, **global_counts(self), prefix="context.")
 
 
-def _policy_batch(ctx: OutputContext) -> PolicyBatch:
+def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) -> PolicyBatch:
+    """The user context, a :class:`PolicyBatch` validated for ``config`` (its shapes and counts)."""
     batch = ctx.context
     if not isinstance(batch, PolicyBatch):
         raise ContractError(
@@ -100,6 +100,8 @@ def _policy_batch(ctx: OutputContext) -> PolicyBatch:
             if isinstance(batch, Mapping)
             else "",
         )
+    batch.validate(b, s, need_ref=config.kl_coef != 0.0)
+    check_counts(config.aggregation, **global_counts(batch), prefix="context.")
     return batch
 
 
@@ -221,20 +223,6 @@ def token_terms(
     return TokenTerms(loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy)
 
 
-def _checked_mask(ctx: OutputContext, x: HookInputs, batch: PolicyBatch) -> torch.Tensor:
-    """``M`` ``[b, s]``; with ``ctx.check_values``, the mask's values at every
-    token and the batch's at the counted ones checked (deferred on a GPU)."""
-    field = "loss_mask" if batch.mask is None else "context.mask"
-    mask = counted_mask(ctx, x, ctx.loss_mask if batch.mask is None else batch.mask, field)
-    if ctx.check_values:
-        counted = mask > 0
-        for name in ("old_logprobs", "advantages", "ref_logprobs"):
-            value = getattr(batch, name)
-            if value is not None:
-                check_finite_deferred(value, field=f"context.{name}", where=counted)
-    return mask
-
-
 def _sequence_log_ratio(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -316,18 +304,20 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     if not isinstance(config, PolicyLossConfig):
         raise ContractError("config", expected="a PolicyLossConfig", actual=type(config).__name__)
-    refuse_unexpected("policy_loss", unexpected)
-    tile = LinearOptions(tile_rows=tile_rows, tile_cols=tile_cols)
+    tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         x = hook_inputs(ctx, "policy_loss")
-        batch = _policy_batch(ctx)
-        batch.validate(x.b, x.s, need_ref=config.kl_coef != 0.0)
-        check_counts(config.aggregation, **global_counts(batch), prefix="context.")
+        batch = _policy_batch(ctx, x.b, x.s, config)
         cp_sum = context_parallel_sum(config, batch, ctx)
-        mask = _checked_mask(ctx, x, batch)
+        given, field = (ctx.loss_mask, "loss_mask") if batch.mask is None else (batch.mask, "context.mask")
+        mask = counted_mask(ctx, x, given, field)
+        if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
+            for name in ("old_logprobs", "advantages", "ref_logprobs"):
+                if (value := getattr(batch, name)) is not None:
+                    check_finite_deferred(value, field=f"context.{name}", where=mask > 0)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
         options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
         log_ratio: torch.Tensor | None = None
