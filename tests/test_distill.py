@@ -238,6 +238,20 @@ def test_the_tensor_function_against_float64_and_equal_to_the_processor(
         assert torch.equal(got[key], via_hook[key]), key
 
 
+def test_the_tensor_function_applies_the_temperature_without_options() -> None:
+    """``options=None`` is ``LinearOptions()``: the student's logits still divided by
+    ``config.temperature`` (they were not, the teacher's alone tempered)."""
+    d = _data(seed=23)
+    h, w, y = d["h"].reshape(-1, H), d["w"], _rows(d["labels"])
+    teacher = SparseTeacher(ids=_rows(d["ids"]), logprobs=_rows(d["lp"]))
+    cfg = DistillConfig(temperature=2.0)
+    got = linear_distillation_loss(h, w, y, teacher, config=cfg).loss
+    assert torch.equal(
+        got, linear_distillation_loss(h, w, y, teacher, options=LinearOptions(), config=cfg).loss
+    )
+    assert not torch.equal(got, linear_distillation_loss(h, w, y, teacher).loss)
+
+
 def test_the_tensor_function_checks_its_own_arguments() -> None:
     d = _data(seed=22)
     h, w, y = d["h"].reshape(-1, H), d["w"], _rows(d["labels"])

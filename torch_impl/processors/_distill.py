@@ -439,8 +439,8 @@ def linear_distillation_loss(
     ``None``, as :func:`~torch_impl.processors.linear_logprobs`'. No gradient reaches
     the teacher; differentiable once (``create_graph=True`` raises).
     """
-    config = _checked_config(config)
-    if isinstance(options, LinearOptions):
+    config, options = _checked_config(config), LinearOptions() if options is None else options
+    if isinstance(options, LinearOptions):  # config.temperature, with options=None too
         if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
             raise ContractError(
                 "options.temperature",
