@@ -1,11 +1,8 @@
 """Distillation to a teacher without logits: :func:`linear_distillation_loss`, the
 processor :func:`distillation_loss` and :class:`DistillConfig`, on the formulas of
-``hookspec.conventions``; the teachers are :mod:`._teachers`.
-
-The gradients are formed in the forward pass by two epilogues on the engine's row
-sweep (sparse teacher, dense teacher); their GEMMs and the bad-value rules (the mask
-at every token, as ``policy_loss``; the teacher at counted tokens) are
-``docs/processors.md``'s "Distillation".
+``hookspec.conventions``; the teachers are :mod:`._teachers`. The gradients are formed
+in the forward pass by two epilogues on the engine's row sweep (``docs/processors.md``'s
+"Distillation": their GEMMs and bad-value rules).
 """
 
 from __future__ import annotations
@@ -272,9 +269,8 @@ def _sparse_epilogue(
             return
         assert q_out is not None and e is not None and listed is not None
         gt = torch.where(q_out < TAIL_FLOOR, 0.0, grads[2])  # 0 where the floor holds it (as clamp_min's)
-        # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
-        # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
-        # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
+        # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last term
+        # over the outside entries alone (no terms of size p_tail / q_tail that cancel at the ids)
         q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
         outside = torch.where(listed, 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
@@ -370,36 +366,34 @@ def _fused(
     return DistillResult(loss=loss + 0.0 * lse.sum(), kl=kl, top1_agreement=agree)
 
 
-def _row_mask(mask: Any, setup: TileSetup, check_values: bool, labelled: bool) -> torch.Tensor:
-    """The teacher's ``mask`` ``[n]`` (ones when ``None``), an entry that is NaN,
-    infinite or negative NaN (and refused when ``check_values``), 0 at an ignored
-    label (``labelled``: labels were given)."""
-    n = int(setup.ignored.shape[0])
-    if mask is None:
-        m = torch.ones(n, dtype=setup.acc_dtype, device=setup.ignored.device)
+def _row_weights(
+    teacher: Teacher, sequences: Any, setup: TileSetup, config: DistillConfig, check: bool, labelled: bool
+) -> torch.Tensor:
+    """The aggregation's weights ``[n]`` of the rows: ``M`` the teacher's ``mask`` ``[n]``
+    (ones when ``None``; an entry NaN, infinite or negative NaN, refused when ``check``;
+    0 at an ignored label where ``labelled``), each row's sequence from ``sequences``."""
+    n, device, acc = int(setup.ignored.shape[0]), setup.ignored.device, setup.acc_dtype
+    if teacher.mask is None:
+        m = torch.ones(n, dtype=acc, device=device)
     else:
-        given = check_rows("teacher.mask", mask, (n,), f"[n={n}]")
-        if check_values:
+        given = check_rows("teacher.mask", teacher.mask, (n,), f"[n={n}]")
+        if check:
             check_finite_deferred(given, field="teacher.mask", nonnegative=True)
-        m = given.detach().to(device=setup.ignored.device, dtype=setup.acc_dtype)
+        m = given.detach().to(device=device, dtype=acc)
         m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
-    return torch.where(setup.ignored, m * 0.0, m) if labelled else m
-
-
-def _row_sequences(
-    sequences: Any, n: int, device: torch.device, check_values: bool
-) -> tuple[torch.Tensor, int]:
-    if sequences is None:
-        return torch.zeros(n, dtype=torch.long, device=device), 1
-    if not isinstance(sequences, tuple) or len(sequences) != 2:
-        raise ContractError(
-            "sequences", expected="None or (segments [n], count)", actual=type(sequences).__name__
-        )
-    segments = check_rows("sequences[0]", sequences[0], (n,), f"[n={n}]", integer=True)
-    count = check_int("sequences[1]", sequences[1], low=1)
-    if check_values:
-        check_indices_deferred(segments, count, field="sequences[0]")
-    return segments.to(device=device, dtype=torch.long), count
+    m = torch.where(setup.ignored, m * 0.0, m) if labelled else m
+    segments, count = torch.zeros(n, dtype=torch.long, device=device), 1
+    if sequences is not None:
+        if not isinstance(sequences, tuple) or len(sequences) != 2:
+            raise ContractError(
+                "sequences", expected="None or (segments [n], count)", actual=type(sequences).__name__
+            )
+        segments = check_rows("sequences[0]", sequences[0], (n,), f"[n={n}]", integer=True)
+        count = check_int("sequences[1]", sequences[1], low=1)
+        if check:
+            check_indices_deferred(segments, count, field="sequences[0]")
+    segments = segments.to(device=device, dtype=torch.long)
+    return weights_of(m, segments, count, config.aggregation, **global_counts(teacher))
 
 
 @checked_call()
@@ -427,11 +421,9 @@ def linear_distillation_loss(
         M = where(labels == ignore_index, 0, teacher.mask)        # [n]; mask None: ones
         loss = sum(aggregation_weights(M, segments, count, config.aggregation) * D)
 
-    with the formulas of ``hookspec.conventions``. ``teacher`` holds rows:
-    :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or :class:`DenseTeacher`
-    ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``, ``z_t =
-    gather(hidden_states) @ weight.T * logit_scale / T``, capped by its ``softcap``) and ``weight``
-    ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
+    ``teacher`` holds rows: :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or
+    :class:`DenseTeacher` ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``) and
+    ``weight`` ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
     ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
     (``None``: one). ``options``: :class:`LinearOptions` whose ``temperature`` stays 1
     (the temperature is ``config.temperature``); ``check_values`` also reads the
@@ -452,11 +444,8 @@ def linear_distillation_loss(
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
     n, check, acc = int(h.shape[0]), options.check_values, setup.acc_dtype
-    mask = _row_mask(teacher.mask, setup, check, labels is not None)
-    segments, count = _row_sequences(sequences, n, h.device, check)
-    weights = weights_of(mask, segments, count, config.aggregation, **global_counts(teacher))
-    local = int(weight.shape[0])
-    vocab = options.vocab if options.vocab is not None else VocabShard(0, local, local)
+    weights = _row_weights(teacher, sequences, setup, config, check, labels is not None)
+    vocab = options.vocab or VocabShard(0, setup.vocab_size, setup.vocab_size)
     if isinstance(teacher, SparseTeacher):  # the rows as b = 1, s = n tokens
         ids = check_rows("teacher.ids", teacher.ids, (n,), f"[n={n}, k]")[None]
         lp = check_rows("teacher.logprobs", teacher.logprobs, (n,), f"[n={n}, k]")[None]
