@@ -54,11 +54,10 @@ class DistillConfig:
         D_t = divergence(P_t, Q_t)                 # per token t: forward-kl, reverse-kl, jsd(beta)
         loss = aggregate(D, M, aggregation)        # as policy_loss: token-mean, seq-mean-*
 
-    ``temperature`` ``T > 0`` divides the student's logits and the dense
-    teacher's (a sparse teacher's logprobs are taken as given: cache them at
-    ``T``); no ``T**2`` factor. ``beta``: JSD's weight, ``0 < beta < 1`` (read for
-    ``jsd`` only). ``tail``: a sparse teacher's mass outside its ``k`` ids (read for
-    the sparse form only). Checked at construction (``ContractError``).
+    ``temperature`` ``T > 0`` divides the student's logits and the dense teacher's (a
+    sparse teacher's logprobs are taken as given: cache them at ``T``); no ``T**2``
+    factor. ``beta``: JSD's weight, ``0 < beta < 1`` (read for ``jsd`` only). ``tail``: a
+    sparse teacher's mass outside its ``k`` ids. Checked at construction (``ContractError``).
     """
 
     divergence: DistillDivergence = DistillDivergence.FORWARD_KL
@@ -285,13 +284,10 @@ def _sparse_epilogue(
 
 @dataclasses.dataclass(frozen=True)
 class DistillResult:
-    """What :func:`linear_distillation_loss` returns, in the accumulation dtype (fp32,
-    fp64 for fp64 inputs).
-
-    ``loss``: ``[]``, differentiable once in ``hidden`` and ``weight``;
-    ``kl``: ``[n]`` ``KL(teacher || student)`` per row; ``top1_agreement``: ``[n]``
-    bool, the student's argmax equal to the teacher's top-1. The two per-row
-    tensors carry no gradient.
+    """What :func:`linear_distillation_loss` returns, in the accumulation dtype (fp32, fp64
+    for fp64 inputs): ``loss`` ``[]``, differentiable once in ``hidden`` and ``weight``;
+    ``kl`` ``[n]``, ``KL(teacher || student)`` per row; ``top1_agreement`` ``[n]`` bool, the
+    student's argmax equal to the teacher's top-1. The two per-row tensors carry no gradient.
     """
 
     loss: torch.Tensor

@@ -49,10 +49,9 @@ class PolicyBatch:
 
     - ``old_logprobs``: the behaviour policy's logprobs (ratio denominator).
     - ``advantages``: per token (broadcast a per-sequence advantage yourself).
-    - ``mask``: which tokens count, as weights (bool, or numbers ``>= 0``);
-      ``None``: the model's ``loss_mask``, else every token. Tokens labelled
-      ``ignore_index`` never count. A NaN, infinite or negative entry raises
-      ``ContractError`` (never "empty").
+    - ``mask``: which tokens count, as weights (bool, or numbers ``>= 0``); ``None``: the
+      model's ``loss_mask``, else every token. Tokens labelled ``ignore_index`` never
+      count. A NaN, infinite or negative entry raises ``ContractError`` (never "empty").
     - ``ref_logprobs``: the reference policy's logprobs, needed when ``kl_coef != 0``.
     - ``temperature``: the sampling temperature, a number or ``[b, s]``.
     - ``global_tokens`` / ``global_sequences``: the token / sequence counts of the
@@ -61,8 +60,7 @@ class PolicyBatch:
       the global loss. Give the one the aggregation reads (the other is refused);
       optional under context parallel (give them for the data-parallel ranks).
 
-    ``old_logprobs``, ``advantages`` and ``ref_logprobs`` are read at counted
-    tokens only.
+    ``old_logprobs``, ``advantages`` and ``ref_logprobs`` are read at counted tokens only.
     """
 
     old_logprobs: torch.Tensor
@@ -254,14 +252,12 @@ def _metrics(
 ) -> dict[str, torch.Tensor]:
     """The loss and the detached metrics; ``totals``: the sequences' ``n_k`` over the
     context-parallel group, whose sum the means divide by (each rank's is its share)."""
-    w = rows.weights.to(t.logp.dtype)
-    m = rows.mask.to(t.logp.dtype)
+    w, m = rows.weights.to(t.logp.dtype), rows.mask.to(t.logp.dtype)
     total = None if totals is None else totals.sum().to(m.dtype)
     logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
     approx_kl = kl_terms(logp, old, KLEstimator.K3, clamp=config.log_ratio_clamp)
     out = {
-        # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
-        # or the weight holds NaN/inf, even at an uncounted token.
+        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf, even uncounted
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),

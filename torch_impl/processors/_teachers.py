@@ -89,11 +89,8 @@ class SparseTeacher:
 def _check_sparse_values(
     ids: torch.Tensor, lp: torch.Tensor, counted: torch.Tensor, vocab_size: int, field: str
 ) -> None:
-    """The sparse teacher's rules at the counted tokens (``hookspec.conventions``): ids in
-    range and distinct; logprobs neither NaN nor ``+inf`` (``-inf`` is probability 0),
-    the first finite, each ``<= eps``, ``sum(exp) <= 1 + k eps``, the first the largest
-    (``eps``: the logprobs' dtype's machine epsilon). Each rule is its own error, with
-    the values it reads."""
+    """The sparse teacher's rules at the counted tokens (``hookspec.conventions``), each its
+    own error with the values it reads (``eps``: the logprobs' dtype's machine epsilon)."""
     k = ids.shape[1]
     check_indices_deferred(torch.where(counted[:, None], ids, 0), vocab_size, field=f"{field}.ids")
     if k > 1:
@@ -110,7 +107,6 @@ def _check_sparse_values(
             counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
         )
 
-    # NaN and +inf are no probability; -inf is probability 0 (a token the teacher masks)
     for bad_value, what in ((torch.isnan(wide), "NaN"), (wide == math.inf, "+inf")):
         expected = f"logprobs in [-inf, 0] (-inf: probability 0), no {what}"
         noun = f"tokens holding {what} (their count of {what})"
