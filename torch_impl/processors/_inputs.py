@@ -59,8 +59,7 @@ class HookInputs:
 
     @property
     def acc_dtype(self) -> torch.dtype:
-        """float64 where the hidden states or the weight are, else float32: the dtype of
-        per-token weights and masks."""
+        """The dtype of per-token weights and masks: float64 where an input is, else float32."""
         return torch.float64 if torch.float64 in (self.hidden.dtype, self.weight.dtype) else torch.float32
 
     @property
