@@ -92,9 +92,8 @@ def _class_weights_of(
         check_finite_deferred(class_weights, field="class_weights", nonnegative=True)
     cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
     cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))
-    y = x.token_labels
-    ignored = y == ctx.ignore_index
-    cwy = torch.where(ignored, 0.0, cw[torch.where(ignored, 0, y).clamp(0, max(vocab.size - 1, 0))])
+    y = x.token_labels  # an ignored label clamped into range, then its weight 0
+    cwy = torch.where(y == ctx.ignore_index, 0.0, cw[y.clamp(0, max(vocab.size - 1, 0))])
     return cwy, cw[vocab.start : vocab.end], cw.mean()
 
 
@@ -109,11 +108,9 @@ def _token_weights(
     m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
     count = context_field(ctx.context, "global_tokens")  # read by "mean" without class weights only
     if count is not None and (reduction != "mean" or cwy is not None):
-        why = (
-            f"reduction={reduction!r}, which divides by no count"
-            if reduction != "mean"
-            else "class_weights (the mean divides by the counted tokens' class weights)"
-        )
+        why = "class_weights (the mean divides by the counted tokens' class weights)"
+        if reduction != "mean":
+            why = f"reduction={reduction!r}, which divides by no count"
         raise ContractError("context.global_tokens", expected=f"None with {why}", actual=repr(count))
     if count is not None:
         count = check_finite_number("context.global_tokens", count, low=0.0, low_open=True)
