@@ -1,16 +1,9 @@
 """Production processors: logprobs, entropy, cross entropy, policy losses, top-k and
 distillation from the hidden states and the vocab shard, never materialising the logits,
-all epilogues on one tile engine (``docs/architecture.md``).
-
-- Processors for ``enable_output_processor``: :func:`selected_logprobs`,
-  :func:`cross_entropy_loss`, :func:`policy_loss` (:class:`PolicyBatch`,
-  :class:`PolicyLossConfig`), :func:`topk_logprobs`, :func:`distillation_loss`
-  (:class:`DistillConfig`; :class:`SparseTeacher` or :class:`DenseTeacher`).
-- The tensor functions underneath, their options one :class:`LinearOptions`:
-  :func:`linear_logprobs`, :func:`fused_token_loss`, :func:`linear_topk_logprobs`,
-  :func:`linear_distillation_loss` (:class:`DistillResult`).
-- Tile sizes per device (:data:`TILE_BYTES`, :data:`GRAD_BUFFER_BYTES`,
-  :data:`TILES_BY_DEVICE`) and what ``backend="auto"`` runs (:func:`auto_choice`).
+all epilogues on one tile engine (``docs/architecture.md``). Each processor for
+``enable_output_processor`` has a tensor function underneath (``linear_*``,
+:func:`fused_token_loss`) whose options are one :class:`LinearOptions`
+(``docs/processors.md`` lists them all).
 """
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class

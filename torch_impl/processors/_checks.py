@@ -19,9 +19,9 @@ from hookspec.arrays import format_shape
 from ..value_checks import check_labels_deferred, check_positive_deferred, refuse_meta
 
 __all__ = [
+    "FLOATS",
     "UNSUPPORTED_LOGIT_OPTIONS",
     "check_bool",
-    "check_compute_dtype",
     "check_enum",
     "check_finite_number",
     "check_floating",
@@ -62,8 +62,7 @@ def check_finite_number(
     """``value`` as a ``float``: a real number (Python or NumPy, not ``bool``, not a
     tensor), finite, and in ``[low, high]`` (``low_open``/``high_open``: that end
     excluded; ``None``: unbounded)."""
-    where = _interval(low, high, low_open, high_open)
-    expected = f"a finite number {where}".rstrip()
+    expected = f"a finite number {_interval(low, high, low_open, high_open)}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ContractError(field, expected=expected, actual=_describe(value))
     try:
@@ -115,20 +114,13 @@ def context_field(context: Any, name: str) -> Any:
     return getattr(context, name, None)
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_compute_dtype(dtype: Any) -> torch.dtype:
-    """``dtype`` itself where it is a floating torch dtype, else ``ContractError``."""
-    if dtype not in _FLOATS:
-        raise ContractError("compute_dtype", expected="a floating torch dtype", actual=repr(dtype))
-    return dtype  # type: ignore[no-any-return]
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_floating(field: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ContractError(field, expected="a torch.Tensor", actual=type(x).__name__)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ContractError(field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch."))
     refuse_meta(x, field=field)  # a shape without values: torch would fail deep inside
     return x
@@ -149,19 +141,16 @@ def check_temperature(
     """A finite ``T > 0``: a number, or a tensor ``[n]`` (one per row; a ``[b, s]`` is
     refused, not flattened), returned as a float or a float32 (float64 if given) tensor
     whose values are checked with ``check_values``, without a host read on CUDA."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 0:
+        temperature = float(temperature)
     if isinstance(temperature, torch.Tensor):
-        if temperature.dim() == 0:
-            temperature = float(temperature)
-        else:
-            check_floating(field, temperature)  # the shape, not the count: a [b, s] is not [s * b]
-            check_shape(
-                field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)"
-            )
-            t = temperature.detach().reshape(n)
-            t = t.double() if t.dtype == torch.float64 else t.float()
-            if check_values:
-                check_positive_deferred(t, field=field)
-            return t
+        check_floating(field, temperature)  # the shape, not the count: a [b, s] is not [s * b]
+        check_shape(field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)")
+        t = temperature.detach()
+        t = t.double() if t.dtype == torch.float64 else t.float()
+        if check_values:
+            check_positive_deferred(t, field=field)
+        return t
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):  # Python or NumPy
         raise ContractError(field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__)
     return check_finite_number(field, temperature, low=0.0, low_open=True)
@@ -184,10 +173,10 @@ def check_token_labels(
 def resolve_compute_dtype(
     device: torch.device, dtype: torch.dtype, override: torch.dtype | None
 ) -> torch.dtype:
-    """The dtype the matmuls run in: ``override`` if given; float64 stays float64; on a
-    CPU float32 (no fast bf16/fp16 GEMM there); elsewhere the input dtype."""
+    """The dtype the matmuls run in: ``override`` if given (a checked option); float64
+    stays float64; on a CPU float32 (no fast bf16/fp16 GEMM there); elsewhere the input dtype."""
     if override is not None:
-        return check_compute_dtype(override)
+        return override
     return torch.float32 if device.type == "cpu" and dtype != torch.float64 else dtype
 
 

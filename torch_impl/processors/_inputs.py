@@ -59,8 +59,7 @@ class HookInputs:
 
     @property
     def acc_dtype(self) -> torch.dtype:
-        """float64 where the hidden states or the weight are, else float32: the dtype of
-        per-token weights and masks."""
+        """The dtype of per-token weights and masks: float64 where an input is, else float32."""
         return torch.float64 if torch.float64 in (self.hidden.dtype, self.weight.dtype) else torch.float32
 
     @property
@@ -147,21 +146,20 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     # labels [b, s] where given (validate_context checked them against the hidden states)
     s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
     b = int(hs.shape[1])
-    options = LinearOptions(
-        ignore_index=ctx.ignore_index,
-        vocab=ctx.vocab,
-        collectives=ctx.collectives,
-        logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
-        softcap=context_softcap(ctx),
-        check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
-    )
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
         weight=typing.cast(torch.Tensor, ctx.vocab_weight),
         labels=None if ctx.labels is None else to_tokens(typing.cast(torch.Tensor, ctx.labels)),
         b=b,
         s=s,
-        options=options,
+        options=LinearOptions(
+            ignore_index=ctx.ignore_index,
+            vocab=ctx.vocab,
+            collectives=ctx.collectives,
+            logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
+            softcap=context_softcap(ctx),
+            check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
+        ),
     )
 
 

@@ -77,8 +77,7 @@ def _class_weights_of(
     """``(cw[labels] [n], c [V_local], mean(cw))``: each row's label weight (acc dtype;
     0 where ignored), the shard's column weights of the mean logit and the mean class
     weight, for label smoothing's ``eps / V * sum_j cw[j] (lse - z_j) = eps * (mean(cw)
-    * lse - mean_logit)``; ``(None, None, 1.0)`` without class weights. The weights are
-    checked ``[V]`` here, finite and ``>= 0`` (deferred on a GPU) when ``ctx.check_values``."""
+    * lse - mean_logit)``; ``(None, None, 1.0)`` without class weights."""
     if class_weights is None:
         return None, None, 1.0
     vocab = ctx.vocab
@@ -93,9 +92,8 @@ def _class_weights_of(
         check_finite_deferred(class_weights, field="class_weights", nonnegative=True)
     cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
     cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))
-    y = x.token_labels
-    ignored = y == ctx.ignore_index
-    cwy = torch.where(ignored, 0.0, cw[torch.where(ignored, 0, y).clamp(0, max(vocab.size - 1, 0))])
+    y = x.token_labels  # an ignored label clamped into range, then its weight 0
+    cwy = torch.where(y == ctx.ignore_index, 0.0, cw[y.clamp(0, max(vocab.size - 1, 0))])
     return cwy, cw[vocab.start : vocab.end], cw.mean()
 
 
@@ -108,21 +106,14 @@ def _token_weights(
     ``M / (global_tokens or sum(M))`` (0 where ``sum(M) == 0``); ``w = ws = wz``, or with
     ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over ``sum(M * cwy)``."""
     m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
-    count = context_field(ctx.context, "global_tokens")  # read by "mean" only
-    if count is not None:
+    count = context_field(ctx.context, "global_tokens")  # read by "mean" without class weights only
+    if count is not None and (reduction != "mean" or cwy is not None):
+        why = "class_weights (the mean divides by the counted tokens' class weights)"
         if reduction != "mean":
-            raise ContractError(
-                "context.global_tokens",
-                expected=f"None with reduction={reduction!r}, which divides by no count",
-                actual=repr(count),
-            )
+            why = f"reduction={reduction!r}, which divides by no count"
+        raise ContractError("context.global_tokens", expected=f"None with {why}", actual=repr(count))
+    if count is not None:
         count = check_finite_number("context.global_tokens", count, low=0.0, low_open=True)
-    if cwy is not None and count is not None:
-        raise ContractError(
-            "context.global_tokens",
-            expected="None with class_weights (the mean divides by the counted tokens' class weights)",
-            actual=repr(count),
-        )
     if reduction == "sum":
         return (m if cwy is None else m * cwy), m, m, m
     if count is None and ctx.parallel.cp_size > 1:
@@ -134,16 +125,12 @@ def _token_weights(
             hint="or use reduction='sum' and divide by the count yourself",
         )
     segments = torch.zeros(m.shape, dtype=torch.long, device=m.device)
-
-    def mean_weights(v: torch.Tensor) -> torch.Tensor:
-        return weights_of(v, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None)
-
-    wz = mean_weights(m)
+    wz = weights_of(m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None)
     if cwy is None:
         return wz, wz, wz, m
-    total = (m * cwy).sum()
-    ws = torch.where(total != 0, m / torch.where(total != 0, total, 1.0), 0.0)
-    return mean_weights(m * cwy), wz, ws, m
+    total = (m * cwy).sum()  # count is None here: refused with class weights
+    nonzero = torch.where(total != 0, total, 1.0)
+    return m * cwy / nonzero, wz, torch.where(total != 0, m / nonzero, 0.0), m
 
 
 def cross_entropy_loss(
@@ -183,12 +170,11 @@ def cross_entropy_loss(
         loss = sum(M * ce) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
         tokens = sum(M)                               # this rank's counted tokens, detached
 
-    ``T``: ``temperature``, else the user context's (a number or ``[b, s]``), else 1;
-    both given raises. ``global_tokens`` (the user context's, a finite number > 0) is
-    read by ``"mean"`` only (refused with ``"sum"`` or class weights; required under
-    context parallel). A mask summing to exactly 0 gives 0 with a zero gradient; a NaN,
-    infinite or negative ``loss_mask`` entry raises ``ContractError``; a NaN or inf in
-    the hidden states or weight makes the loss NaN.
+    ``T`` as :func:`selected_logprobs`'. ``global_tokens`` (the user context's, a finite
+    number > 0) is read by ``"mean"`` only (refused with ``"sum"`` or class weights;
+    required under context parallel). A mask summing to exactly 0 gives 0 with a zero
+    gradient; a NaN, infinite or negative ``loss_mask`` entry raises ``ContractError``; a
+    NaN or inf in the hidden states or weight makes the loss NaN.
     """
     tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:

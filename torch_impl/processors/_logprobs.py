@@ -73,16 +73,15 @@ def linear_logprobs(
         lse = logsumexp(z)                                       # every token
         mean_logit = z.mean(-1)                                  # with_mean_logit
 
-    ``weight_full`` stacks every rank's shard, ``gather`` is
-    ``collectives.gather_hidden_states`` (sequence parallel); ``T``, ``logit_scale``,
-    the shard and the tiles are ``options`` (:class:`LinearOptions`; default
-    ``LinearOptions()``). ``hidden`` ``[n_local, h]``: this rank's rows, gathered here
-    (its gradient holds every shard's part); ``weight`` ``[V_local, h]``, the shard;
-    ``labels`` ``[n]`` global ids of the gathered rows, or ``ignore_index``; ``bias``
-    ``[V_local]`` (``weight``'s dtype and device; ``None``: 0), differentiable;
-    ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of a weighted
-    ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights; ``None``:
-    each 1).
+    ``weight_full`` stacks every rank's shard; ``gather`` is ``collectives.gather_hidden_states``
+    (sequence parallel); ``T``, ``logit_scale``, the shard and the tiles are ``options``
+    (:class:`LinearOptions`; default ``LinearOptions()``). ``hidden`` ``[n_local, h]``: this
+    rank's rows, gathered here (its gradient holds every shard's part); ``weight``
+    ``[V_local, h]``, the shard; ``labels`` ``[n]`` global ids of the gathered rows, or
+    ``ignore_index``; ``bias`` ``[V_local]`` (``weight``'s dtype and device; ``None``: 0),
+    differentiable; ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of
+    a weighted ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights;
+    ``None``: each 1).
 
     Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
     ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``

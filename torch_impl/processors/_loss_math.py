@@ -77,14 +77,12 @@ class PolicyLossConfig:
     fused: bool = True
 
     def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        put("clip_low", check_finite_number("clip_low", self.clip_low, low=0.0, high=1.0))
+        put = object.__setattr__
+        put(self, "clip_low", check_finite_number("clip_low", self.clip_low, low=0.0, high=1.0))
         if self.clip_high is not None:
-            put("clip_high", check_finite_number("clip_high", self.clip_high, low=0.0))
+            put(self, "clip_high", check_finite_number("clip_high", self.clip_high, low=0.0))
         if self.dual_clip is not None:
-            put("dual_clip", check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True))
+            put(self, "dual_clip", check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True))
         if not isinstance(self.ratio, RatioLevel):
             if self.ratio not in ("token", "sequence"):
                 raise ContractError(
@@ -96,15 +94,15 @@ class PolicyLossConfig:
                 DeprecationWarning,
                 stacklevel=3,
             )
-            put("ratio", RatioLevel(self.ratio))
-        put("kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
-        put("entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
+            put(self, "ratio", RatioLevel(self.ratio))
+        put(self, "kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
+        put(self, "entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
         if self.log_ratio_clamp is not None:
             clamp = check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True)
-            put("log_ratio_clamp", clamp)
+            put(self, "log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
-        put("kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
-        put("aggregation", check_enum("aggregation", Aggregation, self.aggregation))
+        put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
+        put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
 
     @property
     def effective_clip_high(self) -> float:

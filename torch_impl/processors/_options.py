@@ -17,8 +17,8 @@ from hookspec.collectives import checked_collectives
 from ..value_checks import check_finite_deferred
 from ._backends import auto_choice, triton_available
 from ._checks import (
+    FLOATS,
     check_bool,
-    check_compute_dtype,
     check_finite_number,
     check_floating,
     check_int,
@@ -47,8 +47,7 @@ class LinearOptions:
     construction (``ContractError``), the tensors' shapes at the call.
 
     Attributes:
-        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row;
-            not differentiated).
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row; not differentiated).
         logit_scale: a constant factor ``> 0`` on the logits (MuP's output multiplier).
         ignore_index: the label of rows that count nowhere (logprob 0).
         vocab: the weight's rows ``[vocab.start, vocab.end)`` of ``vocab.size``;
@@ -60,11 +59,9 @@ class LinearOptions:
             class's measured choice, else Triton on CUDA where installed, else torch.
         compute_dtype: the GEMM operands' dtype, accumulating in fp32 (fp64); default
             float64 where an input is, float32 on a CPU, the input dtype elsewhere.
-        tile_rows, tile_cols: the tile (rows by vocabulary entries); ``None``: the
-            device's default (``TILE_BYTES``, ``TILES_BY_DEVICE``). Row sweeps read
-            ``tile_rows`` only.
-        check_values: read the labels and a tensor temperature to check them
-            (deferred, without a host read, on a GPU).
+        tile_rows, tile_cols: the tile (rows by vocabulary entries; row sweeps read ``tile_rows``
+            only); ``None``: the device's default (``TILE_BYTES``, ``TILES_BY_DEVICE``).
+        check_values: check the labels' and a tensor temperature's values (deferred on a GPU).
         softcap: ``s > 0`` caps the logits before the temperature (Gemma's
             ``final_logit_softcapping``): ``z = s * tanh(u * logit_scale / s) / T``; ``None``: off.
 
@@ -108,8 +105,9 @@ class LinearOptions:
             )
         if self.backend not in BACKENDS:
             raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
-        if self.compute_dtype is not None:
-            check_compute_dtype(self.compute_dtype)
+        if self.compute_dtype is not None and self.compute_dtype not in FLOATS:
+            expected = "a floating torch dtype"
+            raise ContractError("compute_dtype", expected=expected, actual=repr(self.compute_dtype))
         for name in ("tile_rows", "tile_cols"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
@@ -151,17 +149,13 @@ def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = F
     (``options``: a tensor function's), else the factory's ``tile_rows=``/``tile_cols=``."""
     if not extra:
         return
-    fields = {f.name for f in dataclasses.fields(LinearOptions)}
-    moved = []
-    for key in sorted(extra):
-        new = RENAMED.get(key, key if options and key in fields else None)
-        if new is not None and (options or new.startswith("tile_")):  # a factory takes the tiles only
-            moved.append(f"{key}= -> LinearOptions({new})" if options else f"{key}= -> {new}")
-    where = (
-        "into options=LinearOptions(...)"
-        if options
-        else "to tile_rows= and tile_cols= (LinearOptions' names)"
-    )
+    if options:
+        known = RENAMED.keys() | {f.name for f in dataclasses.fields(LinearOptions)}
+        moved = [f"{k}= -> LinearOptions({RENAMED.get(k, k)})" for k in sorted(extra) if k in known]
+        where = "into options=LinearOptions(...)"
+    else:  # a factory takes the tiles only
+        moved = [f"{k}= -> {RENAMED[k]}" for k in sorted(extra) if RENAMED.get(k, "").startswith("tile_")]
+        where = "to tile_rows= and tile_cols= (LinearOptions' names)"
     hint = f": the options moved {where}: {'; '.join(moved)}" if moved else ""
     raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
 
@@ -225,8 +219,7 @@ def prologue(
     if triton and cdtype == torch.float64:
         raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
     acc = torch.float64 if cdtype == torch.float64 else torch.float32
-    # 1 / T in the accumulation dtype: a float32 temperature with float64 inputs gives
-    # an exact float64 quotient of its (float32) values
+    # 1 / T in the accumulation dtype: exact to float64 for a float32 T with float64 inputs
     scale = options.logit_scale
     inv_t: torch.Tensor | float = (
         (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
@@ -297,18 +290,16 @@ def _backend(backend: str, h: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _check_shard(vocab: VocabShard, local: int, collectives: Collectives | None) -> None:
-    """A weight that is part of the vocabulary needs collectives that reduce over the
-    other parts: with none (``None``, or one rank's ``SingleProcessCollectives``) the
-    logprobs would be normalised over this shard alone."""
+    """The shard is the weight's rows, and a part of the vocabulary comes with collectives
+    over the other parts (with none, or one rank's, logprobs would be this shard's alone)."""
     if vocab.end - vocab.start != local:
         raise ContractError(
             "vocab",
             expected=f"a shard of V_local = {local} rows, the weight's (end - start)",
             actual=f"start={vocab.start}, end={vocab.end} ({vocab.end - vocab.start} rows)",
         )
-    if vocab.start == 0 and vocab.end == vocab.size:
-        return
-    if collectives is None or isinstance(collectives, SingleProcessCollectives):
+    whole = vocab.start == 0 and vocab.end == vocab.size
+    if not whole and (collectives is None or isinstance(collectives, SingleProcessCollectives)):
         raise ContractError(
             "collectives",
             expected=(

@@ -91,12 +91,9 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
-    """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their gradient's terms::
-
-    dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p (log p + H)
-
-    (a softcap's slope at the ids from their capped values; the engine's on the rest)
-    """
+    """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their
+    gradient's terms ``dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p
+    (log p + H)`` (a softcap's slope at the ids from their capped values; the engine's on the rest)."""
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
     stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
     setup, acc = eng.setup, eng.setup.acc_dtype
@@ -194,11 +191,10 @@ def topk_logprobs(
         {"topk_logprobs": [b, s, k] fp32, "topk_ids": [b, s, k] int64,
          "logprobs": [b, s] (with labels), "entropy": [b, s] (with entropy=True)}
 
-    as :func:`linear_topk_logprobs` computes them (``logprobs``: the label's). ``T``:
-    ``temperature``, else the user context's ``temperature`` (a number or ``[b, s]``),
-    else 1. At ``tp > 1`` the context's collectives need ``all_gather`` (spec 1.2).
-    Cache a teacher's ``topk_logprobs`` and ``topk_ids`` for :func:`distillation_loss`'s
-    sparse form. Tiles: :class:`LinearOptions`' names.
+    as :func:`linear_topk_logprobs` computes them (``logprobs``: the label's; ``T`` and
+    the tiles as :func:`selected_logprobs`'). At ``tp > 1`` the context's collectives need
+    ``all_gather`` (spec 1.2). Cache a teacher's ``topk_logprobs`` and ``topk_ids`` for
+    :func:`distillation_loss`'s sparse form.
     """
     tile = factory_tiles("topk_logprobs", unexpected, temperature, tile_rows, tile_cols)
     k = check_int("k", k, low=1)
