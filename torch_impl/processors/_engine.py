@@ -270,8 +270,7 @@ class Recomputed(torch.autograd.Function):
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):
-            terms = ctx.grad_of(*cotangents) if need_dh or need_dw or need_db else None
-            if terms is None:
+            if not (need_dh or need_dw or need_db) or (terms := ctx.grad_of(*cotangents)) is None:
                 return None, None, None, None, None, None
             stats, coef, sparse = terms
             eng = Engine(h, w, ctx.setup, need_db=need_db)
@@ -508,7 +507,4 @@ class Engine(Tiles):
         ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
         out = sink.tile(rows) if self.triton else None  # Triton writes the GEMMs' form into the buffer
         gz = self.grad_pass(z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out)
-        if gz is out:
-            sink.commit(rows)
-        else:
-            sink._hold(rows, gz)
+        sink.commit(rows, None if gz is out else gz)
