@@ -69,16 +69,13 @@ class Tiles:
         self.hs = hs * setup.row_inv_t(slice(None)) if setup.fold else hs
         self.w = w.detach()
         self.w_dtype = w.dtype
+        self.triton = setup.kernel is not None  # the Triton backend
         self.n, self.local = int(hs.shape[0]), int(w.shape[0])
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
         self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.b = None if setup.bias is None else setup.bias.detach().to(setup.acc_dtype)
         self.db = torch.zeros_like(self.b) if need_db and self.b is not None else None  # acc dtype
-
-    @property
-    def triton(self) -> bool:
-        return self.setup.kernel is not None
 
     def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
