@@ -35,9 +35,9 @@ class GradSink:
     An epilogue's two ways in, each the gradient of the tempered logits (with a softcap,
     times its slope: :meth:`~._tiles.Tiles.cap_slope_of`): :meth:`put` (a tile of whole
     rows) and :meth:`add_sparse` (terms at a few columns). The engine's own passes write
-    the GEMMs' form into :meth:`tile` and :meth:`commit` it; ``on_flush(rows)``, called
-    once per buffer of committed rows before they are multiplied out (also where no
-    gradient is formed), gives the :class:`RowScale` that scales them."""
+    the GEMMs' form into :meth:`tile` or hand it to :meth:`commit`; ``on_flush(rows)``,
+    called once per buffer of committed rows before they are multiplied out (also where
+    no gradient is formed), gives the :class:`RowScale` that scales them."""
 
     def __init__(
         self,
