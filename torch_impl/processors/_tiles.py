@@ -1,9 +1,8 @@
 """One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
-checked (:class:`TileSetup`, built by :mod:`._options`): the hidden rows and the
-vocabulary shard in the compute dtype, the logits ``z = (h @ W.T + b) * logit_scale / T``
-a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature. With a
-softcap ``s`` (``cap_k = logit_scale / s``) the logits are ``z = tanh(u * cap_k) *
-inv_t / cap_k`` of ``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
+checked (:class:`TileSetup`, built by :mod:`._options`): the logits ``z = (h @ W.T + b) *
+logit_scale / T`` a tile at a time (one ``torch.mm`` with an fp32 output). With a softcap
+``s`` (``cap_k = logit_scale / s``) they are ``z = tanh(u * cap_k) * inv_t / cap_k`` of
+``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
 
 from __future__ import annotations
 
