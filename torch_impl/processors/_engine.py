@@ -369,7 +369,7 @@ class Engine(Tiles):
             if coef.u is not None:
                 cw = None if setup.mean_weights is None else setup.mean_weights[cols].to(gz.dtype)
                 gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw)
-            gz = self.cap_slope_(self.untempered_grad(gz, rows), rows)
+            gz = self.cap_slope_(self.untempered_grad(gz, rows))
         if sparse is not None:  # gz[i, where[i, j] - col0] += g[i, j] for the columns in this tile
             where, g = sparse[0][rows], sparse[1][rows]
             local = where - cols.start

@@ -46,7 +46,7 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
     e = torch.exp(z, out=out if out.dtype == z.dtype else eng.like("e", z))
     torch.sum(e, 1, out=s)
     torch.bmm(e.unsqueeze(1), z.unsqueeze(2), out=t.view(-1, 1, 1))
-    eng.cap_slope_(e, rows)  # E * (1 - tanh**2): the softcap's slope rides in the buffer
+    eng.cap_slope_(e)  # E * (1 - tanh**2): the softcap's slope rides in the buffer
     if e is not out:
         out.copy_(e)
     out.scatter_reduce_(1, col, keep, "prod")

@@ -114,7 +114,7 @@ class Tiles:
         assert self.setup.cap_k is not None
         return self.setup.row_inv_t(rows, column=column) / self.setup.cap_k
 
-    def cap_slope_(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
+    def cap_slope_(self, gz: torch.Tensor) -> torch.Tensor:
         """``gz * (1 - tanh(u cap_k)**2)`` in place, the tile's tanh from :meth:`logits`
         (torch backend; its ``"cap"`` buffer is spent); ``gz`` unchanged without a softcap."""
         if self.setup.cap_k is None:
