@@ -102,45 +102,11 @@ None), the label's logit."""
 
 
 def _fresh_state(
-    r: int, acc: torch.dtype, device: torch.device, *, with_entropy: bool, with_mean: bool
+    tiles: Tiles, r: int, *, with_entropy: bool, with_mean: bool
 ) -> tuple[_State, torch.Tensor | None]:
     """A fresh :data:`_State` of ``r`` rows and the running sum of their logits (or None)."""
-    m, s, t, zy, sz = torch.zeros(5, r, dtype=acc, device=device).unbind(0)
+    m, s, t, zy, sz = torch.zeros(5, r, dtype=tiles.setup.acc_dtype, device=tiles.hs.device).unbind(0)
     return (m.fill_(float("-inf")), s, (t if with_entropy else None), zy), (sz if with_mean else None)
-
-
-def _torch_stats_(
-    z: torch.Tensor,
-    e_buf: torch.Tensor,
-    state: _State,
-    labels_local: torch.Tensor,
-    col0: int,
-    *,
-    sz: torch.Tensor | None = None,
-    cw: torch.Tensor | None = None,
-) -> None:
-    """The torch form of the statistics pass: fold the tempered tile ``z [r, c]``
-    (columns ``col0 + arange(c)``; shifted in place to ``z - m``) into the rows'
-    running ``(m, s, t, zy)`` (views of ``[r]``, updated in place); ``sz += z.sum(1)``
-    (``z @ cw`` with the tile's column weights ``cw [c]``). ``col0 == 0``: the first tile."""
-    m, s, t, zy = state
-    if sz is not None:
-        sz += z.sum(1) if cw is None else z @ cw.to(z.dtype)
-    hit, col = _target_in_tile(labels_local, col0, z.shape[1])
-    zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
-    m_new = z.amax(1) if col0 == 0 else torch.maximum(m, z.amax(1))
-    z.sub_(m_new[:, None])
-    e = torch.exp(z, out=e_buf)
-    if col0 == 0:
-        s.copy_(e.sum(1))
-        if t is not None:
-            t.copy_(rowdot(e, z))
-    else:
-        a = torch.exp(m - m_new)
-        if t is not None:
-            t.copy_(a * (t + (m - m_new) * s) + rowdot(e, z))
-        s.mul_(a).add_(e.sum(1))
-    m.copy_(m_new)
 
 
 def _target_in_tile(labels_local: torch.Tensor, col0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,8 +236,7 @@ class Recomputed(torch.autograd.Function):
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):
-            terms = ctx.grad_of(*cotangents) if need_dh or need_dw or need_db else None
-            if terms is None:
+            if not (need_dh or need_dw or need_db) or (terms := ctx.grad_of(*cotangents)) is None:
                 return None, None, None, None, None, None
             stats, coef, sparse = terms
             eng = Engine(h, w, ctx.setup, need_db=need_db)
@@ -308,21 +273,38 @@ class Engine(Tiles):
     def stats_pass(
         self, z: torch.Tensor, rows: slice, cols: slice, state: _State, sz: torch.Tensor | None = None
     ) -> None:
-        """Fold the tile into the rows' running statistics ``state`` (``[r]`` views,
-        updated in place; ``sz``: the running sum of the logits, where asked for). The
-        torch form shifts ``z`` in place."""
+        """Fold the tempered tile ``z [r, c]`` into the rows' running ``(m, s, t, zy)``
+        (``[r]`` views, updated in place); ``sz += z.sum(1)`` (``z @ cw[cols]`` with the
+        column weights ``cw``) where asked for. The torch form shifts ``z`` in place to
+        ``z - m``; ``cols.start == 0``: the first tile."""
         setup, labels, cw = self.setup, self.setup.labels_local[rows], self.setup.mean_weights
-        if not self.triton:
-            cw = None if cw is None else cw[cols]
-            _torch_stats_(z, self.like("e", z), state, labels, cols.start, sz=sz, cw=cw)
-            return
-        from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
+        if self.triton:
+            from ._triton_kernels import chunk_stats_  # on first use: TRITON_INTERPRET is read then
 
-        assert setup.kernel is not None
-        inv_t = setup.row_inv_t(rows, column=False)
-        chunk_stats_(
-            z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw
-        )
+            assert setup.kernel is not None
+            inv_t = setup.row_inv_t(rows, column=False)
+            chunk_stats_(
+                z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw
+            )
+            return
+        (m, s, t, zy), first = state, cols.start == 0
+        if sz is not None:
+            sz += z.sum(1) if cw is None else z @ cw[cols].to(z.dtype)
+        hit, col = _target_in_tile(labels, cols.start, z.shape[1])
+        zy += torch.where(hit, z.gather(1, col).squeeze(1), 0.0)
+        m_new = z.amax(1) if first else torch.maximum(m, z.amax(1))
+        z.sub_(m_new[:, None])
+        e = torch.exp(z, out=self.like("e", z))
+        if first:
+            s.copy_(e.sum(1))
+            if t is not None:
+                t.copy_(rowdot(e, z))
+        else:
+            a = torch.exp(m - m_new)
+            if t is not None:
+                t.copy_(a * (t + (m - m_new) * s) + rowdot(e, z))
+            s.mul_(a).add_(e.sum(1))
+        m.copy_(m_new)
 
     def forward_stats(
         self,
@@ -334,8 +316,7 @@ class Engine(Tiles):
         """The vocabulary sweep's forward: every row's global :class:`Stats` (with
         ``mean_logit`` where ``with_mean``). ``on_tile`` sees each logits tile first
         (untouched; :meth:`logits_of` its values)."""
-        acc, dev = self.setup.acc_dtype, self.hs.device
-        state, sz = _fresh_state(self.n, acc, dev, with_entropy=with_entropy, with_mean=with_mean)
+        state, sz = _fresh_state(self, self.n, with_entropy=with_entropy, with_mean=with_mean)
         m, s, t, zy = state
         for rows, cols, _, z in self.vocab_tiles():
             if on_tile is not None:
@@ -388,7 +369,7 @@ class Engine(Tiles):
             if coef.u is not None:
                 cw = None if setup.mean_weights is None else setup.mean_weights[cols].to(gz.dtype)
                 gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw)
-            gz = self.cap_slope_(self.untempered_grad(gz, rows), rows)
+            gz = self.cap_slope_(self.untempered_grad(gz, rows))
         if sparse is not None:  # gz[i, where[i, j] - col0] += g[i, j] for the columns in this tile
             where, g = sparse[0][rows], sparse[1][rows]
             local = where - cols.start
@@ -473,10 +454,7 @@ class Engine(Tiles):
         ``mean_logit``."""
         setup = self.setup
         if self.triton:
-            r = rows.stop - rows.start
-            state, sz = _fresh_state(
-                r, setup.acc_dtype, z.device, with_entropy=with_entropy, with_mean=with_mean
-            )
+            state, sz = _fresh_state(self, z.shape[0], with_entropy=with_entropy, with_mean=with_mean)
             self.stats_pass(z, rows, slice(0, self.local), state, sz)
             stats = combine(*state, setup, rows, sz=sz)
             if not exps:
@@ -508,7 +486,4 @@ class Engine(Tiles):
         ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
         out = sink.tile(rows) if self.triton else None  # Triton writes the GEMMs' form into the buffer
         gz = self.grad_pass(z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out)
-        if gz is out:
-            sink.commit(rows)
-        else:
-            sink._hold(rows, gz)
+        sink.commit(rows, None if gz is out else gz)

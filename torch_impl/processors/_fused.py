@@ -5,8 +5,6 @@ epilogue, for losses that are sums of per-token terms with weights known in adva
 
     loss = sum_i token_loss_i(logprob_i, entropy_i)
 
-A tile holds whole rows, so its statistics, and the loss's gradient in them, are exact:
-the tile's logit gradient goes straight into ``dh`` and ``dW``, three GEMMs, not four.
 With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`);
 with it, ``token_loss`` is called once a tile, before the tile's gradient pass.
 """
@@ -170,16 +168,16 @@ def _sweep(
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw or need_db
 
-    def loss_of(stats: Stats, rows: slice, need: bool) -> Coefficients | None:
+    def loss_of(stats: Stats, rows: slice) -> Coefficients | None:
         nonlocal total
         assert stats.entropy is not None
         lse = stats.lse  # a property: formed once
         lp_ent[:3, rows] = torch.stack((stats.logprobs, stats.entropy, lse))
         if stats.mean_logit is not None:
             lp_ent[3, rows] = stats.mean_logit
-        loss, g_lp, g_h, g_lse, g_mean = calls(stats, lse, rows, need)
+        loss, g_lp, g_h, g_lse, g_mean = calls(stats, lse, rows, active)
         total = total + loss.to(acc)
-        if not need:
+        if not active:
             return None
         return logit_grad_coefficients(
             stats, g_lp, g_h, ignored[rows], acc, g_lse=g_lse, g_mean=g_mean, vocab=setup.vocab_size
@@ -187,19 +185,17 @@ def _sweep(
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         stats, _ = eng.row_stats(z, rows, with_mean=mean)
-        coef = loss_of(stats, rows, active)
+        coef = loss_of(stats, rows)
         if coef is None:
             return sink.commit(rows)
         eng.row_grad(z, rows, stats.max, coef, sink)
 
     with no_autocast(h):
-        # with a mean_logit_loss the gradient's uniform term is no scale of exp(z - c):
-        # two passes a tile (statistics, then gradient), no GEMM more
+        # the gradient's uniform term (mean_logit_loss) is no scale of exp(z - c): two passes a tile
         if (active and calls.entropy_grad) or mean:
             dh, dw = eng.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
         else:  # one pass a tile, the loss once a buffer
-            on_stats = functools.partial(loss_of, need=active)
-            dh, dw = single_pass(eng, on_stats, need_dh=need_dh, need_dw=need_dw)
+            dh, dw = single_pass(eng, loss_of, need_dh=need_dh, need_dw=need_dw)
     return (total, *lp_ent[:3], lp_ent[3] if mean else lp_ent.new_empty(0)), dh, dw, eng.db
 
 

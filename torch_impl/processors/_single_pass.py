@@ -14,14 +14,14 @@ import torch
 from ._engine import Coefficients, Engine, Stats, combine
 from ._sink import GradSink, RowScale
 
-__all__ = ["exp_rows", "row_scale", "single_pass", "vector_stats"]
+__all__ = ["exp_rows", "row_scale", "single_pass"]
 
 
 def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: torch.Tensor) -> None:
     """The pass over a whole-row tile: ``out`` gets ``E = exp(z - c)`` (0 at the label's
     column), and ``vec`` (``[5, r]``, acc dtype: a view of the call's ``[5, n]``) the
     rows' local ``c, m, s, t, zy``, combined later over a whole buffer by
-    :func:`vector_stats`. One launch on the Triton backend (``c <= M``, see
+    :func:`single_pass`. One launch on the Triton backend (``c <= M``, see
     ``EXP_RANGE``); the torch form takes ``c = m``::
 
         m = max_j z_j;  s = sum_j exp(z_j - c);  t = sum_j exp(z_j - c) (z_j - c)
@@ -46,18 +46,10 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
     e = torch.exp(z, out=out if out.dtype == z.dtype else eng.like("e", z))
     torch.sum(e, 1, out=s)
     torch.bmm(e.unsqueeze(1), z.unsqueeze(2), out=t.view(-1, 1, 1))
-    eng.cap_slope_(e, rows)  # E * (1 - tanh**2): the softcap's slope rides in the buffer
+    eng.cap_slope_(e)  # E * (1 - tanh**2): the softcap's slope rides in the buffer
     if e is not out:
         out.copy_(e)
     out.scatter_reduce_(1, col, keep, "prod")
-
-
-def vector_stats(eng: Engine, vec: torch.Tensor, rows: slice) -> Stats:
-    """The :class:`Stats` of the rows ``rows`` of :func:`exp_rows`' vectors ``vec``
-    (``[5, n]``; a buffer's rows at once), combined over the shards."""
-    c, m, s, t, zy = vec[:, rows]
-    k = torch.exp(c - m)  # relative to the local max, as combine() takes them
-    return combine(m, s * k, k * (t + (c - m) * s), zy, eng.setup, rows)
 
 
 def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients) -> RowScale:
@@ -92,8 +84,10 @@ def single_pass(
         exp_rows(eng, z, rows, out, vec[:, rows])
         sink.commit(rows)
 
-    def on_flush(rows: slice) -> RowScale | None:
-        stats = vector_stats(eng, vec, rows)
+    def on_flush(rows: slice) -> RowScale | None:  # a buffer's rows of the vectors, combined
+        c, m, s, t, zy = vec[:, rows]
+        k = torch.exp(c - m)  # relative to the local max, as combine() takes them
+        stats = combine(m, s * k, k * (t + (c - m) * s), zy, eng.setup, rows)
         coef = on_stats(stats, rows)
         return None if coef is None else row_scale(eng, vec, rows, stats, coef)
 

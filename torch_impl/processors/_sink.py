@@ -35,9 +35,9 @@ class GradSink:
     An epilogue's two ways in, each the gradient of the tempered logits (with a softcap,
     times its slope: :meth:`~._tiles.Tiles.cap_slope_of`): :meth:`put` (a tile of whole
     rows) and :meth:`add_sparse` (terms at a few columns). The engine's own passes write
-    the GEMMs' form into :meth:`tile` and :meth:`commit` it; ``on_flush(rows)``, called
-    once per buffer of committed rows before they are multiplied out (also where no
-    gradient is formed), gives the :class:`RowScale` that scales them."""
+    the GEMMs' form into :meth:`tile` or hand it to :meth:`commit`; ``on_flush(rows)``,
+    called once per buffer of committed rows before they are multiplied out (also where
+    no gradient is formed), gives the :class:`RowScale` that scales them."""
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class GradSink:
     def put(self, rows: slice, gz: torch.Tensor) -> None:
         """The gradient ``gz`` ``[r, V_local]`` of the tempered logits of the tile ``rows``
         (acc dtype; scaled in place into the GEMMs' form)."""
-        self._hold(rows, self.engine.untempered_grad(gz, rows))
+        self.commit(rows, self.engine.untempered_grad(gz, rows))
 
     def add_sparse(self, rows: slice, cols: torch.Tensor, g: torch.Tensor) -> None:
         """``dz[i, cols[i, j]] += g[i, j]`` for the tile ``rows`` (``cols``: local
@@ -86,23 +86,20 @@ class GradSink:
             self.aliased = False
         return self.buf[self.held : self.held + rows.stop - rows.start]
 
-    def commit(self, rows: slice) -> None:
-        """The tile ``rows`` is in the buffer; multiply out when full."""
+    def commit(self, rows: slice, gz: torch.Tensor | None = None) -> None:
+        """The tile ``rows`` is in the buffer, or is ``gz`` in the GEMMs' form (taken as the
+        buffer itself where one tile fills a buffer in the compute dtype, else copied in);
+        multiply out when full."""
+        r, cdt = rows.stop - rows.start, self.engine.setup.compute_dtype
+        if gz is not None and self.held == 0 and self.capacity <= r and gz.dtype == cdt:
+            self.buf, self.aliased = gz, True
+        elif gz is not None:
+            self.tile(rows).copy_(gz)
         if self.held == 0:
             self.start = rows.start
-        self.held += rows.stop - rows.start
+        self.held += r
         if self.held >= self.capacity or rows.stop >= self.engine.n:
             self._flush()
-
-    def _hold(self, rows: slice, gz: torch.Tensor) -> None:
-        """Commit ``gz`` in the GEMMs' form: taken as the buffer itself where one tile
-        fills a buffer and ``gz`` is in the compute dtype, else copied."""
-        r = rows.stop - rows.start
-        if self.held == 0 and self.capacity <= r and gz.dtype == self.engine.setup.compute_dtype:
-            self.start, self.buf, self.aliased = rows.start, gz, True
-        else:
-            self.tile(rows).copy_(gz)
-        self.commit(rows)
 
     def _flush(self) -> None:
         if self.held == 0:

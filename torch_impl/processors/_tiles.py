@@ -1,9 +1,8 @@
 """One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
-checked (:class:`TileSetup`, built by :mod:`._options`): the hidden rows and the
-vocabulary shard in the compute dtype, the logits ``z = (h @ W.T + b) * logit_scale / T``
-a tile at a time (one ``torch.mm`` with an fp32 output), and the temperature. With a
-softcap ``s`` (``cap_k = logit_scale / s``) the logits are ``z = tanh(u * cap_k) *
-inv_t / cap_k`` of ``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
+checked (:class:`TileSetup`, built by :mod:`._options`): the logits ``z = (h @ W.T + b) *
+logit_scale / T`` a tile at a time (one ``torch.mm`` with an fp32 output). With a softcap
+``s`` (``cap_k = logit_scale / s``) they are ``z = tanh(u * cap_k) * inv_t / cap_k`` of
+``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
 
 from __future__ import annotations
 
@@ -69,16 +68,13 @@ class Tiles:
         self.hs = hs * setup.row_inv_t(slice(None)) if setup.fold else hs
         self.w = w.detach()
         self.w_dtype = w.dtype
+        self.triton = setup.kernel is not None  # the Triton backend
         self.n, self.local = int(hs.shape[0]), int(w.shape[0])
         self._bufs: dict[str, torch.Tensor] = {}
         self._w_all: torch.Tensor | None = None
         self._label: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.b = None if setup.bias is None else setup.bias.detach().to(setup.acc_dtype)
         self.db = torch.zeros_like(self.b) if need_db and self.b is not None else None  # acc dtype
-
-    @property
-    def triton(self) -> bool:
-        return self.setup.kernel is not None
 
     def buffer(self, name: str, r: int, c: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused ``[r, c]`` buffer (one allocation per name), so that the loops do not
@@ -118,7 +114,7 @@ class Tiles:
         assert self.setup.cap_k is not None
         return self.setup.row_inv_t(rows, column=column) / self.setup.cap_k
 
-    def cap_slope_(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
+    def cap_slope_(self, gz: torch.Tensor) -> torch.Tensor:
         """``gz * (1 - tanh(u cap_k)**2)`` in place, the tile's tanh from :meth:`logits`
         (torch backend; its ``"cap"`` buffer is spent); ``gz`` unchanged without a softcap."""
         if self.setup.cap_k is None:
