@@ -1,14 +1,11 @@
 """The Triton forms of the engine's memory-bound passes over one fp32 logits tile
-``z [rows, cols]`` that cuBLAS has just formed; no GEMM runs in here. The statistics
-(:func:`chunk_stats_`: one read; a running max per row, per-lane sums rescaled only when
-a block raises that max), the logit gradient (:func:`logit_grad_`: one read, one write),
-and the fused loss's single pass over whole rows (:func:`exp_rows_`: one read, one
-write). A program owns ``BLOCK_M`` whole rows: no atomics, the same bits run to run;
-it issues its next block's load before the current block's arithmetic (two blocks in
-flight). Each kernel's docstring counts its SASS per element (sm_90, Triton 3.6, one
-row by 2048 columns a step, 4 warps); ``docs/gpu-design.md`` ("What each kernel issues
-per element") turns them into shares of an H200's issue slots and predictions.
-Imported on first use, so that ``TRITON_INTERPRET`` is read when the kernels are made.
+``z [rows, cols]`` that cuBLAS has just formed: the statistics (:func:`chunk_stats_`),
+the logit gradient (:func:`logit_grad_`) and the fused loss's single pass over whole
+rows (:func:`exp_rows_`). A program owns ``BLOCK_M`` whole rows: no atomics, the same
+bits run to run. Each kernel's docstring counts its SASS per element (sm_90, Triton
+3.6, one row by 2048 columns a step, 4 warps), which ``docs/gpu-design.md`` ("What each
+kernel issues per element") turns into predictions. Imported on first use, so that
+``TRITON_INTERPRET`` is read when the kernels are made.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ __all__ = ["chunk_stats_", "exp_rows_", "logit_grad_"]
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
-"""``exp(x) == exp2(x * LOG2E)``: ``tl.exp2`` is one ``ex2.approx.ftz.f32`` (MUFU);
-``tl.exp`` adds a multiply and a three-instruction guard for subnormal results, which
-no sum here needs (a term below ``2**-126`` of a sum that is at least 1)."""
+"""``exp(x) == exp2(x * LOG2E)``: one MUFU ``ex2.approx.ftz.f32``; ``tl.exp`` adds a guard
+for subnormal results, which no sum here needs (a term below ``2**-126`` of a sum >= 1)."""
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -71,10 +67,9 @@ def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexp
 
 
 SOFT_BF16 = tl.constexpr(interpreting())
-"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, triton 3.6
-and 3.7), so under it bf16 is rounded on its bits; compiled, the hardware's
-``cvt.rn.bf16`` rounds to nearest even: the same bits for every finite value and
-infinity. Read once, when this module is imported."""
+"""The interpreter's fp32 -> bf16 conversion truncates (triton 3.6 and 3.7), so under it
+bf16 is rounded on its bits: the same bits as compiled ``cvt.rn.bf16`` (nearest even)
+for every finite value and infinity. Read once, when this module is imported."""
 
 
 @triton.jit
@@ -125,7 +120,6 @@ def _stats_step(
 def _chunk_stats_kernel(
     z_ptr,
     lab_ptr,
-    inv_t_ptr,
     m_ptr,
     s_ptr,
     t_ptr,
@@ -134,6 +128,7 @@ def _chunk_stats_kernel(
     cols,
     col0,
     stride_z,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -203,7 +198,6 @@ def _logit_grad_kernel(
     z_ptr,
     out_ptr,
     lab_ptr,
-    inv_t_ptr,
     max_ptr,
     a_ptr,
     b_ptr,
@@ -213,6 +207,7 @@ def _logit_grad_kernel(
     col0,
     stride_z,
     stride_out,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -252,10 +247,9 @@ def _logit_grad_kernel(
         else:
             zc = zr * inv_t[:, None] - big_m[:, None]
         if IN_PLACE:
-            # A 2-byte output overwrites the first half of the row's fp32 bytes, and
-            # every byte this step writes was read by this step or an earlier one (an
-            # fp32 output overwrites exactly what it read). The barrier holds every
-            # warp's stores until all of this step's loads are done.
+            # every byte this step writes (a 2-byte output: the first half of the row's
+            # fp32 bytes) was read by this step or an earlier one; the barrier holds
+            # every warp's stores until all of this step's loads are done
             tl.debug_barrier()
         e = tl.exp2(zc * LOG2E)
         gz = -e * (a[:, None] + b[:, None] * zc) if WITH_B else -e * a[:, None]
@@ -292,7 +286,6 @@ def _exp_rows_kernel(
     z_ptr,
     out_ptr,
     lab_ptr,
-    inv_t_ptr,
     c_ptr,
     m_ptr,
     s_ptr,
@@ -304,6 +297,7 @@ def _exp_rows_kernel(
     stride_z,
     stride_out,
     exp_range,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -355,9 +349,8 @@ def _exp_rows_kernel(
                 c = full + cc
                 ok = row_ok[:, None] & (c < cols)[None, :]
                 z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-                m_l, s_l, t_l = _exp_step(
-                    z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP
-                )
+                out = out_rows + c[None, :]
+                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, ok, k2, SOFTCAP)
             # the label's column is 0 in E: written above by whichever thread held it, so
             # overwritten once every thread's stores are ordered before this one
             tl.debug_barrier()
@@ -374,20 +367,14 @@ def _exp_rows_kernel(
 
 
 def _launch(
-    kernel: Any,
-    cfg: KernelConfig,
-    rows: int,
-    args: tuple[Any, ...],
-    inv_t: Any,
-    cap_k: float | None = None,
-    **flags: Any,
+    kernel: Any, cfg: KernelConfig, args: tuple[Any, ...], inv_t: Any, cap_k: float | None, **flags: Any
 ) -> None:
-    """One launch over ``rows`` rows: ``inv_t`` a per-row fp32 tensor or a number;
-    ``cap_k = logit_scale / softcap`` or None."""
+    """One launch over the rows of ``z = args[0]``: ``inv_t`` a per-row fp32 tensor or a
+    number; ``cap_k = logit_scale / softcap`` or None."""
     per_token = isinstance(inv_t, torch.Tensor)
-    grid = (triton.cdiv(rows, cfg.block_m),)
-    kernel[grid](
+    kernel[(triton.cdiv(args[0].shape[0], cfg.block_m),)](
         *args,
+        inv_t if per_token else args[0],  # never read for a number
         1.0 if per_token else float(inv_t),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -426,12 +413,10 @@ def chunk_stats_(
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else. ``cap_k``: a softcap,
     ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
-    rows, cols = z.shape
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
-    args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
+    args = (z, labels_local, m, s, m if t is None else t, zy, *z.shape, col0, z.stride(0))
     flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
     flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, cap_k, **flags)
+    _launch(_chunk_stats_kernel, cfg, args, inv_t, cap_k, **flags)
 
 
 def logit_grad_(
@@ -465,13 +450,12 @@ def logit_grad_(
     if out is None:
         out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
     a, b, g = coef
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else big_m
     b_ptr = a if b is None else b
-    args = (z, out, labels_local, inv_ptr, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
+    args = (z, out, labels_local, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
     in_place = out.data_ptr() == z.data_ptr()
     flags = {"WITH_B": b is not None, "IN_PLACE": in_place, "u_ptr": a if u is None else u}
     flags.update(WITH_U=u is not None, cw_ptr=a if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_logit_grad_kernel, cfg, rows, args, inv_t, cap_k, **flags)
+    _launch(_logit_grad_kernel, cfg, args, inv_t, cap_k, **flags)
     return out
 
 
@@ -500,8 +484,6 @@ def exp_rows_(
     Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache, where
     the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``.
     ``cap_k``: a softcap (``zt`` capped, ``out`` times ``1 - tanh(z cap_k)**2``)."""
-    rows, cols = z.shape
     c, m, s, t, zy, flags = vectors
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
-    args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
+    args = (z, out, labels_local, c, m, s, t, zy, flags, *z.shape, z.stride(0), out.stride(0), EXP_RANGE)
+    _launch(_exp_rows_kernel, cfg, args, inv_t, cap_k)
