@@ -305,11 +305,10 @@ def _exp_rows_kernel(
     cap_k,
     SOFTCAP: tl.constexpr,
 ):
-    """:func:`exp_rows_`, both passes in one launch: a program owns its rows, so it redoes
-    its own flagged rows after a barrier, its flags and maxima written first.
-    Per element of a full block, 4 bytes read, 2 written and 10.5 SASS: FFMA (``zc``),
-    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``),
-    half a packed bf16 conversion."""
+    """:func:`exp_rows_`: a program redoes its own flagged rows after a barrier, their flags
+    and maxima written first. Per element of a full block, 4 bytes read, 2 written and
+    10.5 SASS: FFMA (``zc``), FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA
+    (``t_l``), FMNMX (``m_l``), half a packed bf16 conversion."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     for REDO in tl.static_range(2):  # constexpr 0, then 1
@@ -318,7 +317,6 @@ def _exp_rows_kernel(
             row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) > 0:
             inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
-            # loads without a row mask (a row past the end reads the last row); stores masked
             z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
             out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
             lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
@@ -337,11 +335,10 @@ def _exp_rows_kernel(
             m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
             s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            full = cols - cols % BLOCK_N  # full blocks: loads without masks
+            full = cols - cols % BLOCK_N  # rows and blocks loaded as in _chunk_stats_kernel
             z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
             for c0 in range(0, full, BLOCK_N):
                 z = z_next
-                # the next block's load is issued before this block's arithmetic: two in flight
                 z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
                 out = out_rows + (c0 + cc)[None, :]
                 m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
