@@ -50,9 +50,7 @@ def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.const
         inv_t = tl.load(inv_t_ptr + r, mask=row_ok, other=1.0)
     else:
         inv_t = tl.full(r.shape, 1.0, tl.float32) * inv_t_scalar
-    if SOFTCAP:
-        inv_t = inv_t / cap_k
-    return inv_t, cap_k * -2.0 * LOG2E
+    return (inv_t / cap_k if SOFTCAP else inv_t), cap_k * -2.0 * LOG2E
 
 
 @triton.jit
@@ -231,10 +229,8 @@ def _logit_grad_kernel(
     big_m = tl.load(max_ptr + r, mask=row_ok, other=0.0)
     a = tl.load(a_ptr + r, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + r, mask=row_ok, other=0.0)
-    if WITH_B:
-        b = tl.load(b_ptr + r, mask=row_ok, other=0.0)
-    if WITH_U:  # a uniform term of the row (d mean_logit / dz_j = 1 / V)
-        u = tl.load(u_ptr + r, mask=row_ok, other=0.0)
+    b = tl.load(b_ptr + r, mask=row_ok, other=0.0) if WITH_B else 0.0
+    u = tl.load(u_ptr + r, mask=row_ok, other=0.0) if WITH_U else 0.0  # uniform: d mean_logit / dz_j = 1 / V
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
     for c0 in range(0, cols, BLOCK_N):
@@ -258,9 +254,7 @@ def _logit_grad_kernel(
             cw = tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :] if WEIGHTED else 1.0
             gz += u[:, None] * cw
         gz = gz * inv_t[:, None]
-        if SOFTCAP:
-            gz = gz * (1.0 - th * th)
-        _store_rounded(out_rows + c[None, :], gz, ok)
+        _store_rounded(out_rows + c[None, :], gz * (1.0 - th * th) if SOFTCAP else gz, ok)
 
 
 @triton.jit
