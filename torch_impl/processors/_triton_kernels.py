@@ -229,8 +229,10 @@ def _logit_grad_kernel(
     big_m = tl.load(max_ptr + r, mask=row_ok, other=0.0)
     a = tl.load(a_ptr + r, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + r, mask=row_ok, other=0.0)
-    b = tl.load(b_ptr + r, mask=row_ok, other=0.0) if WITH_B else 0.0
-    u = tl.load(u_ptr + r, mask=row_ok, other=0.0) if WITH_U else 0.0  # uniform: d mean_logit / dz_j = 1 / V
+    if WITH_B:
+        b = tl.load(b_ptr + r, mask=row_ok, other=0.0)
+    if WITH_U:  # a uniform term of the row (d mean_logit / dz_j = 1 / V)
+        u = tl.load(u_ptr + r, mask=row_ok, other=0.0)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
     for c0 in range(0, cols, BLOCK_N):
