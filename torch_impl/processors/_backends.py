@@ -1,7 +1,6 @@
 """Which backend ``backend="auto"`` runs, per class of device (``docs/processors.md``,
-"Backends and tiles"): ``MEASURED_CHOICES``, a row per class where the GPU benchmark
-(``benchmarks/gpu_logprobs.py``, ``docs/gpu-results.md``) measured both backends in one
-run; ``"triton"`` on an unmeasured GPU; ``"torch"`` on a CPU or without Triton.
+"Backends and tiles"): as measured (``MEASURED_CHOICES``), ``"triton"`` on an unmeasured
+GPU, ``"torch"`` on a CPU or without Triton.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ MEASURED_CHOICES: dict[str, BackendChoice] = {
         ),
     ),
 }
-"""``device_class -> choice`` measured on that class (both backends, one run)."""
+"""``device_class -> choice`` where the GPU benchmark (``benchmarks/gpu_logprobs.py``,
+``docs/gpu-results.md``) measured both backends in one run on that class."""
 
 _UNMEASURED_GPU = BackendChoice(
     "triton",

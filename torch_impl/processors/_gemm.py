@@ -25,12 +25,10 @@ _GEMM_OUT_DTYPE = (
 
 
 def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> torch.Tensor:
-    """``out = a @ b`` for the first product into ``out``, ``out += a @ b`` after: an
-    accumulator is written by its first GEMM, never zero-filled. Operands of ``out``'s
-    dtype multiply straight into it; bf16/fp16 operands into an fp32 ``out`` go through
+    """The first product into ``out`` is ``out = a @ b`` (never zero-filled), later ones
+    ``out += a @ b``. bf16/fp16 operands into an fp32 ``out`` go through
     ``torch.mm(a, b, out_dtype=torch.float32, out=out)`` on CUDA, torch >= 2.8 (fp32
-    accumulation, one fp32 result, no copy of either operand), else are upcast first
-    (the products of bf16 numbers are exact in fp32, so the result is the same)."""
+    accumulation, no copy of either operand), else are upcast (bf16 products are exact in fp32)."""
     same = a.dtype == out.dtype and b.dtype == out.dtype
     if not same and not (_GEMM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype):
         a, b, same = a.to(out.dtype), b.to(out.dtype), True

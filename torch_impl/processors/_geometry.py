@@ -1,11 +1,9 @@
 """The engine's tile sizes per device and its Triton kernels' launch shape.
 
 A *tile* is the block of logits the engine forms with one GEMM, ``rows`` tokens by
-``cols`` vocabulary entries, fp32 (fp64 for fp64 inputs): in the vocabulary sweep
-(columns outer) or, holding whole rows, in the row sweep, whose logit gradients
-:data:`GRAD_BUFFER_BYTES` keeps for a few large ``dh``/``dW`` GEMMs.
-``docs/gpu-design.md`` derives the sizes from a byte and flop model that
-``benchmarks/gpu_model.py`` recomputes from the constants here.
+``cols`` vocabulary entries, fp32 (fp64 for fp64 inputs), in the vocabulary sweep
+(columns outer) or the row sweep (whole rows). ``docs/gpu-design.md`` derives the sizes
+from a byte and flop model that ``benchmarks/gpu_model.py`` recomputes from these.
 """
 
 from __future__ import annotations
@@ -34,14 +32,11 @@ __all__ = [
 
 TILE_BYTES: dict[str, int] = {"cpu": 32 << 20, "cuda": 256 << 20}
 """``device.type -> bytes`` of one fp32 logits tile: the Triton backend's vocabulary
-sweep, and the row sweep on either backend. On CUDA 256 MiB: 8192 x 8192 in the
-vocabulary sweep (each GEMM ``[8192, h] @ [h, 8192]``, compute-bound), 384 rows of
-V = 151936 in the row sweep."""
+sweep, and the row sweep on either backend (``docs/processors.md``, "Backends and tiles")."""
 
 GRAD_BUFFER_BYTES: dict[str, int] = {"cpu": 32 << 20, "cuda": 1 << 30}
-"""``device.type -> bytes`` of the row sweep's gradient buffer (the logit gradient of
-its rows, in the compute dtype): 1 GiB on CUDA, 3456 rows of V = 151936 in bf16,
-so that ``dh = G @ W`` and ``dW += G.T @ h`` run as a few large GEMMs."""
+"""``device.type -> bytes`` of the row sweep's gradient buffer ``G`` (its rows' logit
+gradient, compute dtype), so that ``dh = G @ W`` and ``dW += G.T @ h`` are a few large GEMMs."""
 
 TILES_BY_DEVICE: dict[str, tuple[int, int]] = {"cpu": (1024, 4096), "cuda": (4096, 8192)}
 """``device.type -> (rows, cols)`` of the torch backend's vocabulary-sweep tile."""
@@ -76,12 +71,9 @@ def interpreting() -> bool:
 
 
 def triton_mode_mismatch() -> str:
-    """Why Triton cannot run in the mode ``TRITON_INTERPRET`` asks now, or ``""``.
-
-    ``import triton`` fixes the mode of its standard library (``tl.standard.max``);
-    a kernel decorated later under the other mode fails with ``InterpreterError``.
-    ``import megatron.core`` imports Triton, so ``TRITON_INTERPRET=1`` must be set
-    in the environment before it."""
+    """Why Triton cannot run in the mode ``TRITON_INTERPRET`` asks now, or ``""``:
+    ``import triton`` fixes the mode of its standard library (``tl.standard.max``), and
+    a kernel decorated later under the other mode fails with ``InterpreterError``."""
     if "triton" not in sys.modules:
         return ""  # imported from here on, in the mode the environment says now
     import triton.language as tl
@@ -100,8 +92,7 @@ def triton_mode_mismatch() -> str:
 
 def kernel_config(device: torch.device) -> KernelConfig:
     """Small blocks under the interpreter (edges exercised); on a GPU one row per
-    program, 2048 columns a step (8 KiB of fp32 in flight per program; 384 programs
-    for a row-sweep tile, thousands for a vocabulary-sweep tile)."""
+    program, 2048 columns (8 KiB of fp32) a step."""
     cuda = device.type == "cuda"
     return KernelConfig(block_m=1 if cuda else 2, block_n=2048 if cuda else 64)
 

@@ -1,14 +1,11 @@
 """The Triton forms of the engine's memory-bound passes over one fp32 logits tile
-``z [rows, cols]`` that cuBLAS has just formed; no GEMM runs in here. The statistics
-(:func:`chunk_stats_`: one read; a running max per row, per-lane sums rescaled only when
-a block raises that max), the logit gradient (:func:`logit_grad_`: one read, one write),
-and the fused loss's single pass over whole rows (:func:`exp_rows_`: one read, one
-write). A program owns ``BLOCK_M`` whole rows: no atomics, the same bits run to run;
-it issues its next block's load before the current block's arithmetic (two blocks in
-flight). Each kernel's docstring counts its SASS per element (sm_90, Triton 3.6, one
-row by 2048 columns a step, 4 warps); ``docs/gpu-design.md`` ("What each kernel issues
-per element") turns them into shares of an H200's issue slots and predictions.
-Imported on first use, so that ``TRITON_INTERPRET`` is read when the kernels are made.
+``z [rows, cols]`` that cuBLAS has just formed: the statistics (:func:`chunk_stats_`),
+the logit gradient (:func:`logit_grad_`) and the fused loss's single pass over whole
+rows (:func:`exp_rows_`). A program owns ``BLOCK_M`` whole rows: no atomics, the same
+bits run to run. Each kernel's docstring counts its SASS per element (sm_90, Triton
+3.6, one row by 2048 columns a step, 4 warps), which ``docs/gpu-design.md`` ("What each
+kernel issues per element") turns into predictions. Imported on first use, so that
+``TRITON_INTERPRET`` is read when the kernels are made.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ __all__ = ["chunk_stats_", "exp_rows_", "logit_grad_"]
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
-"""``exp(x) == exp2(x * LOG2E)``: ``tl.exp2`` is one ``ex2.approx.ftz.f32`` (MUFU);
-``tl.exp`` adds a multiply and a three-instruction guard for subnormal results, which
-no sum here needs (a term below ``2**-126`` of a sum that is at least 1)."""
+"""``exp(x) == exp2(x * LOG2E)``: one MUFU ``ex2.approx.ftz.f32``; ``tl.exp`` adds a guard
+for subnormal results, which no sum here needs (a term below ``2**-126`` of a sum >= 1)."""
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -54,9 +50,7 @@ def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.const
         inv_t = tl.load(inv_t_ptr + r, mask=row_ok, other=1.0)
     else:
         inv_t = tl.full(r.shape, 1.0, tl.float32) * inv_t_scalar
-    if SOFTCAP:
-        inv_t = inv_t / cap_k
-    return inv_t, cap_k * -2.0 * LOG2E
+    return (inv_t / cap_k if SOFTCAP else inv_t), cap_k * -2.0 * LOG2E
 
 
 @triton.jit
@@ -71,10 +65,9 @@ def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexp
 
 
 SOFT_BF16 = tl.constexpr(interpreting())
-"""The interpreter's fp32 -> bf16 conversion truncates (its numpy emulation, triton 3.6
-and 3.7), so under it bf16 is rounded on its bits; compiled, the hardware's
-``cvt.rn.bf16`` rounds to nearest even: the same bits for every finite value and
-infinity. Read once, when this module is imported."""
+"""The interpreter's fp32 -> bf16 conversion truncates (triton 3.6 and 3.7), so under it
+bf16 is rounded on its bits: the same bits as compiled ``cvt.rn.bf16`` (nearest even)
+for every finite value and infinity. Read once, when this module is imported."""
 
 
 @triton.jit
@@ -125,7 +118,6 @@ def _stats_step(
 def _chunk_stats_kernel(
     z_ptr,
     lab_ptr,
-    inv_t_ptr,
     m_ptr,
     s_ptr,
     t_ptr,
@@ -134,6 +126,7 @@ def _chunk_stats_kernel(
     cols,
     col0,
     stride_z,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -203,7 +196,6 @@ def _logit_grad_kernel(
     z_ptr,
     out_ptr,
     lab_ptr,
-    inv_t_ptr,
     max_ptr,
     a_ptr,
     b_ptr,
@@ -213,6 +205,7 @@ def _logit_grad_kernel(
     col0,
     stride_z,
     stride_out,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -252,10 +245,9 @@ def _logit_grad_kernel(
         else:
             zc = zr * inv_t[:, None] - big_m[:, None]
         if IN_PLACE:
-            # A 2-byte output overwrites the first half of the row's fp32 bytes, and
-            # every byte this step writes was read by this step or an earlier one (an
-            # fp32 output overwrites exactly what it read). The barrier holds every
-            # warp's stores until all of this step's loads are done.
+            # every byte this step writes (a 2-byte output: the first half of the row's
+            # fp32 bytes) was read by this step or an earlier one; the barrier holds
+            # every warp's stores until all of this step's loads are done
             tl.debug_barrier()
         e = tl.exp2(zc * LOG2E)
         gz = -e * (a[:, None] + b[:, None] * zc) if WITH_B else -e * a[:, None]
@@ -264,9 +256,7 @@ def _logit_grad_kernel(
             cw = tl.load(cw_ptr + col0 + c, mask=c < cols, other=0.0)[None, :] if WEIGHTED else 1.0
             gz += u[:, None] * cw
         gz = gz * inv_t[:, None]
-        if SOFTCAP:
-            gz = gz * (1.0 - th * th)
-        _store_rounded(out_rows + c[None, :], gz, ok)
+        _store_rounded(out_rows + c[None, :], gz * (1.0 - th * th) if SOFTCAP else gz, ok)
 
 
 @triton.jit
@@ -292,7 +282,6 @@ def _exp_rows_kernel(
     z_ptr,
     out_ptr,
     lab_ptr,
-    inv_t_ptr,
     c_ptr,
     m_ptr,
     s_ptr,
@@ -304,6 +293,7 @@ def _exp_rows_kernel(
     stride_z,
     stride_out,
     exp_range,
+    inv_t_ptr,
     inv_t_scalar,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -311,11 +301,10 @@ def _exp_rows_kernel(
     cap_k,
     SOFTCAP: tl.constexpr,
 ):
-    """:func:`exp_rows_`, both passes in one launch: a program owns its rows, so it redoes
-    its own flagged rows after a barrier, its flags and maxima written first.
-    Per element of a full block, 4 bytes read, 2 written and 10.5 SASS: FFMA (``zc``),
-    FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA (``t_l``), FMNMX (``m_l``),
-    half a packed bf16 conversion."""
+    """:func:`exp_rows_`: a program redoes its own flagged rows after a barrier, their flags
+    and maxima written first. Per element of a full block, 4 bytes read, 2 written and
+    10.5 SASS: FFMA (``zc``), FMUL + MUFU (``exp2``), FADD (``s_l``), FMNMX + FFMA
+    (``t_l``), FMNMX (``m_l``), half a packed bf16 conversion."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     for REDO in tl.static_range(2):  # constexpr 0, then 1
@@ -324,7 +313,6 @@ def _exp_rows_kernel(
             row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) > 0:
             inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
-            # loads without a row mask (a row past the end reads the last row); stores masked
             z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
             out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
             lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
@@ -343,11 +331,10 @@ def _exp_rows_kernel(
             m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
             s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            full = cols - cols % BLOCK_N  # full blocks: loads without masks
+            full = cols - cols % BLOCK_N  # rows and blocks loaded as in _chunk_stats_kernel
             z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
             for c0 in range(0, full, BLOCK_N):
                 z = z_next
-                # the next block's load is issued before this block's arithmetic: two in flight
                 z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
                 out = out_rows + (c0 + cc)[None, :]
                 m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
@@ -355,9 +342,8 @@ def _exp_rows_kernel(
                 c = full + cc
                 ok = row_ok[:, None] & (c < cols)[None, :]
                 z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
-                m_l, s_l, t_l = _exp_step(
-                    z, ref, inv_t, m_l, s_l, t_l, out_rows + c[None, :], ok, k2, SOFTCAP
-                )
+                out = out_rows + c[None, :]
+                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, ok, k2, SOFTCAP)
             # the label's column is 0 in E: written above by whichever thread held it, so
             # overwritten once every thread's stores are ordered before this one
             tl.debug_barrier()
@@ -374,20 +360,14 @@ def _exp_rows_kernel(
 
 
 def _launch(
-    kernel: Any,
-    cfg: KernelConfig,
-    rows: int,
-    args: tuple[Any, ...],
-    inv_t: Any,
-    cap_k: float | None = None,
-    **flags: Any,
+    kernel: Any, cfg: KernelConfig, args: tuple[Any, ...], inv_t: Any, cap_k: float | None, **flags: Any
 ) -> None:
-    """One launch over ``rows`` rows: ``inv_t`` a per-row fp32 tensor or a number;
-    ``cap_k = logit_scale / softcap`` or None."""
+    """One launch over the rows of ``z = args[0]``: ``inv_t`` a per-row fp32 tensor or a
+    number; ``cap_k = logit_scale / softcap`` or None."""
     per_token = isinstance(inv_t, torch.Tensor)
-    grid = (triton.cdiv(rows, cfg.block_m),)
-    kernel[grid](
+    kernel[(triton.cdiv(args[0].shape[0], cfg.block_m),)](
         *args,
+        inv_t if per_token else args[0],  # never read for a number
         1.0 if per_token else float(inv_t),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -426,12 +406,10 @@ def chunk_stats_(
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else. ``cap_k``: a softcap,
     ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
-    rows, cols = z.shape
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
-    args = (z, labels_local, inv_ptr, m, s, m if t is None else t, zy, rows, cols, col0, z.stride(0))
+    args = (z, labels_local, m, s, m if t is None else t, zy, *z.shape, col0, z.stride(0))
     flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
     flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_chunk_stats_kernel, cfg, rows, args, inv_t, cap_k, **flags)
+    _launch(_chunk_stats_kernel, cfg, args, inv_t, cap_k, **flags)
 
 
 def logit_grad_(
@@ -465,13 +443,12 @@ def logit_grad_(
     if out is None:
         out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
     a, b, g = coef
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else big_m
     b_ptr = a if b is None else b
-    args = (z, out, labels_local, inv_ptr, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
+    args = (z, out, labels_local, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
     in_place = out.data_ptr() == z.data_ptr()
     flags = {"WITH_B": b is not None, "IN_PLACE": in_place, "u_ptr": a if u is None else u}
     flags.update(WITH_U=u is not None, cw_ptr=a if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_logit_grad_kernel, cfg, rows, args, inv_t, cap_k, **flags)
+    _launch(_logit_grad_kernel, cfg, args, inv_t, cap_k, **flags)
     return out
 
 
@@ -500,8 +477,6 @@ def exp_rows_(
     Bytes: ``4 rows V_local`` read (and the first block of each row again, from cache, where
     the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``.
     ``cap_k``: a softcap (``zt`` capped, ``out`` times ``1 - tanh(z cap_k)**2``)."""
-    rows, cols = z.shape
     c, m, s, t, zy, flags = vectors
-    inv_ptr = inv_t if isinstance(inv_t, torch.Tensor) else m
-    args = (z, out, labels_local, inv_ptr, c, m, s, t, zy, flags, rows, cols, z.stride(0), out.stride(0))
-    _launch(_exp_rows_kernel, cfg, rows, (*args, EXP_RANGE), inv_t, cap_k)
+    args = (z, out, labels_local, c, m, s, t, zy, flags, *z.shape, z.stride(0), out.stride(0), EXP_RANGE)
+    _launch(_exp_rows_kernel, cfg, args, inv_t, cap_k)
