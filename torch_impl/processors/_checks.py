@@ -22,6 +22,7 @@ __all__ = [
     "FLOATS",
     "UNSUPPORTED_LOGIT_OPTIONS",
     "check_bool",
+    "check_instance",
     "check_enum",
     "check_finite_number",
     "check_floating",
@@ -82,6 +83,13 @@ def check_enum(field: str, kind: Any, value: Any) -> Any:
         return kind(value)
     except ValueError:
         raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
+
+
+def check_instance(field: str, x: Any, kind: type | tuple[type, ...], expected: str, hint: str = "") -> Any:
+    """``x`` is an instance of ``kind`` (the error names its type)."""
+    if not isinstance(x, kind):
+        raise ContractError(field, expected=expected, actual=type(x).__name__, hint=hint)
+    return x
 
 
 def check_bool(field: str, value: Any) -> bool:

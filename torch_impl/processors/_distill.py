@@ -28,9 +28,9 @@ from hookspec import (
 )
 
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
-from ._checks import check_enum, check_finite_number, check_int
+from ._checks import check_enum, check_finite_number, check_instance, check_int
 from ._engine import Engine, FormedInForward, TileSetup
-from ._gemm import mm_into, no_autocast, scaled_
+from ._gemm import gemm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
 from ._options import LinearOptions, prologue, refuse_unexpected
@@ -209,9 +209,8 @@ def _dense_epilogue(
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         zs = eng.logits_of(z, rows, inplace=True)
         slope = eng.cap_slope_of(zs, rows) if sink.active else 1.0  # a softcap's, before zs is shifted
-        zt = mm_into(
-            eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype), t_hidden[rows], t_weight.T
-        )
+        zt = eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype)
+        gemm_into(zt, t_hidden[rows], t_weight.T, first=True)
         if t_cap is None:
             scaled_(zt, t_inv)  # the teacher's temperature and logit scale
         else:  # and its own softcap: s_t * tanh(u_t * c_t / s_t) / T
@@ -300,20 +299,14 @@ Teacher = SparseTeacher | DenseTeacher
 
 def _checked_config(config: Any) -> DistillConfig:
     config = DistillConfig() if config is None else config
-    if not isinstance(config, DistillConfig):
-        raise ContractError("config", expected="a DistillConfig", actual=type(config).__name__)
-    return config
+    return check_instance("config", config, DistillConfig, "a DistillConfig")
 
 
 def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
     """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are ``None``
     or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks: required)."""
-    if not isinstance(teacher, (SparseTeacher, DenseTeacher)):
-        raise ContractError(
-            field,
-            expected="a torch_impl.processors.SparseTeacher or DenseTeacher",
-            actual=type(teacher).__name__,
-        )
+    expected = "a torch_impl.processors.SparseTeacher or DenseTeacher"
+    check_instance(field, teacher, (SparseTeacher, DenseTeacher), expected)
     how = config.aggregation
     check_counts(how, **global_counts(teacher), prefix=f"{field}.")
     if cp > 1 and how == Aggregation.SEQ_MEAN_TOKEN_MEAN:

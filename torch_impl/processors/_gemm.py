@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["addmm_into", "gemm_into", "mm_into", "no_autocast", "rowdot", "scaled_"]
+__all__ = ["gemm_into", "no_autocast", "rowdot", "scaled_"]
 
 
 def scaled_(x: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
@@ -40,16 +40,6 @@ def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: boo
         return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
         return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
-
-
-def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b``, dtypes as :func:`gemm_into`."""
-    return gemm_into(out, a, b, first=True)
-
-
-def addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``out += a @ b`` in place, dtypes as :func:`gemm_into`."""
-    return gemm_into(out, a, b, first=False)
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

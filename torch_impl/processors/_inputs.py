@@ -16,6 +16,7 @@ from hookspec import ContractError, OutputContext, validate_context
 from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred, refuse_meta
 from ._checks import (
     check_floating,
+    check_instance,
     check_shape,
     check_temperature,
     context_field,
@@ -119,10 +120,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     """The one prologue of every processor: check what processor ``name`` reads from
     ``ctx`` (``hookspec.validate_context(check_values=False)``, so that a direct call
     is checked too; the labels' range where the hook has not) and return it as rows."""
-    if not isinstance(ctx, OutputContext):
-        raise ContractError(
-            f"processor {name!r}", expected="a hookspec.OutputContext", actual=type(ctx).__name__
-        )
+    check_instance(f"processor {name!r}", ctx, OutputContext, "a hookspec.OutputContext")
     if ctx.labels is None and needs_labels:
         raise ContractError(
             "labels", expected=f"token ids [b, s] (processor {name!r} needs them)", actual="None"

@@ -21,6 +21,7 @@ from ._checks import (
     check_bool,
     check_finite_number,
     check_floating,
+    check_instance,
     check_int,
     check_temperature,
     check_token_labels,
@@ -96,13 +97,9 @@ class LinearOptions:
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
             raise ContractError("vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab))
-        if self.collectives is not None and not isinstance(self.collectives, Collectives):
-            raise ContractError(
-                "collectives",
-                expected="None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, "
-                "gather_hidden_states)",
-                actual=type(self.collectives).__name__,
-            )
+        if self.collectives is not None:
+            expected = "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, gather_hidden_states)"
+            check_instance("collectives", self.collectives, Collectives, expected)
         if self.backend not in BACKENDS:
             raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
         if self.compute_dtype is not None and self.compute_dtype not in FLOATS:

@@ -21,7 +21,7 @@ from hookspec import (
 )
 
 from ..value_checks import check_finite_deferred, checked_call
-from ._checks import check_floating, check_shape
+from ._checks import check_floating, check_instance, check_shape
 from ._fused import fused_token_loss
 from ._inputs import counted_mask, factory_tiles, hook_inputs, resolve_temperature, sequence_ids, to_tokens
 from ._logprobs import linear_logprobs
@@ -88,16 +88,9 @@ class PolicyBatch:
 
 def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) -> PolicyBatch:
     """The user context, a :class:`PolicyBatch` validated for ``config`` (its shapes and counts)."""
-    batch = ctx.context
-    if not isinstance(batch, PolicyBatch):
-        raise ContractError(
-            "context",
-            expected="a torch_impl.processors.PolicyBatch (output_processor_context=)",
-            actual=type(batch).__name__,
-            hint="A mapping is not read as one: pass PolicyBatch(**mapping)"
-            if isinstance(batch, Mapping)
-            else "",
-        )
+    batch, expected = ctx.context, "a torch_impl.processors.PolicyBatch (output_processor_context=)"
+    hint = "A mapping is not read as one: pass PolicyBatch(**mapping)" if isinstance(batch, Mapping) else ""
+    check_instance("context", batch, PolicyBatch, expected, hint)
     batch.validate(b, s, need_ref=config.kl_coef != 0.0)
     check_counts(config.aggregation, **global_counts(batch), prefix="context.")
     return batch
@@ -298,8 +291,7 @@ def policy_loss(
     default per device (:class:`LinearOptions`).
     """
     config = PolicyLossConfig() if config is None else config
-    if not isinstance(config, PolicyLossConfig):
-        raise ContractError("config", expected="a PolicyLossConfig", actual=type(config).__name__)
+    check_instance("config", config, PolicyLossConfig, "a PolicyLossConfig")
     tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
     fused = config.fused and config.ratio == RatioLevel.TOKEN
 

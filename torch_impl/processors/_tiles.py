@@ -14,7 +14,7 @@ import torch
 
 from hookspec import Collectives
 
-from ._gemm import addmm_into, mm_into, scaled_
+from ._gemm import gemm_into, scaled_
 from ._geometry import KernelConfig
 
 __all__ = ["TileSetup", "Tiles"]
@@ -100,7 +100,7 @@ class Tiles:
         (``wc = W[cols]``): tempered on the torch backend (folded: ``(h inv_t) @ wc.T +
         inv_t b``), untempered on the Triton backend (its kernels apply ``inv_t``)."""
         x = self.hs[rows]
-        z = mm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T)
+        z = gemm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T, first=True)
         if self.b is not None:
             f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
             z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(self.b[cols], alpha=f)
@@ -160,7 +160,7 @@ class Tiles:
             self.db.index_add_(0, cols.clamp(min=0).reshape(-1), g.reshape(-1).to(self.db.dtype))
             return
         wv = w.to(g.dtype) if isinstance(w, torch.Tensor) else g.new_full((g.shape[0],), w)
-        addmm_into(self.db[cols].view(1, -1), wv[None], g)
+        gemm_into(self.db[cols].view(1, -1), wv[None], g, first=False)
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
