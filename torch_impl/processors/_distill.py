@@ -460,17 +460,15 @@ def distillation_loss(
     compute_dtype: torch.dtype | None = None,
     **unexpected: Never,
 ) -> Processor:
-    """A processor returning the distillation loss and its metrics, scalars::
+    """A processor returning :func:`linear_distillation_loss`'s loss and metrics, scalars::
 
         {"loss": aggregate(D, M, aggregation),     # D: the config's divergence per token
          "kl": token-mean over M of KL(teacher || student),
          "top1_agreement": token-mean over M of [argmax student == teacher's top-1]}
 
-    as :func:`linear_distillation_loss` computes them, the teacher the user context:
-    :class:`SparseTeacher` (top-k ids, logprobs ``[b, s, k]``) or :class:`DenseTeacher`
-    (hidden states ``[s, b, h_t]``, weight shard). ``M``: the context's ``mask``, else
-    ``loss_mask``, else ones; 0 at an ignored label. Tiles: ``tile_rows`` whole rows.
-    """
+    The teacher is the user context: :class:`SparseTeacher` (top-k ids, logprobs ``[b, s, k]``)
+    or :class:`DenseTeacher` (hidden states ``[s, b, h_t]``, weight shard). ``M``: the
+    context's ``mask``, else ``loss_mask``, else ones; 0 at an ignored label."""
     refuse_unexpected("distillation_loss", unexpected)
     config, tiles = _checked_config(config), LinearOptions(tile_rows=tile_rows, compute_dtype=compute_dtype)
 
@@ -480,19 +478,16 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        own = teacher.mask is not None  # M: the teacher's mask, else loss_mask, else ones
-        given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
-        mask = to_tokens(counted_mask(ctx, x, given, field).to(setup.acc_dtype))
+        m, field = (ctx.loss_mask, "loss_mask") if teacher.mask is None else (teacher.mask, "context.mask")
+        mask = to_tokens(counted_mask(ctx, x, m, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
         weights = weights_of(mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher))
-        vocab = typing.cast(VocabShard, ctx.vocab)
+        vocab, acc, check = typing.cast(VocabShard, ctx.vocab), setup.acc_dtype, ctx.check_values
         if isinstance(teacher, SparseTeacher):
-            check, acc = ctx.check_values, setup.acc_dtype
             teacher = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
         else:
             teacher = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
         res = _fused(h, x.weight, setup, config, teacher, weights)
-        agreement = masked_mean(res.top1_agreement, mask)
-        return {"loss": res.loss, "kl": masked_mean(res.kl, mask), "top1_agreement": agreement}
+        return {"loss": res.loss} | {k: masked_mean(getattr(res, k), mask) for k in ("kl", "top1_agreement")}
 
     return processor(fn, name="distillation_loss")
