@@ -17,6 +17,7 @@ doctor reported the hook broken and hookcheck blamed a correct processor.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -271,7 +272,11 @@ def _listening_sockets() -> int:
 
 def _groups_alive() -> dict[str, Any]:
     """Everything a gloo group left alive shows as: listening sockets, threads,
-    registered groups, and Megatron's globals that hold one (enumerated)."""
+    registered groups, and Megatron's globals that hold one (enumerated). Garbage is
+    collected first: an earlier test file's unreachable groups (the same worker process)
+    would otherwise count before and be freed during the tool's run, whenever the
+    collector runs; a group the tool leaves referenced survives the collection."""
+    gc.collect()
     return {
         "listening": _listening_sockets(),
         "threads": len(os.listdir("/proc/self/task")),
