@@ -312,14 +312,7 @@ def test_class_weights_against_float64(
     truth = _weighted_truth(p, cw, reduction, z_loss, p["mask"] if masked else None)
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
-    ctx = OutputContext(
-        hidden_states=h,
-        labels=p["y"],
-        vocab_weight=w,
-        vocab=VocabShard(0, V, V),
-        loss_mask=p["mask"].float() if masked else None,
-        scale_logits=lambda x: x * SCALE,
-    )
+    ctx = masked_context(h, w, p, scale=SCALE, mask=masked)
     proc = cross_entropy_loss(reduction=reduction, z_loss=z_loss, class_weights=cw.float(), tile_rows=4)
     out = proc(ctx)
     loss = out if reduction == "none" else out["loss"]
