@@ -28,7 +28,12 @@ def run_worker(args: Sequence[str], *, timeout: float) -> tuple[dict[str, Any] |
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+            [sys.executable, "-m", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         return None, f"timeout after {timeout:.0f} s"
@@ -48,7 +53,9 @@ def measure(spec: dict[str, Any], *, timeout: float, log: bool = True) -> dict[s
     if result is not None:
         time_s, peak = result["time_s"], result["peak_extra_mib"]
     row = dict(spec)
-    row.update(time_s=time_s, peak_extra_mib=peak, runs_s="" if error else f"{time_s:.3f}", error=error)
+    row.update(
+        time_s=time_s, peak_extra_mib=peak, runs_s="" if error else f"{time_s:.3f}", error=error
+    )
     if log:
         status = error or f"{time_s:.2f} s, {peak:.0f} MiB extra"
         shape = f"{spec.get('tokens')}x{spec.get('hidden')}x{spec.get('vocab')} {spec.get('dtype')}"

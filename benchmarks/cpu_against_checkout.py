@@ -89,10 +89,16 @@ def _time(checkout: Path, n: int, h: int, v: int, what: str = "logprobs") -> flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_against_checkout", description=__doc__)
-    p.add_argument("base", type=Path, help="the other checkout (a git worktree of the commit to compare)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.cpu_against_checkout", description=__doc__
+    )
+    p.add_argument(
+        "base", type=Path, help="the other checkout (a git worktree of the commit to compare)"
+    )
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--size", type=int, nargs=3, default=(4096, 1024, 32768), metavar=("N", "H", "V"))
+    p.add_argument(
+        "--size", type=int, nargs=3, default=(4096, 1024, 32768), metavar=("N", "H", "V")
+    )
     p.add_argument("--what", choices=WHAT, default="logprobs")
     args = p.parse_args(argv)
     times: dict[str, list[float]] = {"base": [], "this": []}

@@ -58,7 +58,13 @@ COLUMNS = ["pair", "method", "tokens", "hidden", "vocab", "k", "time_s", "peak_e
 
 
 def _inputs(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    n, hid, th, v, k = spec["tokens"], spec["hidden"], spec["teacher_hidden"], spec["vocab"], spec["k"]
+    n, hid, th, v, k = (
+        spec["tokens"],
+        spec["hidden"],
+        spec["teacher_hidden"],
+        spec["vocab"],
+        spec["k"],
+    )
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, hid, generator=g).requires_grad_()
     w = (torch.randn(v, hid, generator=g) * hid**-0.5).requires_grad_()
@@ -82,7 +88,10 @@ def _context(x: dict[str, torch.Tensor], teacher: Any) -> Any:
 
     v = x["w"].shape[0]
     return OutputContext(
-        hidden_states=x["h"][:, None, :], vocab_weight=x["w"], vocab=VocabShard(0, v, v), context=teacher
+        hidden_states=x["h"][:, None, :],
+        vocab_weight=x["w"],
+        vocab=VocabShard(0, v, v),
+        context=teacher,
     )
 
 
@@ -96,7 +105,12 @@ def _config(pair: str) -> Any:
 
 
 def _ours(pair: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
-    from torch_impl.processors import DenseTeacher, SparseTeacher, distillation_loss, linear_topk_logprobs
+    from torch_impl.processors import (
+        DenseTeacher,
+        SparseTeacher,
+        distillation_loss,
+        linear_topk_logprobs,
+    )
 
     if pair == "topk":
         r = linear_topk_logprobs(x["h"], x["w"], k=x["cot"].shape[1])
@@ -118,14 +132,18 @@ def _materialised(pair: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
             log_p, log_q = lp.log_softmax(-1), lq_ids.log_softmax(-1)
         else:
             log_p = torch.cat([lp, (1 - lp.exp().sum(-1)).clamp_min(0).log()[:, None]], -1)
-            log_q = torch.cat([lq_ids, (1 - lq_ids.exp().sum(-1)).clamp_min(1e-30).log()[:, None]], -1)
+            log_q = torch.cat(
+                [lq_ids, (1 - lq_ids.exp().sum(-1)).clamp_min(1e-30).log()[:, None]], -1
+            )
         return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     with torch.no_grad():
         lp = (x["t_h"] @ x["t_w"].T).log_softmax(-1)
     if pair == "dense-forward-kl":
         return (lp.exp() * (lp - lq)).sum(-1).mean()
     log_m = torch.logaddexp(math.log(0.5) + lp, math.log(0.5) + lq)
-    return (0.5 * (lp.exp() * (lp - log_m)).sum(-1) + 0.5 * (lq.exp() * (lq - log_m)).sum(-1)).mean()
+    return (
+        0.5 * (lp.exp() * (lp - log_m)).sum(-1) + 0.5 * (lq.exp() * (lq - log_m)).sum(-1)
+    ).mean()
 
 
 def worker(spec: dict[str, Any]) -> dict[str, float]:
@@ -156,7 +174,9 @@ def worker(spec: dict[str, Any]) -> dict[str, float]:
 
 def _measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     row = dict(spec, time_s=math.nan, peak_extra_mib=math.nan, error="")
-    result, row["error"] = run_worker(["benchmarks.distill", "--worker", json.dumps(spec)], timeout=timeout)
+    result, row["error"] = run_worker(
+        ["benchmarks.distill", "--worker", json.dumps(spec)], timeout=timeout
+    )
     row.update(result or {})
     return row
 
@@ -180,10 +200,14 @@ def _machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.distill", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.distill", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     p.add_argument("--repeats", type=int, default=2, help="runs per method; the best is kept")
-    p.add_argument("--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)"
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distill.csv")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -210,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- |")
     for pair in PAIRS:
         mat, ours = (
-            next(r for r in rows if r["pair"] == pair and r["method"] == m) for m in ("materialised", "ours")
+            next(r for r in rows if r["pair"] == pair and r["method"] == m)
+            for m in ("materialised", "ours")
         )
         t = ours["time_s"] / mat["time_s"] if not (ours["error"] or mat["error"]) else math.nan
         mem = (

@@ -61,7 +61,9 @@ class Ceilings:
     exp_rows_of_copy: float = 0.61  # _exp_rows_kernel, idem
     logit_grad_of_copy: float = 1.0  # _logit_grad_kernel, idem
     small_kernel_s: float = 1.5e-6  # a small elementwise kernel ([n] vectors): 129 in 0.148 ms
-    scale_bw: float = 2.5e9 / 1.6e-3  # the backward's dw.mul_(g_loss), non-vectorised: 2.5 GB in 1.6 ms
+    scale_bw: float = (
+        2.5e9 / 1.6e-3
+    )  # the backward's dw.mul_(g_loss), non-vectorised: 2.5 GB in 1.6 ms
 
 
 CEILINGS = Ceilings()
@@ -134,8 +136,14 @@ def _tiles(total: int, size: int) -> list[int]:
 BEFORE_ROW_TILE = {4096: 384, 1024: 1024}  # rows of a fused-loss tile (the profile's GEMM counts)
 BEFORE_FLUSH_ROWS = {4096: 3456, 1024: 8192}  # rows of the bf16 gradient buffer
 BEFORE_SWEEP_TILE = {8192: (8192, 8192), 32768: (32768, 2048)}  # logprobs + entropy tiles
-BEFORE_LAUNCHES = {"fused loss": 80, "logprobs + entropy": 13}  # per tile: the profile, the timeline
-BEFORE_PROLOGUE = {"fused loss": 2.81e-3, "logprobs + entropy": 3.92e-3}  # timeline: to the first kernel
+BEFORE_LAUNCHES = {
+    "fused loss": 80,
+    "logprobs + entropy": 13,
+}  # per tile: the profile, the timeline
+BEFORE_PROLOGUE = {
+    "fused loss": 2.81e-3,
+    "logprobs + entropy": 3.92e-3,
+}  # timeline: to the first kernel
 
 
 def _fused(
@@ -173,7 +181,10 @@ def _sweep(
         for r in _tiles(s.n, rows):
             rmw = r * s.h * 4 * 2 / c.copy_bw
             gpu = (
-                2 * _mm(r, s.h, cc, c.mm_fp32_out) + _mm(r, cc, s.h, c.mm_dh) + rmw + _mm(cc, r, s.h, c.mm_dw)
+                2 * _mm(r, s.h, cc, c.mm_fp32_out)
+                + _mm(r, cc, s.h, c.mm_dh)
+                + rmw
+                + _mm(cc, r, s.h, c.mm_dw)
             )
             gpu += _pass(r * cc * 4, stats_fraction, c) + _pass(r * cc * 6, c.logit_grad_of_copy, c)
             items.append((launches * HOST_PER_LAUNCH, gpu))
@@ -217,7 +228,9 @@ def predicted_after(
     else:
         stats_fraction = c.stats_of_copy if kernel_fraction is None else kernel_fraction
         tile = (min(s.n, 8192), 8192)  # rows inner at 32768: 8192-wide vocabulary tiles, not 2048
-        items = _sweep(s, tile=tile, launches=AFTER_LAUNCHES_PER_TILE, stats_fraction=stats_fraction, c=c)
+        items = _sweep(
+            s, tile=tile, launches=AFTER_LAUNCHES_PER_TILE, stats_fraction=stats_fraction, c=c
+        )
     return queue(items, prologue=AFTER_PROLOGUE)
 
 

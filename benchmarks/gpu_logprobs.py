@@ -166,7 +166,9 @@ def _chunks(n: int, v: int) -> range:
     return range(0, n, max(1, (1 << 27) // max(1, v)))  # 1 GiB of float64 logits a chunk
 
 
-def reference_stats(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_stats(
+    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 logprobs and entropy of every row: ``logp = log_softmax(h @ w.T)``,
     ``lp = logp[y]``, ``ent = -sum(exp(logp) * logp)``."""
     w64 = w.double()
@@ -270,7 +272,10 @@ def device_class_here() -> str:
 
 
 def _append(path: Path | None, row: dict[str, Any]) -> None:
-    shape = "x".join(str(row[k]) for k in SIZE_KEYS[:3]) + f" {row['dtype']} {row.get('logits', 'flat')}"
+    shape = (
+        "x".join(str(row[k]) for k in SIZE_KEYS[:3])
+        + f" {row['dtype']} {row.get('logits', 'flat')}"
+    )
     if row.get("error"):
         print(f"  {shape:<22} {row['method']:<17} {row['error']}", flush=True)
     else:
@@ -346,18 +351,28 @@ def run_size(
                     runs=len(times),
                     peak_extra_gb=max(peaks) / 1e9 if peaks else None,
                 )
-                row.update(profile_call(lambda fn=method.fn: _time_once(fn, h, w, y, cuda), device=device))
+                row.update(
+                    profile_call(lambda fn=method.fn: _time_once(fn, h, w, y, cuda), device=device)
+                )
                 if method.family != "floor":
                     if stats is None:
                         stats = reference_stats(h.detach(), w.detach(), y)
                     if method.family not in refs:
                         refs[method.family] = reference(
-                            h.detach(), w.detach(), y, rows, cols, objective(method.family, n, device), stats
+                            h.detach(),
+                            w.detach(),
+                            y,
+                            rows,
+                            cols,
+                            objective(method.family, n, device),
+                            stats,
                         )
                     dh_ref, dw_ref = refs[method.family]
                     if h.grad is None or w.grad is None:
                         raise RuntimeError("no gradient reached h or W")
-                    row.update(dh_rel_err=_rel(h.grad[rows], dh_ref), dw_rel_err=_rel(w.grad[cols], dw_ref))
+                    row.update(
+                        dh_rel_err=_rel(h.grad[rows], dh_ref), dw_rel_err=_rel(w.grad[cols], dw_ref)
+                    )
             except NotAvailable as exc:
                 row["error"] = str(exc)
             except torch.cuda.OutOfMemoryError:
@@ -428,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                    *(["--quick"] if args.quick else [])]  # fmt: skip
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             try:
-                proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=left, cwd=ROOT, env=env)
+                proc = subprocess.run(
+                    cmd, stderr=subprocess.PIPE, text=True, timeout=left, cwd=ROOT, env=env
+                )
                 if proc.returncode != 0:
                     lines = proc.stderr.strip().splitlines() or ["no output"]
                     print("\n".join(lines[-20:]), file=sys.stderr, flush=True)
@@ -440,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
             why = "not reached: the time budget was spent" if not tail else (
                 f"killed while running: {tail}" if i == 0 else f"not reached: {tail}")  # fmt: skip
             row = {k: size[k] for k in SIZE_KEYS}
-            row.update(method=m, family=METHODS[m].family, backend=METHODS[m].backend, error=why, note="")
+            row.update(
+                method=m, family=METHODS[m].family, backend=METHODS[m].backend, error=why, note=""
+            )
             _append(results, row)
     print(f"gpu_logprobs: rows in {results}; tables: python -m benchmarks.gpu_results {args.out}")
     return 0

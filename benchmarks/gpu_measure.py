@@ -98,7 +98,9 @@ includes the launch latency (the 2026-11-26 run's 0.32 and 0.47 of copy bandwidt
 against 0.54 and 0.61 in the profiler)."""
 
 
-def time_ms(fn: Callable[[], Any], *, device: str, runs: int, warmup: int, launches: int = 1) -> float:
+def time_ms(
+    fn: Callable[[], Any], *, device: str, runs: int, warmup: int, launches: int = 1
+) -> float:
     """The median over ``runs`` runs (after ``warmup``) of the time of ``launches``
     back-to-back calls of ``fn()`` between two events, divided by ``launches`` (ms)."""
     for _ in range(warmup):
@@ -150,7 +152,11 @@ def _recording() -> Iterator[list[tuple[Any, Any, tuple[Any, ...], dict[str, Any
 
 
 def _bytes_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    return sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    return sum(
+        a.numel() * a.element_size()
+        for a in (*args, *kwargs.values())
+        if isinstance(a, torch.Tensor)
+    )
 
 
 def recorded_kernel_cases(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> list[KernelCase]:
@@ -171,7 +177,9 @@ def recorded_kernel_cases(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> 
                 if entropy_grad
                 else (lambda lp, ent, rows: lp.sum())
             )
-            fused_token_loss(hh, ww, y, loss, options=triton, entropy_grad=entropy_grad).loss.backward()
+            fused_token_loss(
+                hh, ww, y, loss, options=triton, entropy_grad=entropy_grad
+            ).loss.backward()
     cases: dict[str, KernelCase] = {}
     biggest: dict[str, int] = {}
     for fn, grid, args, kwargs in got:
@@ -214,7 +222,10 @@ def measure(
     dtype = DTYPES[size["dtype"]]
     n, hid, v = size["tokens"], size["hidden"], size["vocab"]
     rows, cols = chunk_shape(n, v, device)
-    fields = {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU", "dtype": size["dtype"]}
+    fields = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
+        "dtype": size["dtype"],
+    }
     got: list[dict[str, Any]] = []
 
     def row(**kw: Any) -> None:
@@ -223,7 +234,12 @@ def measure(
     PerMs = Callable[[float], dict[str, Any]] | None
 
     def timed(
-        what: str, case: str, fn: Callable[[], Any], per_ms: PerMs = None, launches: int = 1, **kw: Any
+        what: str,
+        case: str,
+        fn: Callable[[], Any],
+        per_ms: PerMs = None,
+        launches: int = 1,
+        **kw: Any,
     ) -> float | None:
         """Time ``fn`` (``launches`` back to back) and append its row (with
         ``per_ms(t)``'s fields), or why it did not run."""
@@ -232,7 +248,12 @@ def measure(
         try:
             t = time_ms(fn, device=device, runs=runs, warmup=warmup, launches=launches)
         except Exception as exc:  # a row that did not run says why
-            row(what=what, case=case, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", **kw)
+            row(
+                what=what,
+                case=case,
+                error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
+                **kw,
+            )
             return None
         row(what=what, case=case, time_ms=t, **kw, **(per_ms(t) if per_ms else {}))
         return t
@@ -257,8 +278,22 @@ def measure(
     buf = torch.randn(rows, 2 * cols, device=device, generator=g).to(dtype)
     for layout, gz in (("strided", buf[:, :cols]), ("contiguous", buf[:, :cols].contiguous())):
         stride = list(gz.stride())
-        timed("mm", f"dh gemm {layout}", lambda gz=gz: torch.mm(gz, wc), tflops, shape=shape, stride=stride)
-        timed("mm", f"dW gemm {layout}", lambda gz=gz: torch.mm(gz.T, hs), tflops, shape=shape, stride=stride)
+        timed(
+            "mm",
+            f"dh gemm {layout}",
+            lambda gz=gz: torch.mm(gz, wc),
+            tflops,
+            shape=shape,
+            stride=stride,
+        )
+        timed(
+            "mm",
+            f"dW gemm {layout}",
+            lambda gz=gz: torch.mm(gz.T, hs),
+            tflops,
+            shape=shape,
+            stride=stride,
+        )
     del buf
     # the copy bandwidth (bytes read plus written)
     numel = (1 << 30) // 4 if device == "cuda" else 1 << 20
@@ -273,7 +308,11 @@ def measure(
     try:
         cases, source = _cases(h, w, y)
     except Exception as exc:
-        row(what="kernel", case="(none)", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        row(
+            what="kernel",
+            case="(none)",
+            error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
+        )
         cases, source = [], ""
     for c in cases:
 
@@ -281,7 +320,15 @@ def measure(
             gbps = c.bytes / t / 1e6
             return {"gbps": gbps, **({"of_copy": gbps / copy_gbps} if copy_gbps else {})}
 
-        timed("kernel", f"kernel {c.name}", c.launch, bandwidth, BACK_TO_BACK, bytes=c.bytes, source=source)
+        timed(
+            "kernel",
+            f"kernel {c.name}",
+            c.launch,
+            bandwidth,
+            BACK_TO_BACK,
+            bytes=c.bytes,
+            source=source,
+        )
     # the floors at the size
     from .methods import floor3, floor4
 

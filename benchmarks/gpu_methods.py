@@ -220,7 +220,9 @@ def _verl_triton_module() -> Any:
         return _VERL_TRITON
     wheel = os.environ.get(VERL_WHEEL_ENV, "")
     if not wheel or not Path(wheel).exists():
-        raise NotAvailable(f"veRL wheel not found: set {VERL_WHEEL_ENV} (scripts/gpu_bench.sh does)")
+        raise NotAvailable(
+            f"veRL wheel not found: set {VERL_WHEEL_ENV} (scripts/gpu_bench.sh does)"
+        )
     target = Path(os.environ.get("TMPDIR", "/tmp")) / "hookspec-verl-kernel"
     target.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as zf:
@@ -244,7 +246,9 @@ def _verl_triton_module() -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    importlib.import_module(f"{package.__name__}.kernels")  # what its forward imports: fail here, not timed
+    importlib.import_module(
+        f"{package.__name__}.kernels"
+    )  # what its forward imports: fail here, not timed
     _VERL_TRITON = module
     return module
 
@@ -256,7 +260,9 @@ def verl_triton(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
 
 def _require(module: str, what: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise NotAvailable(f"{module} not installed ({what}: run scripts/gpu_wheels.sh, carry .whl)")
+        raise NotAvailable(
+            f"{module} not installed ({what}: run scripts/gpu_wheels.sh, carry .whl)"
+        )
 
 
 def liger_note() -> str:
@@ -281,7 +287,9 @@ def liger_sm90(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
         raise NotAvailable(CUTLASS_NOT_CARRIED)
     if h.device.type != "cuda" or torch.cuda.get_device_capability(h.device) != (9, 0):
         raise NotAvailable("Liger's SM90 path runs on compute capability 9.0 only")
-    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+        LigerFusedLinearScaledCrossEntropyFunction,
+    )
 
     nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, y, 1.0, -100, 1, True)
     return -nll, entropy

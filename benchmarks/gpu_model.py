@@ -135,7 +135,15 @@ class Prediction:
 
 
 def _gemm(
-    name: str, m: int, k: int, n: int, *, out: int, elt: int, accumulate: bool = False, count: int = 1
+    name: str,
+    m: int,
+    k: int,
+    n: int,
+    *,
+    out: int,
+    elt: int,
+    accumulate: bool = False,
+    count: int = 1,
 ) -> Pass:
     """``[m, k] @ [k, n]`` with ``elt``-byte operands and an ``out``-byte output."""
     moved = (m * k + k * n) * elt + m * n * out * (2 if accumulate else 1)
@@ -158,15 +166,21 @@ def logprobs_entropy(w: Workload = WORKLOAD) -> Prediction:
     for c, k in _tiles(w.v, cols):
         for r, _ in _tiles(w.n, rows):
             logits = _gemm("logits (forward)", r, w.h, c, out=4, elt=w.elt, count=k)
-            stats = Pass("statistics kernel: read the tile", k, 0, r * c * 4, r * c, STATS_RATE_PER_LANE)
+            stats = Pass(
+                "statistics kernel: read the tile", k, 0, r * c * 4, r * c, STATS_RATE_PER_LANE
+            )
             passes += [logits, _capped(w, stats, "statistics")]
             passes += [dataclasses.replace(logits, name="logits (backward)")]
             grad = Pass("gradient kernel: read fp32, write bf16 in place", k, 0, r * c * 6)
             passes += [_capped(w, grad, "gradient")]
-            passes += [_gemm("dh += gz @ W[cols]", r, c, w.h, out=4, elt=w.elt, accumulate=True, count=k)]
+            passes += [
+                _gemm("dh += gz @ W[cols]", r, c, w.h, out=4, elt=w.elt, accumulate=True, count=k)
+            ]
             passes += [_gemm("dW[cols] = gz.T @ h", c, r, w.h, out=w.elt, elt=w.elt, count=k)]
             passes += _bias_passes(w, r, c, k, twice=True)
-    peak = rows * cols * 4 + w.n * w.h * 4 + w.v * w.h * w.elt + w.n * w.h * w.elt + w.bias * w.v * 8
+    peak = (
+        rows * cols * 4 + w.n * w.h * 4 + w.v * w.h * w.elt + w.n * w.h * w.elt + w.bias * w.v * 8
+    )
     return Prediction("logprobs + entropy" + _with(w), 4, _merge(passes), peak)
 
 
@@ -201,11 +215,17 @@ def _row_sweep(w: Workload, *, epilogue: Callable[[int], list[Pass]], design: st
         )
         if k > 1:  # the full buffers after the first accumulate
             passes.append(
-                _gemm("dW += G.T @ h", w.v, g, w.h, out=w.elt, elt=w.elt, accumulate=True, count=k - 1)
+                _gemm(
+                    "dW += G.T @ h", w.v, g, w.h, out=w.elt, elt=w.elt, accumulate=True, count=k - 1
+                )
             )
     passes.append(Pass("backward: dW *= incoming gradient", 1, 0, 2 * w.v * w.h * w.elt))
     peak = (
-        rows * w.v * 4 + buffer * w.v * w.elt + w.v * w.h * w.elt + w.n * w.h * (4 + w.elt) + w.bias * w.v * 8
+        rows * w.v * 4
+        + buffer * w.v * w.elt
+        + w.v * w.h * w.elt
+        + w.n * w.h * (4 + w.elt)
+        + w.bias * w.v * 8
     )
     return Prediction(design + _with(w), 3, _merge(passes), peak)
 
@@ -227,7 +247,9 @@ def fused_two_pass(w: Workload = WORKLOAD) -> Prediction:
     return _row_sweep(
         w,
         epilogue=lambda r: [
-            Pass("statistics kernel: read the tile", 1, 0, r * w.v * 4, r * w.v, STATS_RATE_PER_LANE),
+            Pass(
+                "statistics kernel: read the tile", 1, 0, r * w.v * 4, r * w.v, STATS_RATE_PER_LANE
+            ),
             Pass("gradient kernel: read fp32, write bf16 into G", 1, 0, r * w.v * 6),
         ],
         design="fused loss, two passes (entropy gradient)",
@@ -263,10 +285,14 @@ def fused_before(w: Workload = WORKLOAD) -> Prediction:
     passes: list[Pass] = []
     for i, (r, k) in enumerate(_tiles(w.n, rows)):
         passes.append(_gemm("logits", r, w.h, w.v, out=4, elt=w.elt, count=k))
-        passes.append(Pass("statistics kernel (reductions)", k, 0, r * w.v * 4, r * w.v, STATS_RATE_REDUCING))
+        passes.append(
+            Pass("statistics kernel (reductions)", k, 0, r * w.v * 4, r * w.v, STATS_RATE_REDUCING)
+        )
         passes.append(Pass("gradient kernel in place", k, 0, r * w.v * 6))
         passes.append(_gemm("dh = gz @ W", r, w.v, w.h, out=4, elt=w.elt, count=k))
-        acc = _gemm("dW += gz.T @ h (fp32)", w.v, r, w.h, out=4, elt=w.elt, accumulate=i > 0, count=k)
+        acc = _gemm(
+            "dW += gz.T @ h (fp32)", w.v, r, w.h, out=4, elt=w.elt, accumulate=i > 0, count=k
+        )
         passes.append(acc)
     passes.append(Pass("cast dW to bf16", 1, 0, w.v * w.h * (4 + w.elt)))
     passes.append(Pass("backward: dW *= incoming gradient", 1, 0, 2 * w.v * w.h * w.elt))
@@ -314,7 +340,9 @@ def predicted_ms(device_class: str, w: Workload = WORKLOAD) -> dict[str, float]:
     floor = 2 * w.n * w.h * w.v / dev.gemm_flops
     out = {
         "mm bf16->fp32": logits.seconds(dev),
-        "mm bf16->bf16": dataclasses.replace(logits, bytes=logits.bytes - rows * cols * 2).seconds(dev),
+        "mm bf16->bf16": dataclasses.replace(logits, bytes=logits.bytes - rows * cols * 2).seconds(
+            dev
+        ),
         "dh gemm strided": dh.seconds(dev),
         "dh gemm contiguous": dh.seconds(dev),
         "dW gemm strided": dw.seconds(dev),
@@ -351,7 +379,9 @@ def _ms(s: float) -> str:
 def markdown() -> str:
     """The design page's tables."""
     lines = [
-        "| design | floor | " + " | ".join(f"{d.name} ms (x floor)" for d in DEVICES) + " | peak extra |"
+        "| design | floor | "
+        + " | ".join(f"{d.name} ms (x floor)" for d in DEVICES)
+        + " | peak extra |"
     ]
     lines.append("|---|---|" + "---|" * len(DEVICES) + "---|")
     for key in DESIGNS:
@@ -365,7 +395,9 @@ def markdown() -> str:
     for key in ("logprobs_entropy", "fused_single_pass"):
         p = predict(key)
         lines += ["", f"Passes of *{p.design}*:", ""]
-        lines.append("| pass | times | GFLOP | GB | " + " | ".join(f"{d.name} ms" for d in DEVICES) + " |")
+        lines.append(
+            "| pass | times | GFLOP | GB | " + " | ".join(f"{d.name} ms" for d in DEVICES) + " |"
+        )
         lines.append("|---|---|---|---|" + "---|" * len(DEVICES))
         for q in p.passes:
             lines.append(
@@ -386,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in DESIGNS:
         p = predict(key)
         print(
-            p.design, *(f"{d.name} {p.ratio(d):.3f}x" for d in DEVICES), f"{p.peak_extra_bytes / 1e9:.2f} GB"
+            p.design,
+            *(f"{d.name} {p.ratio(d):.3f}x" for d in DEVICES),
+            f"{p.peak_extra_bytes / 1e9:.2f} GB",
         )
     return 0
 

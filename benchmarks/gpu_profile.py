@@ -49,8 +49,12 @@ def profile_call(fn: Callable[[], Any], *, device: str) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with warnings.catch_warnings():  # torch 2.11 warns that a profile without a schedule is one cycle
-        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+    with (
+        warnings.catch_warnings()
+    ):  # torch 2.11 warns that a profile without a schedule is one cycle
+        warnings.filterwarnings(
+            "ignore", message=".*Profiler clears events at the end of each cycle"
+        )
         with profile(activities=activities) as prof:
             fn()
             if cuda:
@@ -67,8 +71,15 @@ def profile_call(fn: Callable[[], Any], *, device: str) -> dict[str, Any]:
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = sum(1 for e in host if e.name in LAUNCH_NAMES)
     if not kernels:
-        return {"kernels": 0, "launches": launches, "busy_fraction": None, "busy_note": "no kernel recorded"}
-    start = min(e.time_range.start for e in host) if host else min(e.time_range.start for e in kernels)
+        return {
+            "kernels": 0,
+            "launches": launches,
+            "busy_fraction": None,
+            "busy_note": "no kernel recorded",
+        }
+    start = (
+        min(e.time_range.start for e in host) if host else min(e.time_range.start for e in kernels)
+    )
     end = max(e.time_range.end for e in kernels)
     busy = busy_of_intervals([(e.time_range.start, e.time_range.end) for e in kernels])
     span = max(end - start, 1e-9)

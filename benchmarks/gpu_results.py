@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from ._harness import ROOT
-from .gpu_logprobs import RESULTS, SIZE_KEYS, SIZES, TARGET_SIZE, device_class_here, methods_at, size_of
+from .gpu_logprobs import (
+    RESULTS,
+    SIZE_KEYS,
+    SIZES,
+    TARGET_SIZE,
+    device_class_here,
+    methods_at,
+    size_of,
+)
 from .gpu_measure import RESULTS as MEASURE_RESULTS
 from .gpu_measure import measured_passes
 from .gpu_methods import METHODS
@@ -100,7 +108,9 @@ MARKERS = ("run", "targets")
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """The test files holding ``gpu``-marked tests, in the order scripts/gpu_tests.sh runs them."""
     found = sorted(
-        f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if GPU_MARK.search(p.read_text())
+        f"tests/{p.name}"
+        for p in (root / "tests").glob("test_*.py")
+        if GPU_MARK.search(p.read_text())
     )
     first = [f for f in PROCESSOR_ONLY if f in found]
     return first + [f for f in found if f not in first]
@@ -128,7 +138,9 @@ def _env(root: Path) -> dict[str, Any]:
         env["device_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
         try:
             smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-            env["driver"] = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip()
+            env["driver"] = subprocess.run(
+                smi, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             env["driver"] = ""
     else:
@@ -157,7 +169,9 @@ def _commit(root: Path) -> dict[str, str]:
 
     def git(*args: str) -> str | None:
         try:
-            proc = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=10)
+            proc = subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=root, timeout=10
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         return proc.stdout if proc.returncode == 0 else None
@@ -177,7 +191,9 @@ def _commit(root: Path) -> dict[str, str]:
 TEST_LINE = re.compile(r"^(tests/[\w/.-]+\.py)::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 STARTED = re.compile(r"^(tests/[\w/.-]+\.py)::(\S+) ?$")
 COLLECT_ERROR = re.compile(r"^ERROR (?:collecting )?(tests/[\w/.-]+\.py)\b")
-SUMMARY = re.compile(r"^=+ .*\b(passed|failed|skipped|errors?|deselected|no tests ran)\b.* in [\d.]+s")
+SUMMARY = re.compile(
+    r"^=+ .*\b(passed|failed|skipped|errors?|deselected|no tests ran)\b.* in [\d.]+s"
+)
 
 
 def read_tests(log: Path) -> dict[str, str]:
@@ -348,7 +364,9 @@ def peers_target(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
             for peer in peers:
                 r = _row(rows, size, peer)
                 t_peer = _num(r, "time_ms")
-                if peer == "liger-sm90" and (r is None or r.get("error")):  # needs a package not carried
+                if peer == "liger-sm90" and (
+                    r is None or r.get("error")
+                ):  # needs a package not carried
                     parts.append(f"{logits}: {peer} left out ({NOT}: its package is not carried)")
                     continue
                 if math.isnan(t_ours) or math.isnan(t_peer):
@@ -438,7 +456,9 @@ def model_predictions(device_class: str | None) -> dict[str, dict[str, float]]:
     predict = getattr(model, "predicted_ms", None)
     if not callable(predict):
         return {}
-    classes = [device_class] if device_class else list(getattr(model, "DEVICE_CLASSES", ("H100", "H200")))
+    classes = (
+        [device_class] if device_class else list(getattr(model, "DEVICE_CLASSES", ("H100", "H200")))
+    )
     out = {}
     for cls in classes:
         try:
@@ -449,7 +469,9 @@ def model_predictions(device_class: str | None) -> dict[str, dict[str, float]]:
     return out
 
 
-def measure_lines(mrows: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[str, Any]) -> list[str]:
+def measure_lines(
+    mrows: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[str, Any]
+) -> list[str]:
     """The tables of what the command measures first, and, where ``benchmarks.gpu_model``
     predicts them, each pass's measured and predicted time side by side."""
     lines = [
@@ -470,12 +492,16 @@ def measure_lines(mrows: list[dict[str, Any]], rows: list[dict[str, Any]], env: 
         r = by_case.get(case)
         if r is None or r.get("error") or "time_ms" not in r:
             note = (r or {}).get("error", "")
-            lines.append(f"| {case} | {(r or {}).get('shape', '')} | {NOT} | | {note.replace('|', '/')} |")
+            lines.append(
+                f"| {case} | {(r or {}).get('shape', '')} | {NOT} | | {note.replace('|', '/')} |"
+            )
             continue
         if "tflops" in r:
             rate = f"{r['tflops']:.0f} TFLOP/s"
         elif "gbps" in r:
-            rate = f"{r['gbps']:.0f} GB/s" + (f" = {r['of_copy']:.2f} of copy" if "of_copy" in r else "")
+            rate = f"{r['gbps']:.0f} GB/s" + (
+                f" = {r['of_copy']:.2f} of copy" if "of_copy" in r else ""
+            )
         else:
             rate = ""
         note = f"stride {tuple(r['stride'])}" if "stride" in r else ""
@@ -529,7 +555,9 @@ def render(directory: Path | None) -> dict[str, str]:
         "| run | |",
         "|---|---|",
         f"| device | {device} |",
-        f"| torch | {env.get('torch', NOT)}" + (f" (CUDA {env['cuda']})" if env.get("cuda") else "") + " |",
+        f"| torch | {env.get('torch', NOT)}"
+        + (f" (CUDA {env['cuda']})" if env.get("cuda") else "")
+        + " |",
         f"| triton | {env.get('triton', NOT)} |",
         f"| megatron-core | {versions('megatron-core')} |",
         f"| liger-kernel, cut-cross-entropy, veRL | {versions('liger-kernel')}, "
@@ -558,7 +586,9 @@ def render(directory: Path | None) -> dict[str, str]:
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     if any("(run)" in logs.get(rel, {}) for rel in RELEASES):
         lines.append(
-            "| the whole run | " + " | ".join(logs.get(rel, {}).get("(run)", "") for rel in RELEASES) + " |"
+            "| the whole run | "
+            + " | ".join(logs.get(rel, {}).get("(run)", "") for rel in RELEASES)
+            + " |"
         )
     lines += [
         "",
@@ -582,7 +612,9 @@ def render(directory: Path | None) -> dict[str, str]:
         for m in methods_at(size, list(METHODS)):
             r = _row(rows, size, m)
             t = _num(r, "time_ms")
-            note = "; ".join(x for x in ((r or {}).get("error", ""), (r or {}).get("note", "")) if x)
+            note = "; ".join(
+                x for x in ((r or {}).get("error", ""), (r or {}).get("note", "")) if x
+            )
             if math.isnan(t):
                 cells = [NOT, "", "", "", "", "", "", ""]
             else:
@@ -597,7 +629,9 @@ def render(directory: Path | None) -> dict[str, str]:
                     _fmt(_num(r, "busy_fraction"), ".2f"),
                     f"{r['kernels']} / {r['launches']}" if r and "kernels" in r else NOT,
                 ]
-            lines.append(f"| {m} | {WHAT[m]} | " + " | ".join(cells) + f" | {note.replace('|', '/')} |")
+            lines.append(
+                f"| {m} | {WHAT[m]} | " + " | ".join(cells) + f" | {note.replace('|', '/')} |"
+            )
     choice = backend_choice(rows)
     lines += [
         "",
@@ -652,7 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("render", help="the page's generated regions from DIR")
     r.add_argument("dir", type=Path, nargs="?")
     r.add_argument("--empty", action="store_true", help="every row 'not measured' (no DIR)")
-    r.add_argument("--write", type=Path, help="replace the regions in this page (docs/gpu-results.md)")
+    r.add_argument(
+        "--write", type=Path, help="replace the regions in this page (docs/gpu-results.md)"
+    )
     args = ap.parse_args(argv)
     if args.command == "env":
         args.dir.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,9 @@ def _megatron_version() -> str:
     return version("megatron-core")
 
 
-def median_interval(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def median_interval(
+    values: Sequence[float], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """The 95% percentile-bootstrap interval of ``median(values)``."""
     rng = random.Random(seed)
     n = len(values)
@@ -67,7 +69,9 @@ def median_interval(values: Sequence[float], *, resamples: int = 2000, seed: int
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def per_call_cost(model: Any, hook_kwargs: dict[str, Any], result: torch.Tensor, *, number: int) -> float:
+def per_call_cost(
+    model: Any, hook_kwargs: dict[str, Any], result: torch.Tensor, *, number: int
+) -> float:
     """Seconds the adapter's own work takes per forward: the bridge an enabled
     model hands the hook, made and called as in a forward, over the keywords of
     one real call and a processor that returns ``result`` at once."""
@@ -190,8 +194,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         [r["paired_ci95_high"] - m for m, r in zip(med, rows, strict=True)],
     ]
     ax.errorbar(x, med, yerr=err, fmt="ko", capsize=4, label="wall, paired median / stock (95% CI)")
-    ax.plot(x, [r["paired_cpu_median_vs_stock"] for r in rows], "r^", label="CPU time, paired median")
-    ax.plot(x, [1 + r["adapter_vs_stock_step"] for r in rows], "bs", label="1 + adapter per-call cost")
+    ax.plot(
+        x, [r["paired_cpu_median_vs_stock"] for r in rows], "r^", label="CPU time, paired median"
+    )
+    ax.plot(
+        x, [1 + r["adapter_vs_stock_step"] for r in rows], "bs", label="1 + adapter per-call cost"
+    )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(1.01, color="red", lw=0.8, ls="--", label="target 1.01")
     ax.set_xticks(x, [r["variant"] for r in rows])

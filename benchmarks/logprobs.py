@@ -34,8 +34,17 @@ from .methods import LOGPROB_METHODS, POLICY_METHODS, available
 FULL = {"tokens": 8192, "hidden": 1024, "vocab": 65536}
 QUICK = {"tokens": 1024, "hidden": 256, "vocab": 8192}
 BF16_SMALL = {"tokens": 1024, "hidden": 1024, "vocab": 8192}
-BF16_GEMM_METHODS = ("naive", "verl", "policy-naive")  # multiply in bf16: hours at full size on a CPU
-SWEEP = {"tokens": [2048, 4096, 8192], "at_vocab": 32768, "vocab": [16384, 65536, 131072], "at_tokens": 2048}
+BF16_GEMM_METHODS = (
+    "naive",
+    "verl",
+    "policy-naive",
+)  # multiply in bf16: hours at full size on a CPU
+SWEEP = {
+    "tokens": [2048, 4096, 8192],
+    "at_vocab": 32768,
+    "vocab": [16384, 65536, 131072],
+    "at_tokens": 2048,
+}
 QUICK_SWEEP = {"tokens": [256, 1024], "at_vocab": 4096, "vocab": [2048, 8192], "at_tokens": 256}
 
 TARGETS = {  # the CPU targets (ratios against baselines measured in the same run)
@@ -76,7 +85,9 @@ def _case(
     skip: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     print(f"{section}: {shape} {dtype} on {device}", flush=True)
-    names = [m for m in methods if m not in skip and not (m.endswith("naive-upcast") and dtype == "fp32")]
+    names = [
+        m for m in methods if m not in skip and not (m.endswith("naive-upcast") and dtype == "fp32")
+    ]
     specs = [dict(shape, method=m, dtype=dtype, device=device) for m in names]
     # Rounds of every method in turn, so that a burst of load elsewhere on the
     # machine hits every method alike; best of the rounds.
@@ -121,7 +132,9 @@ def _summary(
     rows: list[dict[str, Any]], device: str, skipped: dict[str, str], args: argparse.Namespace
 ) -> str:
     tables = [r for r in rows if r["section"] in ("main", "bf16-small")]
-    loads = [r["load_avg"] for r in rows if r.get("load_avg") == r.get("load_avg")] or [float("nan")]
+    loads = [r["load_avg"] for r in rows if r.get("load_avg") == r.get("load_avg")] or [
+        float("nan")
+    ]
     lines = [
         f"Measured on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, device {device}; best of {args.repeats} runs, each in its own process; "
@@ -145,7 +158,11 @@ def _summary(
         base = ours.get("baseline", "naive")
         fused = by.get("policy-ours-fused", {})
         checks = [
-            (f"peak extra memory <= 5% of {base}", ours.get("mem_vs_naive"), TARGETS["mem_vs_naive"]),
+            (
+                f"peak extra memory <= 5% of {base}",
+                ours.get("mem_vs_naive"),
+                TARGETS["mem_vs_naive"],
+            ),
             (
                 f"logprobs+entropy fwd+bwd <= {TARGETS['time_vs_naive']}x {base}",
                 ours.get("time_vs_naive"),
@@ -171,7 +188,9 @@ def _summary(
     if errors:
         lines += [
             "",
-            "Errors: " + "; ".join(f"{r['method']} {r['dtype']}: {r['error']}" for r in errors) + ".",
+            "Errors: "
+            + "; ".join(f"{r['method']} {r['dtype']}: {r['error']}" for r in errors)
+            + ".",
         ]
     return "\n".join(lines) + "\n"
 
@@ -187,7 +206,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     def group(r: dict[str, Any]) -> str:
         return (
-            r["dtype"] if r["section"] == "main" else f"{r['dtype']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
+            r["dtype"]
+            if r["section"] == "main"
+            else f"{r['dtype']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
         )
 
     main = [r for r in rows if r["section"] in ("main", "bf16-small") and not r.get("error")]
@@ -226,7 +247,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         fixed = {r[other] for r in at}
         ax.set_xscale("log", base=2)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"fp32 sweep over {key} ({other} {', '.join(map(str, sorted(fixed)))}): / naive")
+        ax.set_title(
+            f"fp32 sweep over {key} ({other} {', '.join(map(str, sorted(fixed)))}): / naive"
+        )
         ax.set_xlabel(key)
         if ax.get_legend_handles_labels()[0]:  # a sweep with no rows for this key draws no lines
             ax.legend(fontsize=7)
@@ -239,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--sections", default="main,bf16-small,sweep", help="of main, bf16-small, sweep")
+    parser.add_argument(
+        "--sections", default="main,bf16-small,sweep", help="of main, bf16-small, sweep"
+    )
     parser.add_argument("--floors", action="store_true", help="also time bare GEMMs (3 and 4)")
-    parser.add_argument("--methods", default="", help="only these methods (comma-separated), e.g. naive,ours")
+    parser.add_argument(
+        "--methods", default="", help="only these methods (comma-separated), e.g. naive,ours"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -272,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if "bf16-small" in sections and slow_bf16:
         rows += _case(
-            "bf16-small", BF16_SMALL, "bf16", args.device, [m for m in methods if "floor" not in m], args
+            "bf16-small",
+            BF16_SMALL,
+            "bf16",
+            args.device,
+            [m for m in methods if "floor" not in m],
+            args,
         )
         save()
     if "sweep" in sections:

@@ -63,7 +63,9 @@ def _load_verl() -> Any:
     """The module, loaded once per process (a call does not time the import)."""
     path = os.environ.get(VERL_ENV)
     if not path or not os.path.exists(path):
-        raise RuntimeError(f"veRL's torch_functional.py not found: set {VERL_ENV} (scripts/bench.sh does)")
+        raise RuntimeError(
+            f"veRL's torch_functional.py not found: set {VERL_ENV} (scripts/bench.sh does)"
+        )
     spec = importlib.util.spec_from_file_location("verl_torch_functional", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -132,7 +134,9 @@ LOGPROB_METHODS: dict[str, Callable[..., Result]] = {
 CLIP, ENTROPY_COEF, CLAMP = 0.2, 0.01, 20.0
 
 
-def ppo_terms(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+def ppo_terms(
+    lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor
+) -> torch.Tensor:
     """Per-token PPO clip with an entropy bonus: ``max(-A r, -A clip(r)) - c * H``."""
     ratio = torch.exp((lp - old).clamp(-CLAMP, CLAMP))
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
@@ -140,7 +144,9 @@ def ppo_terms(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch
 
 
 def _policy_of(
-    stats: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+    stats: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
+    ],
 ) -> Callable[..., torch.Tensor]:
     """The token-mean PPO loss of ``stats(h, w, y) -> (logprobs, entropy)``."""
 
@@ -149,7 +155,9 @@ def _policy_of(
     ) -> torch.Tensor:
         lp, ent = stats(h, w, y)
         assert ent is not None
-        return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch["mask"].sum()
+        return (ppo_terms(lp, ent, batch["old"], batch["adv"]) * batch["mask"]).sum() / batch[
+            "mask"
+        ].sum()
 
     return loss
 

@@ -81,7 +81,9 @@ def prepare_metadata_for_build_wheel(
 
 
 def build_wheel(
-    wheel_directory: str, config_settings: dict[str, Any] | None = None, metadata_directory: str | None = None
+    wheel_directory: str,
+    config_settings: dict[str, Any] | None = None,
+    metadata_directory: str | None = None,
 ) -> str:
     out = _absolute(wheel_directory)
     meta = None if metadata_directory is None else _absolute(metadata_directory)

@@ -190,7 +190,12 @@ def check_collective_result(
     if method == "all_gather":
         allowed = [(tp_size, *xs)]
         why = f"; the {tp_size} ranks' inputs stacked in rank order"
-    elif method == "gather_hidden_states" and len(xs) >= 1 and tp_size > 1 and sequence_parallel is not False:
+    elif (
+        method == "gather_hidden_states"
+        and len(xs) >= 1
+        and tp_size > 1
+        and sequence_parallel is not False
+    ):
         gathered = (xs[0] * tp_size, *xs[1:])
         allowed = [gathered] if sequence_parallel else [xs, gathered]
         why = f"; gathered over the {tp_size} ranks along dim 0 under sequence parallel"
@@ -203,7 +208,9 @@ def check_collective_result(
     if not is_array(result) or framework_of(result) != framework:
         kind = type(result).__name__
         shown = (
-            f"{framework_of(result)} {kind} {format_shape(shape_of(result))}" if is_array(result) else kind
+            f"{framework_of(result)} {kind} {format_shape(shape_of(result))}"
+            if is_array(result)
+            else kind
         )
         raise ContractError(field, expected=expected, actual=shown)
     rs = shape_of(result)
@@ -234,7 +241,11 @@ class CheckedCollectives:
     def _call(self, method: str, fn: Any, x: Any) -> Any:
         result = fn(x)
         check_collective_result(
-            method, x, result, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel_checked
+            method,
+            x,
+            result,
+            tp_size=self.tp_size,
+            sequence_parallel=self.sequence_parallel_checked,
         )
         return result
 
@@ -270,7 +281,9 @@ class CheckedCollectives:
         return repr(self.inner)
 
 
-def checked_collectives(collectives: Any, /, *, tp_size: int, sequence_parallel: bool | None = None) -> Any:
+def checked_collectives(
+    collectives: Any, /, *, tp_size: int, sequence_parallel: bool | None = None
+) -> Any:
     """``collectives`` whose every result is checked for type, shape and dtype
     (:func:`check_collective_result`) over a tensor-parallel group of ``tp_size``
     ranks: a custom ``all_gather`` that returns ``x[None]`` while ``tp_size`` is
@@ -294,7 +307,10 @@ def checked_collectives(collectives: Any, /, *, tp_size: int, sequence_parallel:
     if isinstance(collectives, CheckedCollectives):
         if sequence_parallel is None:  # not known here: what the first check knew
             sequence_parallel = collectives.sequence_parallel_checked
-        if (collectives.tp_size, collectives.sequence_parallel_checked) == (tp_size, sequence_parallel):
+        if (collectives.tp_size, collectives.sequence_parallel_checked) == (
+            tp_size,
+            sequence_parallel,
+        ):
             return collectives
         collectives = collectives.inner
     if collectives is None or getattr(type(collectives), "checked_results", False) is True:

@@ -25,7 +25,11 @@ def _is_int(value: object) -> bool:
 
 
 def _shown(value: object) -> str:
-    return repr(value) if isinstance(value, (str, int, float)) or value is None else type(value).__name__
+    return (
+        repr(value)
+        if isinstance(value, (str, int, float)) or value is None
+        else type(value).__name__
+    )
 
 
 def _check_rank(field: str, rank: int, size: int) -> None:
@@ -59,7 +63,9 @@ class ParallelLayout:
         _check_rank("parallel.pp", self.pp_rank, self.pp_size)
         if not isinstance(self.sequence_parallel, bool):
             raise ContractError(
-                "parallel.sequence_parallel", expected="a bool", actual=_shown(self.sequence_parallel)
+                "parallel.sequence_parallel",
+                expected="a bool",
+                actual=_shown(self.sequence_parallel),
             )
         for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "pp_size", "pp_rank"):
             object.__setattr__(self, name, int(getattr(self, name)))  # a NumPy int becomes an int

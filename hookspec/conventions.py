@@ -240,7 +240,13 @@ UPSTREAM_HOOK_SOURCES = UpstreamHookSources(
         "packed_seq_params",
         "runtime_gather_output",
     ),
-    model=("output_layer", "output_weight", "compute_language_model_loss", "scale_logits", "config"),
+    model=(
+        "output_layer",
+        "output_weight",
+        "compute_language_model_loss",
+        "scale_logits",
+        "config",
+    ),
     caller=("context",),
 )
 """:class:`UpstreamHookSources` of :data:`UPSTREAM_HOOK_KEYWORDS`: every keyword in exactly one group."""

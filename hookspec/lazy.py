@@ -28,7 +28,9 @@ class LazyNames:
     ``submodules`` load as ``package.<name>``. A loaded name is bound in the package, so
     that later lookups do not come here."""
 
-    def __init__(self, package: str, where: Mapping[str, str], *, submodules: Iterable[str] = ()) -> None:
+    def __init__(
+        self, package: str, where: Mapping[str, str], *, submodules: Iterable[str] = ()
+    ) -> None:
         self.package = package
         self.where = dict(where)
         self.submodules = frozenset(submodules)

@@ -75,9 +75,13 @@ def processor(fn: Callable[[OutputContext], Any], /, *, name: str | None = None)
     if isinstance(fn, Processor):
         return fn if name is None else dataclasses.replace(fn, name=name)
     if not callable(fn):
-        raise ContractError("processor", expected="a callable (ctx) -> result", actual=type(fn).__name__)
+        raise ContractError(
+            "processor", expected="a callable (ctx) -> result", actual=type(fn).__name__
+        )
     default = getattr(fn, "__name__", None)
-    return Processor(fn=fn, name=name or (default if isinstance(default, str) else type(fn).__name__))
+    return Processor(
+        fn=fn, name=name or (default if isinstance(default, str) else type(fn).__name__)
+    )
 
 
 def is_hookspec_processor(obj: object) -> bool:

@@ -48,9 +48,15 @@ def check_int64(field: str, value: Any, *, low: int | None = None, high: int | N
     def bound(x: int) -> str:
         return {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1"}.get(x, str(x))
 
-    expected = f"an int in [{bound(lo)}, {bound(hi)}]" + (" (int64)" if low is None or high is None else "")
+    expected = f"an int in [{bound(lo)}, {bound(hi)}]" + (
+        " (int64)" if low is None or high is None else ""
+    )
     if isinstance(value, bool) or not _is_integral(value):
-        shown = repr(value) if isinstance(value, (str, int, float)) or value is None else type(value).__name__
+        shown = (
+            repr(value)
+            if isinstance(value, (str, int, float)) or value is None
+            else type(value).__name__
+        )
         raise ContractError(field, expected=expected, actual=shown)
     n = int(value)
     if not lo <= n <= hi:
@@ -64,7 +70,9 @@ def _is_integral(value: Any) -> bool:
 
 def _check_array(field: str, x: object) -> None:
     if not is_array(x):
-        raise ContractError(field, expected="an array with shape and dtype", actual=type(x).__name__)
+        raise ContractError(
+            field, expected="an array with shape and dtype", actual=type(x).__name__
+        )
 
 
 def check_labels(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
@@ -105,14 +113,18 @@ def validate_collectives(ctx: OutputContext) -> None:
     """
     layout = ctx.parallel
     if not isinstance(layout, ParallelLayout):
-        raise ContractError("parallel", expected="a hookspec.ParallelLayout", actual=type(layout).__name__)
+        raise ContractError(
+            "parallel", expected="a hookspec.ParallelLayout", actual=type(layout).__name__
+        )
     for group in ("tp", "cp", "pp"):
         check_int64(f"parallel.{group}_size", getattr(layout, f"{group}_size"), low=1)
         check_int64(f"parallel.{group}_rank", getattr(layout, f"{group}_rank"), low=0)
     vocab = ctx.vocab
     tp = layout.tp_size
     if vocab is not None and not isinstance(vocab, VocabShard):
-        raise ContractError("vocab", expected="a hookspec.VocabShard or None", actual=type(vocab).__name__)
+        raise ContractError(
+            "vocab", expected="a hookspec.VocabShard or None", actual=type(vocab).__name__
+        )
     if vocab is None and tp > 1:
         raise ContractError(
             "vocab",
@@ -158,7 +170,11 @@ def validate_collectives(ctx: OutputContext) -> None:
             actual=f"{coll!r} over {size} ranks",
         )
     cp_size = getattr(coll, "cp_size", None)
-    if isinstance(cp_size, int) and not isinstance(cp_size, bool) and cp_size not in (1, layout.cp_size):
+    if (
+        isinstance(cp_size, int)
+        and not isinstance(cp_size, bool)
+        and cp_size not in (1, layout.cp_size)
+    ):
         raise ContractError(
             "collectives",
             expected=f"a context-parallel group of parallel.cp_size={layout.cp_size} ranks (or none)",
@@ -196,7 +212,9 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
         )
     sp = ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1
     s_full, b, h = hs[0] * sp, hs[1], hs[2]
-    sp_note = f" (hidden_states {format_shape(hs)} x tp={sp} under sequence parallel)" if sp > 1 else ""
+    sp_note = (
+        f" (hidden_states {format_shape(hs)} x tp={sp} under sequence parallel)" if sp > 1 else ""
+    )
     for name in ("labels", "loss_mask", "padding_mask"):
         value = getattr(ctx, name)
         if value is None:
@@ -238,7 +256,10 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
             actual=f"{type(value).__name__}",
         )
     shape = shape_of(value)  # type: ignore[arg-type]
-    if shape != () and tuple(shape[:2]) != (batch, seq):  # [b, s, ...]: per token (top-k: [b, s, k])
+    if shape != () and tuple(shape[:2]) != (
+        batch,
+        seq,
+    ):  # [b, s, ...]: per token (top-k: [b, s, k])
         raise ContractError(
             field,
             expected=f"shape [b={batch}, s={seq}] or [b, s, ...] (per token) or [] (a loss)",
@@ -252,13 +273,17 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
         )
 
 
-def validate_result(result: object, *, batch: int, seq: int, field: str = "processor result") -> None:
+def validate_result(
+    result: object, *, batch: int, seq: int, field: str = "processor result"
+) -> None:
     """A processor returns per-token values ``[b, s]`` (or ``[b, s, ...]``, such as
     top-k logprobs ``[b, s, k]``), a scalar loss ``[]``, or a non-empty mapping
     from ``str`` to either."""
     if isinstance(result, Mapping):
         if not result:
-            raise ContractError(field, expected="a non-empty mapping of arrays", actual="an empty mapping")
+            raise ContractError(
+                field, expected="a non-empty mapping of arrays", actual="an empty mapping"
+            )
         for key, value in result.items():
             if not isinstance(key, str):
                 raise ContractError(field, expected="str keys", actual=f"key {key!r}")
@@ -310,7 +335,9 @@ def validate_mtp_result(
                 actual=format_shape(shape_of(value)),  # type: ignore[arg-type]
             )
     if not is_floating(loss):  # type: ignore[arg-type]
-        raise ContractError(f"{field}['loss']", expected="a floating dtype", actual=dtype_name(loss))  # type: ignore[arg-type]
+        raise ContractError(
+            f"{field}['loss']", expected="a floating dtype", actual=dtype_name(loss)
+        )  # type: ignore[arg-type]
     if accepted is not None and dtype_name(accepted) != "bool":  # type: ignore[arg-type]
         # a float or int 'accepted' would count every nonzero entry as an accepted token
         raise ContractError(

@@ -26,7 +26,9 @@ from hookspec import ContractError
 
 __all__ = ["as_float64", "computing_in", "float64", "require_float64"]
 
-_COMPUTE_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jax_ref_compute_dtype", default=None)
+_COMPUTE_DTYPE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jax_ref_compute_dtype", default=None
+)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,11 @@ class JaxCollectives:
     """The collectives over the mesh axis ``axis_name`` (the vocab-parallel axis)."""
 
     def __init__(
-        self, axis_name: str = "tp", *, sequence_parallel: bool = False, cp_axis_name: str | None = None
+        self,
+        axis_name: str = "tp",
+        *,
+        sequence_parallel: bool = False,
+        cp_axis_name: str | None = None,
     ) -> None:
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel

@@ -175,7 +175,9 @@ def sparse_divergence(
     lp_t = as_float64(teacher_logprobs)
     if TeacherTail(tail) is TeacherTail.RENORMALIZE:
         log_p = lp_t - jax.scipy.special.logsumexp(lp_t, axis=-1, keepdims=True)
-        log_q = student_logprobs - jax.scipy.special.logsumexp(student_logprobs, axis=-1, keepdims=True)
+        log_q = student_logprobs - jax.scipy.special.logsumexp(
+            student_logprobs, axis=-1, keepdims=True
+        )
     else:
         p_tail = jnp.maximum(1 - jnp.sum(jnp.exp(lp_t), axis=-1), 0.0)
         tiny = jnp.finfo(student_logprobs.dtype).tiny
@@ -202,7 +204,9 @@ def topk_logprobs(k: int, *, temperature: float | None = None, entropy: bool = F
     resolves it."""
     from .processors import context_temperature
 
-    def topk_logprobs_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
+    def topk_logprobs_reference(
+        hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
+    ) -> Any:
         t = context_temperature(inputs, temperature)
         res = linear_topk_logprobs(
             _rows(inputs, hidden),
@@ -251,9 +255,13 @@ def distillation_loss(config: Any) -> Any:
     mode = Aggregation(getattr(config.aggregation, "value", config.aggregation))
     beta, temp = float(config.beta), float(config.temperature)
 
-    def distillation_loss_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
+    def distillation_loss_reference(
+        hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
+    ) -> Any:
         teacher, coll = inputs.context, inputs.collectives
-        zs = linear_logits(_rows(inputs, hidden), weight, scale=inputs.logit_scale, softcap=inputs.softcap)
+        zs = linear_logits(
+            _rows(inputs, hidden), weight, scale=inputs.logit_scale, softcap=inputs.softcap
+        )
         zs = zs / temp  # [b, s, V_local]
         lse_s = _lse(zs, coll)
         full_s = _gather(coll, zs) if _split(coll) else lax.stop_gradient(zs)

@@ -23,7 +23,14 @@ from jax import lax
 from hookspec import ContractError
 
 from .inputs import ReferenceInputs
-from .references import LinearLogprobs, aggregate, clipped_objective, gspo_ratio, kl_penalty, linear_logprobs
+from .references import (
+    LinearLogprobs,
+    aggregate,
+    clipped_objective,
+    gspo_ratio,
+    kl_penalty,
+    linear_logprobs,
+)
 
 __all__ = [
     "Reference",
@@ -90,7 +97,9 @@ def _token_results(
     """:func:`token_logprobs_of`'s :class:`LinearLogprobs` (``[b, s]`` each, ``lse``
     too; ``mean_logit`` with ``with_mean_logit``, column-weighted by ``mean_logit_weights``)."""
     if inputs.labels is None:
-        raise ContractError("labels", expected="token ids [b, s] (the reference needs them)", actual="None")
+        raise ContractError(
+            "labels", expected="token ids [b, s] (the reference needs them)", actual="None"
+        )
     h = inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2)  # [b, s, h]
     return linear_logprobs(
         h,
@@ -112,7 +121,9 @@ def selected_logprobs(*, temperature: float | None = None, entropy: bool = False
     """``{"logprobs": [b, s]}`` and, with ``entropy``, ``{"entropy": [b, s]}``;
     the temperature as :func:`context_temperature` resolves it."""
 
-    def selected_logprobs_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
+    def selected_logprobs_reference(
+        hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
+    ) -> Any:
         t = context_temperature(inputs, temperature)
         lp, ent = token_logprobs_of(hidden, weight, inputs, temperature=t, with_entropy=entropy)
         return {"logprobs": lp, "entropy": ent} if entropy else {"logprobs": lp}
@@ -140,9 +151,13 @@ def cross_entropy_loss(
     (``cw`` all 1 without class weights: ``smooth = lse - mean(z)``.)
     """
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ContractError("label_smoothing", expected="a number in [0, 1]", actual=repr(label_smoothing))
+        raise ContractError(
+            "label_smoothing", expected="a number in [0, 1]", actual=repr(label_smoothing)
+        )
 
-    def cross_entropy_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
+    def cross_entropy_reference(
+        hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
+    ) -> Any:
         cw = None if class_weights is None else jnp.asarray(class_weights, dtype=jnp.float64)
         cw_local = None
         if cw is not None and label_smoothing != 0.0:
@@ -214,12 +229,16 @@ def policy_loss(config: Any) -> Reference:
             ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=clamp)
         else:
             ratio = jnp.exp(logp - old if clamp is None else jnp.clip(logp - old, -clamp, clamp))
-        pg = clipped_objective(ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip)
+        pg = clipped_objective(
+            ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip
+        )
         pg1, pg2 = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
         total = pg
         kl = None
         if batch.ref_logprobs is not None:
-            kl = kl_penalty(logp, lax.stop_gradient(batch.ref_logprobs), estimator=estimator, clamp=clamp)
+            kl = kl_penalty(
+                logp, lax.stop_gradient(batch.ref_logprobs), estimator=estimator, clamp=clamp
+            )
             if config.kl_coef != 0.0:
                 total = total + config.kl_coef * kl
         if config.entropy_coef != 0.0:

@@ -259,7 +259,9 @@ def ppo_loss(
     loss = where(A < 0, min(loss, -A * dual_clip), loss)   # when dual_clip is set
     """
     ratio = jnp.exp(_clip(as_float64(logp) - as_float64(old), log_ratio_clamp))
-    return clipped_objective(ratio, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return clipped_objective(
+        ratio, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
 
 
 def gspo_ratio(
@@ -315,7 +317,9 @@ def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -
     try:
         kind = Aggregation(mode)
     except ValueError:
-        raise ContractError("mode", expected=[a.value for a in Aggregation], actual=repr(mode)) from None
+        raise ContractError(
+            "mode", expected=[a.value for a in Aggregation], actual=repr(mode)
+        ) from None
     lm = as_float64(loss) * as_float64(mask)
     m = as_float64(mask)
     if kind is Aggregation.TOKEN_MEAN:

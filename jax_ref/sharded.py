@@ -40,7 +40,9 @@ __all__ = ["DEVICE_COUNT_FLAG", "shard_map", "shard_reference", "vocab_mesh"]
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def shard_map(f: Callable[..., Any], /, *, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+def shard_map(
+    f: Callable[..., Any], /, *, mesh: Mesh, in_specs: Any, out_specs: Any
+) -> Callable[..., Any]:
     """``jax.shard_map`` (jax >= 0.7), else ``jax.experimental.shard_map.shard_map``."""
     native = getattr(jax, "shard_map", None)
     if native is not None:
@@ -80,7 +82,9 @@ def shard_reference(
     def run(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
         if weight.shape[0] % size:
             raise ContractError(
-                "weight", expected=f"rows divisible by {size} shards", actual=f"{weight.shape[0]} rows"
+                "weight",
+                expected=f"rows divisible by {size} shards",
+                actual=f"{weight.shape[0]} rows",
             )
 
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -95,7 +99,9 @@ def shard_reference(
 
         spec_w = PartitionSpec(axis_name, None)
         mapped = jax.jit(
-            shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), spec_w), out_specs=PartitionSpec())
+            shard_map(
+                body, mesh=mesh, in_specs=(PartitionSpec(), spec_w), out_specs=PartitionSpec()
+            )
         )
         hidden = jax.device_put(hidden, replicated)
         weight = jax.device_put(weight, NamedSharding(mesh, spec_w))
@@ -121,7 +127,9 @@ def _map_arrays(fn: Callable[[jax.Array], jax.Array], obj: Any) -> Any:
     if isinstance(obj, jax.Array):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map_arrays(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        changes = {
+            f.name: _map_arrays(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
+        }
         return dataclasses.replace(obj, **changes)
     if isinstance(obj, types.SimpleNamespace):
         return types.SimpleNamespace(**{k: _map_arrays(fn, v) for k, v in vars(obj).items()})

@@ -92,8 +92,12 @@ def compile_one(launch: dict[str, Any], arch: int) -> dict[str, Any]:
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    k = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
     ptx = k.asm["ptx"]
     return {
         "kernel": launch["kernel"],
@@ -105,7 +109,9 @@ def compile_one(launch: dict[str, Any], arch: int) -> dict[str, Any]:
         "bf16_stores": bool(signature.get("out_ptr") == "*bf16"),
         "hardware_bf16": "cvt.rn.bf16" in ptx,
         "constexprs": {fn.arg_names[p[0]]: v for p, v in constexprs.items()},
-        "divisible": sorted(fn.arg_names[p[0]] for p, a in attrs.items() if ["tt.divisibility", 16] in a),
+        "divisible": sorted(
+            fn.arg_names[p[0]] for p, a in attrs.items() if ["tt.divisibility", 16] in a
+        ),
         "signature": {k: str(v) for k, v in signature.items()},
     }
 

@@ -6,7 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("megatron") is not None
+HAS_TORCH = (
+    importlib.util.find_spec("torch") is not None
+    and importlib.util.find_spec("megatron") is not None
+)
 
 # One intra-op thread per process unless asked otherwise, set before torch loads: the tests'
 # tensors are tiny, and on a small CPU the spinning threads of two processes (pytest-xdist

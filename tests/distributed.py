@@ -34,7 +34,14 @@ def _worker(
 
     try:
         with megatron_parallel(
-            tp=tp, pp=pp, cp=cp, rank=rank, world_size=tp * pp * cp, port=port, backend=backend, vpp=vpp
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            rank=rank,
+            world_size=tp * pp * cp,
+            port=port,
+            backend=backend,
+            vpp=vpp,
         ):
             fn(rank, *args)
     except BaseException:  # reported to the parent, which fails the test

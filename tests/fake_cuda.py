@@ -169,10 +169,14 @@ def _addmm_without_meta_out_dtype(real: Callable[..., Any]) -> Callable[..., Any
     same shapes and dtypes; only the meta path differs), where the release's meta
     decomposition cannot run it."""
 
-    def addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def addmm(
+        acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         out_dtype = kwargs.pop("out_dtype", None)
         if out_dtype is None or args or set(kwargs) - {"out"}:
-            return real(acc, a, b, *args, **({"out_dtype": out_dtype} if out_dtype else {}), **kwargs)
+            return real(
+                acc, a, b, *args, **({"out_dtype": out_dtype} if out_dtype else {}), **kwargs
+            )
         res = acc + torch.mm(a, b, out_dtype=out_dtype)
         out = kwargs.get("out")
         return res if out is None else out.copy_(res)

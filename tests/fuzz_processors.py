@@ -132,7 +132,9 @@ def selected_case(d: Draw) -> Case:
     if source == "processor":
         kwargs["temperature"] = t
     if "bad_temperature" in muts:
-        kwargs["temperature"] = d.pick("bad_temperature", [v for v in BAD_POSITIVE if v is not None])
+        kwargs["temperature"] = d.pick(
+            "bad_temperature", [v for v in BAD_POSITIVE if v is not None]
+        )
     if "temperature_twice" in muts:
         kwargs["temperature"] = 1.0
     if "bad_entropy" in muts:
@@ -168,7 +170,9 @@ def selected_case(d: Draw) -> Case:
 
 
 def _loss_mask(d: Draw, w: World) -> torch.Tensor | None:
-    kind = d.pick("loss_mask", ["none", "ones", "binary", "bool", "weights", "zeros"], [3, 1, 3, 1, 2, 1])
+    kind = d.pick(
+        "loss_mask", ["none", "ones", "binary", "bool", "weights", "zeros"], [3, 1, 3, 1, 2, 1]
+    )
     if kind == "none":
         return None
     if kind == "ones":
@@ -201,7 +205,11 @@ def cross_entropy_case(d: Draw) -> Case:
     if reduction == "mean" and d.chance("global_tokens", 0.4):
         gt = d.pick("global_tokens", [*GOOD_POSITIVE, 1000])
     table = ctx_mutations(
-        w, name="cross_entropy_loss", needs_labels=True, reads_mask=reduced, reads_temperature=reduced
+        w,
+        name="cross_entropy_loss",
+        needs_labels=True,
+        reads_mask=reduced,
+        reads_temperature=reduced,
     )
     factory = {
         "bad_reduction": ("reduction",),
@@ -229,19 +237,24 @@ def cross_entropy_case(d: Draw) -> Case:
     if "bad_reduction" in muts:
         kwargs["reduction"] = d.pick("bad_reduction", ["avg", "None", None, "MEAN"])
     if "bad_temperature" in muts:
-        kwargs["temperature"] = d.pick("bad_temperature", [v for v in BAD_POSITIVE if v is not None])
+        kwargs["temperature"] = d.pick(
+            "bad_temperature", [v for v in BAD_POSITIVE if v is not None]
+        )
     z_loss = d.pick("z_loss", [0.0, 1e-4, 0.05, np.float32(0.01)], [3, 1, 1, 1])
     if z_loss:
         kwargs["z_loss"] = z_loss
     if "bad_z_loss" in muts:
-        kwargs["z_loss"] = d.pick("bad_z_loss", [-1e-3, float("nan"), float("inf"), "0.1", True, None])
+        kwargs["z_loss"] = d.pick(
+            "bad_z_loss", [-1e-3, float("nan"), float("inf"), "0.1", True, None]
+        )
     cw: torch.Tensor | None = None
     if gt is None and d.chance("class_weights", 0.3):  # global_tokens with class weights is refused
         cw = (2 * d.rand(w.V)).to(d.pick("class_weights_dtype", [F32, F64]))
         kwargs["class_weights"] = cw
     if "bad_class_weights" in muts:
         kwargs["class_weights"] = d.pick(
-            "bad_class_weights", [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V]
+            "bad_class_weights",
+            [torch.ones(w.V, dtype=torch.long), torch.ones(2, w.V), [1.0] * w.V],
         )
     eps = d.pick("label_smoothing", [0.0, 0.1, 1.0, np.float32(0.3)], [3, 1, 1, 1])
     if eps:
@@ -271,19 +284,29 @@ def cross_entropy_case(d: Draw) -> Case:
     def extra(kw: dict[str, Any], r: int) -> None:
         kw["loss_mask"] = loss_mask
         if cp > 1:
-            kw["parallel"] = ParallelLayout(tp_size=w.tp, tp_rank=r, cp_size=cp, sequence_parallel=w.sp)
+            kw["parallel"] = ParallelLayout(
+                tp_size=w.tp, tp_rank=r, cp_size=cp, sequence_parallel=w.sp
+            )
 
     def truth(H: torch.Tensor, W: torch.Tensor) -> Any:
         inv = _inv(w, t)
         z = _logits(w, H, W, inv)
         _, lp, _ = token_stats64(z, w.labels, w.ignore_index)
         assert lp is not None
-        zl = torch.where(w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2)
+        zl = torch.where(
+            w.labels == w.ignore_index, 0.0, float(z_loss) * torch.logsumexp(z, -1) ** 2
+        )
         ignored = w.labels == w.ignore_index
-        cwy = 1.0 if cw is None else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
+        cwy = (
+            1.0
+            if cw is None
+            else torch.where(ignored, 0.0, cw.double()[w.labels.clamp(0, w.V - 1)])
+        )
         # label smoothing, as F.cross_entropy(weight=cw, label_smoothing=eps) has it
         c = torch.ones(w.V, dtype=F64) if cw is None else cw.double()
-        smooth = torch.where(ignored, 0.0, (c * (torch.logsumexp(z, -1)[..., None] - z)).sum(-1) / w.V)
+        smooth = torch.where(
+            ignored, 0.0, (c * (torch.logsumexp(z, -1)[..., None] - z)).sum(-1) / w.V
+        )
         ce = -(1 - float(eps)) * cwy * lp + float(eps) * smooth
         if not reduced:
             return {"loss": zl + ce}, z, inv
@@ -343,7 +366,9 @@ def _policy_config(d: Draw) -> PolicyLossConfig:
         kl_coef=d.pick("kl_coef", [0.0, 0.1, 1]),
         kl_estimator=d.pick("kl_estimator", ["k1", "k2", "k3"]),
         entropy_coef=d.pick("entropy_coef", [0.0, 0.01, -0.02]),
-        aggregation=d.pick("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+        aggregation=d.pick(
+            "aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+        ),
         log_ratio_clamp=d.pick("log_ratio_clamp", [None, 20.0, 0.5, 2]),
         fused=fused,
     )
@@ -401,7 +426,9 @@ def _policy_values(
         pg3 = -a * cfg.dual_clip
         dual = (a < 0) & (pg > pg3)
         margins.append(
-            torch.where(a < 0, (torch.maximum(ratio, ratio.clamp(lo, hi)) - cfg.dual_clip).abs(), math.inf)
+            torch.where(
+                a < 0, (torch.maximum(ratio, ratio.clamp(lo, hi)) - cfg.dual_clip).abs(), math.inf
+            )
         )
         pg = torch.where(a < 0, torch.minimum(pg, pg3), pg)
     total = pg
@@ -495,7 +522,11 @@ def policy_case(d: Draw) -> Case:
     temperature = t if source in ("context", "attr") else None
 
     table = ctx_mutations(
-        w, name="policy_loss", needs_labels=True, reads_mask=own_mask is None, reads_temperature=False
+        w,
+        name="policy_loss",
+        needs_labels=True,
+        reads_mask=own_mask is None,
+        reads_temperature=False,
     )
     batch_muts: dict[str, tuple[str, ...]] = {
         "context_mapping": ("context",),
@@ -605,7 +636,9 @@ def policy_case(d: Draw) -> Case:
         kw["loss_mask"] = loss_mask
         kw["packed_seq_params"] = psp
         if cp_size > 1:
-            kw["parallel"] = ParallelLayout(tp_size=w.tp, tp_rank=r, cp_size=cp_size, sequence_parallel=w.sp)
+            kw["parallel"] = ParallelLayout(
+                tp_size=w.tp, tp_rank=r, cp_size=cp_size, sequence_parallel=w.sp
+            )
 
     def truth(H: torch.Tensor, W: torch.Tensor) -> Any:
         inv = _inv(w, temperature if temperature is not None else 1.0)
@@ -650,7 +683,12 @@ def topk_case(d: Draw) -> Case:
         needs_labels=False,
         reads_mask=False,
         reads_temperature=True,
-        collective_methods=("all_reduce_sum", "all_reduce_max", "gather_hidden_states", "all_gather"),
+        collective_methods=(
+            "all_reduce_sum",
+            "all_reduce_max",
+            "gather_hidden_states",
+            "all_gather",
+        ),
     )
     if not with_labels:
         for key in [key for key in table if key.startswith("labels")]:
@@ -675,7 +713,9 @@ def topk_case(d: Draw) -> Case:
     if source == "processor":
         kwargs["temperature"] = t
     if "bad_temperature" in muts:
-        kwargs["temperature"] = d.pick("bad_temperature", [v for v in BAD_POSITIVE if v is not None])
+        kwargs["temperature"] = d.pick(
+            "bad_temperature", [v for v in BAD_POSITIVE if v is not None]
+        )
     if "bad_entropy" in muts:
         kwargs["entropy"] = d.pick("bad_entropy", ["no", 0, None])
     ctx_t = _context(source, t) if source in ("context", "attr") else None
@@ -707,8 +747,12 @@ def topk_case(d: Draw) -> Case:
         return check_topk(seen["logp"], result["topk_logprobs"], result["topk_ids"], k, w)
 
     def compare(values: dict[str, torch.Tensor], tol: Bounds) -> Compare:
-        tols: dict[str, Any] = {key: tol(key) for key in values if key not in ("topk_ids", "topk_logprobs")}
-        tols["topk_logprobs"] = 8 * tol.prec.zmax + 64 * tol.prec.acc * (1 + values["topk_logprobs"].abs())
+        tols: dict[str, Any] = {
+            key: tol(key) for key in values if key not in ("topk_ids", "topk_logprobs")
+        }
+        tols["topk_logprobs"] = 8 * tol.prec.zmax + 64 * tol.prec.acc * (
+            1 + values["topk_logprobs"].abs()
+        )
         tols["topk_ids"] = None
         dtypes = {key: w.wide for key in values}
         dtypes["topk_ids"] = torch.long
@@ -723,7 +767,9 @@ def topk_case(d: Draw) -> Case:
         table=table,
         truth=truth,
         compare=compare,
-        grad_keys=("topk_logprobs", "logprobs", "entropy") if with_labels else ("topk_logprobs", "entropy"),
+        grad_keys=("topk_logprobs", "logprobs", "entropy")
+        if with_labels
+        else ("topk_logprobs", "entropy"),
         extra_kwargs=extra,
         cot_shapes={"topk_logprobs": (w.b, w.s, k)},
     )
@@ -811,7 +857,9 @@ def distill_case(d: Draw) -> Case:
     tail = d.pick("tail", ["renormalize", "bucket"])
     beta = d.pick("beta", [0.5, 0.1, 0.9, np.float32(0.25)])
     # a power of two keeps an exact world's ties exact (the hidden rows are scaled by 1 / T)
-    temperature = d.pick("temperature", [1.0, 0.5, 2.0] if w.exact else [1.0, 0.5, 2.0, Fraction(3, 2)])
+    temperature = d.pick(
+        "temperature", [1.0, 0.5, 2.0] if w.exact else [1.0, 0.5, 2.0, Fraction(3, 2)]
+    )
     aggregation = d.pick("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
     compute = d.pick("compute_dtype", [None, F32, F64], [6, 1, 1])
     tile_rows = d.int("tile_rows", 1, 3) if d.chance("tile", 0.3) else None
@@ -857,11 +905,17 @@ def distill_case(d: Draw) -> Case:
             lp_t = lp_t.masked_fill(zero, -math.inf)
     else:
         ht = d.int("h_teacher", 1, 5)
-        t_hidden = d.randn(w.s, w.b, ht, dtype=d.pick("teacher_dtype", [F32, F64, torch.bfloat16], [4, 1, 1]))
+        t_hidden = d.randn(
+            w.s, w.b, ht, dtype=d.pick("teacher_dtype", [F32, F64, torch.bfloat16], [4, 1, 1])
+        )
         t_weight = d.randn(w.V, ht, dtype=t_hidden.dtype, scale=d.pick("teacher_sigma", [0.5, 1.5]))
         t_scale = d.pick("teacher_logit_scale", [1.0, 0.5, np.float64(2.0)])
     table = ctx_mutations(
-        w, name="distillation_loss", needs_labels=False, reads_mask=own_mask is None, reads_temperature=False
+        w,
+        name="distillation_loss",
+        needs_labels=False,
+        reads_mask=own_mask is None,
+        reads_temperature=False,
     )
     if not with_labels:
         for key in [key for key in table if key.startswith("labels")]:
@@ -884,7 +938,9 @@ def distill_case(d: Draw) -> Case:
         own["teacher_mask_negative"] = ("context.mask",)
     if cp == 1:
         # a global_tokens drawn for token-mean is then an unused count: either refusal is right
-        own["cp_seq_mean_token_mean"] = ("parallel.cp_size",) + (("context.global_tokens",) if gt else ())
+        own["cp_seq_mean_token_mean"] = ("parallel.cp_size",) + (
+            ("context.global_tokens",) if gt else ()
+        )
     if sparse:
         assert ids is not None and lp_t is not None
         own.update(
@@ -904,7 +960,8 @@ def distill_case(d: Draw) -> Case:
             )
             if ids.shape[-1] >= 2:
                 own.update(
-                    ids_duplicate=("context.ids",), logprobs_not_first=("context.logprobs", "context.ids")
+                    ids_duplicate=("context.ids",),
+                    logprobs_not_first=("context.logprobs", "context.ids"),
                 )
     else:
         own.update(
@@ -919,7 +976,11 @@ def distill_case(d: Draw) -> Case:
             own["teacher_vocab_missing"] = ("context.vocab",)
     muts = d.mutate({**{key: mm.fields for key, mm in table.items()}, **own})
     cfg_kwargs: dict[str, Any] = dict(
-        divergence=divergence, beta=beta, tail=tail, temperature=temperature, aggregation=aggregation
+        divergence=divergence,
+        beta=beta,
+        tail=tail,
+        temperature=temperature,
+        aggregation=aggregation,
     )
     for key, bad in (
         ("bad_beta", [0.0, 1.0, -0.5, float("nan"), "0.5"]),
@@ -1002,8 +1063,14 @@ def distill_case(d: Draw) -> Case:
             if "teacher_vocab_missing" in muts:
                 vocab = None
             if "teacher_vocab_other" in muts:
-                vocab = VocabShard(start=0, end=w.vl, size=w.V + 1) if w.tp == 1 else w.shard((r + 1) % w.tp)
-            return DenseTeacher(hidden_states=th, weight=tw, vocab=vocab, logit_scale=scale, **fields)
+                vocab = (
+                    VocabShard(start=0, end=w.vl, size=w.V + 1)
+                    if w.tp == 1
+                    else w.shard((r + 1) % w.tp)
+                )
+            return DenseTeacher(
+                hidden_states=th, weight=tw, vocab=vocab, logit_scale=scale, **fields
+            )
 
     bad_scale = (
         d.pick("bad_teacher_scale", [0.0, -2.0, float("nan"), "1", True])
@@ -1014,7 +1081,9 @@ def distill_case(d: Draw) -> Case:
     if "bad_tile_rows" in muts:
         kwargs["tile_rows"] = d.pick("bad_tile_rows", BAD_CHUNK)
     if "bad_compute_dtype" in muts:
-        kwargs["compute_dtype"] = d.pick("bad_compute_dtype", [torch.int64, "float32", torch.complex64])
+        kwargs["compute_dtype"] = d.pick(
+            "bad_compute_dtype", [torch.int64, "float32", torch.complex64]
+        )
     cp_size = 2 if "cp_seq_mean_token_mean" in muts else cp
     if "cp_seq_mean_token_mean" in muts:
         cfg_kwargs["aggregation"] = "seq-mean-token-mean"
@@ -1035,7 +1104,9 @@ def distill_case(d: Draw) -> Case:
         if not with_labels:
             kw["labels"] = None
         if cp_size > 1:
-            kw["parallel"] = ParallelLayout(tp_size=w.tp, tp_rank=r, cp_size=cp_size, sequence_parallel=w.sp)
+            kw["parallel"] = ParallelLayout(
+                tp_size=w.tp, tp_rank=r, cp_size=cp_size, sequence_parallel=w.sp
+            )
 
     def context(r: int) -> Any:
         teacher = teacher_of(r)
@@ -1058,7 +1129,12 @@ def distill_case(d: Draw) -> Case:
             # (1 - sum(exp(lp)) cancels in fp32), so they carry float64's rounding only
             # a -inf (probability 0) is exact: no error bound, its NaN gradient unread
             finite = torch.isfinite(lp64.detach())
-            extras = [(lp64, torch.where(finite, 4 * unit(F64) * (ids.shape[-1] + lp64.detach().abs()), 0.0))]
+            extras = [
+                (
+                    lp64,
+                    torch.where(finite, 4 * unit(F64) * (ids.shape[-1] + lp64.detach().abs()), 0.0),
+                )
+            ]
             log_p, log_q, _, _ = sparse_sets64(lp64, z, ids, tail)
             top_t = ids[..., 0]
         else:
@@ -1078,7 +1154,9 @@ def distill_case(d: Draw) -> Case:
             top_t = zt.detach().argmax(-1)
         dv = divergence64(log_p, log_q, divergence, float(beta))
         kl = divergence64(log_p, log_q, "forward-kl", 0.5)
-        weights = aggregation_weights64(m, seg, w.b, aggregation, global_tokens=gt, global_sequences=gs)
+        weights = aggregation_weights64(
+            m, seg, w.b, aggregation, global_tokens=gt, global_sequences=gs
+        )
         loss = (torch.where(weights != 0, dv, 0.0) * weights).sum()
         top_s = z.detach().argmax(-1)
         # a student argmax decided by rounding is ambiguous

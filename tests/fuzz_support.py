@@ -82,8 +82,12 @@ class Draw:
     def uniform(self, low: float, high: float) -> float:
         return self.rng.uniform(low, high)
 
-    def randn(self, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(tuple(shape), generator=self.gen, dtype=torch.float64) * scale).to(dtype)
+    def randn(
+        self, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0
+    ) -> torch.Tensor:
+        return (torch.randn(tuple(shape), generator=self.gen, dtype=torch.float64) * scale).to(
+            dtype
+        )
 
     def randint(self, low: int, high: int, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.randint(low, high, shape, generator=self.gen)
@@ -91,7 +95,9 @@ class Draw:
     def rand(self, *shape: int) -> torch.Tensor:
         return torch.rand(tuple(shape), generator=self.gen, dtype=torch.float64)
 
-    def mutate(self, candidates: dict[str, tuple[str, ...]], p: float = 0.45) -> dict[str, tuple[str, ...]]:
+    def mutate(
+        self, candidates: dict[str, tuple[str, ...]], p: float = 0.45
+    ) -> dict[str, tuple[str, ...]]:
         """The invalid mutations of this case: none (a valid draw) with ``1 - p``, else
         one (or, one time in six, two) of ``candidates`` (name -> the fields it breaks)."""
         if not candidates or self.rng.random() >= p:
@@ -157,7 +163,12 @@ class Result:
         head = f"case {self.index} of seed {self.seed}: {self.entry}({draw})"
         tail = f"\n    {self.kind}: {self.message}" if self.message else ""
         known = f" [known: {self.known}]" if self.known else ""
-        return head + known + tail + f"\n    replay: python -m tests.fuzz_support {self.seed} {self.index}"
+        return (
+            head
+            + known
+            + tail
+            + f"\n    replay: python -m tests.fuzz_support {self.seed} {self.index}"
+        )
 
 
 def describe(results: Sequence[Result]) -> str:
@@ -174,7 +185,9 @@ def describe(results: Sequence[Result]) -> str:
 
 
 def _field_matches(field: str, allowed: Sequence[str]) -> bool:
-    return any(field == a or field.startswith(a + ".") or field.startswith(a + "[") for a in allowed)
+    return any(
+        field == a or field.startswith(a + ".") or field.startswith(a + "[") for a in allowed
+    )
 
 
 def classify(case: Case, run: Callable[[], Any]) -> tuple[str, str]:
@@ -188,13 +201,19 @@ def classify(case: Case, run: Callable[[], Any]) -> tuple[str, str]:
         if not isinstance(exc.field, str) or not exc.field.strip():
             return "finding", f"ContractError without a field name: {exc}"
         if not _field_matches(exc.field, case.refuse):
-            return "finding", f"ContractError names {exc.field!r}, expected one of {list(case.refuse)}: {exc}"
+            return (
+                "finding",
+                f"ContractError names {exc.field!r}, expected one of {list(case.refuse)}: {exc}",
+            )
         return "refused", ""
     except Exception as exc:
         if case.raises is not None and isinstance(exc, case.raises) and case.match in str(exc):
             return "refused", ""
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        return "finding", f"{type(exc).__name__}: {str(exc)[:400]} ({where.filename}:{where.lineno})"
+        return (
+            "finding",
+            f"{type(exc).__name__}: {str(exc)[:400]} ({where.filename}:{where.lineno})",
+        )
     if case.refuse or case.raises is not None:
         want = list(case.refuse) or [case.raises.__name__ if case.raises else ""]
         return "finding", f"an invalid draw accepted (expected ContractError naming one of {want})"
@@ -244,7 +263,9 @@ def close(
     nan_a, nan_t = torch.isnan(a), torch.isnan(t)
     if bool((nan_a & ~nan_t).any()):
         i = int(torch.nonzero((nan_a & ~nan_t).flatten())[0])
-        return [f"{name}: NaN where the float64 truth is {t.flatten()[i].item():.6g} (flat index {i})"]
+        return [
+            f"{name}: NaN where the float64 truth is {t.flatten()[i].item():.6g} (flat index {i})"
+        ]
     if bool((nan_t & ~nan_a).any()):
         return [f"{name}: a number where the float64 truth is NaN"]
     bound = torch.as_tensor(atol, dtype=torch.float64) + rtol * t.abs()
@@ -406,7 +427,9 @@ def run_spmd(size: int, fn: Callable[[int], Any], group: ThreadGroup | None = No
         t.start()
     for t in threads:
         t.join(timeout=120)
-    primary = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    primary = [
+        e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)
+    ]
     if primary:
         raised = [r for r in range(size) if errors[r] is not None]
         if len(raised) < size:

@@ -112,9 +112,21 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Spec], tuple[str, ..
                 [-0.1, 1.5, float("nan"), True, "0.2", None],
                 _same_float,
             ),
-            "clip_high": ([None, 0.0, 0.28, 5, np.float64(0.3)], [-0.1, float("inf"), True, "x"], None),
-            "dual_clip": ([None, 1.5, 3, np.float32(2.0)], [1.0, 0.5, float("nan"), True, "3"], None),
-            "kl_coef": ([0.0, 0.1, 2, np.float32(0.04)], [-0.1, float("inf"), True, None], _same_float),
+            "clip_high": (
+                [None, 0.0, 0.28, 5, np.float64(0.3)],
+                [-0.1, float("inf"), True, "x"],
+                None,
+            ),
+            "dual_clip": (
+                [None, 1.5, 3, np.float32(2.0)],
+                [1.0, 0.5, float("nan"), True, "3"],
+                None,
+            ),
+            "kl_coef": (
+                [0.0, 0.1, 2, np.float32(0.04)],
+                [-0.1, float("inf"), True, None],
+                _same_float,
+            ),
             "kl_estimator": (["k1", "k2", "k3", hookspec.KLEstimator.K2], ["k4", None, 3], None),
             "entropy_coef": (
                 [0.0, -0.02, 0.01, np.float64(0.5)],
@@ -146,7 +158,11 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], dict[str, Spec], tuple[str, ..
             ),
             "tail": (["renormalize", "bucket", hookspec.TeacherTail.BUCKET], ["drop", None], None),
             "temperature": (POSITIVE, NOT_POSITIVE, _same_float),
-            "aggregation": (["token-mean", hookspec.Aggregation.SEQ_MEAN_TOKEN_SUM], ["sum", None], None),
+            "aggregation": (
+                ["token-mean", hookspec.Aggregation.SEQ_MEAN_TOKEN_SUM],
+                ["sum", None],
+                None,
+            ),
         },
         (),
     ),
@@ -201,13 +217,21 @@ def constructor_case(d: Draw) -> Case:
         return Case(f"{cls_name}()", call, refuse=names)
 
     def check(obj: Any) -> list[str]:
-        got = getattr(obj, field, None) if cls_name != "TorchCollectives" or field != "group" else obj.group
+        got = (
+            getattr(obj, field, None)
+            if cls_name != "TorchCollectives" or field != "group"
+            else obj.group
+        )
         if stored is not None and not stored(got, value):
             return [f"{field}: stored {got!r} ({type(got).__name__}) for {value!r}"]
         if cls_name == "TorchCollectives":
             x = torch.arange(6.0).reshape(2, 3)
             y = obj.all_gather(x)
-            if tuple(y.shape) != (1, 2, 3) or not torch.equal(y[0], x) or y.data_ptr() == x.data_ptr():
+            if (
+                tuple(y.shape) != (1, 2, 3)
+                or not torch.equal(y[0], x)
+                or y.data_ptr() == x.data_ptr()
+            ):
                 return ["all_gather at one rank: not a new [1, *x.shape] copy of x"]
             if obj.size != 1 or obj.cp_size != 1:
                 return [f"size {obj.size}, cp_size {obj.cp_size} at one rank"]
@@ -219,7 +243,9 @@ def constructor_case(d: Draw) -> Case:
 def processor_ctor_case(d: Draw) -> Case:
     kind = d.pick("processor_arg", ["callable", "not_callable", "name"])
     bad = d.mutate({"bad": ("processor", "processor name")}, p=0.6)
-    fn: Any = (lambda ctx: ctx) if kind != "not_callable" or not bad else d.pick("fn", [3, "f", None])
+    fn: Any = (
+        (lambda ctx: ctx) if kind != "not_callable" or not bad else d.pick("fn", [3, "f", None])
+    )
     name: Any = None
     if kind == "name":
         name = d.pick("name", [5, b"x", ("a",)] if bad else ["mine", "x"])
@@ -234,7 +260,9 @@ def processor_ctor_case(d: Draw) -> Case:
     return Case(
         "processor()",
         call,
-        lambda p: [] if isinstance(p, hookspec.Processor) and isinstance(p.name, str) else [f"{p!r}"],
+        lambda p: (
+            [] if isinstance(p, hookspec.Processor) and isinstance(p.name, str) else [f"{p!r}"]
+        ),
     )
 
 
@@ -318,7 +346,9 @@ def validate_context_case(d: Draw) -> Case:
             kw["labels"] = arr((b, s))
         elif key == "labels_range":
             bad_labels = arr((b, s), "i")
-            bad_labels[0, 0] = d.pick("bad_label", [V, -1 if kw["ignore_index"] != -1 else -2, V + 9])
+            bad_labels[0, 0] = d.pick(
+                "bad_label", [V, -1 if kw["ignore_index"] != -1 else -2, V + 9]
+            )
             if bad_labels[0, 0] == kw["ignore_index"]:
                 bad_labels[0, 0] = V + 9
             kw["labels"] = bad_labels
@@ -375,7 +405,9 @@ def validate_context_case(d: Draw) -> Case:
         return validate_context(OutputContext(**kw))
 
     if muts:
-        return Case("validate_context", call, refuse=tuple(f for fields in muts.values() for f in fields))
+        return Case(
+            "validate_context", call, refuse=tuple(f for fields in muts.values() for f in fields)
+        )
     return Case("validate_context", call, lambda r: [] if r is None else [f"returned {r!r}"])
 
 
@@ -403,7 +435,9 @@ def collectives_case(d: Draw) -> Case:
     )
     shape = tuple(d.int(f"dim{i}", 1, 3) for i in range(d.int("ndim", 1, 3)))
     x: Any = (
-        torch.zeros(shape, dtype=getattr(torch, dtype)) if lib == "torch" else np.zeros(shape, dtype=dtype)
+        torch.zeros(shape, dtype=getattr(torch, dtype))
+        if lib == "torch"
+        else np.zeros(shape, dtype=dtype)
     )
 
     def stack(parts: list[Any]) -> Any:
@@ -421,8 +455,12 @@ def collectives_case(d: Draw) -> Case:
     faults: dict[str, Callable[[], Any]] = {
         "unsqueezed": lambda: right[None],
         "list": lambda: [right],
-        "other_framework": lambda: np.asarray(right.float()) if lib == "torch" else torch.as_tensor(right),
-        "other_dtype": lambda: right.to(torch.float16) if lib == "torch" else right.astype(np.float16),
+        "other_framework": lambda: (
+            np.asarray(right.float()) if lib == "torch" else torch.as_tensor(right)
+        ),
+        "other_dtype": lambda: (
+            right.to(torch.float16) if lib == "torch" else right.astype(np.float16)
+        ),
         "not_an_array": lambda: 3.0,
     }
     if right.shape[0] > 1:
@@ -461,7 +499,9 @@ def collectives_case(d: Draw) -> Case:
     if muts:
         return Case("checked_collectives", call, refuse=(f"collectives.{method}",))
     return Case(
-        "checked_collectives", call, lambda r: [] if r is out else ["the result was not returned as it is"]
+        "checked_collectives",
+        call,
+        lambda r: [] if r is out else ["the result was not returned as it is"],
     )
 
 
@@ -539,7 +579,11 @@ def results_case(d: Draw) -> Case:
         def check(r: Any) -> list[str]:
             want_acc = result.get("accepted") if isinstance(result, Mapping) else None
             want_loss = result["loss"] if isinstance(result, Mapping) else result
-            return [] if r[0] is want_loss and r[1] is want_acc else ["not the loss and accepted given"]
+            return (
+                []
+                if r[0] is want_loss and r[1] is want_acc
+                else ["not the loss and accepted given"]
+            )
 
         return Case(
             "validate_mtp_result",
@@ -551,7 +595,9 @@ def results_case(d: Draw) -> Case:
     shapes = {"per_token": (b, s), "topk": (b, s, k), "scalar": ()}
     kinds = [d.pick(f"value{i}", sorted(shapes)) for i in range(d.int("values", 1, 3))]
     dtypes = ["float32", "int64", "bool", "float64"]
-    values = {f"v{i}": arr(shapes[kind], d.pick(f"dtype{i}", dtypes)) for i, kind in enumerate(kinds)}
+    values = {
+        f"v{i}": arr(shapes[kind], d.pick(f"dtype{i}", dtypes)) for i, kind in enumerate(kinds)
+    }
     wrap = d.pick("wrap", ["single", "dict", "proxy", "mapping"])
     cands = {
         "empty": (field,),
@@ -566,7 +612,9 @@ def results_case(d: Draw) -> Case:
         values["v0"] = arr((b + 1, s))
     if "complex" in muts:
         values["v0"] = (
-            torch.zeros(b, s, dtype=torch.complex64) if lib == "torch" else np.zeros((b, s), np.complex64)
+            torch.zeros(b, s, dtype=torch.complex64)
+            if lib == "torch"
+            else np.zeros((b, s), np.complex64)
         )
     if "none_value" in muts:
         values["v0"] = None
@@ -595,7 +643,17 @@ def results_case(d: Draw) -> Case:
 # ---------------------------------------------------------------- MTP wrappers
 
 
-GOOD_FACTORS = [0.5, 2, 3, np.float32(0.25), np.float64(1.5), Fraction(3, 4), np.int64(2), 1e-3, 1000]
+GOOD_FACTORS = [
+    0.5,
+    2,
+    3,
+    np.float32(0.25),
+    np.float64(1.5),
+    Fraction(3, 4),
+    np.int64(2),
+    1e-3,
+    1000,
+]
 BAD_FACTORS = [
     0,
     -1,
@@ -711,7 +769,9 @@ def mtp_case(d: Draw) -> Case:
         )
         out = proc(ctx)
         loss, accepted = validate_mtp_result(out, batch=b, seq=s, array_kind="a torch.Tensor")
-        gh, gw = torch.autograd.grad((loss.double() * cot).sum(), (h_leaf, w_leaf), allow_unused=True)
+        gh, gw = torch.autograd.grad(
+            (loss.double() * cot).sum(), (h_leaf, w_leaf), allow_unused=True
+        )
         return loss, accepted, gh, gw
 
     if muts:
@@ -794,9 +854,15 @@ def helpers_case(d: Draw) -> Case:
     if packed:
         count = d.int("count", 1, s + 1)
         segments = d.randint(0, count, (b, s))
-    gt: Any = d.pick("global_tokens", POSITIVE[:6]) if how == "token-mean" and d.chance("gt", 0.3) else None
+    gt: Any = (
+        d.pick("global_tokens", POSITIVE[:6])
+        if how == "token-mean" and d.chance("gt", 0.3)
+        else None
+    )
     gs: Any = (
-        d.pick("global_sequences", POSITIVE[:6]) if how != "token-mean" and d.chance("gs", 0.3) else None
+        d.pick("global_sequences", POSITIVE[:6])
+        if how != "token-mean" and d.chance("gs", 0.3)
+        else None
     )
     muts = d.mutate(
         {
@@ -834,11 +900,15 @@ def helpers_case(d: Draw) -> Case:
         gt, gs = (None, 3) if how == "token-mean" else (3, None)
 
     def call() -> Any:
-        return aggregation_weights(mask, segments, count, how, global_tokens=gt, global_sequences=gs)
+        return aggregation_weights(
+            mask, segments, count, how, global_tokens=gt, global_sequences=gs
+        )
 
     if muts:
         return Case("aggregation_weights", call, refuse=tuple(f for v in muts.values() for f in v))
-    truth = aggregation_weights64(mask.double(), segments, count, how, global_tokens=gt, global_sequences=gs)
+    truth = aggregation_weights64(
+        mask.double(), segments, count, how, global_tokens=gt, global_sequences=gs
+    )
     want = F64 if mask.dtype == F64 else F32
 
     def check(r: Any) -> list[str]:
@@ -933,7 +1003,12 @@ HOOKCHECK_ARGV: list[tuple[list[str], int, bool]] = [
     (["--processor", "torch_impl.processors:selected_logprobs"], 2, False),
     (["--processor", "no_such_module_here:fn", "--reference", "x:y"], 2, False),
     (
-        ["--processor", "torch_impl.processors:selected_logprobs", "--reference", "jax_ref:no_such_name"],
+        [
+            "--processor",
+            "torch_impl.processors:selected_logprobs",
+            "--reference",
+            "jax_ref:no_such_name",
+        ],
         2,
         False,
     ),
@@ -970,7 +1045,9 @@ def caller_state(kind: str) -> Iterator[None]:
         elif kind == "env_and_cwd":
             old_env = os.environ.get("HOOKSPEC_FUZZ_MARK")
             os.environ["HOOKSPEC_FUZZ_MARK"] = "caller"
-            stack.callback(lambda: os.environ.pop("HOOKSPEC_FUZZ_MARK", None) if old_env is None else None)
+            stack.callback(
+                lambda: os.environ.pop("HOOKSPEC_FUZZ_MARK", None) if old_env is None else None
+            )
             cwd = os.getcwd()
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             os.chdir(tmp)
@@ -1105,7 +1182,9 @@ def options_compare_case(d: Draw) -> Case:
         if want and not same_hash:
             problems.append("equal options with different hashes")
         if size != (1 if want else 2) or first != (2 if want else 1):
-            problems.append(f"a set of both holds {size}; a dict keyed by both gives {first} for the first")
+            problems.append(
+                f"a set of both holds {size}; a dict keyed by both gives {first} for the first"
+            )
         if a != a or hash(a) != hash(a):
             problems.append("an options object unequal to itself")
         return problems

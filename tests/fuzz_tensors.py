@@ -14,7 +14,12 @@ import numpy as np
 import torch
 
 from hookspec import ContractError, SingleProcessCollectives, VocabShard
-from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs, linear_topk_logprobs
+from torch_impl.processors import (
+    LinearOptions,
+    fused_token_loss,
+    linear_logprobs,
+    linear_topk_logprobs,
+)
 from torch_impl.processors._backends import triton_available
 from torch_impl.processors._geometry import interpreting
 
@@ -87,7 +92,9 @@ def tensor_case(d: Draw) -> Case:
     scale = d.pick("logit_scale", [1.0, 0.5, 2] if w.exact else [1.0, 0.5, 3, np.float64(1.5)])
     compute = d.pick("compute_dtype", [None, F32, F64, BF16], [8, 1, 1, 1])
     tile_rows = d.int("tile_rows", 1, max(1, n)) if d.chance("tiles", 0.5) else None
-    tile_cols = d.int("tile_cols", 1, w.vl) if tile_rows is not None and d.rng.random() < 0.7 else None
+    tile_cols = (
+        d.int("tile_cols", 1, w.vl) if tile_rows is not None and d.rng.random() < 0.7 else None
+    )
     with_entropy = d.chance("with_entropy", 0.5)
     k = d.int("k", 1, V) if fn == "linear_topk_logprobs" else 0
     topk_labels = fn != "linear_topk_logprobs" or not d.chance("no_labels", 0.3)
@@ -164,7 +171,9 @@ def tensor_case(d: Draw) -> Case:
     elif backend == "triton" and (F64 in (w.dtype, w.wdtype) or compute == F64):
         muts = {**muts, "triton_float64": ("backend", "compute_dtype")}
     bad_values = {
-        name: d.pick(f"bad_{name}", BAD_OPTIONS[name]) for name in BAD_OPTIONS if f"bad_{name}" in muts
+        name: d.pick(f"bad_{name}", BAD_OPTIONS[name])
+        for name in BAD_OPTIONS
+        if f"bad_{name}" in muts
     }
     if "temperature_values" in muts:
         temperature = (0.3 + 2 * d.rand(n)).float()
@@ -175,11 +184,14 @@ def tensor_case(d: Draw) -> Case:
         temperature = torch.ones(n + 1)
     if "temperature_2d" in muts:  # n values, another shape: never flattened
         shape = d.pick(
-            "temperature_shape", [(n, 1), (1, n), (2, n // 2) if n % 2 == 0 and n > 2 else (n, 1, 1)]
+            "temperature_shape",
+            [(n, 1), (1, n), (2, n // 2) if n % 2 == 0 and n > 2 else (n, 1, 1)],
         )
         temperature = torch.ones(shape)
     if "temperature_int" in muts:
-        temperature = torch.ones(n, dtype=d.pick("temperature_int_dtype", [torch.int64, torch.bool]))
+        temperature = torch.ones(
+            n, dtype=d.pick("temperature_int_dtype", [torch.int64, torch.bool])
+        )
     if "temperature_meta" in muts:
         temperature = torch.ones(n, device="meta")
     kk: Any = k
@@ -241,7 +253,9 @@ def tensor_case(d: Draw) -> Case:
                 coll = SingleProcessCollectives()
             vocab: Any = w.shard(r) if whole_vocab else None
             h_leaf = _rows(w, r).detach().clone().requires_grad_(w.requires_grad)
-            w_leaf = w.weight[r * w.vl : (r + 1) * w.vl].detach().clone().requires_grad_(w.requires_grad)
+            w_leaf = (
+                w.weight[r * w.vl : (r + 1) * w.vl].detach().clone().requires_grad_(w.requires_grad)
+            )
             hid: Any = h_leaf
             wt: Any = w_leaf
             lab: Any = labels.clone()
@@ -301,17 +315,25 @@ def tensor_case(d: Draw) -> Case:
                 options: Any = dict(opts) if "options_mapping" in muts else LinearOptions(**opts)
                 if fn == "linear_logprobs":
                     we: Any = "yes" if "with_entropy_str" in muts else with_entropy
-                    res: Any = linear_logprobs(hid, wt, lab, options=options, with_entropy=we, **extra)
+                    res: Any = linear_logprobs(
+                        hid, wt, lab, options=options, with_entropy=we, **extra
+                    )
                     out = {"logprobs": res.logprobs, "entropy": res.entropy, "lse": res.lse}
                 elif fn == "fused_token_loss":
                     tl: Any = 42 if "loss_not_callable" in muts else token_loss
                     eg: Any = "no" if "entropy_grad_str" in muts else entropy_grad
                     try:
-                        res = fused_token_loss(hid, wt, lab, tl, options=options, entropy_grad=eg, **extra)
+                        res = fused_token_loss(
+                            hid, wt, lab, tl, options=options, entropy_grad=eg, **extra
+                        )
                     except ContractError as exc:
                         if loss_kind != "learned" or muts or exc.field != "token_loss":
                             raise
-                        return {REFUSED_LEARNED: str(exc)}, None, weakref.ref(h_leaf)  # refusing is allowed
+                        return (
+                            {REFUSED_LEARNED: str(exc)},
+                            None,
+                            weakref.ref(h_leaf),
+                        )  # refusing is allowed
                     out = {"loss": res.loss, "logprobs": res.logprobs, "entropy": res.entropy}
                 else:
                     we = "yes" if "with_entropy_str" in muts else with_entropy
@@ -338,7 +360,9 @@ def tensor_case(d: Draw) -> Case:
                     if isinstance(out.get(key), torch.Tensor) and out[key].requires_grad
                 ]
                 if terms:
-                    leaves = (h_leaf, w_leaf, learned) if loss_kind == "learned" else (h_leaf, w_leaf)
+                    leaves = (
+                        (h_leaf, w_leaf, learned) if loss_kind == "learned" else (h_leaf, w_leaf)
+                    )
                     gh, gw, *g_learned = torch.autograd.grad(
                         torch.stack(terms).sum(), leaves, allow_unused=True
                     )
@@ -366,7 +390,9 @@ def tensor_case(d: Draw) -> Case:
             if isinstance(temperature, torch.Tensor) and temperature.dim()
             else float(temperature)
         )
-        inv_bs = inv.reshape(w.s, w.b).transpose(0, 1) if isinstance(inv, torch.Tensor) else inv  # [b, s]
+        inv_bs = (
+            inv.reshape(w.s, w.b).transpose(0, 1) if isinstance(inv, torch.Tensor) else inv
+        )  # [b, s]
         zraw = torch.einsum("sbh,vh->bsv", H, W)
         it = torch.as_tensor(inv_bs, dtype=F64)
         z = zraw * (it[..., None] if it.dim() else it)
@@ -394,8 +420,14 @@ def tensor_case(d: Draw) -> Case:
             values = {"loss": loss, "logprobs": lp, "entropy": ent}
         else:
             ids = first.get("ids")
-            if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (n, k) or ids.dtype != torch.long:
-                return [f"ids: {type(ids).__name__} {getattr(ids, 'shape', '')} {getattr(ids, 'dtype', '')}"]
+            if (
+                not isinstance(ids, torch.Tensor)
+                or tuple(ids.shape) != (n, k)
+                or ids.dtype != torch.long
+            ):
+                return [
+                    f"ids: {type(ids).__name__} {getattr(ids, 'shape', '')} {getattr(ids, 'dtype', '')}"
+                ]
             if bool(((ids < 0) | (ids >= V)).any()):
                 return [f"ids: outside [0, {V}): {ids.tolist()}"]
             ids_bs = ids.clone().reshape(w.s, w.b, k).transpose(0, 1)  # [b, s, k]
@@ -424,11 +456,15 @@ def tensor_case(d: Draw) -> Case:
                     continue
                 if fn == "linear_topk_logprobs" and key == "logprobs":
                     tb = truth.transpose(0, 1).reshape(n, k)
-                    tol = 8 * prec.zmax + 64 * prec.acc * (1 + tb.abs() + float(z.detach().abs().max()))
+                    tol = 8 * prec.zmax + 64 * prec.acc * (
+                        1 + tb.abs() + float(z.detach().abs().max())
+                    )
                     problems += close(f"{where}{key}", got, tb, atol=tol)
                     continue
                 tol = bounds(key).transpose(0, 1).reshape(-1)
-                problems += close(f"{where}{key}", got, truth.detach().transpose(0, 1).reshape(-1), atol=tol)
+                problems += close(
+                    f"{where}{key}", got, truth.detach().transpose(0, 1).reshape(-1), atol=tol
+                )
             for key in ("entropy", "label_logprobs"):
                 if key in out and key not in values and out[key] is not None:
                     problems.append(f"{where}{key}: returned though not asked for")
@@ -439,7 +475,9 @@ def tensor_case(d: Draw) -> Case:
                 if r > 0 and not torch.equal(out["ids"], outs[0][0]["ids"]):
                     problems.append(f"{where}ids differ from rank 0's")
             if loss_kind == "learned" and got_grads is not None and cots:
-                want = (-(lpt * coef).sum() * cots["loss"]).detach()  # d (cot * loss) / d coefficient
+                want = (
+                    -(lpt * coef).sum() * cots["loss"]
+                ).detach()  # d (cot * loss) / d coefficient
                 got_l = out.get(LEARNED_GRAD)
                 if not isinstance(got_l, torch.Tensor):
                     problems.append(
@@ -447,14 +485,20 @@ def tensor_case(d: Draw) -> Case:
                     )
                 else:
                     tol_l = bounds("loss") * (1 + abs(float(cots["loss"])) / LEARNED_VALUE)
-                    problems += close(f"{where}{OTHER_LEAF}", got_l.double(), want.detach(), atol=tol_l)
+                    problems += close(
+                        f"{where}{OTHER_LEAF}", got_l.double(), want.detach(), atol=tol_l
+                    )
             if got_grads is not None and cots:
                 scalar = _cot_scalar(fn, values, cots, w, k)
                 dH, dW = torch.autograd.grad(scalar, (H, W), retain_graph=True, allow_unused=True)
                 cot_scale = sum(float(c.abs().max()) for c in cots.values())
-                floor = 256 * prec.acc * cot_scale * max(1.0, float(torch.as_tensor(inv).abs().max()))
+                floor = (
+                    256 * prec.acc * cot_scale * max(1.0, float(torch.as_tensor(inv).abs().max()))
+                )
                 gh, gw = got_grads
-                gh = gh.reshape(-1, w.b, w.h) if gh is not None else None  # rows [s*b, h] -> [s, b, h]
+                gh = (
+                    gh.reshape(-1, w.b, w.h) if gh is not None else None
+                )  # rows [s*b, h] -> [s, b, h]
                 truth_grads = (dH, dW, magnitudes(H, W, z, inv_bs, scalar), floor)
                 problems += compare_grads(w, r, (gh, gw), truth_grads, prec, where)
         return problems

@@ -53,7 +53,12 @@ class Precision:
 
     @staticmethod
     def of(
-        h_abs: torch.Tensor, w_abs: torch.Tensor, inv: Any, *, compute: torch.dtype, acc: torch.dtype
+        h_abs: torch.Tensor,
+        w_abs: torch.Tensor,
+        inv: Any,
+        *,
+        compute: torch.dtype,
+        acc: torch.dtype,
     ) -> Precision:
         """``h_abs`` ``[..., h]``, ``w_abs`` ``[V, h]`` (absolute values, float64),
         ``inv`` the factor ``c / T`` (a number or ``[...]``)."""
@@ -80,7 +85,9 @@ class Precision:
         mag = magnitude.double()
         # partial sums (tiles, ranks) may each be rounded to out_dtype; subnormals round
         # to a fixed spacing
-        spacing = float(torch.finfo(out_dtype).tiny) * float(torch.finfo(out_dtype).eps) if u_out else 0.0
+        spacing = (
+            float(torch.finfo(out_dtype).tiny) * float(torch.finfo(out_dtype).eps) if u_out else 0.0
+        )
         rounded = (truth.detach().abs().double() + mag) * 2 * u_out + 2 * spacing
         return rel * mag + rounded + floor
 
@@ -115,7 +122,9 @@ def aggregation_weights64(
     if how == "token-mean":
         total = float(m.sum()) if global_tokens is None else float(global_tokens)
         return m / total if total != 0 else w
-    n_k = [float(m[segments == k].sum()) for k in range(count)] if totals is None else totals.tolist()
+    n_k = (
+        [float(m[segments == k].sum()) for k in range(count)] if totals is None else totals.tolist()
+    )
     live = sum(1 for n in n_k if n != 0)
     k_count = float(global_sequences) if global_sequences is not None else float(max(live, 1))
     for k in range(count):
@@ -135,7 +144,9 @@ def masked_mean64(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return s / total if float(total) != 0 else s * 0
 
 
-def kl_estimate64(logp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: float | None) -> torch.Tensor:
+def kl_estimate64(
+    logp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: float | None
+) -> torch.Tensor:
     """k1, k2, k3 of ``r = clamp(ref - logp)``."""
     r = ref - logp
     if clamp is not None:

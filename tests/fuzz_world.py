@@ -169,7 +169,9 @@ def draw_world(d: Draw, *, tp_weights: tuple[int, int, int] = (6, 3, 1)) -> Worl
 # ---------------------------------------------------------------- contexts
 
 
-def base_kwargs(w: World, r: int, coll: Any) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
+def base_kwargs(
+    w: World, r: int, coll: Any
+) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
     """Rank ``r``'s ``OutputContext`` keywords and its leaves ``(hidden, weight)``."""
     h_leaf = w.local_hidden(r).detach().clone().requires_grad_(w.requires_grad)
     w_leaf = w.weight[r * w.vl : (r + 1) * w.vl].detach().clone().requires_grad_(w.requires_grad)
@@ -257,7 +259,11 @@ def ctx_mutations(
     needs_labels: bool,
     reads_mask: bool,
     reads_temperature: bool,
-    collective_methods: tuple[str, ...] = ("all_reduce_sum", "all_reduce_max", "gather_hidden_states"),
+    collective_methods: tuple[str, ...] = (
+        "all_reduce_sum",
+        "all_reduce_max",
+        "gather_hidden_states",
+    ),
 ) -> dict[str, CtxMutation]:
     """The invalid changes to a processor's context that the contract says it refuses,
     each with the fields its ``ContractError`` may name. ``reads_mask``: the processor
@@ -271,9 +277,17 @@ def ctx_mutations(
     bad_id = V + 3 if V + 3 != w.ignore_index else V + 5
     values = w.check_values
     if values and not w.labels_checked:
-        put("labels_out_of_range", ("labels",), lambda kw, r: kw["labels"].__setitem__((0, 0), bad_id))
+        put(
+            "labels_out_of_range",
+            ("labels",),
+            lambda kw, r: kw["labels"].__setitem__((0, 0), bad_id),
+        )
         neg = -7 if w.ignore_index != -7 else -8
-        put("labels_negative", ("labels",), lambda kw, r: kw["labels"].__setitem__((b - 1, s - 1), neg))
+        put(
+            "labels_negative",
+            ("labels",),
+            lambda kw, r: kw["labels"].__setitem__((b - 1, s - 1), neg),
+        )
     put("labels_float", ("labels",), lambda kw, r: kw.__setitem__("labels", kw["labels"].double()))
     put("labels_bool", ("labels",), lambda kw, r: kw.__setitem__("labels", kw["labels"] > 0))
     put(
@@ -316,7 +330,11 @@ def ctx_mutations(
     )
     put("vocab_missing", ("vocab",), lambda kw, r: kw.__setitem__("vocab", None))
     if w.tp > 1:
-        put("vocab_other_rank", ("vocab",), lambda kw, r: kw.__setitem__("vocab", w.shard((r + 1) % w.tp)))
+        put(
+            "vocab_other_rank",
+            ("vocab",),
+            lambda kw, r: kw.__setitem__("vocab", w.shard((r + 1) % w.tp)),
+        )
     else:
         put(
             "vocab_size_wrong",
@@ -368,7 +386,9 @@ def ctx_mutations(
     put("ignore_index_huge", ("ignore_index",), lambda kw, r: kw.__setitem__("ignore_index", 2**63))
     put("mtp_depth_negative", ("mtp_depth",), lambda kw, r: kw.__setitem__("mtp_depth", -1))
     put("check_values_str", ("check_values",), lambda kw, r: kw.__setitem__("check_values", "yes"))
-    put("labels_checked_int", ("labels_checked",), lambda kw, r: kw.__setitem__("labels_checked", 1))
+    put(
+        "labels_checked_int", ("labels_checked",), lambda kw, r: kw.__setitem__("labels_checked", 1)
+    )
     put("parallel_dict", ("parallel",), lambda kw, r: kw.__setitem__("parallel", {"tp_size": w.tp}))
     put(
         "parallel_tp_zero",
@@ -414,14 +434,26 @@ def ctx_mutations(
         ("scale_logits",),
         lambda kw, r: kw.__setitem__("scale_logits", lambda z: z.clamp(-5, 5)),
     )
-    put("scale_offset", ("scale_logits",), lambda kw, r: kw.__setitem__("scale_logits", lambda z: z + 1))
-    put("scale_negative", ("scale_logits",), lambda kw, r: kw.__setitem__("scale_logits", lambda z: -z))
+    put(
+        "scale_offset",
+        ("scale_logits",),
+        lambda kw, r: kw.__setitem__("scale_logits", lambda z: z + 1),
+    )
+    put(
+        "scale_negative",
+        ("scale_logits",),
+        lambda kw, r: kw.__setitem__("scale_logits", lambda z: -z),
+    )
 
     def raising(z: Any) -> Any:
         raise RuntimeError("a scaling that fails")
 
     put("scale_raises", ("scale_logits",), lambda kw, r: kw.__setitem__("scale_logits", raising))
-    put("scale_list", ("scale_logits",), lambda kw, r: kw.__setitem__("scale_logits", lambda z: z.tolist()))
+    put(
+        "scale_list",
+        ("scale_logits",),
+        lambda kw, r: kw.__setitem__("scale_logits", lambda z: z.tolist()),
+    )
     mult = d.pick("bad_mup_mult", [0.0, -1.0, float("nan"), "2"])
 
     def mup_bad(kw: dict[str, Any], r: int) -> None:
@@ -432,7 +464,9 @@ def ctx_mutations(
     put(
         "softcapping",
         ("config.output_logit_softcapping",),
-        lambda kw, r: kw.__setitem__("config", types.SimpleNamespace(output_logit_softcapping=30.0)),
+        lambda kw, r: kw.__setitem__(
+            "config", types.SimpleNamespace(output_logit_softcapping=30.0)
+        ),
     )
     if reads_temperature:
         t_bad = d.pick(
@@ -441,9 +475,13 @@ def ctx_mutations(
         )
 
         def temp(kw: dict[str, Any], r: int) -> None:
-            value: Any = {"negative": -1.0, "zero": 0.0, "nan": float("nan"), "bool": True, "str": "1.0"}.get(
-                t_bad
-            )
+            value: Any = {
+                "negative": -1.0,
+                "zero": 0.0,
+                "nan": float("nan"),
+                "bool": True,
+                "str": "1.0",
+            }.get(t_bad)
             if t_bad == "shape":
                 value = torch.ones(b, s + 1)
             elif t_bad.startswith("tensor"):
@@ -453,7 +491,11 @@ def ctx_mutations(
 
         if values or not t_bad.startswith("tensor"):
             put("context_temperature", ("context.temperature",), temp)
-    put(f"not_a_context:{name}", (f"processor {name!r}",), lambda kw, r: kw.__setitem__("__dict__", True))
+    put(
+        f"not_a_context:{name}",
+        (f"processor {name!r}",),
+        lambda kw, r: kw.__setitem__("__dict__", True),
+    )
     return out
 
 
@@ -503,7 +545,9 @@ class Bounds:
         self.values, self.prec = values, prec
         err = prec.zerr[..., None] + 64 * prec.acc * (1 + z.detach().abs())
         self.leaves = [(z, err), *extras]
-        self.zabs = z.detach().abs().amax(-1)  # [b, s]: a value formed from the logits rounds at their size
+        self.zabs = (
+            z.detach().abs().amax(-1)
+        )  # [b, s]: a value formed from the logits rounds at their size
 
     def __call__(self, key: str) -> torch.Tensor:
         v = self.values[key]
@@ -518,7 +562,9 @@ class Bounds:
         for g, (_x, err) in zip(grads, self.leaves, strict=True):
             if g is None:
                 continue
-            moved = torch.where(err == 0, 0.0, g.abs() * err)  # an exact input (err 0) moves nothing
+            moved = torch.where(
+                err == 0, 0.0, g.abs() * err
+            )  # an exact input (err 0) moves nothing
             spread = moved.reshape(*v.shape, -1).sum(-1) if v.dim() else moved.sum()
             total = total + spread
         return 4 * total + own
@@ -608,7 +654,9 @@ def processor_case(
         if w.grads_wanted() and grad_keys:
             scalar = sum((values[k] * cots[k]).sum() for k in grad_keys if k in values)
             dH, dW = torch.autograd.grad(scalar, (H, W), retain_graph=True, allow_unused=True)
-            cot_scale = sum(float(cots[k].abs().max()) for k in grad_keys if k in cots and cots[k].numel())
+            cot_scale = sum(
+                float(cots[k].abs().max()) for k in grad_keys if k in cots and cots[k].numel()
+            )
             floor = 256 * prec.acc * cot_scale * max(1.0, float(torch.as_tensor(inv).abs().max()))
             grads = (dH, dW, magnitudes(H, W, z, inv, scalar), floor)
         plain = {k: v.detach() for k, v in values.items()}

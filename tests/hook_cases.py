@@ -22,7 +22,9 @@ def stock_loss_upstream(
     **_: Any,
 ) -> torch.Tensor:
     """Upstream-style: the stock loss through the output layer and Megatron's loss."""
-    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    logits, _ = output_layer(
+        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+    )
     return compute_language_model_loss(labels, scale_logits(logits))
 
 
@@ -35,7 +37,9 @@ def stock_loss(ctx: OutputContext) -> Any:
     return ctx.compute_language_model_loss(ctx.labels, ctx.scale_logits(logits))
 
 
-def fused_output_processor(*, hidden_states, output_layer, output_weight, labels, context, config, **_):  # type: ignore[no-untyped-def]
+def fused_output_processor(
+    *, hidden_states, output_layer, output_weight, labels, context, config, **_
+):  # type: ignore[no-untyped-def]
     """Written the way veRL writes its processor for the native hook (tp=1):
     per-token logprobs [b, s] from hidden states and the resolved weight."""
     weight = output_weight if output_weight is not None else output_layer.weight
@@ -61,7 +65,9 @@ def vocab_parallel_logprobs_fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
     return {"logprobs": target - lse}
 
 
-vocab_parallel_logprobs = hookspec.processor(vocab_parallel_logprobs_fn, name="vocab_parallel_logprobs")
+vocab_parallel_logprobs = hookspec.processor(
+    vocab_parallel_logprobs_fn, name="vocab_parallel_logprobs"
+)
 
 
 def reference_logprobs(logits_bsv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

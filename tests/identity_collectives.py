@@ -32,5 +32,7 @@ def identity_collectives(name: str, /, *optional: str, **methods: Callable[..., 
         raise ValueError(f"not an optional collective of the contract: {sorted(unknown)}")
     namespace: dict[str, Any] = {m: _identity for m in (*REQUIRED, *optional)}
     namespace.update(methods)
-    namespace["__doc__"] = f"Identity collectives ({', '.join(sorted(set(namespace) - {'__doc__'}))})."
+    namespace["__doc__"] = (
+        f"Identity collectives ({', '.join(sorted(set(namespace) - {'__doc__'}))})."
+    )
     return type(name, (), namespace)

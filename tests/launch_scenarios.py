@@ -38,7 +38,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE = -100
 
 
-def _inputs(n: int, h: int, v: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    n: int, h: int, v: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hid = torch.zeros(n, h, dtype=dtype, device="cuda").requires_grad_()
     w = torch.zeros(v, h, dtype=dtype, device="cuda").requires_grad_()
     return hid, w, torch.zeros(n, dtype=torch.long, device="cuda")
@@ -105,12 +107,16 @@ def _fused(
             return (lp - 0.1 * ent**2).sum() if entropy_grad else lp.sum()
 
         options = LinearOptions(temperature=t, backend=backend, softcap=softcap)  # type: ignore[arg-type]
-        _backward(fused_token_loss(hid, w, y, loss, options=options, entropy_grad=entropy_grad).loss)
+        _backward(
+            fused_token_loss(hid, w, y, loss, options=options, entropy_grad=entropy_grad).loss
+        )
 
     return run
 
 
-def _smoothed(n: int, h: int, v: int, dtype: torch.dtype, *, softcap: float | None, fused: bool) -> Scenario:
+def _smoothed(
+    n: int, h: int, v: int, dtype: torch.dtype, *, softcap: float | None, fused: bool
+) -> Scenario:
     """The mean logit (label smoothing) with class weights and a bias: the statistics
     kernel's ``WITH_SUM``/``WEIGHTED`` and the gradient kernel's ``WITH_U``."""
 
@@ -118,7 +124,10 @@ def _smoothed(n: int, h: int, v: int, dtype: torch.dtype, *, softcap: float | No
         from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
         hid, w, y = _inputs(n, h, v, dtype)
-        cw, b = torch.rand(v, device="cuda"), torch.zeros(v, device="cuda", dtype=dtype, requires_grad=True)
+        cw, b = (
+            torch.rand(v, device="cuda"),
+            torch.zeros(v, device="cuda", dtype=dtype, requires_grad=True),
+        )
         options = LinearOptions(backend="triton", softcap=softcap)
         if fused:
             r = fused_token_loss(
@@ -177,23 +186,25 @@ def _scenarios() -> dict[str, Scenario]:
             4099, 1000, 32771, dt, "triton", per_token_t=True
         )
         for per_token_t in (False, True):  # the single pass (no entropy gradient)
-            out[f"gpu-test:fused single pass T per token {per_token_t} 4099x1000x32771 {dt}"] = _fused(
-                4099, 1000, 32771, dt, "triton", per_token_t=per_token_t, entropy_grad=False
+            out[f"gpu-test:fused single pass T per token {per_token_t} 4099x1000x32771 {dt}"] = (
+                _fused(4099, 1000, 32771, dt, "triton", per_token_t=per_token_t, entropy_grad=False)
             )
     for n, h, v, dt in ((4099, 1000, 32771, bf16), (8192, 4096, 151936, bf16), (2048, 1024, 65536, fp16),
                         (1021, 512, 20011, fp32)):  # fmt: skip
         out[f"gpu-test:triton three-way {n}x{h}x{v} {dt}"] = _logprobs(n, h, v, dt, "auto")
     # a softcap's specialisations (SOFTCAP=True), compiled though the GPU command runs none
-    out["softcap:logprobs 2053x1024x32771 bf16"] = _logprobs(2053, 1024, 32771, bf16, "triton", softcap=30.0)
+    out["softcap:logprobs 2053x1024x32771 bf16"] = _logprobs(
+        2053, 1024, 32771, bf16, "triton", softcap=30.0
+    )
     for eg in (False, True):
         out[f"softcap:fused entropy_grad {eg} 4099x1000x32771 bf16"] = _fused(
             4099, 1000, 32771, bf16, "triton", per_token_t=True, entropy_grad=eg, softcap=30.0
         )
     for cap in (None, 30.0):  # label smoothing's mean logit, weighted, with and without a cap
         for fused in (False, True):
-            out[f"mean-logit:{'fused' if fused else 'logprobs'} softcap {cap} 2053x1024x32771 bf16"] = (
-                _smoothed(2053, 1024, 32771, bf16, softcap=cap, fused=fused)
-            )
+            out[
+                f"mean-logit:{'fused' if fused else 'logprobs'} softcap {cap} 2053x1024x32771 bf16"
+            ] = _smoothed(2053, 1024, 32771, bf16, softcap=cap, fused=fused)
     from . import test_host_reads as hr
 
     for dt in (bf16, fp32):
@@ -228,7 +239,9 @@ def record_all(names: list[str] | None = None) -> list[Launch]:
     stopped.clear()
     from benchmarks import gpu_methods
 
-    cached = dict(gpu_methods._BATCH)  # the benchmark caches its loss batch per size: fake ones here
+    cached = dict(
+        gpu_methods._BATCH
+    )  # the benchmark caches its loss batch per size: fake ones here
     with _interpreting(), fake_cuda():  # one mode: no fake tensor may outlive its mode
         for name, run in SCENARIOS.items():
             if names is not None and name not in names:

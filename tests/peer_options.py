@@ -15,7 +15,13 @@ IGNORE = -100
 
 
 def gpu_inputs(
-    n: int, h: int, v: int, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str = "cuda"
+    n: int,
+    h: int,
+    v: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str = "cuda",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``[n, h]``, a weight ``[v, h]`` scaled by ``h ** -0.5``, labels with every
     17th ignored: the GPU checks' inputs."""

@@ -42,7 +42,11 @@ def policy_truth(
         per_token: dict[tuple[int, int], torch.Tensor] = {}
         for seq in sequences:
             n_k = sum(m[i, j] for i, j in seq)
-            mean = sum(m[i, j] * (lp[i, j] - old[i, j]) for i, j in seq) / n_k if n_k > 0 else lp.sum() * 0
+            mean = (
+                sum(m[i, j] * (lp[i, j] - old[i, j]) for i, j in seq) / n_k
+                if n_k > 0
+                else lp.sum() * 0
+            )
             for i, j in seq:
                 per_token[i, j] = torch.as_tensor(mean).clamp(-clamp, clamp)
         zero = lp.sum() * 0

@@ -80,7 +80,9 @@ def adapter_stands_aside(request: pytest.FixtureRequest) -> Iterator[collections
     from torch_impl._compat import installed_megatron
 
     facts = installed_megatron()
-    if not (facts.native_mtp_hook and facts.hybrid_native_hook and facts.plan_final_norm_after_dense):
+    if not (
+        facts.native_mtp_hook and facts.hybrid_native_hook and facts.plan_final_norm_after_dense
+    ):
         raise pytest.UsageError(
             "tests.stand_aside is for Megatron Core with the upstream/ patch series; "
             f"{facts.package} lacks it"
@@ -91,7 +93,9 @@ def adapter_stands_aside(request: pytest.FixtureRequest) -> Iterator[collections
         for module_name, attribute in _WATCHED:
             module = importlib.import_module(module_name)
             name = f"{module_name}.{attribute}"
-            patch.setattr(module, attribute, _counting(counts, name, getattr(module, attribute), bridged))
+            patch.setattr(
+                module, attribute, _counting(counts, name, getattr(module, attribute), bridged)
+            )
         yield counts
     test = request.node.nodeid.split("[")[0]
     if counts and test not in OWN_PATH_EXPECTED:

@@ -15,7 +15,9 @@ from torch_impl import processors
 from torch_impl.processors import LinearOptions, linear_logprobs, linear_topk_logprobs
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed here (py311's CPU torch wheel has none)", allow_module_level=True)
+    pytest.skip(
+        "triton is not installed here (py311's CPU torch wheel has none)", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 N, H, V = 64, 8, 256
@@ -39,8 +41,13 @@ def _grads(fn: str, dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
         r = linear_topk_logprobs(h, w, k=3, labels=y, with_entropy=True, options=opts)
         outs = [r.logprobs, r.entropy, r.label_logprobs]
     g = torch.Generator().manual_seed(1)
-    total = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
-    return [*(o.detach().double() for o in outs), *(x.double() for x in torch.autograd.grad(total, (h, w)))]
+    total = sum(
+        (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs
+    )
+    return [
+        *(o.detach().double() for o in outs),
+        *(x.double() for x in torch.autograd.grad(total, (h, w))),
+    ]
 
 
 @pytest.mark.parametrize("fn", ["logprobs", "topk"])

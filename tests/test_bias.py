@@ -120,9 +120,12 @@ def test_fused_token_loss_with_bias_against_float64(entropy_grad: bool, backend:
     p = _problem(1)
     for dtype, how in _cases(backend):
         want = _truth(
-            p if entropy_grad else {**p, "c_ent": p["c_ent"] * 0}, 1.3 if how == "scalar" else p["t"]
+            p if entropy_grad else {**p, "c_ent": p["c_ent"] * 0},
+            1.3 if how == "scalar" else p["t"],
         )
-        opts = LinearOptions(temperature=_temperature(p, how, dtype), logit_scale=SCALE, tile_rows=4)
+        opts = LinearOptions(
+            temperature=_temperature(p, how, dtype), logit_scale=SCALE, tile_rows=4
+        )
         h, w, b = _leaves(p, dtype)
 
         def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -146,7 +149,9 @@ def test_fused_token_loss_with_bias_against_float64(entropy_grad: bool, backend:
             close_to_float64(x.grad, 0.7 * want[key], dtype)  # type: ignore[arg-type]
 
 
-def _augmented(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _augmented(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[h, 1]`` and ``[W, b]``: ``[h, 1] @ [W, b].T = h @ W.T + b``."""
     return torch.cat([h, torch.ones_like(h[:, :1])], 1), torch.cat([w, b[:, None]], 1)
 
@@ -169,8 +174,14 @@ def test_distillation_with_bias_equals_the_augmented_operands(tail: str, backend
         )
         config = DistillConfig(temperature=1.5)
     else:
-        lp = torch.randn(N, V, generator=g, dtype=torch.float64).log_softmax(-1).sort(-1, descending=True)
-        teacher = SparseTeacher(ids=lp.indices[:, :K].contiguous(), logprobs=lp.values[:, :K].to(dtype))
+        lp = (
+            torch.randn(N, V, generator=g, dtype=torch.float64)
+            .log_softmax(-1)
+            .sort(-1, descending=True)
+        )
+        teacher = SparseTeacher(
+            ids=lp.indices[:, :K].contiguous(), logprobs=lp.values[:, :K].to(dtype)
+        )
         config = DistillConfig(temperature=1.5, tail=TeacherTail(tail))
     opts = LinearOptions(logit_scale=SCALE, tile_rows=4)
     h, w, b = _leaves(p, dtype)
@@ -213,7 +224,12 @@ def test_bias_alone_requiring_grad() -> None:
     close_to_float64(b.grad, want["db"], torch.float64)  # type: ignore[arg-type]
     b = p["b"].clone().requires_grad_()
     f = fused_token_loss(
-        p["h"], p["w"], p["y"], lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(), options=opts, bias=b
+        p["h"],
+        p["w"],
+        p["y"],
+        lambda lp, ent, rows: (p["c_lp"][rows] * lp).sum(),
+        options=opts,
+        bias=b,
     )
     f.loss.backward()
     want = _truth({**p, "c_ent": p["c_ent"] * 0, "c_lse": p["c_lse"] * 0}, p["t"])
@@ -251,7 +267,10 @@ def test_recomputed_backward_twice_and_create_graph_refused() -> None:
         (torch.zeros(1, V, dtype=torch.float64), r"shape \[V_local\]: \[23\]"),
         (torch.zeros(V, dtype=torch.float32), "weight's dtype"),
         (torch.full((V,), float("nan"), dtype=torch.float64), "finite"),
-        (torch.zeros(V, dtype=torch.float64).index_fill(0, torch.tensor([4]), float("inf")), "finite"),
+        (
+            torch.zeros(V, dtype=torch.float64).index_fill(0, torch.tensor([4]), float("inf")),
+            "finite",
+        ),
         (torch.zeros(V, dtype=torch.float64, device="meta"), "bias"),
     ],
 )
@@ -273,7 +292,9 @@ def test_bad_bias_refused_by_name(bias: Any, match: str) -> None:
 # ---------------------------------------------------------------- bf16
 
 
-def _bf16_run(p: dict[str, torch.Tensor], fn: str, how: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _bf16_run(
+    p: dict[str, torch.Tensor], fn: str, how: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """``fn`` (``linear_logprobs`` with entropy and lse, or the fused loss's single
     pass) with a bias: ``how`` "ours" at bf16 compute on the bf16 inputs;
     "materialised": the logits ``addmm(b, h, W.T)`` formed in ``dtype`` (bf16: the
@@ -282,7 +303,11 @@ def _bf16_run(p: dict[str, torch.Tensor], fn: str, how: str, dtype: torch.dtype)
     h, w, b = (p[k].to(torch.bfloat16).to(dtype).requires_grad_() for k in ("h", "w", "b"))
     t = p["t"].float()
     if how == "ours":
-        args, bias, opts = (h, w), b, LinearOptions(temperature=t, logit_scale=SCALE, compute_dtype=dtype)
+        args, bias, opts = (
+            (h, w),
+            b,
+            LinearOptions(temperature=t, logit_scale=SCALE, compute_dtype=dtype),
+        )
     else:
         z = torch.addmm(b, h, w.T)
         zf = z.float() if dtype == torch.bfloat16 else z
@@ -307,7 +332,10 @@ def _bf16_run(p: dict[str, torch.Tensor], fn: str, how: str, dtype: torch.dtype)
         out = {"lp": r.logprobs, "ent": r.entropy, "lse": r.lse}
         total = sum((v.double() * p["c_" + k]).sum() for k, v in out.items())
     grads = torch.autograd.grad(total, (h, w, b))
-    return {**{k: v.detach() for k, v in out.items()}, **dict(zip(("dh", "dw", "db"), grads, strict=True))}
+    return {
+        **{k: v.detach() for k, v in out.items()},
+        **dict(zip(("dh", "dw", "db"), grads, strict=True)),
+    }
 
 
 @pytest.mark.parametrize("fn", ["logprobs", "fused"])
@@ -324,7 +352,9 @@ def test_bf16_compute_against_float64_beside_the_naive_path(fn: str, backend: st
         "b": torch.randn(v, generator=g, dtype=torch.float64),
         "y": y,
         "t": torch.rand(n, generator=g, dtype=torch.float64) + 0.5,
-        **{f"c_{k}": torch.randn(n, generator=g, dtype=torch.float64) for k in ("lp", "ent", "lse")},
+        **{
+            f"c_{k}": torch.randn(n, generator=g, dtype=torch.float64) for k in ("lp", "ent", "lse")
+        },
     }
     truth = _bf16_run(p, fn, "materialised", torch.float64)
     ours = _bf16_run(p, fn, "ours", torch.bfloat16)
@@ -345,12 +375,16 @@ def test_bf16_compute_against_float64_beside_the_naive_path(fn: str, backend: st
 # ---------------------------------------------------------------- tp=2
 
 
-def _tp2(rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], backends: list[str]) -> None:
+def _tp2(
+    rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], backends: list[str]
+) -> None:
     from megatron.core import parallel_state
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     lo, hi = (0, 11) if rank == 0 else (11, V)  # unequal shards
     for be in backends:
         dtype = torch.float64 if be == "torch" else torch.float32
@@ -366,14 +400,22 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
 
         def shard(dtype: torch.dtype = dtype) -> tuple[torch.Tensor, ...]:
             h, w, b = _leaves(p, dtype)
-            return h, w.detach()[lo:hi].clone().requires_grad_(), b.detach()[lo:hi].clone().requires_grad_()
+            return (
+                h,
+                w.detach()[lo:hi].clone().requires_grad_(),
+                b.detach()[lo:hi].clone().requires_grad_(),
+            )
 
         h, w, b = shard()
         r = linear_logprobs(h, w, p["y"], options=base, bias=b, with_entropy=True)
         assert r.entropy is not None
         (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse).sum().backward()
         close_to_float64(r.lse, want["lse"], dtype)
-        for key, x, part in [("dh", h, slice(None)), ("dw", w, slice(lo, hi)), ("db", b, slice(lo, hi))]:
+        for key, x, part in [
+            ("dh", h, slice(None)),
+            ("dw", w, slice(lo, hi)),
+            ("db", b, slice(lo, hi)),
+        ]:
             close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
         h, w, b = shard()
         f = fused_token_loss(
@@ -387,14 +429,22 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
         )
         f.loss.backward()
         close_to_float64(f.loss, want["loss"], dtype)
-        for key, x, part in [("dh", h, slice(None)), ("dw", w, slice(lo, hi)), ("db", b, slice(lo, hi))]:
+        for key, x, part in [
+            ("dh", h, slice(None)),
+            ("dw", w, slice(lo, hi)),
+            ("db", b, slice(lo, hi)),
+        ]:
             close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
         h, w, b = shard()
         top = linear_topk_logprobs(h, w, k=K, labels=p["y"], options=base, bias=b)
         assert top.label_logprobs is not None
         (top.logprobs.sum() + top.label_logprobs.sum()).backward()
         close_to_float64(top.logprobs, want["topk"], dtype)
-        for key, x, part in [("tdh", h, slice(None)), ("tdw", w, slice(lo, hi)), ("tdb", b, slice(lo, hi))]:
+        for key, x, part in [
+            ("tdh", h, slice(None)),
+            ("tdw", w, slice(lo, hi)),
+            ("tdb", b, slice(lo, hi)),
+        ]:
             close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
 
 

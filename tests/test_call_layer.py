@@ -19,7 +19,16 @@ from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The contract and the call layer (torch_impl.processors has its own door and tests).
-CALL_LAYER = ("__init__", "_call", "_adapter", "_postprocess", "mtp", "hybrid", "enable", "schedule_plan")
+CALL_LAYER = (
+    "__init__",
+    "_call",
+    "_adapter",
+    "_postprocess",
+    "mtp",
+    "hybrid",
+    "enable",
+    "schedule_plan",
+)
 MODULES = sorted(
     [
         *(ROOT / "hookspec").glob("*.py"),
@@ -68,7 +77,9 @@ def _imports(path: pathlib.Path) -> list[tuple[str, list[str], bool]]:
 
 
 def _ours(name: str) -> bool:
-    return name.split(".")[0] in ("hookspec", "torch_impl") and not name.startswith("torch_impl.processors")
+    return name.split(".")[0] in ("hookspec", "torch_impl") and not name.startswith(
+        "torch_impl.processors"
+    )
 
 
 def test_module_level_imports_form_no_cycle() -> None:
@@ -111,7 +122,9 @@ def test_no_function_level_import_of_our_modules(path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_private_name_crosses_a_module(path: pathlib.Path) -> None:
-    crossing = [f"{t}.{n}" for t, names, _ in _imports(path) if _ours(t) for n in names if n.startswith("_")]
+    crossing = [
+        f"{t}.{n}" for t, names, _ in _imports(path) if _ours(t) for n in names if n.startswith("_")
+    ]
     assert not crossing, f"{path.name} imports private names {crossing}"
 
 
@@ -145,15 +158,21 @@ def _hookspec_attributes(path: pathlib.Path) -> set[str]:
     """The ``_hookspec_*`` attribute names a module reads or sets (attributes and strings)."""
     tree = ast.parse(path.read_text())
     names = {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_hookspec_")
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_hookspec_")
     }
     names |= {
         n.value
         for n in ast.walk(tree)
-        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("_hookspec_")
+        if isinstance(n, ast.Constant)
+        and isinstance(n.value, str)
+        and n.value.startswith("_hookspec_")
     }
     names |= {
-        n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("_hookspec_")
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("_hookspec_")
     }
     names |= {
         n.target.id
@@ -186,7 +205,9 @@ def test_adapter_attributes_are_read_where_they_are_set() -> None:
     assert not crossing, f"attributes read outside the module that sets them: {crossing}"
 
 
-def _upstream(*, hidden_states: Any, output_layer: Any, labels: Any, nonsense: Any = None, **_: Any) -> Any:
+def _upstream(
+    *, hidden_states: Any, output_layer: Any, labels: Any, nonsense: Any = None, **_: Any
+) -> Any:
     return hidden_states.sum()
 
 
@@ -213,12 +234,16 @@ def test_a_plain_function_of_the_context_is_told_to_decorate() -> None:
         model(*model_inputs(batch), labels=batch["labels"], output_processor=_typed)
     assert info.value.field == "output_processor" and "_typed(ctx)" in str(info.value.actual)
     # decorated, the same function runs
-    out = model(*model_inputs(batch), labels=batch["labels"], output_processor=hookspec.processor(_typed))
+    out = model(
+        *model_inputs(batch), labels=batch["labels"], output_processor=hookspec.processor(_typed)
+    )
     assert out.shape == () and torch.isfinite(out)
 
 
 def test_upstream_keyword_check_accepts_what_the_hook_passes() -> None:
-    def verl_style(*, hidden_states: Any, output_weight: Any, labels: Any, context: Any, **_: Any) -> None:
+    def verl_style(
+        *, hidden_states: Any, output_weight: Any, labels: Any, context: Any, **_: Any
+    ) -> None:
         return None
 
     def every(**kwargs: Any) -> None:

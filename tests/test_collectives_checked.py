@@ -25,7 +25,13 @@ import pytest
 import torch
 
 import hookspec
-from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
+from hookspec import (
+    ContractError,
+    OutputContext,
+    ParallelLayout,
+    SingleProcessCollectives,
+    VocabShard,
+)
 from hookspec.collectives import CheckedCollectives, check_collective_result, checked_collectives
 from tests.identity_collectives import identity_collectives
 from torch_impl import TorchCollectives
@@ -215,7 +221,9 @@ def test_every_method_right_passes_and_each_wrong_property_is_named(
             getattr(bad, method)(x)
         assert e.value.field == f"collectives.{method}", what
         framework = "torch" if module is torch else "numpy"
-        assert str(e.value.expected).startswith(f"a {framework} array of shape [{', '.join(map(str, want))}]")
+        assert str(e.value.expected).startswith(
+            f"a {framework} array of shape [{', '.join(map(str, want))}]"
+        )
         assert "dtype float32" in str(e.value.expected), what
 
 
@@ -223,11 +231,19 @@ def test_gather_hidden_states_of_an_unknown_mode_takes_either_form() -> None:
     x = np.zeros((4, 3, 5), np.float32)
     for rows in (4, 8):
         check_collective_result(
-            "gather_hidden_states", x, np.zeros((rows, 3, 5), np.float32), tp_size=2, sequence_parallel=None
+            "gather_hidden_states",
+            x,
+            np.zeros((rows, 3, 5), np.float32),
+            tp_size=2,
+            sequence_parallel=None,
         )
     with pytest.raises(ContractError, match=r"shape \[4, 3, 5\] or \[8, 3, 5\]"):
         check_collective_result(
-            "gather_hidden_states", x, np.zeros((12, 3, 5), np.float32), tp_size=2, sequence_parallel=None
+            "gather_hidden_states",
+            x,
+            np.zeros((12, 3, 5), np.float32),
+            tp_size=2,
+            sequence_parallel=None,
         )
 
 
@@ -335,7 +351,9 @@ def test_torch_collectives_all_gather_at_one_rank_is_a_copy() -> None:
         ({"pp_size": "2"}, "parallel.pp_size"),
     ],
 )
-def test_parallel_layout_names_a_wrong_constructor_argument(kwargs: dict[str, Any], field: str) -> None:
+def test_parallel_layout_names_a_wrong_constructor_argument(
+    kwargs: dict[str, Any], field: str
+) -> None:
     with pytest.raises(ContractError) as e:
         ParallelLayout(**kwargs)
     assert e.value.field == field
@@ -383,7 +401,9 @@ def test_a_wrong_all_gather_is_named_in_the_tensor_function() -> None:
             hidden,
             ctx.vocab_weight,  # type: ignore[arg-type]
             k=3,
-            options=LinearOptions(vocab=ctx.vocab, collectives=_Custom(all_gather=lambda x: x[None])),
+            options=LinearOptions(
+                vocab=ctx.vocab, collectives=_Custom(all_gather=lambda x: x[None])
+            ),
         )
     except ContractError as e:
         assert e.field == "collectives.all_gather"
@@ -431,4 +451,6 @@ def test_a_check_of_collectives_alone_takes_the_mode_they_declare() -> None:
 
     with pytest.raises(ContractError, match=r"collectives\.gather_hidden_states"):
         checked_collectives(Declared(), tp_size=TP).gather_hidden_states(torch.zeros(3, H))
-    checked_collectives(_Ungathered(), tp_size=TP).gather_hidden_states(torch.zeros(3, H))  # either form
+    checked_collectives(_Ungathered(), tp_size=TP).gather_hidden_states(
+        torch.zeros(3, H)
+    )  # either form

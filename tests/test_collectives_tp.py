@@ -14,7 +14,9 @@ from torch_impl import TorchCollectives
 def _rank(rank: int) -> None:
     from megatron.core import parallel_state
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     assert isinstance(coll, hookspec.Collectives) and coll.size == 2
     base = torch.arange(6.0).reshape(2, 3) + 10 * rank  # rank 0: 0..5, rank 1: 10..15
 

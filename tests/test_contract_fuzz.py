@@ -66,7 +66,9 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")  # masked lanes: -inf - -inf
+@pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning:triton.runtime.interpreter"
+)  # masked lanes: -inf - -inf
 def test_contract_fuzz_budget(one_thread: None) -> None:
     seed = int(os.environ.get("HOOKSPEC_FUZZ_SEED", DEFAULT_SEED))
     cases = int(os.environ.get("HOOKSPEC_FUZZ_CASES", DEFAULT_CASES))
@@ -87,7 +89,12 @@ def test_contract_fuzz_budget(one_thread: None) -> None:
         seen = {(r.entry, r.kind) for r in results}
         entries = {r.entry for r in results}
         assert len(entries) >= len(ENTRIES), sorted(entries)
-        for entry in ("selected_logprobs", "cross_entropy_loss", "policy_loss", "distillation_loss"):
+        for entry in (
+            "selected_logprobs",
+            "cross_entropy_loss",
+            "policy_loss",
+            "distillation_loss",
+        ):
             assert (entry, "value") in seen and (entry, "refused") in seen, entry
 
 
@@ -179,7 +186,9 @@ def test_each_wrong_outcome_is_a_finding() -> None:
         "e", raises(ContractError("hidden_states", expected="x", actual="y")), refuse=("labels",)
     )
     assert classify(wrong_field, wrong_field.call)[0] == "finding"
-    right_field = Case("e", raises(ContractError("labels[0]", expected="x", actual="y")), refuse=("labels",))
+    right_field = Case(
+        "e", raises(ContractError("labels[0]", expected="x", actual="y")), refuse=("labels",)
+    )
     assert classify(right_field, right_field.call) == ("refused", "")
     other_type = Case("e", raises(TypeError("deep inside")), refuse=("labels",))
     assert "TypeError: deep inside" in classify(other_type, other_type.call)[1]
@@ -188,7 +197,9 @@ def test_each_wrong_outcome_is_a_finding() -> None:
     refused = Case("e", raises(ContractError("labels", expected="x", actual="y")))
     assert "a valid draw refused" in classify(refused, refused.call)[1]
     nan = Case(
-        "e", lambda: torch.tensor([float("nan")]), lambda r: [] if not torch.isnan(r).any() else ["NaN"]
+        "e",
+        lambda: torch.tensor([float("nan")]),
+        lambda r: [] if not torch.isnan(r).any() else ["NaN"],
     )
     assert classify(nan, nan.call) == ("finding", "NaN")
 
@@ -241,7 +252,10 @@ def _sparse_ctx(
         **kw,
     )
     return OutputContext(
-        hidden_states=h.reshape(1, 1, -1), vocab_weight=w, vocab=VocabShard(0, V, V), context=teacher
+        hidden_states=h.reshape(1, 1, -1),
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=teacher,
     )
 
 
@@ -286,7 +300,9 @@ def _bucket_tails() -> None:
         context=SparseTeacher(ids=teacher.context.ids, logprobs=teacher.context.logprobs.double()),
     )
     rkl = distillation_loss(DistillConfig(divergence="reverse-kl", tail="bucket"))
-    assert float(rkl(teacher)["loss"]) == pytest.approx(float(rkl(ctx64)["loss"]), rel=1e-4)  # 59.6 vs 14.2
+    assert float(rkl(teacher)["loss"]) == pytest.approx(
+        float(rkl(ctx64)["loss"]), rel=1e-4
+    )  # 59.6 vs 14.2
     student = _sparse_ctx(torch.ones(1), torch.tensor([[10.0], [-6.0]]), [0], [math.log(0.6)])
     # q = softmax([10, -6]): KL = 0.6 log(0.6 / q_0) + 0.4 log(0.4 / q_1), q_1 = 1.1e-7
     truth = 0.6 * math.log(0.6 * (1 + math.exp(-16))) + 0.4 * math.log(0.4 * (1 + math.exp(16)))
@@ -320,7 +336,11 @@ def _bucket_truth() -> tuple[float, float]:
     """Forward KL with the bucket, and its gradient at logit 0 (``q_0 - p_0``), in float64."""
     lq = torch.tensor([20.0, 18.0, -30.0], dtype=torch.float64).log_softmax(0)
     q_tail = lq[2].exp()  # the entry outside the ids, summed as itself
-    kl = 0.6 * (math.log(0.6) - lq[0]) + 0.3 * (math.log(0.3) - lq[1]) + 0.1 * (math.log(0.1) - q_tail.log())
+    kl = (
+        0.6 * (math.log(0.6) - lq[0])
+        + 0.3 * (math.log(0.3) - lq[1])
+        + 0.1 * (math.log(0.1) - q_tail.log())
+    )
     return float(kl), float(lq[0].exp()) - 0.6
 
 
@@ -338,7 +358,9 @@ def _bucket_tail_gradient() -> None:
     float32, for 0.2808 (seed 12, case 950)."""
     for dtype in (torch.float64, torch.float32):
         ctx, w = _bucket_student(dtype)
-        distillation_loss(DistillConfig(divergence="forward-kl", tail="bucket"))(ctx)["loss"].backward()
+        distillation_loss(DistillConfig(divergence="forward-kl", tail="bucket"))(ctx)[
+            "loss"
+        ].backward()
         assert w.grad is not None
         assert float(w.grad[0, 0]) == pytest.approx(_bucket_truth()[1], rel=1e-4), dtype
 

@@ -152,7 +152,9 @@ def _distill(how: str) -> Callable[[dict[str, Any], torch.Tensor, torch.Tensor],
     tail = TeacherTail.BUCKET if how == "bucket" else TeacherTail.RENORMALIZE
     cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=tail)
     teacher = "dense" if how == "dense" else "sparse"
-    return lambda d, h, w: distillation_loss(cfg, tile_rows=_rows(d, w))(ctx_of(d, h, w, d[teacher]))
+    return lambda d, h, w: distillation_loss(cfg, tile_rows=_rows(d, w))(
+        ctx_of(d, h, w, d[teacher])
+    )
 
 
 def _bias(w: torch.Tensor) -> torch.Tensor:
@@ -175,7 +177,11 @@ def backward_of(out: Any) -> None:
 def _masked(d: dict[str, Any], h: torch.Tensor, w: torch.Tensor) -> OutputContext:
     """The one-shard context of the draw ``d`` with its batch's loss mask."""
     return OutputContext(
-        hidden_states=h, labels=d["y"], vocab_weight=w, vocab=VocabShard(0, V, V), loss_mask=d["batch"].mask
+        hidden_states=h,
+        labels=d["y"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        loss_mask=d["batch"].mask,
     )
 
 
@@ -183,7 +189,11 @@ def _masked(d: dict[str, Any], h: torch.Tensor, w: torch.Tensor) -> OutputContex
 CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], Any], float]] = {
     "linear_logprobs+entropy": (
         lambda d, h, w: linear_logprobs(
-            h.reshape(-1, H), w, d["y"].T.reshape(-1), with_entropy=True, options=LinearOptions(**d["kw"])
+            h.reshape(-1, H),
+            w,
+            d["y"].T.reshape(-1),
+            with_entropy=True,
+            options=LinearOptions(**d["kw"]),
         ),
         4.0,
     ),
@@ -206,7 +216,11 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
     # a bias: one more column sum per gradient tile, a GEMV [1, r] @ [r, c] (2 n V in all)
     "linear_logprobs(bias)": (
         lambda d, h, w: linear_logprobs(
-            h.reshape(-1, H), w, d["y"].T.reshape(-1), options=LinearOptions(**d["kw"]), bias=_bias(w)
+            h.reshape(-1, H),
+            w,
+            d["y"].T.reshape(-1),
+            options=LinearOptions(**d["kw"]),
+            bias=_bias(w),
         ),
         4.0 + 1 / H,
     ),
@@ -234,7 +248,9 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         4.0,
     ),
     "cross_entropy_loss(reduction='mean')": (
-        lambda d, h, w: cross_entropy_loss(reduction="mean", tile_rows=_rows(d, w))(_masked(d, h, w)),
+        lambda d, h, w: cross_entropy_loss(reduction="mean", tile_rows=_rows(d, w))(
+            _masked(d, h, w)
+        ),
         3.0,
     ),
     # the z-loss: its gradient a term of the same coefficient, no GEMM more
@@ -252,9 +268,9 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
     ),
     # label smoothing: the mean logit a running sum, its gradient a per-row term, no GEMM more
     "cross_entropy_loss(reduction='mean', label_smoothing)": (
-        lambda d, h, w: cross_entropy_loss(reduction="mean", label_smoothing=0.1, tile_rows=_rows(d, w))(
-            _masked(d, h, w)
-        ),
+        lambda d, h, w: cross_entropy_loss(
+            reduction="mean", label_smoothing=0.1, tile_rows=_rows(d, w)
+        )(_masked(d, h, w)),
         3.0,
     ),
     "cross_entropy_loss(label_smoothing)": (
@@ -264,7 +280,9 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], torch.Tensor, torch.Tensor], An
         4.0,
     ),
     "policy_loss(GRPO, fused)": (
-        lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), tile_rows=_rows(d, w))(ctx_of(d, h, w)),
+        lambda d, h, w: policy_loss(PolicyLossConfig.grpo(), tile_rows=_rows(d, w))(
+            ctx_of(d, h, w)
+        ),
         3.0,
     ),
     "linear_topk_logprobs": (
@@ -312,7 +330,9 @@ ROW_SWEEP = {
 }
 TORCH_TILE = (11, 128)  # tile_rows x tile_cols: chunks that divide nothing
 TILE_ELEMENTS = 9 * V  # the row sweep: 9 rows a tile
-GRAD_BUFFER = 18 * V * 4  # the row sweep's gradient buffer: 18 rows (two tiles; three buffers in all)
+GRAD_BUFFER = (
+    18 * V * 4
+)  # the row sweep's gradient buffer: 18 rows (two tiles; three buffers in all)
 TRITON_BUDGET = 16384  # bytes of one fp32 logits tile: 13 rows x 256 entries here
 
 
@@ -326,7 +346,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     yield name
 
 
-def _run_case(name: str, backend: str, dtype: torch.dtype = torch.float32) -> tuple[GemmCounter, int]:
+def _run_case(
+    name: str, backend: str, dtype: torch.dtype = torch.float32
+) -> tuple[GemmCounter, int]:
     forward, _ = CASES[name]
     d = data(dtype)
     tile = {} if backend == "triton" else {"tile_rows": TORCH_TILE[0], "tile_cols": TORCH_TILE[1]}
@@ -389,7 +411,9 @@ def test_counter_misses_a_gemm_outside_torch() -> None:
     def hidden_product() -> None:
         torch.mm(h, w.T)
         torch.mm(h, w.T)
-        torch.from_numpy(h.numpy() @ w.numpy().T)  # the mode sees the result wrapped, not the product
+        torch.from_numpy(
+            h.numpy() @ w.numpy().T
+        )  # the mode sees the result wrapped, not the product
         torch.mm(h, w.T)
 
     assert gemms(measure(hidden_product)) == pytest.approx(3.0)

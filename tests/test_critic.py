@@ -102,13 +102,17 @@ def _check_critic(tp: int) -> None:
     assert 0.0 < float(want["clip_fraction"]) < 1.0  # the clip is active for some tokens, not all
     for name, param in head.named_parameters():
         g = want[f"head.{name}"]
-        torch.testing.assert_close(param.grad.double(), g, rtol=1e-5, atol=1e-6 * float(g.abs().max()))
+        torch.testing.assert_close(
+            param.grad.double(), g, rtol=1e-5, atol=1e-6 * float(g.abs().max())
+        )
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     ref = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert got.keys() == ref.keys() and "decoder.layers.0.self_attention.linear_qkv.weight" in got
     assert "output_layer.weight" not in got  # the output layer is not used
     for name, g in ref.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name)
+        torch.testing.assert_close(
+            got[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name
+        )
     assert tp == model.config.tensor_model_parallel_size
 
 
@@ -198,7 +202,9 @@ def test_split_batch_losses_sum_to_the_loss_with_global_tokens() -> None:
     proc = value_head_processor(head, clip_range=CLIP)
 
     def loss(rows: slice, global_tokens: float | None) -> torch.Tensor:
-        part = ValueBatch(vb.returns[rows], vb.old_values[rows], vb.mask[rows], global_tokens=global_tokens)
+        part = ValueBatch(
+            vb.returns[rows], vb.old_values[rows], vb.mask[rows], global_tokens=global_tokens
+        )
         out = model(
             batch["input_ids"][rows],
             batch["position_ids"][rows],
@@ -243,7 +249,8 @@ def test_bad_context(context: Any, field: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"), [({"clip_range": 0}, "clip_range"), ({"clip_range": float("nan")}, "clip_range")]
+    ("kwargs", "field"),
+    [({"clip_range": 0}, "clip_range"), ({"clip_range": float("nan")}, "clip_range")],
 )
 def test_bad_options_are_refused_when_made(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ContractError) as err:

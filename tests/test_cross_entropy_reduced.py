@@ -111,8 +111,12 @@ def _run(
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_values_and_gradients_against_float64(reduction: str, dtype: torch.dtype, backend: str) -> None:
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str
+)
+def test_values_and_gradients_against_float64(
+    reduction: str, dtype: torch.dtype, backend: str
+) -> None:
     """Ignored labels, a fractional and a partly empty mask, per-token temperature,
     logit scale, six tiles of 4 rows (the last one short)."""
     if backend == "triton" and dtype == torch.float64:
@@ -155,7 +159,11 @@ def test_global_tokens_replaces_the_count() -> None:
 def test_no_mask_and_scalar_temperature_option() -> None:
     """``loss_mask=None``: every token with a label counts; ``temperature=`` a number."""
     p = _problem(3)
-    p2 = dict(p, mask=torch.ones(B, S, dtype=torch.float64), t=torch.full((B, S), 0.8, dtype=torch.float64))
+    p2 = dict(
+        p,
+        mask=torch.ones(B, S, dtype=torch.float64),
+        t=torch.full((B, S), 0.8, dtype=torch.float64),
+    )
     truth = _truth(p2, "mean")
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
@@ -172,7 +180,9 @@ def test_unreduced_takes_the_temperature_option_and_still_refuses_the_contexts()
     h, w = p["h"], p["w"]
     z = torch.einsum("sbh,vh->bsv", h, w) * SCALE / 0.6
     y = p["y"]
-    want = torch.where(y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
+    want = torch.where(
+        y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1)
+    )
     got = cross_entropy_loss(temperature=0.6)(_ctx(h, w, p, {}))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ContractError, match=r"^context\.temperature: expected none"):
@@ -204,18 +214,24 @@ def test_options_checked_where_they_enter(kw: dict[str, Any], field: str) -> Non
 
 
 @pytest.mark.parametrize(
-    "count", [float("nan"), float("inf"), 0, -3.0, True, "40", 10**400, torch.tensor(40.0)], ids=repr
+    "count",
+    [float("nan"), float("inf"), 0, -3.0, True, "40", 10**400, torch.tensor(40.0)],
+    ids=repr,
 )
 def test_bad_global_tokens(count: Any) -> None:
     p = _problem(6)
     ctx = _ctx(p["h"], p["w"], p, {"global_tokens": count})
-    with pytest.raises(ContractError, match=r"^context\.global_tokens: expected a finite number > 0"):
+    with pytest.raises(
+        ContractError, match=r"^context\.global_tokens: expected a finite number > 0"
+    ):
         cross_entropy_loss(reduction="mean")(ctx)
 
 
 def test_global_tokens_refused_with_sum_and_temperature_from_both_sources() -> None:
     p = _problem(7)
-    with pytest.raises(ContractError, match=r"^context\.global_tokens: expected None with reduction='sum'"):
+    with pytest.raises(
+        ContractError, match=r"^context\.global_tokens: expected None with reduction='sum'"
+    ):
         cross_entropy_loss(reduction="sum")(_ctx(p["h"], p["w"], p, {"global_tokens": 5}))
     with pytest.raises(ContractError, match=r"^temperature: expected one source"):
         cross_entropy_loss(reduction="sum", temperature=0.5)(_ctx(p["h"], p["w"], p))

@@ -76,11 +76,18 @@ def _ctx(d: dict[str, Any], teacher: Any, **kw: Any) -> OutputContext:
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
     return OutputContext(
-        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V), context=teacher, **kw
+        hidden_states=h,
+        labels=d["labels"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=teacher,
+        **kw,
     )
 
 
-def _div(log_p: torch.Tensor, log_q: torch.Tensor, kind: DistillDivergence, beta: float) -> torch.Tensor:
+def _div(
+    log_p: torch.Tensor, log_q: torch.Tensor, kind: DistillDivergence, beta: float
+) -> torch.Tensor:
     p, q = log_p.exp(), log_q.exp()
 
     def kl(a: torch.Tensor, la: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
@@ -107,7 +114,9 @@ def _aggregate(loss: torch.Tensor, m: torch.Tensor, how: Aggregation) -> torch.T
     return torch.stack(per).mean() if per else loss.sum() * 0.0
 
 
-def _truth(d: dict[str, Any], cfg: DistillConfig, *, dense: bool, mask: torch.Tensor | None = None) -> dict:
+def _truth(
+    d: dict[str, Any], cfg: DistillConfig, *, dense: bool, mask: torch.Tensor | None = None
+) -> dict:
     h = d["h"].clone().requires_grad_()
     w = d["w"].clone().requires_grad_()
     t = cfg.temperature
@@ -160,12 +169,16 @@ def _run(d: dict[str, Any], cfg: DistillConfig, dense: bool, tile: int = 3 * V) 
 
 def _close(got: dict, want: dict, tol: float = 1e-10) -> None:
     for key in ("loss", "kl", "top1_agreement", "dh", "dw"):
-        torch.testing.assert_close(got[key], want[key].to(got[key].dtype), rtol=tol, atol=tol, msg=key)
+        torch.testing.assert_close(
+            got[key], want[key].to(got[key].dtype), rtol=tol, atol=tol, msg=key
+        )
 
 
 @pytest.mark.parametrize("divergence", DIVS)
 @pytest.mark.parametrize("aggregation", AGGS)
-def test_dense_teacher_against_float64(divergence: DistillDivergence, aggregation: Aggregation) -> None:
+def test_dense_teacher_against_float64(
+    divergence: DistillDivergence, aggregation: Aggregation
+) -> None:
     d = _data()
     cfg = DistillConfig(divergence=divergence, aggregation=aggregation, temperature=0.7, beta=0.3)
     _close(_run(d, cfg, dense=True), _truth(d, cfg, dense=True))
@@ -264,18 +277,27 @@ def test_the_tensor_function_checks_its_own_arguments() -> None:
         linear_distillation_loss(
             h, w, y, SparseTeacher(ids=teacher.ids, logprobs=teacher.logprobs, mask=d["mask"])
         )
-    with pytest.raises(ContractError, match=r"^teacher: expected a torch_impl.processors.SparseTeacher"):
+    with pytest.raises(
+        ContractError, match=r"^teacher: expected a torch_impl.processors.SparseTeacher"
+    ):
         linear_distillation_loss(h, w, y, {"ids": teacher.ids})
     with pytest.raises(ContractError, match=r"^sequences\[0\]: expected indices in \[0, 2\)"):
         seq = torch.arange(S * B) % B
         linear_distillation_loss(
-            h, w, y, teacher, config=DistillConfig(aggregation="seq-mean-token-sum"), sequences=(seq, 2)
+            h,
+            w,
+            y,
+            teacher,
+            config=DistillConfig(aggregation="seq-mean-token-sum"),
+            sequences=(seq, 2),
         )
     bad = teacher.logprobs.clone()
     bad[3, 0] = 0.5  # a logprob > 0 at a counted row
     with pytest.raises(ContractError, match=r"^teacher.logprobs: expected logprobs <= 0"):
         linear_distillation_loss(h, w, y, SparseTeacher(ids=teacher.ids, logprobs=bad))
-    with pytest.raises(TypeError, match=re.escape("vocab_start= -> LinearOptions(vocab=VocabShard")):
+    with pytest.raises(
+        TypeError, match=re.escape("vocab_start= -> LinearOptions(vocab=VocabShard")
+    ):
         linear_distillation_loss(h, w, y, teacher, vocab_start=0)  # type: ignore[arg-type]
 
 
@@ -289,19 +311,29 @@ def test_the_tensor_function_without_labels_counts_every_row() -> None:
     with_labels = linear_distillation_loss(h, w, _rows(d["labels"]), teacher, config=cfg)
     without = linear_distillation_loss(h, w, None, teacher, config=cfg)
     assert torch.equal(with_labels.loss, without.loss)
-    torch.testing.assert_close(without.loss, _truth(d, cfg, dense=False)["loss"], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        without.loss, _truth(d, cfg, dense=False)["loss"], rtol=1e-10, atol=1e-10
+    )
 
 
 def test_sparse_aggregations_and_one_tile_per_token() -> None:
     d = _data(2)
     for how in AGGS:
-        cfg = DistillConfig(divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET, aggregation=how)
+        cfg = DistillConfig(
+            divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET, aggregation=how
+        )
         _close(_run(d, cfg, dense=False, tile=1), _truth(d, cfg, dense=False))
 
 
 def test_float32_student_within_float32_error() -> None:
     d = _data(3)
-    d32 = {**d, "h": d["h"].float(), "w": d["w"].float(), "th": d["th"].float(), "tw": d["tw"].float()}
+    d32 = {
+        **d,
+        "h": d["h"].float(),
+        "w": d["w"].float(),
+        "th": d["th"].float(),
+        "tw": d["tw"].float(),
+    }
     for dense in (True, False):
         cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
         got, want = _run(d32, cfg, dense), _truth(d, cfg, dense=dense)
@@ -316,7 +348,9 @@ def test_a_second_backward_raises_as_the_fused_loss_does(dense: bool) -> None:
     ctx = _ctx(d, _teacher(d, dense))
     loss = distillation_loss(DistillConfig(tail=TeacherTail.BUCKET))(ctx)["loss"]
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="distillation_loss: backward through the same call twice"):
+    with pytest.raises(
+        RuntimeError, match="distillation_loss: backward through the same call twice"
+    ):
         loss.backward()
 
 
@@ -486,7 +520,10 @@ def test_reverse_kl_with_the_bucket_is_finite_where_the_teacher_lists_its_whole_
     cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
     got = _run(full, cfg, False)
     _close(got, _truth(d, DistillConfig(divergence=DistillDivergence.REVERSE_KL), dense=True))
-    near = {**d, "lp": (d["lp"] - d["lp"].logsumexp(-1, keepdim=True)).float()}  # its mass rounds to 1
+    near = {
+        **d,
+        "lp": (d["lp"] - d["lp"].logsumexp(-1, keepdim=True)).float(),
+    }  # its mass rounds to 1
     assert math.isfinite(float(_run(near, cfg, False)["loss"]))
 
 
@@ -494,7 +531,9 @@ def test_a_small_teacher_tail_in_float32_keeps_its_precision() -> None:
     """A teacher tail of 1e-4 in float32 logprobs: ``1 - sum(exp)`` in float32 cancels
     (1.7e-5 relative error in reverse KL); ``-expm1(logsumexp)`` does not."""
     d = _data(5)
-    lp = d["lp"] - d["lp"].logsumexp(-1, keepdim=True) + math.log1p(-1e-4)  # the listed mass: 1 - 1e-4
+    lp = (
+        d["lp"] - d["lp"].logsumexp(-1, keepdim=True) + math.log1p(-1e-4)
+    )  # the listed mass: 1 - 1e-4
     d32 = {**d, "lp": lp.float()}
     cfg = DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET)
     got = _run(d32, cfg, False)
@@ -509,7 +548,10 @@ def test_a_dense_teacher_names_its_vocabulary_rows() -> None:
     d = _data()
     half = V // 2
     w = d["w"][:half].clone().requires_grad_()
-    for vocab, expected in ((None, "VocabShard of the teacher"), (VocabShard(half, V, V), "the student's")):
+    for vocab, expected in (
+        (None, "VocabShard of the teacher"),
+        (VocabShard(half, V, V), "the student's"),
+    ):
         teacher = DenseTeacher(hidden_states=d["th"], weight=d["tw"][half:], vocab=vocab)
         ctx = OutputContext(
             hidden_states=d["h"],
@@ -530,7 +572,9 @@ def test_a_dense_teachers_logit_scale() -> None:
     its weight; no T**2 factor anywhere."""
     d = _data()
     cfg = DistillConfig(divergence=DistillDivergence.JSD, temperature=0.9)
-    ctx = _ctx(d, DenseTeacher(hidden_states=d["th"], weight=d["tw"], mask=d["mask"], logit_scale=1.7))
+    ctx = _ctx(
+        d, DenseTeacher(hidden_states=d["th"], weight=d["tw"], mask=d["mask"], logit_scale=1.7)
+    )
     got = distillation_loss(cfg)(ctx)
     want = _truth({**d, "tw": d["tw"] * 1.7}, cfg, dense=True)
     torch.testing.assert_close(got["loss"].detach(), want["loss"], rtol=1e-10, atol=1e-10)
@@ -641,7 +685,10 @@ def test_context_checks() -> None:
         (SparseTeacher(ids=d["ids"] + V, logprobs=d["lp"]), "context.ids"),
         (DenseTeacher(hidden_states=d["th"][:-1], weight=d["tw"]), "context.hidden_states"),
         (DenseTeacher(hidden_states=d["th"], weight=d["tw"][:-1]), "context.weight"),
-        (DenseTeacher(hidden_states=d["th"], weight=d["tw"], global_tokens=-1.0), "context.global_tokens"),
+        (
+            DenseTeacher(hidden_states=d["th"], weight=d["tw"], global_tokens=-1.0),
+            "context.global_tokens",
+        ),
     ]
     for teacher, field in cases:
         with pytest.raises(ContractError) as info:
@@ -652,7 +699,9 @@ def test_context_checks() -> None:
 # ---------------------------------------------------------------- tensor parallel
 
 
-def _tp2_case(rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_parallel: bool) -> None:
+def _tp2_case(
+    rank: int, d: dict[str, Any], name: str, want: dict, *, sequence_parallel: bool
+) -> None:
     from megatron.core import parallel_state
 
     from torch_impl import TorchCollectives
@@ -706,7 +755,9 @@ _TP_CASES = {
     "dense forward-kl": (DistillConfig(temperature=0.8), True),
     "dense jsd": (DistillConfig(divergence=DistillDivergence.JSD, beta=0.2), True),
     "dense reverse-kl seq-mean": (
-        DistillConfig(divergence=DistillDivergence.REVERSE_KL, aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN),
+        DistillConfig(
+            divergence=DistillDivergence.REVERSE_KL, aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN
+        ),
         True,
     ),
     "sparse forward-kl renormalize": (DistillConfig(), False),
@@ -714,7 +765,10 @@ _TP_CASES = {
         DistillConfig(divergence=DistillDivergence.REVERSE_KL, tail=TeacherTail.BUCKET),
         False,
     ),
-    "sparse jsd bucket": (DistillConfig(divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET), False),
+    "sparse jsd bucket": (
+        DistillConfig(divergence=DistillDivergence.JSD, tail=TeacherTail.BUCKET),
+        False,
+    ),
 }
 
 
@@ -725,7 +779,10 @@ def test_tp2_equals_tp1() -> None:
     d = _data(4)
     truths = {name: _truth(d, cfg, dense=dense) for name, (cfg, dense) in _TP_CASES.items()}
     cut = {"h": 6, "th": 6}  # [s, b, ...]: 6 positions, 3 a rank
-    d_sp = {k: v[: cut[k]] if k in cut else (v[:, :6] if k != "w" and k != "tw" else v) for k, v in d.items()}
+    d_sp = {
+        k: v[: cut[k]] if k in cut else (v[:, :6] if k != "w" and k != "tw" else v)
+        for k, v in d.items()
+    }
     sp = {
         name: _truth(d_sp, *_TP_CASES[name][:1], dense=_TP_CASES[name][1])
         for name in ("dense jsd", "sparse jsd bucket")

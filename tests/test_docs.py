@@ -40,7 +40,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "notebooks" / "README.md")
 MAX_NOT_RUN = 6
-HAS_JAX = importlib.util.find_spec("jax") is not None and importlib.util.find_spec("flax") is not None
+HAS_JAX = (
+    importlib.util.find_spec("jax") is not None and importlib.util.find_spec("flax") is not None
+)
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -128,7 +130,12 @@ def _gpt_batch(model: Any, *, enabled: bool = False) -> dict[str, Any]:
 
     if enabled:
         model = torch_impl.enable_output_processor(model)
-    names: dict[str, Any] = {"torch": torch, "torch_impl": torch_impl, "model": model, "temperature": 0.7}
+    names: dict[str, Any] = {
+        "torch": torch,
+        "torch_impl": torch_impl,
+        "model": model,
+        "temperature": 0.7,
+    }
     names.update(tiny_batch(batch=2, seq=8, vocab_size=64))
     return names
 
@@ -153,7 +160,9 @@ def _gpt_rl() -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     b, s = names["labels"].shape
     old = -4.0 + 0.1 * torch.randn(b, s, generator=g)
-    names.update(old=old, ref=old + 0.05 * torch.randn(b, s, generator=g), adv=torch.randn(b, s, generator=g))
+    names.update(
+        old=old, ref=old + 0.05 * torch.randn(b, s, generator=g), adv=torch.randn(b, s, generator=g)
+    )
     names["mask"] = names["loss_mask"]
     return names
 
@@ -244,7 +253,9 @@ def test_block(setup_names: dict[str, Any], request: pytest.FixtureRequest) -> N
         )
         return
     if block.kind == "runs-with":
-        assert block.arg in SETUPS, f"{block.id}: unknown setup {block.arg!r}, known: {sorted(SETUPS)}"
+        assert block.arg in SETUPS, (
+            f"{block.id}: unknown setup {block.arg!r}, known: {sorted(SETUPS)}"
+        )
     reason = _needs(block.code)
     if reason:
         pytest.skip(reason)
@@ -272,7 +283,12 @@ def _run_as_program(block: Block, folder: Path) -> None:
     env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(
-        [sys.executable, "-c", probe], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", probe],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, f"{block.id}:\n{proc.stdout}\n{proc.stderr}"
     if block.output is not None:
@@ -293,7 +309,9 @@ def test_markers_are_few_and_known() -> None:
             assert b.arg in SETUPS, f"{b.id}: unknown setup {b.arg!r}"
     assert any(b.kind == "include" and b.arg == "docs/examples/my_processor.py" for b in BLOCKS)
     readme = [b for b in BLOCKS if b.path.name == "README.md"]
-    assert readme[0].kind == "runs-as" and readme[0].output, "the README opens with a quickstart that runs"
+    assert readme[0].kind == "runs-as" and readme[0].output, (
+        "the README opens with a quickstart that runs"
+    )
 
 
 def test_markers_are_read(tmp_path: Path) -> None:
@@ -325,7 +343,9 @@ PAIR = [
 ]
 
 
-@pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core")
+@pytest.mark.skipif(
+    not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core"
+)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_example_pair_passes_hookcheck(tp: int) -> None:
     """``python -m jax_ref.check.hookcheck`` on the template pair, as the docs
@@ -358,7 +378,9 @@ def test_example_pair_passes_hookcheck(tp: int) -> None:
     assert code == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
-    if tp == 2:  # docs/writing-processors.md shows this run's table: its header and rows, hookcheck's
+    if (
+        tp == 2
+    ):  # docs/writing-processors.md shows this run's table: its header and rows, hookcheck's
         shown = _readme_hookcheck_table()
         assert shown[0] in out.splitlines(), (shown[0], out)
         for row in shown[2:-1]:  # every column but the errors, which vary in their last digits
@@ -412,7 +434,9 @@ def test_example_pair_check_can_fail() -> None:
     report = cross_check(no_zero_at_ignored, tempered_logprobs_reference, ctx)
     assert not report.passed
     failed = {(r.output, r.quantity) for r in report.failures()}
-    assert ("logprobs", "value") in failed and not any(out == "loss" for out, _ in failed), str(report)
+    assert ("logprobs", "value") in failed and not any(out == "loss" for out, _ in failed), str(
+        report
+    )
 
 
 @pytest.mark.skipif(not HAS_JAX, reason="needs jax and flax")
@@ -427,7 +451,9 @@ def test_jax_ref_submodules_load_on_first_use() -> None:
         "assert 'torch' not in sys.modules and 'jax_ref.check' not in sys.modules, sorted(sys.modules)\n"
         "try:\n    jax_ref.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "module 'jax_ref' has no attribute 'no_such_name'" in out.stdout
 
@@ -489,7 +515,11 @@ def test_template_without_a_loss_mask_counts_every_labelled_token() -> None:
 @pytest.mark.parametrize(
     ("call", "field", "actual"),
     [
-        ({}, "context", "NoneType"),  # no output_processor_context (it raised "'NoneType' ... subscriptable")
+        (
+            {},
+            "context",
+            "NoneType",
+        ),  # no output_processor_context (it raised "'NoneType' ... subscriptable")
         ({"output_processor_context": {"temp": 1.0}}, "context", "a mapping with keys ['temp']"),
         ({"output_processor_context": 0.7}, "context", "float"),
     ],
@@ -512,7 +542,9 @@ def test_template_without_labels_raises_a_contract_error() -> None:
     import hookspec
     from docs.examples.my_processor import tempered_logprobs
 
-    ctx = hookspec.OutputContext(hidden_states=np.zeros((8, 2, 4), np.float32), context={"temperature": 1.0})
+    ctx = hookspec.OutputContext(
+        hidden_states=np.zeros((8, 2, 4), np.float32), context={"temperature": 1.0}
+    )
     with pytest.raises(hookspec.ContractError) as err:
         tempered_logprobs(ctx)
     assert (err.value.field, err.value.actual) == ("labels", "None")
@@ -557,7 +589,9 @@ def by_hand_reference_sharded() -> None:
                 vocab_size=v,
                 logit_scale=0.5,
             )
-            want, vjp = jax.vjp(lambda x, w, i=inputs: tempered_logprobs_reference(x, w, i), hidden, weight)
+            want, vjp = jax.vjp(
+                lambda x, w, i=inputs: tempered_logprobs_reference(x, w, i), hidden, weight
+            )
             got, vjp_s = jax.vjp(lambda x, w, i=inputs: sharded(x, w, i), hidden, weight)
             cot = {"logprobs": jnp.asarray(rng.normal(size=(b, s))), "loss": jnp.asarray(1.3)}
             for a, r in zip(
@@ -580,7 +614,11 @@ def by_hand_reference_sharded() -> None:
 
 @pytest.mark.skipif(not HAS_JAX, reason="needs jax and flax")
 def test_by_hand_reference_equals_the_library_one_on_two_shards() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONWARNINGS": "ignore",
+    }
     code = "import tests.test_docs as t; t.by_hand_reference_sharded()"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
@@ -599,7 +637,9 @@ def _benchmark_targets() -> dict[str, float]:
 
     tree = ast.parse((ROOT / "benchmarks" / "logprobs.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TARGETS" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "TARGETS" for t in node.targets
+        ):
             return dict(ast.literal_eval(node.value))
     raise AssertionError("benchmarks/logprobs.py defines no TARGETS")
 
@@ -623,4 +663,6 @@ def test_every_page_states_the_cpu_time_target_of_the_benchmark() -> None:
         if value != targets["policy_vs_naive" if policy else "time_vs_naive"]
     ]
     assert not wrong, f"targets other than benchmarks/logprobs.py's TARGETS {targets}: {wrong}"
-    assert _TIME_TARGET.search("logprobs(+entropy) forward+backward <= 1.35x naive")  # the old line: caught
+    assert _TIME_TARGET.search(
+        "logprobs(+entropy) forward+backward <= 1.35x naive"
+    )  # the old line: caught

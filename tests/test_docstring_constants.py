@@ -24,7 +24,9 @@ PACKAGES = ("hookspec", "torch_impl", "jax_ref")
 NAMED = re.compile(
     r"(?:``|:data:`|:const:`|(?<![`\w])`)([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+|[A-Z]{3,}[0-9]*)(?:\s*=\s*([^`]+?))?`"
 )
-ENVIRONMENT = re.compile(r"os\.environ(?:\.get|\.setdefault|\.pop)?\s*[\[(]\s*[\"']([A-Z][A-Z0-9_]+)[\"']")
+ENVIRONMENT = re.compile(
+    r"os\.environ(?:\.get|\.setdefault|\.pop)?\s*[\[(]\s*[\"']([A-Z][A-Z0-9_]+)[\"']"
+)
 
 _OPS: dict[type, Any] = {
     ast.Add: operator.add,
@@ -65,14 +67,18 @@ def _known_names() -> tuple[dict[str, list[str]], set[str]]:
         text = path.read_text()
         tree = ast.parse(text)
         for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            targets = (
+                node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            )
             for target in targets:
                 if isinstance(target, ast.Name):
                     constants.setdefault(target.id, []).append(_module(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 others |= {a.arg for a in node.args.args + node.args.kwonlyargs}
-            elif isinstance(node, ast.ClassDef):  # a class's constants: Enum members, class attributes
+            elif isinstance(
+                node, ast.ClassDef
+            ):  # a class's constants: Enum members, class attributes
                 others |= {
                     t.id
                     for item in node.body
@@ -148,7 +154,10 @@ def test_every_stated_size_of_a_per_device_budget_is_its_value() -> None:
     assert wrong == []
     assert checked >= 2  # policy_loss states both devices
     stale = "``TILE_BYTES`` of fp32 logits, 32 MiB on a CPU, 1 GiB on CUDA"
-    assert stated_sizes(stale, "TILE_BYTES") == [("cpu", 32 << 20), ("cuda", 1 << 30)]  # the scan sees it
+    assert stated_sizes(stale, "TILE_BYTES") == [
+        ("cpu", 32 << 20),
+        ("cuda", 1 << 30),
+    ]  # the scan sees it
 
 
 def test_every_stated_value_is_the_constants() -> None:
@@ -167,7 +176,9 @@ def test_every_stated_value_is_the_constants() -> None:
             if actual != want:
                 wrong.append(f"{where}: {name} = {stated} ({want}), {module}.{name} is {actual}")
     assert wrong == []
-    assert checked >= 1, "the scan reads stated values (TAIL_FLOOR = 2**-126 in hookspec.conventions)"
+    assert checked >= 1, (
+        "the scan reads stated values (TAIL_FLOOR = 2**-126 in hookspec.conventions)"
+    )
 
 
 @pytest.mark.parametrize(

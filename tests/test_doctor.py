@@ -19,16 +19,26 @@ def test_doctor_command_reports_the_installed_release_and_passes() -> None:
     """The command as a user runs it (the matrix runs it on every release)."""
     from megatron.core.models.gpt import GPTModel
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS")
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "torch_impl.doctor"], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "torch_impl.doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     _assert_no_known_notice(done.stderr)
     release = installed_megatron().release
     assert f"megatron-core {release} at " in out
-    path = "adapter path: native hook" if has_native_hook(GPTModel) else "adapter path: no native hook"
+    path = (
+        "adapter path: native hook" if has_native_hook(GPTModel) else "adapter path: no native hook"
+    )
     assert path in out
     covered = release in doctor.MATRIX_RELEASES
     assert (f"covered: yes, {release} is in the CI release matrix" in out) == covered
@@ -90,7 +100,11 @@ def test_release_outside_the_matrix_gets_the_checks_not_a_refusal(
     def skips() -> None:
         raise doctor.SkipCheck("no such feature in this release")
 
-    checks = [("a check that holds", passes), ("a check that breaks", fails), ("a missing feature", skips)]
+    checks = [
+        ("a check that holds", passes),
+        ("a check that breaks", fails),
+        ("a missing feature", skips),
+    ]
     monkeypatch.setattr(doctor, "MATRIX_RELEASES", {})
     monkeypatch.setattr(doctor, "default_checks", lambda: iter(checks))
     status = doctor.main([])
@@ -132,7 +146,9 @@ def test_facts_row_option_prints_the_table_row(capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().out.strip() == doctor.facts_row()
 
 
-def test_doctor_prints_versions_device_and_the_auto_backend(capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_prints_versions_device_and_the_auto_backend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import importlib.metadata
     import importlib.util
 
@@ -148,7 +164,9 @@ def test_doctor_prints_versions_device_and_the_auto_backend(capsys: pytest.Captu
     assert f"mcore-hookspec {importlib.metadata.version('mcore-hookspec')}" in out
     assert f"torch {torch.__version__};" in out
     assert f"megatron-core {installed_megatron().release};" in out
-    triton = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else "absent"
+    triton = (
+        importlib.metadata.version("triton") if importlib.util.find_spec("triton") else "absent"
+    )
     assert f"triton {triton};" in out
     te = "absent" if importlib.util.find_spec("transformer_engine") is None else ""
     assert f"transformer-engine {te}" in out
@@ -157,14 +175,23 @@ def test_doctor_prints_versions_device_and_the_auto_backend(capsys: pytest.Captu
         assert "CUDA device: none" in out
     choice = auto_choice(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if torch.cuda.is_available():
-        measured = "measured on this device class" if choice.measured else "not measured on this device class"
-        assert f'backend "auto": {choice.backend} on ' in out and f"({measured}: {choice.source})" in out
+        measured = (
+            "measured on this device class"
+            if choice.measured
+            else "not measured on this device class"
+        )
+        assert (
+            f'backend "auto": {choice.backend} on ' in out
+            and f"({measured}: {choice.source})" in out
+        )
     else:  # a CPU is not a device class that was, or could be, measured: the rule is said
         assert f'backend "auto": {choice.backend} on the CPU ({choice.source})' in out
         assert "measured" not in out
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU message; the GPU runs them")
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the CPU message; the GPU runs them"
+)
 def test_gpu_checks_skip_on_a_cpu_with_the_reason() -> None:
     gpu = [c for c in doctor.default_checks() if c[0].startswith("GPU:")]
     assert len(gpu) == 2
@@ -173,13 +200,17 @@ def test_gpu_checks_skip_on_a_cpu_with_the_reason() -> None:
     assert all("no CUDA device" in r.detail for r in results)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the Triton backend needs triton")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="the Triton backend needs triton"
+)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 def test_gpu_checks_run_on_the_cpu_with_the_interpreter() -> None:
     """The GPU checks' code on the CPU, both backends (Triton under its interpreter):
     a keyword the API dropped fails here, not on the GPU (it did once: ``backend=``)."""
     gpu = list(doctor.gpu_checks("cpu"))
-    assert [name for name, _ in gpu] == [c[0] for c in doctor.default_checks() if c[0].startswith("GPU:")]
+    assert [name for name, _ in gpu] == [
+        c[0] for c in doctor.default_checks() if c[0].startswith("GPU:")
+    ]
     results = doctor.run_checks(gpu)
     assert [r.status for r in results] == ["pass", "pass"], results
 
@@ -217,7 +248,9 @@ def test_what_is_read_from_megatron_lives_in_one_object() -> None:
     reads = {
         f"{n.value.id}.{n.attr}"
         for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("inspect", "ast")
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in ("inspect", "ast")
     }
     assert not reads, f"the doctor works out a fact itself: {sorted(reads)}"
 
@@ -262,7 +295,9 @@ def test_library_code_imports_no_test_support() -> None:
                     names = [base] + [f"{base}.{a.name}" for a in node.names]
                 elif isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
-                if any(n.startswith(("torch_impl.testing", ".testing", "..testing")) for n in names):
+                if any(
+                    n.startswith(("torch_impl.testing", ".testing", "..testing")) for n in names
+                ):
                     found.append(f"{rel}:{node.lineno}")
     assert found == []
     source = pathlib.Path(doctor.__file__).read_text()

@@ -18,9 +18,13 @@ from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 pytestmark = pytest.mark.usefixtures("megatron_single")
 
 
-def _loss_and_grads(model: torch.nn.Module, batch: dict[str, Any], **kw: Any) -> tuple[Any, dict[str, Any]]:
+def _loss_and_grads(
+    model: torch.nn.Module, batch: dict[str, Any], **kw: Any
+) -> tuple[Any, dict[str, Any]]:
     model.zero_grad(set_to_none=True)
-    out = model(*cases.model_inputs(batch), labels=batch["labels"], loss_mask=batch["loss_mask"], **kw)
+    out = model(
+        *cases.model_inputs(batch), labels=batch["labels"], loss_mask=batch["loss_mask"], **kw
+    )
     (out * batch["loss_mask"]).sum().backward()
     return out.detach(), cases.grads(model)
 
@@ -37,7 +41,9 @@ def _assert_bitwise(a: tuple[Any, dict[str, Any]], b: tuple[Any, dict[str, Any]]
 def test_without_processor_outputs_and_grads_are_bitwise_stock(tied: bool) -> None:
     batch = tiny_batch()
     stock = build_tiny_gpt(share_embeddings_and_output_weights=tied)
-    enabled = torch_impl.enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=tied))
+    enabled = torch_impl.enable_output_processor(
+        build_tiny_gpt(share_embeddings_and_output_weights=tied)
+    )
     assert type(enabled).__name__ == "OutputHookGPTModel"
     _assert_bitwise(_loss_and_grads(stock, batch), _loss_and_grads(enabled, batch))
     # The logits path (labels None) too.
@@ -86,7 +92,9 @@ def test_hookspec_context_is_filled_from_the_model() -> None:
         return torch.zeros(ctx.batch_size, ctx.seq_len)
 
     batch = tiny_batch(batch=3, seq=5)
-    model = torch_impl.enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=True))
+    model = torch_impl.enable_output_processor(
+        build_tiny_gpt(share_embeddings_and_output_weights=True)
+    )
     padding = torch.zeros(3, 5, dtype=torch.bool)
     marker = object()
     out = model(
@@ -134,9 +142,9 @@ def test_context_reads_the_groups_once_per_model() -> None:
     regrouped = torch_impl.build_output_context(model, kw)
     assert regrouped.parallel == first.parallel and regrouped.collectives is not first.collectives
     other = build_tiny_gpt()
-    assert torch_impl.build_output_context(other, {"output_layer": other.output_layer}).collectives is not (
-        regrouped.collectives
-    )
+    assert torch_impl.build_output_context(
+        other, {"output_layer": other.output_layer}
+    ).collectives is not (regrouped.collectives)
 
 
 def test_enable_is_idempotent_and_undone() -> None:
@@ -178,7 +186,9 @@ def test_works_through_torch_ddp() -> None:
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     assert torch_impl.enable_output_processor(wrapped) is wrapped
     assert torch_impl.unwrap_model(wrapped) is model
-    out = wrapped(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss)
+    out = wrapped(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss
+    )
     model.zero_grad(set_to_none=True)
     (out * batch["loss_mask"]).sum().backward()
     assert torch.equal(out.detach(), stock[0])
@@ -196,7 +206,9 @@ def test_works_through_float16module() -> None:
     torch_impl.enable_output_processor(wrapped)
     assert torch_impl.is_output_processor_enabled(wrapped)
     out = wrapped(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=cases.stock_loss_upstream,
     )
     assert out.dtype == torch.float32 and torch.equal(out, stock)
     assert torch.equal(wrapped(*cases.model_inputs(batch), labels=batch["labels"]), stock)
@@ -211,7 +223,9 @@ def test_unsupported_model_is_refused() -> None:
 
 
 def _run(model: torch.nn.Module, batch: dict[str, Any], processor: Any, **kw: Any) -> Any:
-    return model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=processor, **kw)
+    return model(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=processor, **kw
+    )
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,9 @@ def _cuda_gpt(spec: Any, *, seed: int = 1234, **overrides: Any) -> torch.nn.Modu
 
 
 def _cuda_batch(**kw: Any) -> dict[str, Any]:
-    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch(**kw).items()}
+    return {
+        k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch(**kw).items()
+    }
 
 
 @pytest.mark.skipif(not HAS_TE, reason="Transformer Engine is not installed")
@@ -53,12 +55,16 @@ def test_transformer_engine_spec_bitwise_stock() -> None:
         inputs = cases.model_inputs(batch)
         ref = stock(*inputs, labels=batch["labels"])
         assert torch.equal(ref, enabled(*inputs, labels=batch["labels"]))
-        assert torch.equal(ref, enabled(*inputs, labels=batch["labels"], output_processor=cases.stock_loss))
+        assert torch.equal(
+            ref, enabled(*inputs, labels=batch["labels"], output_processor=cases.stock_loss)
+        )
 
 
 def _forward_step(batch: dict[str, Any], data_iterator: Any, model: torch.nn.Module) -> Any:
     out = model(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=cases.vocab_parallel_logprobs,
     )
 
     def loss_func(result: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -87,7 +93,10 @@ def test_megatron_schedule_carries_a_mapping_result() -> None:
         logits = model(*cases.model_inputs(batch)).detach()
         expected = -cases.reference_logprobs(logits, batch["labels"]).mean()
         torch.testing.assert_close(losses[0]["nll"].double(), expected, rtol=1e-5, atol=1e-5)
-        assert model.output_layer.weight.grad is not None or model.output_layer.weight.main_grad is not None
+        assert (
+            model.output_layer.weight.grad is not None
+            or model.output_layer.weight.main_grad is not None
+        )
 
 
 def _sp_rank(rank: int) -> None:
@@ -95,13 +104,19 @@ def _sp_rank(rank: int) -> None:
 
     torch.cuda.set_device(rank)
     batch = _cuda_batch()
-    sp = torch_impl.enable_output_processor(_cuda_gpt(get_gpt_layer_local_spec(), sequence_parallel=True))
+    sp = torch_impl.enable_output_processor(
+        _cuda_gpt(get_gpt_layer_local_spec(), sequence_parallel=True)
+    )
     plain = torch_impl.enable_output_processor(_cuda_gpt(get_gpt_layer_local_spec()))
     out_sp = sp(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=cases.vocab_parallel_logprobs,
     )
     out = plain(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=cases.vocab_parallel_logprobs,
     )
     torch.testing.assert_close(out_sp["logprobs"], out["logprobs"], rtol=1e-5, atol=1e-5)
     out_sp["logprobs"].sum().backward()
@@ -111,7 +126,9 @@ def _sp_rank(rank: int) -> None:
     )
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="sequence parallel needs tp=2, one GPU per rank")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="sequence parallel needs tp=2, one GPU per rank"
+)
 def test_sequence_parallel_gathers_hidden_states() -> None:
     run_distributed(_sp_rank, tp=2, backend="nccl")
 
@@ -124,9 +141,13 @@ def test_megatron_ddp_wrapper() -> None:
         stock = _cuda_gpt(get_gpt_layer_local_spec())
         model = _cuda_gpt(get_gpt_layer_local_spec())
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-        assert torch_impl.enable_output_processor(ddp) is ddp and torch_impl.unwrap_model(ddp) is model
+        assert (
+            torch_impl.enable_output_processor(ddp) is ddp and torch_impl.unwrap_model(ddp) is model
+        )
         batch = _cuda_batch()
-        out = ddp(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss)
+        out = ddp(
+            *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss
+        )
         assert torch.equal(out, stock(*cases.model_inputs(batch), labels=batch["labels"]))
         out.sum().backward()
         assert model.output_layer.weight.main_grad.abs().sum() > 0

@@ -39,9 +39,13 @@ def _stage_state(
     """The full model's tensors under this stage's local names."""
 
     def global_name(name: str) -> str:
-        return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
+        return re.sub(
+            r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name
+        )
 
-    return {name: full[global_name(name)] for name in model.state_dict() if "_extra_state" not in name}
+    return {
+        name: full[global_name(name)] for name in model.state_dict() if "_extra_state" not in name
+    }
 
 
 def _pp2_rank(
@@ -90,7 +94,9 @@ def test_pp2_processor_runs_on_the_last_stage_and_matches_pp1() -> None:
     with megatron_parallel():
         model = torch_impl.enable_output_processor(build_tiny_gpt())
         out = model(
-            *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.vocab_parallel_logprobs
+            *cases.model_inputs(batch),
+            labels=batch["labels"],
+            output_processor=cases.vocab_parallel_logprobs,
         )
         out["logprobs"].sum().backward()
         expected = {

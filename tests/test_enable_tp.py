@@ -19,7 +19,9 @@ from tests.distributed import run_distributed
 from torch_impl.testing.tiny import build_tiny_gpt, megatron_parallel, tiny_batch
 
 
-def _logprob_run(model: torch.nn.Module, batch: dict[str, Any], cotangent: torch.Tensor) -> dict[str, Any]:
+def _logprob_run(
+    model: torch.nn.Module, batch: dict[str, Any], cotangent: torch.Tensor
+) -> dict[str, Any]:
     """Run the vocab-parallel logprob processor, back-propagate ``cotangent`` and
     return values, the hidden-state gradient and selected parameter gradients."""
     kept: dict[str, Any] = {}
@@ -32,7 +34,9 @@ def _logprob_run(model: torch.nn.Module, batch: dict[str, Any], cotangent: torch
 
     model.zero_grad(set_to_none=True)
     out = model(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=hookspec.processor(keep_hidden)
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=hookspec.processor(keep_hidden),
     )
     (out["logprobs"] * cotangent).sum().backward()
     inner = torch_impl.unwrap_model(model)
@@ -60,15 +64,21 @@ def _tp2_rank(
     torch.testing.assert_close(got["hidden_grad"], expected["hidden_grad"], **tol)
     assert not torch.allclose(got["hidden_grad"], expected["hidden_grad"] / 2, atol=1e-6)
     rows = slice(32 * rank, 32 * (rank + 1))
-    torch.testing.assert_close(got["output_weight_grad"], expected["output_weight_grad"][rows], **tol)
+    torch.testing.assert_close(
+        got["output_weight_grad"], expected["output_weight_grad"][rows], **tol
+    )
     torch.testing.assert_close(got["final_norm_grad"], expected["final_norm_grad"], **tol)
 
     # The stock loss through the processor is bitwise the stock loss at tp=2 as well.
     stock = build_tiny_gpt()(*cases.model_inputs(batch), labels=batch["labels"])
-    through = model(*cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss)
+    through = model(
+        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss
+    )
     assert torch.equal(stock, through)
     upstream = model(
-        *cases.model_inputs(batch), labels=batch["labels"], output_processor=cases.stock_loss_upstream
+        *cases.model_inputs(batch),
+        labels=batch["labels"],
+        output_processor=cases.stock_loss_upstream,
     )
     assert torch.equal(stock, upstream)
 
@@ -84,7 +94,10 @@ def test_tp2_logprobs_and_gradients_match_tp1() -> None:
         # The tp=1 run agrees with float64 log_softmax of the stock logits.
         logits = model(*cases.model_inputs(batch)).detach()
     torch.testing.assert_close(
-        expected["logprobs"].double(), cases.reference_logprobs(logits, batch["labels"]), rtol=0, atol=1e-5
+        expected["logprobs"].double(),
+        cases.reference_logprobs(logits, batch["labels"]),
+        rtol=0,
+        atol=1e-5,
     )
     expected.pop("ctx")
     run_distributed(_tp2_rank, expected, batch, cotangent, tp=2)

@@ -15,7 +15,16 @@ import pytest
 
 PROCESSORS = pathlib.Path(__file__).resolve().parents[1] / "torch_impl" / "processors"
 EPILOGUES = ("_fused.py", "_distill.py", "_topk.py")
-REGIME = {"temper", "untempered_grad", "row_inv_t", "fold", "inv_t", "unfold_dh", "RowScale", "row_scale"}
+REGIME = {
+    "temper",
+    "untempered_grad",
+    "row_inv_t",
+    "fold",
+    "inv_t",
+    "unfold_dh",
+    "RowScale",
+    "row_scale",
+}
 
 
 def _regime_names(source: str) -> list[tuple[str, int]]:
@@ -44,7 +53,15 @@ def test_the_check_finds_the_members_where_they_live() -> None:
         for module in ("_tiles.py", "_engine.py", "_sink.py", "_single_pass.py")
         for name, _ in _regime_names((PROCESSORS / module).read_text())
     }
-    assert {"untempered_grad", "row_inv_t", "fold", "inv_t", "unfold_dh", "RowScale", "row_scale"} <= engine
+    assert {
+        "untempered_grad",
+        "row_inv_t",
+        "fold",
+        "inv_t",
+        "unfold_dh",
+        "RowScale",
+        "row_scale",
+    } <= engine
     assert sorted(_regime_names("zs = eng.temper(z, rows)\nfrom ._engine import RowScale\n")) == [
         ("RowScale", 2),
         ("temper", 1),

@@ -27,7 +27,16 @@ from torch_impl import processors
 from torch_impl.processors import LinearOptions, fused_token_loss
 
 N, H, V = 48, 8, 64
-FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "scalar_tensor", "device"}
+FREE = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "detach",
+    "lift_fresh",
+    "alias",
+    "scalar_tensor",
+    "device",
+}
 """Ops that launch nothing: allocations, autograd bookkeeping, metadata (``prim.device``,
 seen on fake tensors) and ``scalar_tensor`` (a Python number wrapped on the host, as in
 ``torch.where(c, x, 0.0)``)."""
@@ -106,7 +115,9 @@ def _with_entropy(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Ten
     return -lp.sum() - 0.1 * ent.sum()
 
 
-def _ops(backend: str, tile_rows: int, loss: Any, *, entropy_grad: bool, grad: bool = True) -> list[str]:
+def _ops(
+    backend: str, tile_rows: int, loss: Any, *, entropy_grad: bool, grad: bool = True
+) -> list[str]:
     """The launches of one call, forward and backward, with ``tile_rows`` rows a tile."""
     h, w, y = _inputs()
     h.requires_grad_(grad)
@@ -169,7 +180,9 @@ def test_token_loss_spans_a_gradient_buffer(backend: str, monkeypatch: pytest.Mo
 
     h, w, y = _inputs()
     opts = LinearOptions(backend=backend, tile_rows=6)  # type: ignore[arg-type]
-    fused_token_loss(h.requires_grad_(), w, y, loss, options=opts, entropy_grad=False).loss.backward()
+    fused_token_loss(
+        h.requires_grad_(), w, y, loss, options=opts, entropy_grad=False
+    ).loss.backward()
     assert spans == [slice(i, i + 12) for i in range(0, N, 12)]
 
 

@@ -104,7 +104,9 @@ def test_scripts_parse() -> None:
     import subprocess
 
     for script in (TESTS_SH, BENCH_SH, ROOT / "scripts" / "gpu_wheels.sh"):
-        assert subprocess.run([bash, "-n", str(script)], capture_output=True).returncode == 0, script
+        assert subprocess.run([bash, "-n", str(script)], capture_output=True).returncode == 0, (
+            script
+        )
 
 
 # ---------------------------------------------------------------- the benchmark at a tiny size
@@ -121,7 +123,17 @@ def test_quick_cpu_run_appends_every_row(tmp_path: Path) -> None:
         "liger",
         "cce",
     ]
-    argv = ["--quick", "--device", "cpu", "--methods", ",".join(methods), "--runs", "2", "--warmup", "1"]
+    argv = [
+        "--quick",
+        "--device",
+        "cpu",
+        "--methods",
+        ",".join(methods),
+        "--runs",
+        "2",
+        "--warmup",
+        "1",
+    ]
     assert gpu_logprobs.main([*argv, "--out", str(tmp_path)]) == 0
     rows = gpu_results.read_rows(tmp_path / gpu_logprobs.RESULTS)
     assert len(rows) == len(methods) * len(gpu_logprobs.QUICK_SIZES)
@@ -131,7 +143,9 @@ def test_quick_cpu_run_appends_every_row(tmp_path: Path) -> None:
     for m in ("naive", "naive-loss", "ours-torch", "ours-ce-torch", "ours-loss-torch"):
         assert first[m]["error"] == "", first[m]
         assert first[m]["time_ms"] > 0
-        assert first[m]["dh_rel_err"] < 1e-5 and first[m]["dw_rel_err"] < 1e-5, first[m]  # fp32 vs float64
+        assert first[m]["dh_rel_err"] < 1e-5 and first[m]["dw_rel_err"] < 1e-5, first[
+            m
+        ]  # fp32 vs float64
     assert "dh_rel_err" not in first["floor3"]
 
 
@@ -149,7 +163,9 @@ def test_rows_are_written_as_they_come(tmp_path: Path) -> None:
     gpu_logprobs._append = spy  # type: ignore[assignment]
     try:
         gpu_logprobs.run_size(size, ["floor3", "naive"], device="cpu", runs=1, warmup=0, out=out)
-        gpu_logprobs.run_size(size, ["ours-torch"], device="cpu", runs=1, warmup=0, out=out, deadline=0.0)
+        gpu_logprobs.run_size(
+            size, ["ours-torch"], device="cpu", runs=1, warmup=0, out=out, deadline=0.0
+        )
     finally:
         gpu_logprobs._append = real  # type: ignore[assignment]
     assert seen == [0, 1, 2]
@@ -192,7 +208,9 @@ def test_grpo_loss_is_ppo_of_the_batch() -> None:
     ent = torch.tensor([0.5, 0.1, 0.2, 0.3])
     ratio = torch.exp(lp - batch["old"])
     a = batch["adv"]
-    want = (torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * batch["weight"]).sum()  # no entropy term
+    want = (
+        torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * batch["weight"]
+    ).sum()  # no entropy term
     torch.testing.assert_close(grpo_token_loss(lp, ent, batch), want, rtol=0, atol=0)
     halves = grpo_token_loss(lp[:2], ent[:2], batch, slice(0, 2)) + grpo_token_loss(
         lp[2:], ent[2:], batch, slice(2, 4)
@@ -256,11 +274,21 @@ def test_peers_are_compared_like_with_like_on_both_logits() -> None:
 
 def test_backend_choice_per_device_class() -> None:
     rows = _rows(
-        ours_triton=66.0, ours_torch=70.0, ours_loss_triton=48.0, ours_loss_torch=46.0, ours_ce_torch=5.0
+        ours_triton=66.0,
+        ours_torch=70.0,
+        ours_loss_triton=48.0,
+        ours_loss_torch=46.0,
+        ours_ce_torch=5.0,
     )
     got = {c["path"]: c for c in gpu_results.backend_choice(rows)}
-    assert set(got) == {"logprobs + entropy", "fused GRPO loss"}  # logprobs only: one backend measured
-    assert got["logprobs + entropy"]["faster"] == "triton" and got["fused GRPO loss"]["faster"] == "torch"
+    assert set(got) == {
+        "logprobs + entropy",
+        "fused GRPO loss",
+    }  # logprobs only: one backend measured
+    assert (
+        got["logprobs + entropy"]["faster"] == "triton"
+        and got["fused GRPO loss"]["faster"] == "torch"
+    )
     assert got["fused GRPO loss"]["device_class"] == "H100"
     # the class's one row: the smaller total over both pairs (66 + 48 triton < 70 + 46 torch)
     assert gpu_results.class_choice(rows) == {"H100": ("triton", 116.0, 114.0, 2)}
@@ -273,9 +301,9 @@ def test_empty_page_says_not_measured_everywhere() -> None:
         assert f"`{f}`" in run
     for m in METHODS:
         sizes = [s for s in gpu_logprobs.SIZES if gpu_logprobs.methods_at(s, [m])]
-        assert len(re.findall(rf"^\| {re.escape(m)} \| [^|]+ \| not measured \|", run, flags=re.M)) == len(
-            sizes
-        )
+        assert len(
+            re.findall(rf"^\| {re.escape(m)} \| [^|]+ \| not measured \|", run, flags=re.M)
+        ) == len(sizes)
     assert re.search(r"\d+\.\d+ ms|\d\.\d+e-\d\d", run) is None  # no figure at all
     assert all(b == "not measured" for _, b, _ in gpu_results.targets([]))
 
@@ -304,7 +332,10 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
     text = page.read_text()
     assert text.startswith("# head\n") and "\nmiddle\n" in text and text.endswith("tail\n")
     assert "old" not in text
-    assert "| device | NVIDIA H200 (class H200" in text and "| megatron-core | 0.19.2, 0.16.1 |" in text
+    assert (
+        "| device | NVIDIA H200 (class H200" in text
+        and "| megatron-core | 0.19.2, 0.16.1 |" in text
+    )
     assert "| `tests/test_gpu_checks.py` | 1 failed, 1 passed |" in text
     assert "1 skipped, cut at the time limit in test_d | 1 passed |" in text
     assert (
@@ -318,7 +349,9 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
 def test_committed_page_has_both_regions() -> None:
     text = (ROOT / "docs" / "gpu-results.md").read_text()
     _, total = _table()
-    assert f"limits add up to {total} s" in " ".join(text.split())  # the page quotes the script's budget
+    assert f"limits add up to {total} s" in " ".join(
+        text.split()
+    )  # the page quotes the script's budget
     for name in gpu_results.MARKERS:
         assert f"<!-- gpu-results:{name} -->" in text and f"<!-- gpu-results:{name} end -->" in text
 
@@ -416,8 +449,12 @@ def test_measure_first_runs_before_the_tests_and_the_benchmark() -> None:
     assert order == sorted(order)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")  # masked lanes: -inf - -inf
-def test_measure_dry_run_writes_each_row_as_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning:triton.runtime.interpreter"
+)  # masked lanes: -inf - -inf
+def test_measure_dry_run_writes_each_row_as_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the CPU at a tiny size: the GEMMs, the copy, every Triton kernel found by running
     the Triton backend (no list of kernels here), the floors; each row in the file when
     the next starts."""
@@ -478,8 +515,14 @@ def test_measure_takes_a_registered_kernel_list(monkeypatch: pytest.MonkeyPatch)
     size = {"tokens": 8, "hidden": 8, "vocab": 64, "dtype": "fp32"}
     rows = gpu_measure.measure(size, device="cpu", runs=2, warmup=1, out=None)
     (k,) = [r for r in rows if r["what"] == "kernel"]
-    assert k["case"] == "kernel copy kernel" and k["bytes"] == 1000 and k["source"].endswith("kernel_cases")
-    assert len(calls) == 1 + 2 * gpu_measure.BACK_TO_BACK  # a warm-up, then 2 runs of 20 back to back
+    assert (
+        k["case"] == "kernel copy kernel"
+        and k["bytes"] == 1000
+        and k["source"].endswith("kernel_cases")
+    )
+    assert (
+        len(calls) == 1 + 2 * gpu_measure.BACK_TO_BACK
+    )  # a warm-up, then 2 runs of 20 back to back
 
 
 def test_chunk_shape_is_the_triton_backends() -> None:
@@ -498,13 +541,27 @@ def test_render_measurements_and_the_model_beside_them(
     from benchmarks import gpu_measure
 
     rows = [
-        {"what": "mm", "case": "mm bf16->fp32", "time_ms": 1.5, "tflops": 733.0, "shape": "8192x32768x4096"},
+        {
+            "what": "mm",
+            "case": "mm bf16->fp32",
+            "time_ms": 1.5,
+            "tflops": 733.0,
+            "shape": "8192x32768x4096",
+        },
         {"what": "copy", "case": "copy 1024 MiB", "time_ms": 0.5, "gbps": 4294.0},
-        {"what": "kernel", "case": "kernel k(F=True)", "time_ms": 0.4, "gbps": 2684.0, "of_copy": 0.63},
+        {
+            "what": "kernel",
+            "case": "kernel k(F=True)",
+            "time_ms": 0.4,
+            "gbps": 2684.0,
+            "of_copy": 0.63,
+        },
         {"what": "mm", "case": "dh gemm strided", "error": "RuntimeError: no"},
     ]
     (tmp_path / gpu_measure.RESULTS).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "device_class": "H200"}))
+    (tmp_path / "env.json").write_text(
+        json.dumps({"device": "NVIDIA H200", "device_class": "H200"})
+    )
     monkeypatch.setitem(sys.modules, "benchmarks.gpu_model", None)  # as if absent: the import fails
     run = gpu_results.render(tmp_path)["run"]
     assert "| mm bf16->fp32 | 8192x32768x4096 | 1.500 | 733 TFLOP/s |" in run

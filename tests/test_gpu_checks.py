@@ -62,9 +62,13 @@ def _logprobs_pass(
     return {"logprobs": r.logprobs, "entropy": r.entropy, "dh": hh.grad, "dw": ww.grad}
 
 
-def _loss_pass(hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, backend: str) -> dict[str, torch.Tensor]:
+def _loss_pass(
+    hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, backend: str
+) -> dict[str, torch.Tensor]:
     hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    r = fused_token_loss(hh, ww, y, _token_loss(hid.shape[0]), options=LinearOptions(backend=backend))  # type: ignore[arg-type]
+    r = fused_token_loss(
+        hh, ww, y, _token_loss(hid.shape[0]), options=LinearOptions(backend=backend)
+    )  # type: ignore[arg-type]
     r.loss.backward()
     assert hh.grad is not None and ww.grad is not None
     return {"loss": r.loss.detach(), "dh": hh.grad, "dw": ww.grad}
@@ -132,7 +136,9 @@ def test_cuda_graph_replay_equals_eager(backend: str) -> None:
         y.copy_(y2)
         g.replay()
         torch.cuda.synchronize()
-        eager = linear_logprobs(hid2, w, y2, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
+        eager = linear_logprobs(
+            hid2, w, y2, with_entropy=True, options=LinearOptions(backend=backend)
+        )  # type: ignore[arg-type]
     assert torch.equal(lp, eager.logprobs)
     assert eager.entropy is not None and torch.equal(ent, eager.entropy)
     raise_pending_errors(wait=True)

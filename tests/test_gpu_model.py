@@ -14,14 +14,20 @@ from torch_impl import processors
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "gpu-design.md"
-VERL_TRITON_PEAK = 2.8e9  # bytes: veRL's Triton kernel, logprobs + entropy, H200 (docs/gpu-results.md)
+VERL_TRITON_PEAK = (
+    2.8e9  # bytes: veRL's Triton kernel, logprobs + entropy, H200 (docs/gpu-results.md)
+)
 
 
 def test_the_page_shows_what_the_model_computes() -> None:
     page = PAGE.read_text()
-    block = re.search(r"<!-- gpu-model:tables -->\n(.*?)\n<!-- gpu-model:tables end -->", page, re.S)
+    block = re.search(
+        r"<!-- gpu-model:tables -->\n(.*?)\n<!-- gpu-model:tables end -->", page, re.S
+    )
     assert block is not None
-    assert block.group(1) == gpu_model.markdown(), "regenerate: python -m benchmarks.gpu_model --markdown"
+    assert block.group(1) == gpu_model.markdown(), (
+        "regenerate: python -m benchmarks.gpu_model --markdown"
+    )
 
 
 @pytest.mark.parametrize("design", ["logprobs_entropy", "fused_single_pass"])
@@ -83,7 +89,9 @@ def test_the_page_shows_what_the_launch_model_computes() -> None:
         r"<!-- gpu-launch-model:tables -->\n(.*?)\n<!-- gpu-launch-model:tables end -->", page, re.S
     )
     assert block is not None
-    assert block.group(1) == gpu_launch_model.markdown(), "regenerate: python -m benchmarks.gpu_launch_model"
+    assert block.group(1) == gpu_launch_model.markdown(), (
+        "regenerate: python -m benchmarks.gpu_launch_model"
+    )
 
 
 def test_the_launch_model_reproduces_the_first_runs_large_walls() -> None:
@@ -123,8 +131,12 @@ def test_a_softcap_adds_issue_not_bytes(design: str) -> None:
     """The softcapped design moves the same bytes and does the same GEMMs; its kernels
     are bounded by the counted issue as well, so it is never faster."""
     plain, capped = gpu_model.predict(design), gpu_model.predict(f"{design}_softcap")
-    assert sum(q.count * q.bytes for q in capped.passes) == sum(q.count * q.bytes for q in plain.passes)
-    assert sum(q.count * q.flops for q in capped.passes) == sum(q.count * q.flops for q in plain.passes)
+    assert sum(q.count * q.bytes for q in capped.passes) == sum(
+        q.count * q.bytes for q in plain.passes
+    )
+    assert sum(q.count * q.flops for q in capped.passes) == sum(
+        q.count * q.flops for q in plain.passes
+    )
     kernels = [q for q in capped.passes if q.name.endswith("+ softcap")]
     assert kernels and all(0 < q.rate <= 16 / 3.1 for q in kernels)
     for dev in gpu_model.DEVICES:

@@ -25,14 +25,17 @@ pytestmark = [  # the interpreter's numpy: both sides of tl.where; Triton 3.6's 
 TINY = {"tokens": 40, "hidden": 24, "vocab": 300, "dtype": "fp32"}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the Triton methods need triton")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="the Triton methods need triton"
+)
 @pytest.mark.parametrize("logits", ["flat", "peaked"])
 def test_every_benchmark_method_runs_on_the_cpu(logits: str) -> None:
     """Ours, naive and the floors run and match float64; a peer that needs CUDA or its
     package (veRL's torch file) says so."""
     size = dict(TINY, logits=logits)
     rows = {
-        r["method"]: r for r in gpu_logprobs.run_size(size, list(METHODS), device="cpu", runs=1, warmup=0)
+        r["method"]: r
+        for r in gpu_logprobs.run_size(size, list(METHODS), device="cpu", runs=1, warmup=0)
     }
     assert set(rows) == set(METHODS)
     for name, method in METHODS.items():
@@ -64,7 +67,10 @@ def test_peaked_logits_are_a_language_models() -> None:
             assert entropy > math.log(2000) - 1.0 and label_lp < -math.log(2000) + 1.0
         else:
             assert abs(entropy - gpu_logprobs.PEAKED_ENTROPY) < 0.3, entropy
-            assert label_lp > -entropy - 1.0, (label_lp, entropy)  # drawn from the softmax: E[lp] = -H
+            assert label_lp > -entropy - 1.0, (
+                label_lp,
+                entropy,
+            )  # drawn from the softmax: E[lp] = -H
             assert info["hidden_scale"] > 1.0
 
 

@@ -126,7 +126,10 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
 def test_console_script_and_module_entry_points():
     script = Path(sys.executable).with_name("hookcheck")
     assert script.exists(), "pip install -e . installs the hookcheck console script"
-    for argv in ([str(script), "--help"], [sys.executable, "-m", "jax_ref.check.hookcheck", "--help"]):
+    for argv in (
+        [str(script), "--help"],
+        [sys.executable, "-m", "jax_ref.check.hookcheck", "--help"],
+    ):
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "--processor MODULE:ATTR" in proc.stdout
 
@@ -148,7 +151,9 @@ def test_inherited_master_port_does_not_collide():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
         env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
         argv = [
             sys.executable, "-m", "jax_ref.check.hookcheck", "--quiet",

@@ -72,7 +72,12 @@ def _run(*argv: str) -> tuple[int, str]:
             "hookcheck: error: arguments: expected one --reference per --processor",
         ),
         (
-            ("--processor", GOOD, "--reference", "jax_ref.check.examples:token_mean_loss_reference"),
+            (
+                "--processor",
+                GOOD,
+                "--reference",
+                "jax_ref.check.examples:token_mean_loss_reference",
+            ),
             "hookcheck: error: reference 'token_mean_loss_reference' result: expected a mapping of arrays, "
             "as the processor returns, got one array of shape []",
         ),
@@ -161,7 +166,10 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     argv += ["--reference", REF]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "hookcheck: error: --processor: expected an importable module 'no_such_package'" in proc.stderr
+    assert (
+        "hookcheck: error: --processor: expected an importable module 'no_such_package'"
+        in proc.stderr
+    )
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -207,7 +215,9 @@ def test_a_processor_in_the_current_directory_imports_as_under_python_m(
     assert sys.path == path, "the caller's sys.path changed"
     with pytest.raises(hookspec.ContractError) as e:
         resolve("cwd_missing_module:proc")
-    assert str(e.value).endswith(f"looked in the current directory {tmp_path} and on sys.path (PYTHONPATH)")
+    assert str(e.value).endswith(
+        f"looked in the current directory {tmp_path} and on sys.path (PYTHONPATH)"
+    )
     assert sys.path == path
 
 
@@ -230,5 +240,7 @@ def test_the_console_script_runs_a_processor_from_the_current_directory(tmp_path
         "--reference",
         "cwd_myproc:ref",
     ]
-    proc = subprocess.run(argv, cwd=tmp_path / "work", capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        argv, cwd=tmp_path / "work", capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -154,12 +154,27 @@ def test_random_and_masked_run_when_asked_and_not_by_default() -> None:
     proc = "jax_ref.check.examples:token_mean_loss"
     ref = "jax_ref.check.examples:token_mean_loss_reference"
     code, out, err = _run(
-        "--dtype", "float32", "--case", "random", "--case", "masked", "--processor", proc, "--reference", ref
+        "--dtype",
+        "float32",
+        "--case",
+        "random",
+        "--case",
+        "masked",
+        "--processor",
+        proc,
+        "--reference",
+        ref,
     )
     assert code == 0, out + err
     cases = set(re.findall(r"^token_mean_loss\s{2,}(\S+)\s{2,}float32", out, flags=re.M))
-    assert {"random", "masked"} <= cases and not cases & {"peaked", "awkward", "strongly-negative"}, cases
-    code, out, _ = _run("--dtype", "float32", "--case", "all", "--processor", proc, "--reference", ref)
+    assert {"random", "masked"} <= cases and not cases & {
+        "peaked",
+        "awkward",
+        "strongly-negative",
+    }, cases
+    code, out, _ = _run(
+        "--dtype", "float32", "--case", "all", "--processor", proc, "--reference", ref
+    )
     cases = set(re.findall(r"^token_mean_loss\s{2,}(\S+)\s{2,}float32", out, flags=re.M))
     assert code == 0 and set(ALL_SYNTHETIC_KINDS) <= cases, cases
     code, out, _ = _run("--dtype", "float32", "--processor", proc, "--reference", ref)
@@ -208,7 +223,9 @@ def test_known_megatron_warnings_are_named_and_explained_once() -> None:
     ]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "Apex are not installed" not in proc.stderr and "Apex is not installed" not in proc.stderr
+    assert (
+        "Apex are not installed" not in proc.stderr and "Apex is not installed" not in proc.stderr
+    )
     assert "No CUDA runtime is found" not in proc.stderr
     assert proc.stderr.count("are silenced") == 1
 
@@ -228,6 +245,9 @@ def test_the_tolerances_in_help_are_the_ones_applied() -> None:
     }
     for dtype, m in found.items():
         assert m is not None, dtype
-        assert (float(m.group(1)), float(m.group(2))) == (TOLERANCES[dtype].rtol, TOLERANCES[dtype].atol)
+        assert (float(m.group(1)), float(m.group(2))) == (
+            TOLERANCES[dtype].rtol,
+            TOLERANCES[dtype].atol,
+        )
     slack = re.search(rf"\+ {number} \* floor", text)
     assert slack is not None and float(slack.group(1)) == TOLERANCES["float32"].slack

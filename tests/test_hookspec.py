@@ -91,7 +91,9 @@ def test_mismatched_shapes_name_field_expected_actual(
 
 
 # A user's collectives over two ranks (stand-in: the reductions are not run here).
-_TwoRanks = identity_collectives("_TwoRanks", gather_hidden_states=lambda self, x: np.concatenate([x, x]))
+_TwoRanks = identity_collectives(
+    "_TwoRanks", gather_hidden_states=lambda self, x: np.concatenate([x, x])
+)
 
 
 def test_sequence_parallel_hidden_states_are_a_tp_slice() -> None:
@@ -192,7 +194,11 @@ def test_processor_marker_and_native_call_error() -> None:
 def test_single_process_collectives_are_identities() -> None:
     coll = hookspec.SingleProcessCollectives()
     x = np.arange(3.0)
-    assert coll.all_reduce_sum(x) is x and coll.all_reduce_max(x) is x and coll.gather_hidden_states(x) is x
+    assert (
+        coll.all_reduce_sum(x) is x
+        and coll.all_reduce_max(x) is x
+        and coll.gather_hidden_states(x) is x
+    )
     assert isinstance(coll, hookspec.Collectives)
 
 
@@ -231,7 +237,11 @@ def test_mtp_result_contract() -> None:
     bad = [
         ({"logprobs": loss}, "mtp_processor result", "a mapping with a 'loss'"),
         (loss[:, :7], "mtp_processor result['loss']", "per-token shape [b=2, s=8]"),
-        ({"loss": loss, "accepted": accepted[:1]}, "mtp_processor result['accepted']", "[b=2, s=8]"),
+        (
+            {"loss": loss, "accepted": accepted[:1]},
+            "mtp_processor result['accepted']",
+            "[b=2, s=8]",
+        ),
         ([0.0], "mtp_processor result['loss']", "an array [b, s]"),
         (np.zeros((2, 8), np.int64), "mtp_processor result['loss']", "a floating dtype"),
     ]
@@ -271,7 +281,9 @@ def test_lazy_names_load_once_and_refuse_what_the_package_lacks() -> None:
         assert "dumps" not in vars(pkg)
         assert pkg.dumps is json.dumps and vars(pkg)["dumps"] is json.dumps  # bound: loaded once
         assert {"dumps", "Path"} <= set(lazy.names())
-        with pytest.raises(AttributeError, match="module 'lazy_pkg_for_test' has no attribute 'nope'"):
+        with pytest.raises(
+            AttributeError, match="module 'lazy_pkg_for_test' has no attribute 'nope'"
+        ):
             pkg.nope  # noqa: B018
     finally:
         del sys.modules[pkg.__name__]

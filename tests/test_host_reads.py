@@ -112,7 +112,9 @@ def _site() -> str:
 
 def _bool_index(args: Any) -> bool:
     indices = args[1] if len(args) > 1 else []
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or [])
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or []
+    )
 
 
 class _Dispatch(TorchDispatchMode):
@@ -130,7 +132,9 @@ class _Dispatch(TorchDispatchMode):
             ):
                 self.owner.found(f"aten.{packet.__name__} (output shape from the values)")
             elif packet in (aten.index, aten.index_put, aten.index_put_) and _bool_index(args):
-                self.owner.found(f"aten.{packet.__name__} with a boolean mask (output shape from the values)")
+                self.owner.found(
+                    f"aten.{packet.__name__} with a boolean mask (output shape from the values)"
+                )
         return func(*args, **(kwargs or {}))
 
 
@@ -145,7 +149,9 @@ class _Function(TorchFunctionMode):
             name = getattr(func, "__name__", "")
             if name in HOST_METHODS:
                 self.owner.found(f"Tensor.{name}()")
-            elif name == "to" and any(self.owner.is_host(a) for a in (*args[1:], kwargs.get("device"))):
+            elif name == "to" and any(
+                self.owner.is_host(a) for a in (*args[1:], kwargs.get("device"))
+            ):
                 self.owner.found("Tensor.to(cpu)")
         return func(*args, **kwargs)
 
@@ -165,7 +171,9 @@ class HostReads:
         return self.device != "cpu" and isinstance(target, torch.device) and target.type == "cpu"
 
     def found(self, what: str) -> None:
-        if self.device == "cpu" and any(f.filename.endswith(VALUE_CHECKS) for f in traceback.extract_stack()):
+        if self.device == "cpu" and any(
+            f.filename.endswith(VALUE_CHECKS) for f in traceback.extract_stack()
+        ):
             return  # a value check reads on a CPU by design (it raises at once); deferred on CUDA
         self.paused = True  # the traceback's own formatting must not trip the mode
         raise HostRead(what)
@@ -225,7 +233,10 @@ def _data(device: str) -> dict[str, Any]:
         "w": rand(V, H) * 0.3,
         "y": labels,
         "batch": PolicyBatch(
-            old_logprobs=-rand(B, S).abs(), advantages=rand(B, S), mask=mask, ref_logprobs=-rand(B, S).abs()
+            old_logprobs=-rand(B, S).abs(),
+            advantages=rand(B, S),
+            mask=mask,
+            ref_logprobs=-rand(B, S).abs(),
         ),
         "sparse": SparseTeacher(ids=ids, logprobs=-rand(B, S, K).abs(), mask=mask),
         "dense": DenseTeacher(hidden_states=rand(S, B, 12), weight=rand(V, 12), mask=mask),
@@ -271,10 +282,12 @@ PROCESSORS: dict[str, Call] = {
     "cross_entropy_loss(mean, z_loss, label_smoothing)": lambda d, b: P.cross_entropy_loss(
         reduction="mean", z_loss=1e-3, label_smoothing=0.1
     )(_ctx(d, loss_mask=d["batch"].mask)),
-    "cross_entropy_loss(none, label_smoothing)": lambda d, b: P.cross_entropy_loss(label_smoothing=0.1)(
-        _ctx(d)
+    "cross_entropy_loss(none, label_smoothing)": lambda d, b: P.cross_entropy_loss(
+        label_smoothing=0.1
+    )(_ctx(d)),
+    "policy_loss(GRPO, fused)": lambda d, b: P.policy_loss(PolicyLossConfig.grpo())(
+        _ctx(d, d["batch"])
     ),
-    "policy_loss(GRPO, fused)": lambda d, b: P.policy_loss(PolicyLossConfig.grpo())(_ctx(d, d["batch"])),
     "policy_loss(PPO, autograd)": lambda d, b: P.policy_loss(
         PolicyLossConfig(fused=False, entropy_coef=0.01)
     )(_ctx(d, d["batch"])),
@@ -288,12 +301,12 @@ PROCESSORS: dict[str, Call] = {
     "distillation_loss(sparse, renormalize)": lambda d, b: P.distillation_loss(DistillConfig())(
         _ctx(d, d["sparse"])
     ),
-    "distillation_loss(sparse, bucket)": lambda d, b: P.distillation_loss(DistillConfig(tail="bucket"))(
-        _ctx(d, d["sparse"])
-    ),
-    "distillation_loss(dense, jsd)": lambda d, b: P.distillation_loss(DistillConfig(divergence="jsd"))(
-        _ctx(d, d["dense"])
-    ),
+    "distillation_loss(sparse, bucket)": lambda d, b: P.distillation_loss(
+        DistillConfig(tail="bucket")
+    )(_ctx(d, d["sparse"])),
+    "distillation_loss(dense, jsd)": lambda d, b: P.distillation_loss(
+        DistillConfig(divergence="jsd")
+    )(_ctx(d, d["dense"])),
     "cross_entropy_loss as an MTP processor": lambda d, b: scaled_mtp_gradient(
         detached_head(P.cross_entropy_loss()), 0.5
     )(_ctx(d)),
@@ -307,9 +320,13 @@ def _options(b: str | None, **kw: Any) -> P.LinearOptions:
 TENSOR_FUNCTIONS: dict[str, Call] = {
     "linear_logprobs": lambda d, b: P.linear_logprobs(*_rows(d), options=_options(b)),
     "linear_logprobs(entropy, per-token temperature)": lambda d, b: P.linear_logprobs(
-        *_rows(d), with_entropy=True, options=_options(b, temperature=d["batch"].mask.T.reshape(-1) + 0.5)
+        *_rows(d),
+        with_entropy=True,
+        options=_options(b, temperature=d["batch"].mask.T.reshape(-1) + 0.5),
     ),
-    "fused_token_loss": lambda d, b: P.fused_token_loss(*_rows(d), _token_loss, options=_options(b)),
+    "fused_token_loss": lambda d, b: P.fused_token_loss(
+        *_rows(d), _token_loss, options=_options(b)
+    ),
     "fused_token_loss(entropy_grad=False)": lambda d, b: P.fused_token_loss(
         *_rows(d), lambda lp, ent, rows: -lp.sum(), options=_options(b), entropy_grad=False
     ),
@@ -344,7 +361,9 @@ TENSOR_FUNCTIONS: dict[str, Call] = {
     ),
     "linear_distillation_loss(dense)": lambda d, b: P.linear_distillation_loss(
         *_rows(d),
-        DenseTeacher(hidden_states=d["dense"].hidden_states.reshape(-1, 12), weight=d["dense"].weight),
+        DenseTeacher(
+            hidden_states=d["dense"].hidden_states.reshape(-1, 12), weight=d["dense"].weight
+        ),
         options=_options(b),
     ),
 }
@@ -385,7 +404,9 @@ def run_watched(call: Call, device: str, backend: str | None) -> None:
             else:
                 loss.backward()
                 got = [d["h_leaf"].grad, d["w_leaf"].grad]
-        assert any(g is not None for g in got), "no gradient reached the hidden states or the weight"
+        assert any(g is not None for g in got), (
+            "no gradient reached the hidden states or the weight"
+        )
 
 
 def _cases() -> list[Any]:
@@ -401,9 +422,13 @@ def _cases() -> list[Any]:
         marks = []
         needs_triton = device == "cuda" or backend == "triton"
         if needs_triton and not HAS_TRITON:
-            marks.append(pytest.mark.skip(reason="triton is not installed here (py311's CPU torch wheel)"))
+            marks.append(
+                pytest.mark.skip(reason="triton is not installed here (py311's CPU torch wheel)")
+            )
         params.append(
-            pytest.param(name, device, backend, marks=marks, id=f"{device}-{backend or 'auto'}-{name}")
+            pytest.param(
+                name, device, backend, marks=marks, id=f"{device}-{backend or 'auto'}-{name}"
+            )
         )
     return params
 
@@ -416,7 +441,12 @@ def test_no_host_read_forward_and_backward(name: str, device: str, backend: str 
 def test_every_public_function_is_covered() -> None:
     """Each processor and tensor function of ``torch_impl.processors.__all__`` has a case."""
     covered = {n.split("(")[0] for n in (*PROCESSORS, *TENSOR_FUNCTIONS)}
-    helpers = {"auto_choice", "device_class", "aggregation_weights", "kl_penalty"}  # no logits, no tiles
+    helpers = {
+        "auto_choice",
+        "device_class",
+        "aggregation_weights",
+        "kl_penalty",
+    }  # no logits, no tiles
     functions = {n for n in P.__all__ if callable(getattr(P, n)) and n[0].islower()} - helpers
     assert functions <= covered, sorted(functions - covered)
 

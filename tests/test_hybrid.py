@@ -12,7 +12,8 @@ import pytest
 import torch
 
 pytest.importorskip(
-    "megatron.core.models.hybrid", reason="HybridModel arrives with Megatron Core 0.19 (this one is older)"
+    "megatron.core.models.hybrid",
+    reason="HybridModel arrives with Megatron Core 0.19 (this one is older)",
 )
 
 import hookspec
@@ -48,7 +49,9 @@ def assert_bitwise(
 @pytest.mark.release_matrix
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("with_labels", [True, False], ids=["loss", "logits"])
-def test_without_processor_outputs_and_grads_are_bitwise_stock(pattern: str, with_labels: bool) -> None:
+def test_without_processor_outputs_and_grads_are_bitwise_stock(
+    pattern: str, with_labels: bool
+) -> None:
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]} if with_labels else {}
     want = run(build_tiny_hybrid(pattern).eval(), batch, **kw)
@@ -60,11 +63,17 @@ def test_without_processor_outputs_and_grads_are_bitwise_stock(pattern: str, wit
 @pytest.mark.release_matrix
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])
-def test_processor_through_output_layer_is_bitwise_stock(pattern: str, tied: bool, processor: Any) -> None:
+@pytest.mark.parametrize(
+    "processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"]
+)
+def test_processor_through_output_layer_is_bitwise_stock(
+    pattern: str, tied: bool, processor: Any
+) -> None:
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
-    want = run(build_tiny_hybrid(pattern, share_embeddings_and_output_weights=tied).eval(), batch, **kw)
+    want = run(
+        build_tiny_hybrid(pattern, share_embeddings_and_output_weights=tied).eval(), batch, **kw
+    )
     model = enable_output_processor(
         build_tiny_hybrid(pattern, share_embeddings_and_output_weights=tied)
     ).eval()
@@ -79,7 +88,11 @@ def test_contexts_of_the_main_head_and_the_mtp_depth() -> None:
     @hookspec.processor
     def record(ctx: OutputContext) -> Any:
         seen.append(ctx)
-        return default_mtp_loss(ctx)["loss"] if ctx.mtp_depth else ctx.hidden_states.sum(-1).transpose(0, 1)
+        return (
+            default_mtp_loss(ctx)["loss"]
+            if ctx.mtp_depth
+            else ctx.hidden_states.sum(-1).transpose(0, 1)
+        )
 
     model = enable_output_processor(build_tiny_hybrid("*-*-/*-")).eval()
     batch = tiny_batch()
@@ -158,14 +171,18 @@ def test_detach_encoder_on_a_hybrid_model() -> None:
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
     want, stock = run(build_tiny_hybrid("*-*-/*-").eval(), batch, **kw)
     _, no_mtp = run(build_tiny_hybrid("*-*-/*-", mtp_loss_scaling_factor=0.0).eval(), batch, **kw)
-    model = enable_output_processor(build_tiny_hybrid("*-*-/*-"), mtp=MTPOptions(detach_encoder=True)).eval()
+    model = enable_output_processor(
+        build_tiny_hybrid("*-*-/*-"), mtp=MTPOptions(detach_encoder=True)
+    ).eval()
     for processors in ({}, {"output_processor": stock_loss}):
         got, got_grads = run(model, batch, **kw, **processors)
         assert torch.equal(got, want)
         assert got_grads.keys() == stock.keys()
         for name, grad in got_grads.items():
             expected = (
-                stock[name] if name.startswith("mtp.") or name == "output_layer.weight" else no_mtp[name]
+                stock[name]
+                if name.startswith("mtp.") or name == "output_layer.weight"
+                else no_mtp[name]
             )
             assert torch.equal(grad, expected), name
     assert not torch.equal(

@@ -122,7 +122,16 @@ def test_wheel_installs_without_dependencies_into_a_bare_torch_megatron_env(
             shutil.copy2(path, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"), "."],
+        [
+            *pip,
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tmp_path / "dist"),
+            ".",
+        ],
         cwd=src,
         check=True,
     )
@@ -132,27 +141,40 @@ def test_wheel_installs_without_dependencies_into_a_bare_torch_megatron_env(
 
     python = _bare_env(tmp_path / "env")
     subprocess.run(
-        [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], check=True
+        [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        check=True,
     )
-    assert (tmp_path / "env" / "bin" / "hookcheck").exists()  # the console script came with the wheel
+    assert (
+        tmp_path / "env" / "bin" / "hookcheck"
+    ).exists()  # the console script came with the wheel
 
     # nothing of this process's Python path, nor the rendezvous an earlier test left in os.environ
     dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k not in dist_vars}
     env["PYTHONWARNINGS"] = "ignore"
-    run = subprocess.run([str(python), "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [str(python), "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     env_dir = str((tmp_path / "env").resolve())
     assert result["torch_impl"].startswith(env_dir), result  # the installed wheel, not the checkout
-    assert not result["has_jax"] and not result["has_pytest"], result  # only torch and megatron-core
+    assert not result["has_jax"] and not result["has_pytest"], (
+        result
+    )  # only torch and megatron-core
     assert result["logprob_error"] < 1e-5 and result["entropy_error"] < 1e-5, result
     assert result["mean_logprob"] < -3.0, result  # about -log(64) for the untrained tiny model
-    assert result["py_typed"] == [True] * len(TYPED), result  # installed, a type checker sees the types
+    assert result["py_typed"] == [True] * len(TYPED), (
+        result
+    )  # installed, a type checker sees the types
 
     if (src / "torch_impl" / "doctor.py").exists():  # the README's check of an installation
         doctor = subprocess.run(
-            [str(python), "-m", "torch_impl.doctor"], cwd=tmp_path, env=env, capture_output=True, text=True
+            [str(python), "-m", "torch_impl.doctor"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
 
@@ -167,7 +189,9 @@ def _tree(root: pathlib.Path) -> dict[str, tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("how", ["wheel", "install --target"])
-def test_building_from_a_read_only_checkout_writes_nothing_into_it(tmp_path: pathlib.Path, how: str) -> None:
+def test_building_from_a_read_only_checkout_writes_nothing_into_it(
+    tmp_path: pathlib.Path, how: str
+) -> None:
     """A copy of the checkout, made read-only (``chmod -R a-w``; root ignores the mode,
     so the tree is also compared before and after): ``pip wheel .`` and ``pip install
     --target`` leave it as it was, no ``build/``, no ``*.egg-info``, and the wheel
@@ -201,10 +225,14 @@ def test_building_from_a_read_only_checkout_writes_nothing_into_it(tmp_path: pat
         names = set(zipfile.ZipFile(wheel).namelist())
         tops = {n.split("/")[0] for n in names}
         assert {"hookspec", "torch_impl", "jax_ref"} <= tops and "build_backend" not in tops, tops
-        assert {f"{p}/py.typed" for p in TYPED} <= names, "PEP 561: each package's marker in the wheel"
+        assert {f"{p}/py.typed" for p in TYPED} <= names, (
+            "PEP 561: each package's marker in the wheel"
+        )
     else:
         assert (tmp_path / "target" / "hookspec" / "__init__.py").exists()
-        assert all((tmp_path / "target" / p / "py.typed").is_file() for p in TYPED), "PEP 561 markers"
+        assert all((tmp_path / "target" / p / "py.typed").is_file() for p in TYPED), (
+            "PEP 561 markers"
+        )
 
 
 def test_torch_extra_lower_bounds_are_the_tested_ones() -> None:
@@ -212,8 +240,13 @@ def test_torch_extra_lower_bounds_are_the_tested_ones() -> None:
     training environment"), and this environment satisfies it."""
     import tomllib
 
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"]
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["torch"]
     bounds = {Requirement(r).name: Requirement(r).specifier for r in extra}
     assert str(bounds["torch"]) == ">=2.11" and str(bounds["megatron-core"]) == ">=0.13.1"
     for name, spec in bounds.items():
-        assert spec.contains(md.version(name).split("+")[0], prereleases=True), (name, md.version(name))
+        assert spec.contains(md.version(name).split("+")[0], prereleases=True), (
+            name,
+            md.version(name),
+        )

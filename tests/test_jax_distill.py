@@ -98,7 +98,9 @@ def test_topk_reference_matches_numpy() -> None:
         labels == -100, 0.0, np.take_along_axis(lp, np.maximum(labels, 0)[:, None], -1)[:, 0]
     )
     np.testing.assert_allclose(np.asarray(res.label_logprobs), want_label, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(np.asarray(res.entropy), -(np.exp(lp) * lp).sum(-1), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(res.entropy), -(np.exp(lp) * lp).sum(-1), rtol=1e-12, atol=1e-12
+    )
 
     def values(hh: jax.Array, ww: jax.Array) -> jax.Array:
         return D.linear_topk_logprobs(hh, ww, k=k, temperature=t).logprobs
@@ -116,7 +118,9 @@ def test_divergences_match_numpy_and_their_gradients(kind: str, tail: str) -> No
     lp_t = zt - logsumexp(zt, -1, keepdims=True)
     lq = zs - logsumexp(zs, -1, keepdims=True)
     dense = D.divergence(jnp.asarray(lp_t), jnp.asarray(lq), kind=kind, beta=0.3)
-    np.testing.assert_allclose(np.asarray(dense), _np_divergence(lp_t, lq, kind, 0.3), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(
+        np.asarray(dense), _np_divergence(lp_t, lq, kind, 0.3), rtol=1e-12, atol=1e-13
+    )
     ids = np.argsort(-lp_t, -1, kind="stable")[:, :k]
     tp, sq = np.take_along_axis(lp_t, ids, -1), np.take_along_axis(lq, ids, -1)
     log_p, log_q = _np_tailed(tp, sq, tail)
@@ -128,7 +132,11 @@ def test_divergences_match_numpy_and_their_gradients(kind: str, tail: str) -> No
     def of_student(z: jax.Array) -> jax.Array:
         lq_ = jax.nn.log_softmax(z, -1)
         return D.sparse_divergence(
-            jnp.asarray(tp), jnp.take_along_axis(lq_, jnp.asarray(ids), -1), kind=kind, tail=tail, beta=0.3
+            jnp.asarray(tp),
+            jnp.take_along_axis(lq_, jnp.asarray(ids), -1),
+            kind=kind,
+            tail=tail,
+            beta=0.3,
         )
 
     check_grads(of_student, (jnp.asarray(zs),), order=1, modes=("rev",))
@@ -148,7 +156,9 @@ def test_a_zero_probability_teacher_id_in_the_reference(kind: str, tail: str) ->
         tp = np.log(np.array([[0.5, 0.2, 0.1, 0.0], [0.6, 0.0, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]]))
         log_p, log_q = _np_tailed(tp, sq, tail)
     want = _np_divergence(log_p, log_q, kind, 0.3)
-    got = np.asarray(D.sparse_divergence(jnp.asarray(tp), jnp.asarray(sq), kind=kind, tail=tail, beta=0.3))
+    got = np.asarray(
+        D.sparse_divergence(jnp.asarray(tp), jnp.asarray(sq), kind=kind, tail=tail, beta=0.3)
+    )
     if kind == "reverse-kl":
         assert np.isinf(got[:2]).all() and np.isfinite(got[2]) and np.isinf(want[:2]).all()
         np.testing.assert_allclose(got[2], want[2], rtol=1e-12)
@@ -169,7 +179,11 @@ def test_processors_pass_every_synthetic_case() -> None:
     cases = [
         (B.TOPK, TOPK_REF, None),
         (B.DISTILL_SPARSE, SPARSE_REF, B.sparse_teacher_context),
-        (B.DISTILL_RENORMALIZE, D.distillation_loss(B.DISTILL_RENORMALIZE_CONFIG), B.sparse_teacher_context),
+        (
+            B.DISTILL_RENORMALIZE,
+            D.distillation_loss(B.DISTILL_RENORMALIZE_CONFIG),
+            B.sparse_teacher_context,
+        ),
         (B.DISTILL_DENSE, DENSE_REF, B.dense_teacher_context),
     ]
     for kind in ("random", "masked", "ties"):
@@ -248,9 +262,9 @@ def leaky_teacher(ctx: OutputContext) -> dict[str, torch.Tensor]:
     h, w, teacher = ctx.hidden_states, ctx.vocab_weight, ctx.context
     assert isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and ctx.labels is not None
     lq = (torch.einsum("sbh,vh->bsv", h, w) / cfg.temperature).log_softmax(-1)
-    lp = (torch.einsum("sbh,vh->bsv", teacher.hidden_states, teacher.weight) / cfg.temperature).log_softmax(
-        -1
-    )
+    lp = (
+        torch.einsum("sbh,vh->bsv", teacher.hidden_states, teacher.weight) / cfg.temperature
+    ).log_softmax(-1)
     m = torch.where(ctx.labels == ctx.ignore_index, 0.0, ctx.loss_mask.float())  # type: ignore[union-attr]
     d = (lq.exp() * (lq - lp)).sum(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1).detach()
@@ -279,7 +293,12 @@ def test_planted_missing_tail_fails() -> None:
     assert cross_check(materialised_sparse, SPARSE_REF, ctx).passed
     assert cross_check(B.DISTILL_SPARSE, SPARSE_REF, ctx).passed
     failing = _failing(cross_check(missing_tail, SPARSE_REF, ctx))
-    assert {("loss", "value"), ("loss", "d/d hidden"), ("loss", "d/d weight"), ("kl", "value")} <= failing
+    assert {
+        ("loss", "value"),
+        ("loss", "d/d hidden"),
+        ("loss", "d/d weight"),
+        ("kl", "value"),
+    } <= failing
 
 
 def test_planted_teacher_gradient_leak_fails() -> None:
@@ -320,4 +339,6 @@ def test_hookcheck_two_ranks_and_sharded_references() -> None:
     assert "reference sharded over 2 JAX devices" in out
     for name in ("TOPK", "DISTILL_SPARSE", "DISTILL_DENSE"):
         for rank in (0, 1):
-            assert re.search(rf"^{name}\s+gpt tp2 rank{rank}\s+float32\s.*\sok", out, flags=re.M), out
+            assert re.search(rf"^{name}\s+gpt tp2 rank{rank}\s+float32\s.*\sok", out, flags=re.M), (
+                out
+            )

@@ -29,7 +29,9 @@ def _failing(report: CrossCheckReport) -> set[tuple[str, str]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", CASE_KINDS)
 def test_a_right_processor_passes_every_case(kind, dtype):
-    report = cross_check(E.vocab_parallel_logprobs, REF, synthetic_context(kind, dtype=dtype), case_name=kind)
+    report = cross_check(
+        E.vocab_parallel_logprobs, REF, synthetic_context(kind, dtype=dtype), case_name=kind
+    )
     assert report.passed, str(report)
     assert len(report.rows) == 6  # 2 outputs x (value, d/d hidden, d/d weight)
     assert {r.dtype for r in report.rows} == {str(dtype).removeprefix("torch.")}
@@ -42,7 +44,11 @@ def test_an_upstream_style_processor_is_checked_too():
 
 def test_sign_error_is_caught_in_value_and_both_gradients():
     report = cross_check(E.wrong_sign_entropy, REF, synthetic_context("random"))
-    assert _failing(report) == {("entropy", "value"), ("entropy", "d/d hidden"), ("entropy", "d/d weight")}
+    assert _failing(report) == {
+        ("entropy", "value"),
+        ("entropy", "d/d hidden"),
+        ("entropy", "d/d weight"),
+    }
     worst = max(r.max_rel for r in report.failures())
     assert worst == pytest.approx(2.0, rel=1e-3)
 
@@ -52,7 +58,11 @@ def test_wrong_reduction_is_caught(dtype):
     ctx = synthetic_context("masked", dtype=dtype)
     assert cross_check(E.token_mean_loss, E.token_mean_loss_reference, ctx).passed
     report = cross_check(E.wrong_reduction_loss, E.token_mean_loss_reference, ctx)
-    assert _failing(report) == {("output", "value"), ("output", "d/d hidden"), ("output", "d/d weight")}
+    assert _failing(report) == {
+        ("output", "value"),
+        ("output", "d/d hidden"),
+        ("output", "d/d weight"),
+    }
     counted = float((ctx.loss_mask * (ctx.labels != -100)).sum())
     assert min(r.max_rel for r in report.failures()) == pytest.approx(counted - 1, rel=1e-2)
 
@@ -63,7 +73,9 @@ def test_the_float32_floor_rescues_only_what_float32_cannot_resolve():
     ctx = synthetic_context("peaked")
     report = cross_check(E.vocab_parallel_logprobs, REF, ctx)
     assert report.passed
-    assert any(r.floor > 0 for r in report.rows), "expected the floor to be needed in the peaked case"
+    assert any(r.floor > 0 for r in report.rows), (
+        "expected the floor to be needed in the peaked case"
+    )
     assert not cross_check(E.wrong_sign_entropy, REF, ctx).passed
     strict = dataclasses.replace(TOLERANCES["float32"], slack=0.0)
     assert not cross_check(E.vocab_parallel_logprobs, REF, ctx, tolerance=strict).passed
@@ -80,7 +92,11 @@ def test_non_finite_values_fail_with_a_note():
 
     report = cross_check(leaky, REF, synthetic_context("random"))
     row = next(r for r in report.failures() if r.quantity == "value")
-    assert row.output == "logprobs" and row.note == "non-finite: 4 of 24 values" and math.isnan(row.max_abs)
+    assert (
+        row.output == "logprobs"
+        and row.note == "non-finite: 4 of 24 values"
+        and math.isnan(row.max_abs)
+    )
     assert "non-finite: 4 of 24 values" in report.table()
 
 
@@ -107,7 +123,9 @@ def test_a_reference_of_another_structure_is_a_contract_error():
     def only_logprobs(hidden, weight, inputs):
         return {"logprobs": REF(hidden, weight, inputs)["logprobs"]}
 
-    with pytest.raises(ContractError, match=r"reference 'only_logprobs' result: expected the processor's"):
+    with pytest.raises(
+        ContractError, match=r"reference 'only_logprobs' result: expected the processor's"
+    ):
         cross_check(E.vocab_parallel_logprobs, only_logprobs, synthetic_context("random"))
 
     def one_array(hidden, weight, inputs):
@@ -126,7 +144,9 @@ def test_the_exchanged_tensors_are_not_written_to():
 
 
 def test_report_prints_as_a_table():
-    report = cross_check(E.vocab_parallel_logprobs, REF, synthetic_context("random"), case_name="rand")
+    report = cross_check(
+        E.vocab_parallel_logprobs, REF, synthetic_context("random"), case_name="rand"
+    )
     text = str(report)
     assert text.splitlines()[0] == "vocab_parallel_logprobs vs selected_logprobs_reference: passed"
     assert "max abs err" in text and "d/d weight" in text and text.count("\nrand ") == 6
@@ -144,7 +164,9 @@ def test_user_context_crosses_to_jax():
             if not isinstance(self.old, torch.Tensor):
                 raise TypeError("torch only")
 
-    tree = to_reference_tree(Batch(torch.ones(2, 3, dtype=torch.bfloat16), 4, {"a": torch.arange(3)}))
+    tree = to_reference_tree(
+        Batch(torch.ones(2, 3, dtype=torch.bfloat16), 4, {"a": torch.arange(3)})
+    )
     assert tree.old.dtype == jnp.float64 and tree.steps == 4 and tree.extra["a"].dtype == jnp.int64
 
 
@@ -162,7 +184,9 @@ def test_through_the_hook_of_a_real_tiny_gpt(megatron_single, tied):
         )
         report = cross_check(proc, REF, run, case_name="gpt")
         assert report.passed, str(report)
-    bad = cross_check(E.wrong_sign_entropy, REF, run_through_hook(E.wrong_sign_entropy, model, batch))
+    bad = cross_check(
+        E.wrong_sign_entropy, REF, run_through_hook(E.wrong_sign_entropy, model, batch)
+    )
     assert not bad.passed
 
 

@@ -65,13 +65,22 @@ def test_token_logprobs_and_entropy_match_numpy(data, per_token):
 def test_linear_logprobs_equals_plain_path(data):
     hidden, weight, labels, temp = data
     res = R.linear_logprobs(
-        jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp, with_entropy=True
+        jnp.asarray(hidden),
+        jnp.asarray(weight),
+        jnp.asarray(labels),
+        temperature=temp,
+        with_entropy=True,
     )
     z = hidden @ weight.T
     want = _np_logprobs(z, labels, temp)
     np.testing.assert_allclose(np.asarray(res.logprobs), want, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12)
-    assert R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)).entropy is None
+    np.testing.assert_allclose(
+        np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12
+    )
+    assert (
+        R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)).entropy
+        is None
+    )
 
 
 def test_linear_logprobs_gradients(data):
@@ -82,7 +91,9 @@ def test_linear_logprobs_gradients(data):
         r = R.linear_logprobs(h, w, y, temperature=temp, with_entropy=True)
         return r.logprobs, r.entropy
 
-    check_grads(jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd"))
+    check_grads(
+        jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd")
+    )
     # ignored labels get a zero gradient from the logprob
     _, vjp = jax.vjp(lambda h: f(h, jnp.asarray(weight))[0], jnp.asarray(hidden))
     ct = np.zeros(labels.shape)
@@ -97,7 +108,9 @@ def test_lse_and_the_z_loss_reference_match_numpy(data):
     from jax_ref import processors as P
 
     hidden, weight, labels, temp = data
-    res = R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp)
+    res = R.linear_logprobs(
+        jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp
+    )
     z = hidden @ weight.T
     lse = logsumexp(z / temp[..., None], axis=-1)
     np.testing.assert_allclose(np.asarray(res.lse), lse, rtol=1e-13, atol=1e-13)
@@ -120,11 +133,15 @@ def test_lse_and_the_z_loss_reference_match_numpy(data):
     )
     cwy = np.where(labels == -100, 0.0, cw[np.where(labels == -100, 0, labels)])
     want_w = np.where(
-        labels == -100, 0.0, -cwy * _np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2
+        labels == -100,
+        0.0,
+        -cwy * _np_logprobs(z, labels, np.full(labels.shape, 0.8)) + 0.03 * lse8**2,
     )
     np.testing.assert_allclose(np.asarray(weighted), want_w, rtol=1e-12, atol=1e-12)
     plain = P.cross_entropy_loss()(hs, jnp.asarray(weight), inputs)
-    np.testing.assert_allclose(np.asarray(plain), -_np_logprobs(z, labels, np.ones(labels.shape)), rtol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(plain), -_np_logprobs(z, labels, np.ones(labels.shape)), rtol=1e-12
+    )
 
 
 def test_strongly_negative_logits_are_finite():
@@ -139,13 +156,19 @@ def test_kl_estimators():
     rng = np.random.default_rng(1)
     logp, ref = -rng.uniform(0, 3, (4, 5)), -rng.uniform(0, 3, (4, 5))
     lr = ref - logp
-    np.testing.assert_allclose(np.asarray(R.kl_penalty(logp, ref, estimator="k1")), logp - ref, rtol=1e-15)
-    np.testing.assert_allclose(np.asarray(R.kl_penalty(logp, ref, estimator="k2")), (logp - ref) ** 2 / 2)
+    np.testing.assert_allclose(
+        np.asarray(R.kl_penalty(logp, ref, estimator="k1")), logp - ref, rtol=1e-15
+    )
+    np.testing.assert_allclose(
+        np.asarray(R.kl_penalty(logp, ref, estimator="k2")), (logp - ref) ** 2 / 2
+    )
     k3 = np.asarray(R.kl_penalty(logp, ref, estimator="k3"))
     np.testing.assert_allclose(k3, np.exp(lr) - lr - 1, rtol=1e-13)
     assert np.all(k3 >= 0)
     for est in ("k1", "k2", "k3"):
-        check_grads(jax.jit(lambda a, b, e=est: R.kl_penalty(a, b, estimator=e)), (logp, ref), order=2)
+        check_grads(
+            jax.jit(lambda a, b, e=est: R.kl_penalty(a, b, estimator=e)), (logp, ref), order=2
+        )
     with pytest.raises(ContractError, match="estimator"):
         R.kl_penalty(logp, ref, estimator="k4")
 
@@ -228,7 +251,9 @@ def test_gspo_matches_the_sequence_objective():
     )
     ratio_value = np.exp((mask * (logp - old)).sum(-1) / mask.sum(-1))
     per_token = np.asarray(R.gspo_loss(logp, old, adv, mask, eps_low=10.0, eps_high=10.0))
-    np.testing.assert_allclose(per_token, -adv[:, None] * ratio_value[:, None] * np.ones((b, s)), rtol=1e-13)
+    np.testing.assert_allclose(
+        per_token, -adv[:, None] * ratio_value[:, None] * np.ones((b, s)), rtol=1e-13
+    )
 
 
 def test_aggregations_match_numpy_and_skip_empty_sequences():
@@ -317,13 +342,17 @@ def test_softcap_linear_logprobs_match_numpy_and_their_gradients_check(data, cap
     np.testing.assert_allclose(
         np.asarray(res.logprobs), _np_logprobs(z, labels, temp), rtol=1e-12, atol=1e-12
     )
-    np.testing.assert_allclose(np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(res.entropy), _np_entropy(z, temp), rtol=1e-12, atol=1e-12
+    )
     np.testing.assert_allclose(np.asarray(res.lse), logsumexp(z / temp[..., None], -1), rtol=1e-13)
     np.testing.assert_allclose(
         np.asarray(res.mean_logit), (z / temp[..., None]).mean(-1), rtol=1e-12, atol=1e-14
     )
     # the cap binds: uncapped logits differ
-    plain = R.linear_logprobs(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp)
+    plain = R.linear_logprobs(
+        jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp
+    )
     assert float(jnp.abs(plain.logprobs - res.logprobs).max()) > 1e-3
     y, b = jnp.asarray(labels), jnp.asarray(bias)
     cw = jnp.asarray(rng.uniform(0.0, 2.0, size=weight.shape[0]))
@@ -335,7 +364,9 @@ def test_softcap_linear_logprobs_match_numpy_and_their_gradients_check(data, cap
         )  # fmt: skip
         return r.logprobs, r.entropy, r.lse, r.mean_logit
 
-    check_grads(jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd"))
+    check_grads(
+        jax.jit(f), (jnp.asarray(hidden), jnp.asarray(weight)), order=1, modes=("rev", "fwd")
+    )
 
 
 def test_mean_logit_and_its_column_weights(data):
@@ -347,14 +378,18 @@ def test_mean_logit_and_its_column_weights(data):
     h, w, y = jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels)
     cw = np.linspace(0.0, 3.0, v)
     res = R.linear_logprobs(h, w, y, temperature=temp, mean_logit_weights=jnp.asarray(cw))
-    np.testing.assert_allclose(np.asarray(res.mean_logit), (z * cw).sum(-1) / v, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        np.asarray(res.mean_logit), (z * cw).sum(-1) / v, rtol=1e-12, atol=1e-14
+    )
     assert R.linear_logprobs(h, w, y).mean_logit is None
 
     def f(w_, c):
         return R.linear_logprobs(h, w_, y, temperature=temp, mean_logit_weights=c).mean_logit.sum()
 
     dw, dc = jax.grad(f, argnums=(0, 1))(w, jnp.asarray(cw))
-    want = cw[:, None] * (hidden / temp[..., None]).reshape(-1, hidden.shape[-1]).sum(0)[None, :] / v
+    want = (
+        cw[:, None] * (hidden / temp[..., None]).reshape(-1, hidden.shape[-1]).sum(0)[None, :] / v
+    )
     np.testing.assert_allclose(np.asarray(dw), want, rtol=1e-12, atol=1e-13)
     assert float(jnp.abs(dc).max()) == 0.0
     with pytest.raises(ContractError, match=r"mean_logit_weights.*V_local=67"):
@@ -388,7 +423,9 @@ def test_label_smoothing_matches_torch_cross_entropy_in_float64(data, eps, class
         z = torch.from_numpy(_np_capped(hidden, weight, cap=cap) / 0.8).reshape(-1, v)
         y = torch.from_numpy(labels).reshape(-1)
         tw = None if cw is None else torch.from_numpy(cw)
-        want = F.cross_entropy(z, y, weight=tw, label_smoothing=eps, reduction="none").reshape(labels.shape)
+        want = F.cross_entropy(z, y, weight=tw, label_smoothing=eps, reduction="none").reshape(
+            labels.shape
+        )
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
         assert np.all(got[labels == -100] == 0.0)
         mean = F.cross_entropy(z, y, weight=tw, label_smoothing=eps, reduction="mean")

@@ -19,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _in_subprocess(body: str, devices: int) -> None:
     env = dict(
-        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONWARNINGS="ignore"
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        PYTHONWARNINGS="ignore",
     )
     code = f"import tests.test_jax_sharded as t; t.{body}()"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -63,14 +67,18 @@ def _references():
         clip_low=0.2, clip_high=0.28, dual_clip=3.0, ratio="token", kl_coef=0.1, kl_estimator="k3",
         entropy_coef=0.01, aggregation="token-mean", log_ratio_clamp=20.0,
     )  # fmt: skip
-    gspo = types.SimpleNamespace(**{**vars(ppo), "ratio": "sequence", "aggregation": "seq-mean-token-mean"})
+    gspo = types.SimpleNamespace(
+        **{**vars(ppo), "ratio": "sequence", "aggregation": "seq-mean-token-mean"}
+    )
     return {
         "logprobs": P.selected_logprobs(temperature=0.7, entropy=True),
         "cross_entropy": P.cross_entropy_loss(),
         "ppo": P.policy_loss(ppo),
         "gspo": P.policy_loss(gspo),
         "cross_entropy_smoothed_capped": _capped(
-            P.cross_entropy_loss(label_smoothing=0.1, class_weights=np.linspace(0.2, 2.0, 24), z_loss=0.01)
+            P.cross_entropy_loss(
+                label_smoothing=0.1, class_weights=np.linspace(0.2, 2.0, 24), z_loss=0.01
+            )
         ),
     }
 
@@ -126,7 +134,9 @@ def collectives_follow_the_contract() -> None:
 
         def total(x):  # the sum over ranks, replicated; its gradient passes through unchanged
             return jnp.sum(
-                shard_map(lambda v: coll.all_reduce_sum(v), mesh=mesh, in_specs=P("tp"), out_specs=P())(x)
+                shard_map(
+                    lambda v: coll.all_reduce_sum(v), mesh=mesh, in_specs=P("tp"), out_specs=P()
+                )(x)
             )
 
         assert float(total(x)) == float(x.sum(0).sum())
@@ -134,7 +144,9 @@ def collectives_follow_the_contract() -> None:
 
         def top(x):  # elementwise max over ranks, no gradient
             return jnp.sum(
-                shard_map(lambda v: coll.all_reduce_max(v), mesh=mesh, in_specs=P("tp"), out_specs=P())(x)
+                shard_map(
+                    lambda v: coll.all_reduce_max(v), mesh=mesh, in_specs=P("tp"), out_specs=P()
+                )(x)
             )
 
         assert float(top(x)) == float(x.max(0).sum())
@@ -147,12 +159,16 @@ def collectives_follow_the_contract() -> None:
             return shard_map(body, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())(h, w)
 
         h = jnp.ones((3, 2))
-        np.testing.assert_allclose(np.asarray(jax.grad(used_by_every_shard)(h)), np.tile(w.sum(0), (3, 1)))
+        np.testing.assert_allclose(
+            np.asarray(jax.grad(used_by_every_shard)(h)), np.tile(w.sum(0), (3, 1))
+        )
 
         sp = JaxCollectives("tp", sequence_parallel=True)
 
         def gathered(h):  # sequence parallel: all-gather forward, reduce-scatter backward
-            body = lambda h_, w_: sp.all_reduce_sum(jnp.sum((sp.gather_hidden_states(h_) @ w_.T) ** 2))  # noqa: E731
+            body = lambda h_, w_: sp.all_reduce_sum(
+                jnp.sum((sp.gather_hidden_states(h_) @ w_.T) ** 2)
+            )  # noqa: E731
             return shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P())(h, w)
 
         h = jnp.arange(12.0).reshape(6, 2) / 10

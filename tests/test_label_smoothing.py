@@ -25,7 +25,12 @@ from tests.backend_support import (
     token_problem,
 )
 from tests.distributed import run_distributed
-from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
+from torch_impl.processors import (
+    LinearOptions,
+    cross_entropy_loss,
+    fused_token_loss,
+    linear_logprobs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -39,14 +44,18 @@ def _problem(seed: int = 0) -> dict[str, torch.Tensor]:
     return token_problem(seed, N, H, V, coefficients=("c_lp", "c_mean"))
 
 
-def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+def _truth(
+    p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
     """``sum(c_lp * logprobs + c_mean * z.mean(-1))`` from float64 logits of the inputs
     rounded to ``dtype``."""
     h = p["h"].to(dtype).double().clone().requires_grad_()
     w = p["w"].to(dtype).double().clone().requires_grad_()
     z = (h @ w.T) / p["t"][:, None]
     y = p["y"]
-    lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    lp = torch.where(
+        y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    )
     mean = z.mean(-1) if "cw" not in p else (z * p["cw"]).sum(-1) / z.shape[-1]
     loss = (p["c_lp"] * lp + p["c_mean"] * mean).sum()
     loss.backward()
@@ -132,7 +141,9 @@ def test_mean_logit_alone_has_the_uniform_gradient() -> None:
     assert r.mean_logit is not None
     (p["c_mean"] * r.mean_logit).sum().backward()
     assert h.grad is not None
-    torch.testing.assert_close(h.grad, p["c_mean"][:, None] * p["w"].mean(0), rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        h.grad, p["c_mean"][:, None] * p["w"].mean(0), rtol=1e-13, atol=1e-13
+    )
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -175,7 +186,9 @@ def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
     assert fused_token_loss(*args).mean_logit is None
     with pytest.raises(ContractError, match=r"^mean_logit_loss: expected None or a callable"):
         fused_token_loss(*args, mean_logit_loss=3.0)  # type: ignore[arg-type]
-    with pytest.raises(ContractError, match=r"^mean_logit_loss: expected a callable returning a 0-dim"):
+    with pytest.raises(
+        ContractError, match=r"^mean_logit_loss: expected a callable returning a 0-dim"
+    ):
         fused_token_loss(*args, mean_logit_loss=lambda m, rows: m)
 
 
@@ -226,12 +239,19 @@ def _ce_truth(
     return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
-def _ctx(h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], mask: bool = True) -> OutputContext:
+def _ctx(
+    h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], mask: bool = True
+) -> OutputContext:
     return masked_context(h, w, p, scale=SCALE, mask=mask)
 
 
 def _run_ce(
-    proc: Any, h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor], reduction: str, mask: bool
+    proc: Any,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    reduction: str,
+    mask: bool,
 ):
     out = proc(_ctx(h, w, p, mask))
     if reduction == "none":
@@ -261,7 +281,12 @@ def test_cross_entropy_label_smoothing_against_pytorch(
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
     proc = cross_entropy_loss(
-        reduction=reduction, label_smoothing=eps, z_loss=z_loss, temperature=t, tile_rows=4, tile_cols=8
+        reduction=reduction,
+        label_smoothing=eps,
+        z_loss=z_loss,
+        temperature=t,
+        tile_rows=4,
+        tile_cols=8,
     )
     loss = _run_ce(proc, h, w, p, reduction, mask)
     assert h.grad is not None and w.grad is not None
@@ -278,7 +303,9 @@ def test_label_smoothing_ends_against_pytorch(eps: float, reduction: str) -> Non
     truth = _ce_truth(p, reduction, eps, 1.0, 0.0, True)
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
-    loss = _run_ce(cross_entropy_loss(reduction=reduction, label_smoothing=eps), h, w, p, reduction, True)
+    loss = _run_ce(
+        cross_entropy_loss(reduction=reduction, label_smoothing=eps), h, w, p, reduction, True
+    )
     assert h.grad is not None and w.grad is not None
     close_to_float64(loss, truth["loss"], torch.float64)
     close_to_float64(h.grad, truth["dh"], torch.float64)
@@ -293,7 +320,9 @@ def test_ignored_labels_contribute_nothing() -> None:
     assert float(out.detach()[0, 2]) == 0.0 and float(out.detach()[2, 4]) == 0.0
     out.sum().backward()
     assert h.grad is not None
-    assert torch.equal(h.grad[2, 0], torch.zeros(H, dtype=torch.float64))  # [s, b]: token (b=0, s=2)
+    assert torch.equal(
+        h.grad[2, 0], torch.zeros(H, dtype=torch.float64)
+    )  # [s, b]: token (b=0, s=2)
     assert torch.equal(h.grad[4, 2], torch.zeros(H, dtype=torch.float64))
 
 
@@ -318,7 +347,9 @@ def test_label_smoothing_is_nan_for_nan_hidden_states() -> None:
     "bad", [float("nan"), float("inf"), -0.1, 1.5, "0.1", True, None, torch.tensor(0.1)], ids=repr
 )
 def test_bad_label_smoothing_raises_by_name(bad: Any) -> None:
-    with pytest.raises(ContractError, match=r"^label_smoothing: expected a finite number in \[0, 1\]"):
+    with pytest.raises(
+        ContractError, match=r"^label_smoothing: expected a finite number in \[0, 1\]"
+    ):
         cross_entropy_loss(reduction="mean", label_smoothing=bad)
 
 
@@ -386,7 +417,9 @@ def test_mean_logit_weights_against_float64_and_checked_by_name() -> None:
     close_to_float64(h.grad, hh.grad, torch.float64)
     close_to_float64(w.grad, ww.grad, torch.float64)
     for bad in (torch.ones(V - 1), torch.ones(V, dtype=torch.long), [1.0] * V):
-        with pytest.raises(ContractError, match=r"^mean_logit_weights: expected None or a floating tensor"):
+        with pytest.raises(
+            ContractError, match=r"^mean_logit_weights: expected None or a floating tensor"
+        ):
             linear_logprobs(p["h"], p["w"], p["y"], with_mean_logit=True, mean_logit_weights=bad)  # type: ignore[arg-type]
 
 
@@ -407,9 +440,13 @@ def test_the_peers_weighted_smoothing_is_as_conventions_write_it() -> None:
     smooth = (cw * (lse[:, None] - z)).sum(-1) / V
     tok = torch.where(counted, (1 - eps) * ce + eps * smooth, 0.0)
     kw: dict[str, Any] = {"weight": cw, "ignore_index": IGNORE, "label_smoothing": eps}
-    torch.testing.assert_close(F.cross_entropy(z, y, reduction="none", **kw), tok, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        F.cross_entropy(z, y, reduction="none", **kw), tok, rtol=1e-13, atol=1e-13
+    )
     mean = tok.sum() / cw[yc][counted].sum()
-    torch.testing.assert_close(F.cross_entropy(z, y, reduction="mean", **kw), mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        F.cross_entropy(z, y, reduction="mean", **kw), mean, rtol=1e-13, atol=1e-13
+    )
 
 
 # ---------------------------------------------------------------- tp=2
@@ -430,7 +467,9 @@ def _tp2(
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     lo, hi = (0, 14) if rank == 0 else (14, V)  # unequal shards: 14 and 15 rows
     shard = VocabShard(lo, hi, V)
     for be in backends:
@@ -441,7 +480,11 @@ def _tp2(
         h = p["h"].to(dtype).clone().requires_grad_()
         w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
         r = linear_logprobs(
-            h, w, p["y"], options=LinearOptions(tile_rows=4, tile_cols=8, **base), with_mean_logit=True
+            h,
+            w,
+            p["y"],
+            options=LinearOptions(tile_rows=4, tile_cols=8, **base),
+            with_mean_logit=True,
         )
         assert r.mean_logit is not None
         (p["c_lp"] * r.logprobs + p["c_mean"] * r.mean_logit).sum().backward()

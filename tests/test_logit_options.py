@@ -103,7 +103,11 @@ def _set_by_default(config_cls: Any) -> list[str]:
     """The unsupported options ``config_cls`` has with a default that is set (a model
     built with defaults would be refused)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    return [n for n in UNSUPPORTED_LOGIT_OPTIONS if n in fields and fields[n].default not in (None, False, 0)]
+    return [
+        n
+        for n in UNSUPPORTED_LOGIT_OPTIONS
+        if n in fields and fields[n].default not in (None, False, 0)
+    ]
 
 
 PINNED_RELEASES = ("0.16.1", "0.19.2")
@@ -118,12 +122,16 @@ def test_the_installed_config_has_none_of_them_or_defaults_them_unset() -> None:
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    present = sorted(set(UNSUPPORTED_LOGIT_OPTIONS) & {f.name for f in dataclasses.fields(TransformerConfig)})
+    present = sorted(
+        set(UNSUPPORTED_LOGIT_OPTIONS) & {f.name for f in dataclasses.fields(TransformerConfig)}
+    )
     if importlib.metadata.version("megatron-core") in PINNED_RELEASES:
         assert present == []
     assert _set_by_default(TransformerConfig) == []
     assert _set_by_default(_Config) == []
-    soft = dataclasses.make_dataclass("Soft", [("logit_softcapping", float, dataclasses.field(default=30.0))])
+    soft = dataclasses.make_dataclass(
+        "Soft", [("logit_softcapping", float, dataclasses.field(default=30.0))]
+    )
     assert _set_by_default(soft) == ["logit_softcapping"]
 
 
@@ -147,7 +155,9 @@ def test_a_scaling_scale_logits_is_followed_by_every_builtin_processor(c: float)
 def test_the_config_multiplier_is_used_for_a_hand_built_context_without_scale_logits() -> None:
     ctx = _ctx(config=_Config(use_mup=True, mup_output_mult=0.5))
     lp, _ = _truth(ctx, 0.5)
-    torch.testing.assert_close(selected_logprobs()(ctx)["logprobs"].double(), lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        selected_logprobs()(ctx)["logprobs"].double(), lp, rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,6 +221,10 @@ def test_megatron_mup_model_through_the_hook(megatron_single: None) -> None:
     want = torch.log_softmax(logits.double(), -1).gather(-1, b["labels"][..., None])[..., 0]
     model = enable_output_processor(build_tiny_gpt(**options))
     got = model(
-        b["input_ids"], b["position_ids"], None, labels=b["labels"], output_processor=selected_logprobs()
+        b["input_ids"],
+        b["position_ids"],
+        None,
+        labels=b["labels"],
+        output_processor=selected_logprobs(),
     )
     torch.testing.assert_close(got["logprobs"].double(), want, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,12 @@ import torch
 from hookspec import ContractError, OutputContext, VocabShard
 from tests.backend_support import close_to_float64, masked_context, masked_problem, token_problem
 from tests.distributed import run_distributed
-from torch_impl.processors import LinearOptions, cross_entropy_loss, fused_token_loss, linear_logprobs
+from torch_impl.processors import (
+    LinearOptions,
+    cross_entropy_loss,
+    fused_token_loss,
+    linear_logprobs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -33,7 +38,9 @@ def _problem(seed: int = 0, n: int = N) -> dict[str, torch.Tensor]:
     return token_problem(seed, n, H, V, coefficients=("c_lp", "c_lse"))
 
 
-def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+def _truth(
+    p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
     """``sum(c_lp * logprobs + c_lse * lse ** 2)`` from float64 logits of the inputs
     rounded to ``dtype``."""
     h = p["h"].to(dtype).double().clone().requires_grad_()
@@ -41,11 +48,19 @@ def _truth(p: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64) -> di
     z = (h @ w.T) / p["t"][:, None]
     lse = torch.logsumexp(z, -1)
     y = p["y"]
-    lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    lp = torch.where(
+        y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    )
     loss = (p["c_lp"] * lp + p["c_lse"] * lse**2).sum()
     loss.backward()
     assert h.grad is not None and w.grad is not None
-    return {"lse": lse.detach(), "lp": lp.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+    return {
+        "lse": lse.detach(),
+        "lp": lp.detach(),
+        "loss": loss.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+    }
 
 
 def test_lse_gradient_sign_and_value_in_float64() -> None:
@@ -54,7 +69,9 @@ def test_lse_gradient_sign_and_value_in_float64() -> None:
     p = _problem()
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
-    r = linear_logprobs(h, w, p["y"], options=LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8))
+    r = linear_logprobs(
+        h, w, p["y"], options=LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8)
+    )
     (p["c_lse"] * r.lse).sum().backward()
     hh = p["h"].clone().requires_grad_()
     ww = p["w"].clone().requires_grad_()
@@ -76,7 +93,9 @@ def test_linear_logprobs_lse_against_float64(dtype: torch.dtype, backend: str) -
     truth = _truth(p, dtype)
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
-    r = linear_logprobs(h, w, p["y"], options=LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8))
+    r = linear_logprobs(
+        h, w, p["y"], options=LinearOptions(temperature=p["t"], tile_rows=4, tile_cols=8)
+    )
     (p["c_lp"] * r.logprobs + p["c_lse"] * r.lse**2).sum().backward()
     assert h.grad is not None and w.grad is not None
     close_to_float64(r.lse, truth["lse"], dtype)
@@ -130,14 +149,18 @@ def _ce_problem(seed: int = 2) -> dict[str, torch.Tensor]:
     return masked_problem(seed, B, S, H, V)
 
 
-def _ce_truth(p: dict[str, torch.Tensor], reduction: str, z_loss: float, t: float) -> dict[str, torch.Tensor]:
+def _ce_truth(
+    p: dict[str, torch.Tensor], reduction: str, z_loss: float, t: float
+) -> dict[str, torch.Tensor]:
     """The peers' z-loss in float64: ``ce + z_loss * lse ** 2`` per counted token, the
     mean divided by the count of counted tokens (for both terms)."""
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
     z = torch.einsum("sbh,vh->bsv", h, w) * SCALE / t
     y = p["y"]
-    ce = torch.where(y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
+    ce = torch.where(
+        y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1)
+    )
     zl = torch.where(y == IGNORE, 0.0, z_loss * torch.logsumexp(z, -1) ** 2)
     if reduction == "none":
         loss = ce + zl
@@ -159,7 +182,9 @@ def _ctx(h: torch.Tensor, w: torch.Tensor, p: dict[str, torch.Tensor]) -> Output
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_cross_entropy_z_loss_against_float64(reduction: str, dtype: torch.dtype, backend: str) -> None:
+def test_cross_entropy_z_loss_against_float64(
+    reduction: str, dtype: torch.dtype, backend: str
+) -> None:
     if backend == "triton" and dtype == torch.float64:
         pytest.skip("the Triton kernels take fp32/bf16/fp16")
     p = _ce_problem()
@@ -167,7 +192,9 @@ def test_cross_entropy_z_loss_against_float64(reduction: str, dtype: torch.dtype
     truth = _ce_truth(p, reduction, z_loss, t)
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
-    proc = cross_entropy_loss(reduction=reduction, z_loss=z_loss, temperature=t, tile_rows=4, tile_cols=8)
+    proc = cross_entropy_loss(
+        reduction=reduction, z_loss=z_loss, temperature=t, tile_rows=4, tile_cols=8
+    )
     out = proc(_ctx(h, w, p))
     if reduction == "none":
         loss = out
@@ -212,12 +239,16 @@ def test_bad_z_loss_raises_by_name(bad: Any) -> None:
 # ---------------------------------------------------------------- tp=2
 
 
-def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], backends: list[str]) -> None:
+def _tp2(
+    rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], backends: list[str]
+) -> None:
     from megatron.core import parallel_state
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     lo, hi = (0, 14) if rank == 0 else (14, V)  # unequal shards: 14 and 15 rows
     shard = VocabShard(lo, hi, V)
     for be in backends:
@@ -264,7 +295,11 @@ def test_tp2_lse_and_lse_loss_against_float64() -> None:
 
 
 def _weighted_truth(
-    p: dict[str, torch.Tensor], cw: torch.Tensor, reduction: str, z_loss: float, mask: torch.Tensor | None
+    p: dict[str, torch.Tensor],
+    cw: torch.Tensor,
+    reduction: str,
+    z_loss: float,
+    mask: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """``hookspec.conventions``' class-weighted cross entropy in float64; with no mask,
     ``F.cross_entropy(weight=cw, ignore_index=-100)`` (the peers' definition) plus
@@ -288,7 +323,11 @@ def _weighted_truth(
         cwy = torch.where(counted, cw[y.clamp(min=0)], 0.0)
         lp = z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1)
         ce, zl = (m * cwy * -lp).sum(), (m * lse**2).sum()
-        loss = ce / (m * cwy).sum() + z_loss * zl / m.sum() if reduction == "mean" else ce + z_loss * zl
+        loss = (
+            ce / (m * cwy).sum() + z_loss * zl / m.sum()
+            if reduction == "mean"
+            else ce + z_loss * zl
+        )
     cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
     (loss * cot).sum().backward() if reduction == "none" else loss.backward()
     assert h.grad is not None and w.grad is not None
@@ -306,14 +345,20 @@ def test_class_weights_against_float64(
     if masked and reduction == "none":
         pytest.skip("the unreduced loss reads no mask")
     p = _ce_problem(6)
-    cw = (torch.rand(V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2).float().double()
+    cw = (
+        (torch.rand(V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2)
+        .float()
+        .double()
+    )
     cw[3] = 0.0  # a class that counts nothing
     z_loss = 0.02
     truth = _weighted_truth(p, cw, reduction, z_loss, p["mask"] if masked else None)
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
     ctx = masked_context(h, w, p, scale=SCALE, mask=masked)
-    proc = cross_entropy_loss(reduction=reduction, z_loss=z_loss, class_weights=cw.float(), tile_rows=4)
+    proc = cross_entropy_loss(
+        reduction=reduction, z_loss=z_loss, class_weights=cw.float(), tile_rows=4
+    )
     out = proc(ctx)
     loss = out if reduction == "none" else out["loss"]
     cot = torch.linspace(-1.0, 1.0, B * S, dtype=torch.float64).view(B, S)
@@ -321,16 +366,22 @@ def test_class_weights_against_float64(
     assert h.grad is not None and w.grad is not None
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     for got, want in ((loss, truth["loss"]), (h.grad, truth["dh"]), (w.grad, truth["dw"])):
-        torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+        torch.testing.assert_close(
+            got.detach().double(), want, rtol=tol, atol=tol * float(want.abs().max())
+        )
 
 
 def test_class_weights_checked_by_name() -> None:
     p = _ce_problem(7)
     for bad in (torch.ones(V, dtype=torch.long), torch.ones(2, V), [1.0] * V):
-        with pytest.raises(ContractError, match=r"^class_weights: expected None or a floating tensor \[V\]"):
+        with pytest.raises(
+            ContractError, match=r"^class_weights: expected None or a floating tensor \[V\]"
+        ):
             cross_entropy_loss(class_weights=bad)
     with pytest.raises(ContractError, match=r"^class_weights: expected a tensor \[V=29\]"):
-        cross_entropy_loss(reduction="mean", class_weights=torch.ones(V + 1))(_ctx(p["h"], p["w"], p))
+        cross_entropy_loss(reduction="mean", class_weights=torch.ones(V + 1))(
+            _ctx(p["h"], p["w"], p)
+        )
     for value in (float("nan"), -1.0, float("inf")):
         cw = torch.ones(V)
         cw[5] = value
@@ -343,14 +394,18 @@ def test_class_weights_checked_by_name() -> None:
         vocab=VocabShard(0, V, V),
         context={"global_tokens": 10},
     )
-    with pytest.raises(ContractError, match=r"^context\.global_tokens: expected None with class_weights"):
+    with pytest.raises(
+        ContractError, match=r"^context\.global_tokens: expected None with class_weights"
+    ):
         cross_entropy_loss(reduction="mean", class_weights=torch.ones(V))(ctx)
 
 
 def test_unit_class_weights_equal_none() -> None:
     p = _ce_problem(8)
     for reduction in ("none", "sum", "mean"):
-        a = cross_entropy_loss(reduction=reduction, class_weights=torch.ones(V))(_ctx(p["h"], p["w"], p))
+        a = cross_entropy_loss(reduction=reduction, class_weights=torch.ones(V))(
+            _ctx(p["h"], p["w"], p)
+        )
         b = cross_entropy_loss(reduction=reduction)(_ctx(p["h"], p["w"], p))
         if reduction == "none":
             torch.testing.assert_close(a, b, rtol=0, atol=0)

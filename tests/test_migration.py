@@ -24,7 +24,13 @@ from tests.plan_driver import cpu_stand_ins, run_plan
 from torch_impl import detached_head
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.processors import cross_entropy_loss, selected_logprobs
-from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, cpu_layer_spec, tiny_batch, tiny_config
+from torch_impl.testing.tiny import (
+    TinyGPTShape,
+    build_tiny_gpt,
+    cpu_layer_spec,
+    tiny_batch,
+    tiny_config,
+)
 from torch_impl.testing.tiny_moe import build_tiny_moe_gpt
 
 pytestmark = pytest.mark.usefixtures("megatron_single")
@@ -32,7 +38,9 @@ pytestmark = pytest.mark.usefixtures("megatron_single")
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> dict[str, Any]:
+def _reference(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> dict[str, Any]:
     """Selected-token logprobs and entropy from full logits ``[b, s, V]``."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return {
@@ -69,7 +77,9 @@ def test_verl_model_forward_fused() -> None:
 
     # --- the documented replacement (on the packed row veRL builds)
     model = torch_impl.enable_output_processor(model)
-    out = model(*args, **kw, output_processor=selected_logprobs(temperature=temperature, entropy=True))
+    out = model(
+        *args, **kw, output_processor=selected_logprobs(temperature=temperature, entropy=True)
+    )
     log_probs, entropy = out["logprobs"], out["entropy"]
     # ---
 
@@ -78,7 +88,9 @@ def test_verl_model_forward_fused() -> None:
     torch.testing.assert_close(_unpack(log_probs.detach(), mask), per_sequence["logprobs"], **TOL)
     torch.testing.assert_close(_unpack(entropy.detach(), mask), per_sequence["entropy"], **TOL)
     stock = build_tiny_gpt()  # the same packed row through the stock model's logits
-    want = _reference(stock(*args, packed_seq_params=kw["packed_seq_params"]), kw["labels"], temperature)
+    want = _reference(
+        stock(*args, packed_seq_params=kw["packed_seq_params"]), kw["labels"], temperature
+    )
     (log_probs.sum() + 0.5 * entropy.sum()).backward()
     (want["logprobs"].sum() + 0.5 * want["entropy"].sum()).backward()
     _assert_grads_close(_grads(model), _grads(stock))
@@ -152,7 +164,11 @@ def _padded_batch() -> dict[str, torch.Tensor]:
     b, s = len(LENGTHS), max(LENGTHS)
     tokens = torch.randint(0, 64, (b, s + 1), generator=g)
     mask = torch.arange(s)[None, :] < torch.tensor(LENGTHS)[:, None]
-    return {"input_ids": tokens[:, :-1] * mask, "labels": tokens[:, 1:] * mask, "attention_mask": mask}
+    return {
+        "input_ids": tokens[:, :-1] * mask,
+        "labels": tokens[:, 1:] * mask,
+        "attention_mask": mask,
+    }
 
 
 def _pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -190,7 +206,10 @@ def _per_sequence_reference(
 ) -> dict[str, torch.Tensor]:
     """Independent: the stock model on each sequence alone, its materialised logits."""
     stock = build()
-    out = {"logprobs": torch.zeros(batch["labels"].shape), "entropy": torch.zeros(batch["labels"].shape)}
+    out = {
+        "logprobs": torch.zeros(batch["labels"].shape),
+        "entropy": torch.zeros(batch["labels"].shape),
+    }
     with torch.no_grad():
         for row, n in enumerate(LENGTHS):
             logits = stock(batch["input_ids"][row : row + 1, :n], torch.arange(n)[None], None)
@@ -253,9 +272,15 @@ def test_verl_model_forward_1f1b_overlap(name: str) -> None:
     for key in ("logprobs", "entropy"):
         torch.testing.assert_close(_unpack(output[key].detach(), mask), want[key], **TOL)
     inner = torch_impl.unwrap_model(model)
-    head = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else None
+    head = (
+        inner.shared_embedding_or_output_weight()
+        if inner.share_embeddings_and_output_weights
+        else None
+    )
     head = inner.output_layer.weight if head is None else head
-    assert head.grad is not None and head.grad.abs().sum() > 0  # the plan's backward trained the head
+    assert (
+        head.grad is not None and head.grad.abs().sum() > 0
+    )  # the plan's backward trained the head
 
     # what the patch does on a MoE-last chunk: the final norm once more
     norm = torch_impl.unwrap_model(model).decoder.final_layernorm
@@ -264,7 +289,9 @@ def test_verl_model_forward_1f1b_overlap(name: str) -> None:
     def normalised_again(ctx: OutputContext) -> Any:
         return proc(ctx.replace(hidden_states=norm(ctx.hidden_states)))
 
-    twice = torch_impl.enable_output_processor(build())(*args, **kw, output_processor=normalised_again)
+    twice = torch_impl.enable_output_processor(build())(
+        *args, **kw, output_processor=normalised_again
+    )
     assert (twice["logprobs"] - forward["logprobs"]).abs().max() > 1e-3
 
 
@@ -287,7 +314,9 @@ def test_verl_1f1b_overlap_mtp_rolls_within_each_packed_sequence() -> None:
 
     model = torch_impl.enable_output_processor(build_tiny_moe_gpt([0, 1], mtp_num_layers=1).eval())
     proc = selected_logprobs(entropy=True)
-    plan = torch_impl.build_schedule_plan(model, *args, **kw, output_processor=proc, mtp_processor=record)
+    plan = torch_impl.build_schedule_plan(
+        model, *args, **kw, output_processor=proc, mtp_processor=record
+    )
     with pytest.raises(AssertionError, match="sequence packing is not yet supported"):
         run_plan(plan, torch_impl.plan_loss_func(plan, lambda out: -out["logprobs"].sum()))
     seen.clear()
@@ -302,9 +331,13 @@ def test_verl_1f1b_overlap_mtp_rolls_within_each_packed_sequence() -> None:
         start += n
     assert torch.equal(labels[0], want)
     across = torch.roll(flat, -1)  # the patch's roll: across the boundary after LENGTHS[0]
-    assert int(labels[0, LENGTHS[0] - 1]) == 0 and int(across[LENGTHS[0] - 1]) == int(flat[LENGTHS[0]])
+    assert int(labels[0, LENGTHS[0] - 1]) == 0 and int(across[LENGTHS[0] - 1]) == int(
+        flat[LENGTHS[0]]
+    )
     assert any(
-        p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "mtp" in n
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in model.named_parameters()
+        if "mtp" in n
     )
 
 
@@ -351,7 +384,9 @@ def test_verl_fused_kernels_stay_on_with_mtp() -> None:
 # (``logprobs[:, :-1]``): ``[b, s - 1]``, position t the logprob of token t + 1.
 
 
-def _nemo_rl_logprobs(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def _nemo_rl_logprobs(
+    model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
     # --- the documented replacement
     labels = torch.roll(input_ids, shifts=-1, dims=-1)  # NeMo RL's labels are the input ids
     out = model(input_ids, position_ids, None, labels=labels, output_processor=selected_logprobs())
@@ -372,7 +407,9 @@ def test_nemo_rl_linear_ce_fusion() -> None:
     forward_before = GPTModel.forward
     batch = tiny_batch()
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
-    model = torch_impl.enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=True))
+    model = torch_impl.enable_output_processor(
+        build_tiny_gpt(share_embeddings_and_output_weights=True)
+    )
     logprobs = _nemo_rl_logprobs(model, input_ids, position_ids)
     stock = build_tiny_gpt(share_embeddings_and_output_weights=True)
     assert GPTModel.forward is forward_before and type(stock).forward is forward_before

@@ -62,7 +62,11 @@ def cpu_tracker() -> Iterator[None]:
     tracker = MTPLossLoggingHelper.tracker
     saved = dict(tracker)
     tracker.clear()
-    keys = ("loss_values", "correct_values", "total_values") if SEMANTICS.logs_acceptance else ("values",)
+    keys = (
+        ("loss_values", "correct_values", "total_values")
+        if SEMANTICS.logs_acceptance
+        else ("values",)
+    )
     for key in keys:
         tracker[key] = torch.zeros(DEPTHS)
     yield
@@ -80,7 +84,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_default_mtp_processor_is_bitwise_stock(config: str, training: bool, cpu_tracker: None) -> None:
+def test_default_mtp_processor_is_bitwise_stock(
+    config: str, training: bool, cpu_tracker: None
+) -> None:
     overrides = dict(CONFIGS[config])
     if config == "detach_heads" and not hasattr(tiny_config(), "mtp_detach_heads"):
         pytest.skip("this Megatron Core has no mtp_detach_heads")
@@ -197,7 +203,10 @@ def test_rl_main_head_values_and_labels_from_input_ids(cpu_tracker: None) -> Non
     @hookspec.processor
     def logprobs(ctx: OutputContext) -> Any:
         logits = torch.einsum("sbh,vh->bsv", ctx.hidden_states, ctx.vocab_weight)
-        return {"logprobs": torch.log_softmax(logits, -1)[..., 0], "entropy": logits.detach()[..., 0]}
+        return {
+            "logprobs": torch.log_softmax(logits, -1)[..., 0],
+            "entropy": logits.detach()[..., 0],
+        }
 
     model = enable_output_processor(build_mtp_gpt()).train()
     out = model(ids, batch["position_ids"], None, output_processor=logprobs)
@@ -256,7 +265,9 @@ def test_fused_mtp_processor_matches_and_never_materialises_the_logits() -> None
     for name, mtp in {"default": default_mtp_loss, "fused": fused}.items():
         model = enable_output_processor(build_mtp_gpt(vocab=72)).eval()
         with LogitWatch(vocab=72, hidden=32) as watch:
-            results[name] = run(model, batch, **kw, output_processor=main_without_logits, mtp_processor=mtp)
+            results[name] = run(
+                model, batch, **kw, output_processor=main_without_logits, mtp_processor=mtp
+            )
         peaks[name] = watch.rows
     assert peaks["default"] >= 16  # [s=8, b=2, V]: the watch sees logits
     assert peaks["fused"] <= 4
@@ -275,17 +286,35 @@ def _bad_shape(ctx: OutputContext) -> Any:
 @pytest.mark.parametrize(
     ("mtp", "field", "expected"),
     [
-        (_bad_shape, "mtp_processor '_bad_shape' result at depth 1['loss']", "per-token shape [b=2, s=8]"),
-        (lambda ctx: {"logprobs": torch.zeros(2, 8)}, "result at depth 1", "a mapping with a 'loss'"),
+        (
+            _bad_shape,
+            "mtp_processor '_bad_shape' result at depth 1['loss']",
+            "per-token shape [b=2, s=8]",
+        ),
+        (
+            lambda ctx: {"logprobs": torch.zeros(2, 8)},
+            "result at depth 1",
+            "a mapping with a 'loss'",
+        ),
         (lambda ctx: [0.0], "result at depth 1['loss']", "a torch.Tensor"),
-        (lambda ctx: torch.zeros(2, 8, dtype=torch.long), "result at depth 1['loss']", "a floating dtype"),
+        (
+            lambda ctx: torch.zeros(2, 8, dtype=torch.long),
+            "result at depth 1['loss']",
+            "a floating dtype",
+        ),
     ],
 )
 def test_mtp_processor_returning_the_wrong_thing(mtp: Any, field: str, expected: str) -> None:
     model = enable_output_processor(build_mtp_gpt()).eval()
     batch = tiny_batch()
     with pytest.raises(ContractError) as err:
-        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], mtp_processor=mtp)
+        model(
+            batch["input_ids"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            mtp_processor=mtp,
+        )
     assert field in err.value.field and expected in str(err.value.expected)
 
 
@@ -315,7 +344,9 @@ def test_training_mode_on_gpu() -> None:
     want_log = tracker_snapshot()
     MTPLossLoggingHelper.tracker.clear()
     model = enable_output_processor(build_mtp_gpt().cuda()).train()
-    got, got_grads = run(model, batch, **kw, output_processor=stock_loss, mtp_processor=default_mtp_loss)
+    got, got_grads = run(
+        model, batch, **kw, output_processor=stock_loss, mtp_processor=default_mtp_loss
+    )
     assert torch.equal(got, want)
     assert_same_grads(got_grads, want_grads)
     log = tracker_snapshot()
@@ -326,7 +357,9 @@ def test_training_mode_on_gpu() -> None:
 
 @pytest.mark.parametrize("bad", [3, None, "default_mtp_loss"])
 def test_detached_head_refuses_what_is_not_a_processor_when_made(bad: Any) -> None:
-    with pytest.raises(ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"):
+    with pytest.raises(
+        ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"
+    ):
         detached_head(bad)
 
 
@@ -340,8 +373,16 @@ def test_mtp_result_with_an_unknown_key_is_refused_not_dropped() -> None:
         loss = out["loss"] if isinstance(out, dict) else out
         return {"loss": loss, "acceptance": torch.zeros_like(loss, dtype=torch.bool)}
 
-    with pytest.raises(ContractError, match=r"result at depth 1: expected a mapping with a 'loss'") as err:
-        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], mtp_processor=misspelt)
+    with pytest.raises(
+        ContractError, match=r"result at depth 1: expected a mapping with a 'loss'"
+    ) as err:
+        model(
+            batch["input_ids"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            mtp_processor=misspelt,
+        )
     assert err.value.actual == "keys ['acceptance', 'loss']"
 
 
@@ -425,7 +466,11 @@ def test_detach_encoder_at_one_depth_equals_the_stock_mtp_gradients() -> None:
     model = enable_output_processor(build_mtp_gpt(1), mtp=MTPOptions(detach_encoder=True)).eval()
     _, got = _grads_of(model, batch, mtp_processor=default_mtp_loss)
     for name, grad in got.items():
-        want = stock[name] if name.startswith("mtp.") or name == "output_layer.weight" else no_mtp[name]
+        want = (
+            stock[name]
+            if name.startswith("mtp.") or name == "output_layer.weight"
+            else no_mtp[name]
+        )
         assert torch.equal(grad, want), name
 
 
@@ -443,7 +488,9 @@ def test_mtp_options_are_undone_with_the_adapter() -> None:
     disable_output_processor(model)
     assert [type(layer) for layer in model.mtp.layers] == classes
     batch = _uneven_batch()
-    assert torch.equal(_grads_of(model.eval(), batch)[0], _grads_of(build_mtp_gpt().eval(), batch)[0])
+    assert torch.equal(
+        _grads_of(model.eval(), batch)[0], _grads_of(build_mtp_gpt().eval(), batch)[0]
+    )
 
 
 def test_rolled_per_token_normalization_on_every_release() -> None:
@@ -458,7 +505,9 @@ def test_rolled_per_token_normalization_on_every_release() -> None:
 
     batch = _uneven_batch()
     factor = 0.1 if SEMANTICS.clamped_counts else 0.1 * 13 / 11
-    reference = build_mtp_gpt(1, calculate_per_token_loss=True, mtp_loss_scaling_factor=factor).eval()
+    reference = build_mtp_gpt(
+        1, calculate_per_token_loss=True, mtp_loss_scaling_factor=factor
+    ).eval()
     want, want_grads = _grads_of(reference, batch)
     _, release = _grads_of(
         build_mtp_gpt(1, calculate_per_token_loss=True, mtp_loss_scaling_factor=0.1).eval(), batch
@@ -500,7 +549,9 @@ def test_scaled_mtp_gradient_scales_the_gradient_not_the_logged_loss(cpu_tracker
         assert torch.equal(value, logged[key]), key
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-9, msg=name)
-    assert not torch.allclose(got["mtp.layers.0.enorm.weight"], stock_grads["mtp.layers.0.enorm.weight"])
+    assert not torch.allclose(
+        got["mtp.layers.0.enorm.weight"], stock_grads["mtp.layers.0.enorm.weight"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,9 @@ def _cp_rank(rank: int, from_packed: bool) -> None:
     from torch_impl import enable_output_processor
     from torch_impl.mtp import MTPOptions, default_mtp_loss
 
-    cp_group = dist.new_group([0, 1], backend="gloo")  # the micro-batch's; the model's CP group is of one
+    cp_group = dist.new_group(
+        [0, 1], backend="gloo"
+    )  # the micro-batch's; the model's CP group is of one
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (20,), generator=g)
     labels = torch.randint(0, 64, (20,), generator=g)
@@ -126,7 +128,9 @@ def _cp_rank(rank: int, from_packed: bool) -> None:
         seen.append((ctx.labels.clone(), ctx.loss_mask.clone()))
         return default_mtp_loss(ctx)
 
-    model = enable_output_processor(build_mtp_gpt(1), mtp=MTPOptions(cp_group_from_packed=from_packed)).eval()
+    model = enable_output_processor(
+        build_mtp_gpt(1), mtp=MTPOptions(cp_group_from_packed=from_packed)
+    ).eval()
     embedded: list[torch.Tensor] = []
     model.embedding.register_forward_hook(
         lambda m, args, kwargs, out: embedded.append(kwargs["input_ids"].clone()), with_kwargs=True
@@ -181,7 +185,9 @@ def test_mtp_rolls_over_the_micro_batch_cp_group() -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_two_ranks_tp1, args=(free_port(), errors), nprocs=2, start_method="spawn")
+        mp.start_processes(
+            _two_ranks_tp1, args=(free_port(), errors), nprocs=2, start_method="spawn"
+        )
     except mp.ProcessRaisedException as exc:
         reports = []
         while not errors.empty():

@@ -70,15 +70,35 @@ def _unit_context() -> tuple[OutputContext, torch.Tensor]:
     [
         lambda x: {"loss": x * 1.0},
         lambda x: types.MappingProxyType({"loss": x * 1.0}),
-        lambda x: types.MappingProxyType({"loss": x * 1.0, "accepted": torch.ones(2, 3, dtype=torch.bool)}),
+        lambda x: types.MappingProxyType(
+            {"loss": x * 1.0, "accepted": torch.ones(2, 3, dtype=torch.bool)}
+        ),
         lambda x: x * 1.0,
     ],
     ids=["dict", "mappingproxy", "mappingproxy-accepted", "tensor"],
 )
 @pytest.mark.parametrize(
     "factor",
-    [0.5, 2, np.float32(0.5), np.float16(0.25), np.float64(0.5), np.int64(3), Fraction(1, 2), 10**30],
-    ids=["float", "int", "np.float32", "np.float16", "np.float64", "np.int64", "Fraction", "10**30"],
+    [
+        0.5,
+        2,
+        np.float32(0.5),
+        np.float16(0.25),
+        np.float64(0.5),
+        np.int64(3),
+        Fraction(1, 2),
+        10**30,
+    ],
+    ids=[
+        "float",
+        "int",
+        "np.float32",
+        "np.float16",
+        "np.float64",
+        "np.int64",
+        "Fraction",
+        "10**30",
+    ],
 )
 def test_every_real_factor_scales_every_result_form(result: Any, factor: Any) -> None:
     ctx, x = _unit_context()
@@ -137,7 +157,9 @@ def test_a_wrapped_keyword_style_callable_is_refused_as_an_unwrapped_one(wrap: A
     with pytest.raises(ContractError, match=r"^mtp_processor: expected a callable \(ctx\)") as e:
         wrap(upstream_style)
     assert "@hookspec.processor" in str(e.value)
-    with pytest.raises(ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"):
+    with pytest.raises(
+        ContractError, match=r"^mtp_processor: expected a hookspec processor or a callable"
+    ):
         wrap(3)
 
 
@@ -156,7 +178,9 @@ def test_no_library_code_asks_a_result_for_a_dict_where_the_contract_says_mappin
                     and getattr(node.func, "id", None) == "isinstance"
                     and len(node.args) == 2
                 ):
-                    kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                    kinds = (
+                        node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                    )
                     if any(getattr(k, "id", None) == "dict" for k in kinds):
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []

@@ -29,7 +29,9 @@ EXPECTED = (
     "04_distillation.ipynb",
 )
 CELL_TIMEOUT_S = 600
-HAS_NBCLIENT = all(importlib.util.find_spec(m) is not None for m in ("nbclient", "nbformat", "ipykernel"))
+HAS_NBCLIENT = all(
+    importlib.util.find_spec(m) is not None for m in ("nbclient", "nbformat", "ipykernel")
+)
 
 # appended to the executed copy: a notebook that starts torch.distributed tears it down
 TEARDOWN_CHECK = (

@@ -24,10 +24,14 @@ def test_extras_bring_the_frameworks() -> None:
     }
     assert {"torch", "megatron-core"} <= extras["torch"]
     assert {"jax", "flax"} <= extras["jax"]
-    assert "mcore-hookspec" in extras["jax"]  # with [torch]: hookcheck runs the processors under test
+    assert (
+        "mcore-hookspec" in extras["jax"]
+    )  # with [torch]: hookcheck runs the processors under test
     assert "mcore-hookspec[torch]" in _project()["optional-dependencies"]["jax"]
     assert _project()["scripts"]["hookcheck"] == "jax_ref.check.hookcheck:main"
-    assert {"nbclient", "nbformat", "ipykernel"} <= extras["notebooks"]  # what test_notebooks executes with
+    assert {"nbclient", "nbformat", "ipykernel"} <= extras[
+        "notebooks"
+    ]  # what test_notebooks executes with
 
 
 def test_requirements_pin_the_two_megatron_releases() -> None:

@@ -170,7 +170,9 @@ def test_option_off_keeps_megatrons_plan_bitwise(name: str, processor: str) -> N
     off the adapted plan is Megatron's plan to the bit, processors or not."""
     build, _ = {**MODELS, **MTP_MODELS}[name]
     processors = _processors(processor, name in MTP_MODELS)
-    _assert_equal(_adapted_plan(build(), apply_final_norm=False, **processors), _stock_plan(build()))
+    _assert_equal(
+        _adapted_plan(build(), apply_final_norm=False, **processors), _stock_plan(build())
+    )
 
 
 def test_where_megatrons_plan_applies_the_final_norm() -> None:

@@ -28,7 +28,13 @@ from typing import Any
 import pytest
 import torch
 
-from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
+from hookspec import (
+    ContractError,
+    OutputContext,
+    ParallelLayout,
+    SingleProcessCollectives,
+    VocabShard,
+)
 from tests.distributed import run_distributed
 from tests.identity_collectives import identity_collectives
 from tests.policy_truth import policy_truth
@@ -43,10 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS: dict[str, tuple[PolicyLossConfig, dict[str, float]]] = {
     "token-mean-fused": (PolicyLossConfig(kl_coef=0.1, entropy_coef=0.05, clip_low=0.1), {}),
-    "token-mean-autograd": (PolicyLossConfig(kl_coef=0.1, entropy_coef=0.05, clip_low=0.1, fused=False), {}),
+    "token-mean-autograd": (
+        PolicyLossConfig(kl_coef=0.1, entropy_coef=0.05, clip_low=0.1, fused=False),
+        {},
+    ),
     "token-mean-global-tokens": (PolicyLossConfig(clip_low=0.1), {"global_tokens": 53.0}),
     "seq-sum-dual-fused": (
-        PolicyLossConfig.ppo(clip_low=0.1, clip_high=0.15, dual_clip=1.5, aggregation="seq-mean-token-sum"),
+        PolicyLossConfig.ppo(
+            clip_low=0.1, clip_high=0.15, dual_clip=1.5, aggregation="seq-mean-token-sum"
+        ),
         {},
     ),
     "seq-sum-autograd-global-sequences": (
@@ -94,7 +105,9 @@ def _thd_problem(seed: int = 0) -> dict[str, Any]:
     return _with_batch(g, torch.randn(t, 1, H, generator=g, dtype=torch.float64), labels, mask) | {
         "cu": cu,
         "cu_padded": cu_padded,
-        "sequences": [[(0, j) for j in range(int(a), int(z))] for a, z in itertools.pairwise(cu_padded)],
+        "sequences": [
+            [(0, j) for j in range(int(a), int(z))] for a, z in itertools.pairwise(cu_padded)
+        ],
     }
 
 
@@ -148,7 +161,9 @@ def _logprob_truth(p: dict[str, Any]) -> dict[str, torch.Tensor]:
             p["labels"] == IGNORE, 0.0, logp.gather(2, p["labels"].clamp(min=0)[..., None])[..., 0]
         )
         ent = -(logp.exp() * logp).sum(-1)
-        loss = (p["c_lp"] * lp + p["c_ent"] * ent).sum() if name == "sel" else (p["c_lp"] * -lp).sum()
+        loss = (
+            (p["c_lp"] * lp + p["c_ent"] * ent).sum() if name == "sel" else (p["c_lp"] * -lp).sum()
+        )
         loss.backward()
         out |= {
             f"{name}_lp": lp.detach(),
@@ -163,7 +178,9 @@ def _truths(p: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     truths = {"logprobs": _logprob_truth(p)}
     for name, (cfg, counts) in CONFIGS.items():
         batch = dataclasses.replace(p["batch"], **counts)
-        truths[name] = policy_truth(p["h"], p["w"], p["labels"], batch, cfg, sequences=p["sequences"])
+        truths[name] = policy_truth(
+            p["h"], p["w"], p["labels"], batch, cfg, sequences=p["sequences"]
+        )
     return truths
 
 
@@ -297,13 +314,22 @@ def _check_case(
         torch.testing.assert_close(_sum(out["loss"], group), truth["loss"], **TOL, msg=msg)
         torch.testing.assert_close(h.grad, truth["dh"][index], **TOL, msg=msg)
         torch.testing.assert_close(_sum(w.grad, group), truth["dw"][shard], **TOL, msg=msg)
-        for metric in ("pg_loss", "entropy", "clip_fraction", "approx_kl", "kl", "dual_clip_fraction"):
+        for metric in (
+            "pg_loss",
+            "entropy",
+            "clip_fraction",
+            "approx_kl",
+            "kl",
+            "dual_clip_fraction",
+        ):
             if metric in truth:
                 got = _sum(out[metric], group)
                 torch.testing.assert_close(got, truth[metric], **TOL, msg=f"{metric} {msg}")
 
 
-def _cp2(rank: int, thd: dict[str, Any], thd_truths: dict, bshd: dict[str, Any], bshd_truths: dict) -> None:
+def _cp2(
+    rank: int, thd: dict[str, Any], thd_truths: dict, bshd: dict[str, Any], bshd_truths: dict
+) -> None:
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -411,7 +437,12 @@ def _tp2_cp2(rank: int, thd: dict[str, Any], thd_truths: dict) -> None:
         cu_seqlens_kv_padded=thd["cu_padded"],
     )
     local, index = _split(thd, cp_rank, packed=True)
-    configs = ("token-mean-fused", "grpo-autograd", "gspo-seq-mean-token-mean", "gspo-token-mean-kl-entropy")
+    configs = (
+        "token-mean-fused",
+        "grpo-autograd",
+        "gspo-seq-mean-token-mean",
+        "gspo-token-mean-kl-entropy",
+    )
     _check_case(
         cp_rank, _Model(cp_group, tp_group), local, index, thd, thd_truths, psp, cp_group,
         shard=slice(tp_rank * half, (tp_rank + 1) * half), configs=configs,
@@ -432,7 +463,9 @@ def test_tp2_cp2_thd_against_float64() -> None:
 # ---------------------------------------------------------------- one process: what is refused
 
 
-def _one_rank_cp2(p: dict[str, Any], batch: PolicyBatch, collectives: Any, psp: Any = None) -> OutputContext:
+def _one_rank_cp2(
+    p: dict[str, Any], batch: PolicyBatch, collectives: Any, psp: Any = None
+) -> OutputContext:
     local, _ = _split(p, 0, packed=True)
     return OutputContext(
         hidden_states=local["h"],
@@ -454,8 +487,12 @@ _CollectivesOfSpec11 = identity_collectives(
 )
 
 
-@pytest.mark.parametrize("collectives", [_CollectivesOfSpec11(), SingleProcessCollectives()], ids=repr)
-def test_collectives_without_the_cp_sum_are_refused_only_where_it_is_needed(collectives: Any) -> None:
+@pytest.mark.parametrize(
+    "collectives", [_CollectivesOfSpec11(), SingleProcessCollectives()], ids=repr
+)
+def test_collectives_without_the_cp_sum_are_refused_only_where_it_is_needed(
+    collectives: Any,
+) -> None:
     """Under cp > 1 a collectives object without the context-parallel sum (spec
     1.1), or the one-rank collectives, still runs a token ratio with the global
     count it needs; GSPO, seq-mean-token-mean and a missing count raise, naming
@@ -466,7 +503,9 @@ def test_collectives_without_the_cp_sum_are_refused_only_where_it_is_needed(coll
 
     assert isinstance(collectives, hookspec.Collectives)  # 1.1 objects still are
     p = _thd_problem()
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p["cu_padded"], cu_seqlens_kv=p["cu_padded"])
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=p["cu_padded"], cu_seqlens_kv=p["cu_padded"]
+    )
     local, _ = _split(p, 0, packed=True)
     ok = dataclasses.replace(local["batch"], global_tokens=40.0)
     out = policy_loss(PolicyLossConfig())(_one_rank_cp2(p, ok, collectives, psp))
@@ -495,9 +534,12 @@ def test_cu_seqlens_not_a_multiple_of_2cp_is_refused() -> None:
     for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
         psp = PackedSeqParams(qkv_format="thd", **{name: p["cu"]})  # the unpadded boundaries
         with pytest.raises(
-            ContractError, match=rf"^packed_seq_params\.{name}: expected multiples of 4 \(2 \* cp_size"
+            ContractError,
+            match=rf"^packed_seq_params\.{name}: expected multiples of 4 \(2 \* cp_size",
         ):
-            policy_loss(PolicyLossConfig())(_one_rank_cp2(p, batch, SingleProcessCollectives(), psp))
+            policy_loss(PolicyLossConfig())(
+                _one_rank_cp2(p, batch, SingleProcessCollectives(), psp)
+            )
 
 
 def test_collectives_of_another_cp_size_are_refused() -> None:
@@ -541,7 +583,10 @@ def _jax_cp_sum_body() -> None:
             return jax.lax.psum(jnp.sum(c * jnp.exp(total)), "cp")  # the shares summed
 
         f = shard_map(
-            shares, mesh=mesh, in_specs=(PartitionSpec("cp"), PartitionSpec("cp")), out_specs=PartitionSpec()
+            shares,
+            mesh=mesh,
+            in_specs=(PartitionSpec("cp"), PartitionSpec("cp")),
+            out_specs=PartitionSpec(),
         )
         x = jnp.array([0.1, -0.2, 0.3, 0.4])  # rank r holds x[2r:2r+2]
         c = jnp.array([1.0, 2.0, -1.0, 0.5])
@@ -554,7 +599,11 @@ def _jax_cp_sum_body() -> None:
 
 
 def test_jax_collectives_cp_sum_is_psum_with_summed_gradient() -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONWARNINGS="ignore"
+    )
     code = "import tests.test_policy_cp as t; t._jax_cp_sum_body()"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

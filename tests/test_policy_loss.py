@@ -36,7 +36,9 @@ IGNORE = -100
 S, B, H, V = 9, 3, 8, 50
 
 
-def _data(dtype: torch.dtype = torch.float64, *, seed: int = 0, s: int = S, b: int = B) -> dict[str, Any]:
+def _data(
+    dtype: torch.dtype = torch.float64, *, seed: int = 0, s: int = S, b: int = B
+) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(s, b, H, generator=g, dtype=torch.float64)
     w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.8
@@ -62,9 +64,16 @@ def _data(dtype: torch.dtype = torch.float64, *, seed: int = 0, s: int = S, b: i
     }
 
 
-def _ctx(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any, **kw: Any) -> OutputContext:
+def _ctx(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any, **kw: Any
+) -> OutputContext:
     return OutputContext(
-        hidden_states=h, labels=labels, vocab_weight=w, vocab=VocabShard(0, V, V), context=batch, **kw
+        hidden_states=h,
+        labels=labels,
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=batch,
+        **kw,
     )
 
 
@@ -76,7 +85,9 @@ CONFIGS = {
     "grpo-k3": PolicyLossConfig.grpo(),
     "grpo-k1": PolicyLossConfig.grpo(kl_estimator="k1", kl_coef=0.1),
     "kl-k2-entropy-token-mean": PolicyLossConfig(kl_coef=0.2, kl_estimator="k2", entropy_coef=0.05),
-    "entropy-seq-mean-token-mean": PolicyLossConfig(entropy_coef=0.3, aggregation="seq-mean-token-mean"),
+    "entropy-seq-mean-token-mean": PolicyLossConfig(
+        entropy_coef=0.3, aggregation="seq-mean-token-mean"
+    ),
     "gspo": PolicyLossConfig.gspo(clip_low=0.05, clip_high=0.08),
 }
 
@@ -108,7 +119,9 @@ def test_policy_loss_float64(name: str, fused: bool) -> None:
 def test_some_tokens_are_clipped() -> None:
     """The cases above exercise both branches of the clip."""
     d = _data(seed=1)
-    out = policy_loss(PolicyLossConfig.ppo(clip_low=0.1))(_ctx(d["h"], d["w"], d["labels"], d["batch"]))
+    out = policy_loss(PolicyLossConfig.ppo(clip_low=0.1))(
+        _ctx(d["h"], d["w"], d["labels"], d["batch"])
+    )
     assert 0.0 < float(out["clip_fraction"]) < 1.0
 
 
@@ -134,22 +147,33 @@ def test_policy_loss_float32_three_way(name: str) -> None:
         for key, got in (("loss", out["loss"]), ("dh", h.grad), ("dw", w.grad)):
             ours_err = float((got.detach().double() - truth[key]).abs().max())
             naive_err = float((naive[key].double() - truth[key]).abs().max())
-            assert ours_err <= naive_err + 1e-5 * max(1.0, float(truth[key].abs().max())), (key, fused)
+            assert ours_err <= naive_err + 1e-5 * max(1.0, float(truth[key].abs().max())), (
+                key,
+                fused,
+            )
 
 
 def _truth_in_float32(
-    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: PolicyBatch, cfg: PolicyLossConfig
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    batch: PolicyBatch,
+    cfg: PolicyLossConfig,
 ) -> dict[str, torch.Tensor]:
     """The naive path in fp32: full logits, log_softmax, the same formulas."""
     h = h.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
     logp_all = torch.einsum("sbh,vh->bsv", h, w).log_softmax(-1)
-    lp = torch.where(labels == IGNORE, 0.0, logp_all.gather(2, labels.clamp(min=0)[..., None]).squeeze(-1))
+    lp = torch.where(
+        labels == IGNORE, 0.0, logp_all.gather(2, labels.clamp(min=0)[..., None]).squeeze(-1)
+    )
     ent = -(logp_all.exp() * logp_all).sum(-1)
     m = batch.mask * (labels != IGNORE)
     ratio = torch.exp(torch.where(m > 0, lp - batch.old_logprobs, 0.0))
     adv = batch.advantages
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.effective_clip_high))
+    pg = torch.maximum(
+        -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.effective_clip_high)
+    )
     r = torch.where(m > 0, batch.ref_logprobs - lp, 0.0)
     kl = {"k1": -r, "k2": r**2 / 2, "k3": torch.exp(r) - r - 1}[cfg.kl_estimator.value]
     per_token = pg + cfg.kl_coef * kl - cfg.entropy_coef * ent
@@ -238,7 +262,11 @@ def test_mask_of_bool_and_integer_dtypes_is_taken_as_the_float_mask() -> None:
 
 
 def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
-    from torch_impl.value_checks import check_finite_deferred, check_multiple_deferred, pending_checks
+    from torch_impl.value_checks import (
+        check_finite_deferred,
+        check_multiple_deferred,
+        pending_checks,
+    )
 
     nan, inf = float("nan"), float("inf")
     check_finite_deferred(torch.tensor([0.0, 2.5]), field="context.mask", nonnegative=True)
@@ -247,9 +275,12 @@ def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
         ContractError,
         match=r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]$",
     ):
-        check_finite_deferred(torch.tensor([0.0, -1.0, 1.0]), field="context.mask", nonnegative=True)
+        check_finite_deferred(
+            torch.tensor([0.0, -1.0, 1.0]), field="context.mask", nonnegative=True
+        )
     with pytest.raises(
-        ContractError, match=r"^x: expected finite values >= 0, got 2 values outside it, in \[nan, nan\]$"
+        ContractError,
+        match=r"^x: expected finite values >= 0, got 2 values outside it, in \[nan, nan\]$",
     ):
         check_finite_deferred(torch.tensor([nan, inf, 1.0]), field="x", nonnegative=True)
     counted = torch.tensor([True, False, True])
@@ -259,7 +290,9 @@ def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
         match=r"^context\.advantages: expected finite values where it is read, "
         r"got 1 values outside it, in \[-inf, -inf\]$",
     ):
-        check_finite_deferred(torch.tensor([-inf, nan, 3.0]), field="context.advantages", where=counted)
+        check_finite_deferred(
+            torch.tensor([-inf, nan, 3.0]), field="context.advantages", where=counted
+        )
     check_multiple_deferred(torch.tensor([0, 4, 12], dtype=torch.int32), 4, field="cu")
     with pytest.raises(
         ContractError, match=r"^cu: expected multiples of 4, got 2 values outside it, in \[5, 7\]$"
@@ -272,7 +305,11 @@ def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
 def test_cuda_mask_and_value_checks_defer_without_a_host_read() -> None:
     """On a GPU each check makes no host read (sync debug mode "error") and its
     result is read later, naming the field and the values."""
-    from torch_impl.value_checks import check_finite_deferred, check_multiple_deferred, raise_pending_errors
+    from torch_impl.value_checks import (
+        check_finite_deferred,
+        check_multiple_deferred,
+        raise_pending_errors,
+    )
 
     cuda = torch.device("cuda")
     mask = torch.tensor([1.0, -1.0, 0.0], device=cuda)  # inputs made before the mode is on
@@ -325,7 +362,9 @@ def test_cuda_policy_loss_reports_a_negative_mask_entry() -> None:
         ref_logprobs=d["batch"].ref_logprobs.cuda(),
     )
     ctx = _ctx(d["h"].float().cuda(), d["w"].float().cuda(), d["labels"].cuda(), batch)
-    with pytest.raises(ContractError, match=r"^context\.mask: expected finite values >= 0, got 1 values"):
+    with pytest.raises(
+        ContractError, match=r"^context\.mask: expected finite values >= 0, got 1 values"
+    ):
         policy_loss(PolicyLossConfig.grpo())(ctx)
         raise_pending_errors(wait=True)
 
@@ -413,7 +452,9 @@ def test_mismatched_context_shapes_raise() -> None:
         policy_loss(PolicyLossConfig.grpo())(
             _ctx(d["h"], d["w"], d["labels"], dataclasses.replace(b, ref_logprobs=None))
         )
-    with pytest.raises(ContractError, match=r"context: expected a torch_impl\.processors\.PolicyBatch"):
+    with pytest.raises(
+        ContractError, match=r"context: expected a torch_impl\.processors\.PolicyBatch"
+    ):
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], {"old_logprobs": b.old_logprobs}))
     with pytest.raises(ContractError, match=r"context\.temperature"):
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], dataclasses.replace(b, temperature=0.0)))
@@ -447,7 +488,9 @@ def test_bad_config_raises(kwargs: dict[str, Any], field: str) -> None:
 def test_ratio_is_an_enum_and_the_old_strings_warn() -> None:
     assert PolicyLossConfig().ratio is RatioLevel.TOKEN
     assert PolicyLossConfig.gspo().ratio is RatioLevel.SEQUENCE
-    with pytest.warns(DeprecationWarning, match=r"ratio='sequence'.*pass RatioLevel\.SEQUENCE") as rec:
+    with pytest.warns(
+        DeprecationWarning, match=r"ratio='sequence'.*pass RatioLevel\.SEQUENCE"
+    ) as rec:
         cfg = PolicyLossConfig(ratio="sequence")  # type: ignore[arg-type]
     assert rec[0].filename == __file__  # the warning points at the caller
     assert cfg.ratio is RatioLevel.SEQUENCE and cfg == PolicyLossConfig(ratio=RatioLevel.SEQUENCE)
@@ -455,7 +498,9 @@ def test_ratio_is_an_enum_and_the_old_strings_warn() -> None:
         warnings.simplefilter("error")
         dataclasses.replace(cfg, fused=False)
         PolicyLossConfig.grpo(ratio=RatioLevel.TOKEN)
-    with pytest.raises(ContractError, match=r"^ratio: expected RatioLevel\.TOKEN or RatioLevel\.SEQUENCE"):
+    with pytest.raises(
+        ContractError, match=r"^ratio: expected RatioLevel\.TOKEN or RatioLevel\.SEQUENCE"
+    ):
         PolicyLossConfig(ratio="seq")  # type: ignore[arg-type]
 
 
@@ -486,7 +531,13 @@ _OLD_TILES = [
         lambda **kw: topk_logprobs(2, **kw),
         lambda **kw: distillation_loss(DistillConfig(), **kw),
     ],
-    ids=["selected_logprobs", "cross_entropy_loss", "policy_loss", "topk_logprobs", "distillation_loss"],
+    ids=[
+        "selected_logprobs",
+        "cross_entropy_loss",
+        "policy_loss",
+        "topk_logprobs",
+        "distillation_loss",
+    ],
 )
 def test_a_factory_tile_keyword_of_the_earlier_signature_names_its_new_name(
     factory: Any, old: str, new: str

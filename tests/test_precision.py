@@ -75,7 +75,9 @@ def _data(vocab: int) -> dict[str, Any]:
         "w": (torch.randn(vocab, H, generator=g) * 0.3).to(BF16),
         "y": y,
         "dense": (th, tw),
-        "sparse": SparseTeacher(ids=top.indices[..., :K].contiguous(), logprobs=top.values[..., :K].float()),
+        "sparse": SparseTeacher(
+            ids=top.indices[..., :K].contiguous(), logprobs=top.values[..., :K].float()
+        ),
         "batch": PolicyBatch(
             old_logprobs=-torch.rand(B, S, generator=g) * 4 - 4,
             advantages=torch.randn(B, S, generator=g),
@@ -122,12 +124,18 @@ def _dense(d: dict[str, Any], how: str, w: torch.Tensor) -> DenseTeacher:
     th, tw = d["dense"]
     if how == "ours":
         return DenseTeacher(hidden_states=th, weight=tw)
-    z = torch.einsum("sbh,vh->sbv", th.to(w.dtype), tw.to(w.dtype)) if w.dtype == torch.float64 else th @ tw.T
+    z = (
+        torch.einsum("sbh,vh->sbv", th.to(w.dtype), tw.to(w.dtype))
+        if w.dtype == torch.float64
+        else th @ tw.T
+    )
     return DenseTeacher(hidden_states=z.to(w.dtype), weight=torch.eye(w.shape[0], dtype=w.dtype))
 
 
 def _distill(cfg: DistillConfig, teacher: str) -> Case:
-    def case(h: torch.Tensor, w: torch.Tensor, d: dict[str, Any], how: str) -> dict[str, torch.Tensor]:
+    def case(
+        h: torch.Tensor, w: torch.Tensor, d: dict[str, Any], how: str
+    ) -> dict[str, torch.Tensor]:
         t = _dense(d, how, w) if teacher == "dense" else d["sparse"]
         proc = distillation_loss(cfg, compute_dtype=BF16 if how == "ours" else None)
         return proc(_ctx(h, w, d, t, loss_mask=d["mask"]))
@@ -148,18 +156,29 @@ CASES: dict[str, Case] = {
     ),
     "fused_token_loss": lambda h, w, d, how: {
         "loss": fused_token_loss(
-            _rows(h), w, _labels(d), lambda lp, ent, rows: (lp * 0.7 + 0.2 * ent).sum(), options=_opts(how)
+            _rows(h),
+            w,
+            _labels(d),
+            lambda lp, ent, rows: (lp * 0.7 + 0.2 * ent).sum(),
+            options=_opts(how),
         ).loss
     },
     "fused_token_loss(entropy_grad=False)": lambda h, w, d, how: {
         "loss": fused_token_loss(
-            _rows(h), w, _labels(d), lambda lp, ent, rows: -lp.sum(), options=_opts(how), entropy_grad=False
+            _rows(h),
+            w,
+            _labels(d),
+            lambda lp, ent, rows: -lp.sum(),
+            options=_opts(how),
+            entropy_grad=False,
         ).loss
     },
     "linear_topk_logprobs": lambda h, w, d, how: {
         k: v
         for k, v in vars(
-            linear_topk_logprobs(_rows(h), w, k=K, labels=_labels(d), with_entropy=True, options=_opts(how))
+            linear_topk_logprobs(
+                _rows(h), w, k=K, labels=_labels(d), with_entropy=True, options=_opts(how)
+            )
         ).items()
         if k != "ids"
     },
@@ -180,9 +199,13 @@ CASES: dict[str, Case] = {
     "cross_entropy_loss(mean, label_smoothing)": lambda h, w, d, how: cross_entropy_loss(
         reduction="mean", label_smoothing=0.1
     )(_ctx(h, w, d, loss_mask=d["mask"])),
-    "cross_entropy_loss(mean, label_smoothing, class_weights)": lambda h, w, d, how: cross_entropy_loss(
-        reduction="mean", label_smoothing=0.1, class_weights=torch.linspace(0.0, 2.0, w.shape[0])
-    )(_ctx(h, w, d, loss_mask=d["mask"])),
+    "cross_entropy_loss(mean, label_smoothing, class_weights)": lambda h, w, d, how: (
+        cross_entropy_loss(
+            reduction="mean",
+            label_smoothing=0.1,
+            class_weights=torch.linspace(0.0, 2.0, w.shape[0]),
+        )(_ctx(h, w, d, loss_mask=d["mask"]))
+    ),
     "fused_token_loss(mean_logit_loss)": lambda h, w, d, how: {
         k: v
         for k, v in vars(
@@ -261,7 +284,11 @@ def _run(case: Case, d: dict[str, Any], how: str, dtype: torch.dtype) -> dict[st
         if v.dtype.is_floating_point
     )
     dh, dw = torch.autograd.grad(total, (h, w))
-    return {**{k: v.detach() for k, v in out.items() if v.dtype.is_floating_point}, "dh": dh, "dw": dw}
+    return {
+        **{k: v.detach() for k, v in out.items() if v.dtype.is_floating_point},
+        "dh": dh,
+        "dw": dw,
+    }
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -271,7 +298,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_at_the_gpus_compute_dtype(name: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_the_gpus_compute_dtype(
+    name: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     vocab = 4096 if backend == "torch" else 1024  # the interpreter is slow
     d = _data(vocab)
     if name in _PROCESSOR_CASES:  # processors run at the input's dtype's compute dtype on a GPU
@@ -283,10 +312,19 @@ def test_at_the_gpus_compute_dtype(name: str, backend: str, monkeypatch: pytest.
     for key, want in truth.items():
         err, naive_err = _rel(ours[key], want), _rel(naive[key], want)
         rounding = _rel(want.to(BF16), want)
-        assert err <= max(naive_err / 3, 2 * rounding), (name, backend, key, err, naive_err, rounding)
+        assert err <= max(naive_err / 3, 2 * rounding), (
+            name,
+            backend,
+            key,
+            err,
+            naive_err,
+            rounding,
+        )
 
 
-def _forced_bf16(device: torch.device, dtype: torch.dtype, override: torch.dtype | None) -> torch.dtype:
+def _forced_bf16(
+    device: torch.device, dtype: torch.dtype, override: torch.dtype | None
+) -> torch.dtype:
     """``compute_dtype`` as on CUDA for bf16 inputs: bf16 (float64 stays float64)."""
     return torch.float64 if dtype == torch.float64 else (override or BF16)
 
@@ -310,7 +348,9 @@ def test_the_fused_dh_is_rounded_once_whatever_the_upstream_gradient(
         w = d["w"].to(dtype)
         opts = _opts("ours" if dtype == BF16 else "materialised")
         if fused:
-            loss = fused_token_loss(h, w, y, token_loss, options=opts, entropy_grad=entropy_grad).loss
+            loss = fused_token_loss(
+                h, w, y, token_loss, options=opts, entropy_grad=entropy_grad
+            ).loss
         else:
             r = linear_logprobs(h, w, y, with_entropy=True, options=opts)
             loss = token_loss(r.logprobs, r.entropy, slice(None))  # type: ignore[arg-type]

@@ -28,7 +28,9 @@ def test_logprob_methods_agree() -> None:
     results = {m: _worker.run(dict(TOY, method=m)) for m in methods}
     for m in methods:
         assert results[m]["check"] == pytest.approx(results["naive"]["check"], rel=1e-5), m
-        assert results[m]["grad_norm_h"] == pytest.approx(results["naive"]["grad_norm_h"], rel=1e-5), m
+        assert results[m]["grad_norm_h"] == pytest.approx(
+            results["naive"]["grad_norm_h"], rel=1e-5
+        ), m
         assert results[m]["time_s"] > 0 and results[m]["peak_extra_mib"] >= 0
 
 
@@ -55,21 +57,29 @@ def test_summary_and_plot(tmp_path: Path) -> None:
 
     policy = {"policy-naive": (10.0, 1000.0), "policy-ours-fused": (11.0, 50.0)}
     rows = case(
-        "main", "fp32", {"naive": (10.0, 1000.0), "verl": (9.0, 100.0), "ours": (8.0, 30.0), **policy}
+        "main",
+        "fp32",
+        {"naive": (10.0, 1000.0), "verl": (9.0, 100.0), "ours": (8.0, 30.0), **policy},
     )
     rows += case(
         "main",
         "bf16",
         {"naive-upcast": (5.0, 800.0), "ours": (4.0, 20.0), "policy-naive-upcast": (5.0, 800.0)},
     )
-    rows += case("bf16-small", "bf16", {"naive": (20.0, 100.0), "verl": (30.0, 50.0), "ours": (2.0, 10.0)})
+    rows += case(
+        "bf16-small", "bf16", {"naive": (20.0, 100.0), "verl": (30.0, 50.0), "ours": (2.0, 10.0)}
+    )
     for n in (1, 2):
-        rows += case("sweep-tokens", "fp32", {"naive": (n * 1.0, 5.0), "ours": (n * 0.9, 1.0)}, tokens=n)
+        rows += case(
+            "sweep-tokens", "fp32", {"naive": (n * 1.0, 5.0), "ours": (n * 0.9, 1.0)}, tokens=n
+        )
     assert rows[2]["time_vs_verl"] == pytest.approx(8.0 / 9.0)
     assert rows[6]["baseline"] == "naive-upcast" and rows[6]["time_vs_naive"] == pytest.approx(0.8)
     summary = logprobs._summary(rows, "cpu", {"liger": "GPU only"}, argparse.Namespace(repeats=2))
     assert "| peak extra memory <= 5% of naive | main fp32 | 0.030 | yes |" in summary
-    assert "| policy loss in the processor <= 1.05x policy-naive | main fp32 | 1.10 | no |" in summary
+    assert (
+        "| policy loss in the processor <= 1.05x policy-naive | main fp32 | 1.10 | no |" in summary
+    )
     assert "| logprobs+entropy fwd+bwd <= 0.8x naive-upcast | main bf16 | 0.80 | yes |" in summary
     assert "| logprobs+entropy fwd+bwd <= veRL | bf16-small bf16 | 0.067 | yes |" in summary
     assert "Not run: liger (GPU only)." in summary

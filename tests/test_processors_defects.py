@@ -97,7 +97,9 @@ def test_linear_logprobs_refuses_double_backward_by_name(backend: str) -> None:
         torch.autograd.functional.hvp(f, h.detach(), torch.ones_like(h))
     # the float64 truth's hvp is not zero: a zero would have been a wrong answer
     _, hvp = torch.autograd.functional.hvp(
-        lambda x: _truth(x, w, y)[0].sum(), h.detach().double(), torch.ones(N, H, dtype=torch.float64)
+        lambda x: _truth(x, w, y)[0].sum(),
+        h.detach().double(),
+        torch.ones(N, H, dtype=torch.float64),
     )
     assert float(hvp.abs().max()) > 1e-3
     # one backward without create_graph is unaffected
@@ -140,7 +142,9 @@ def _refuses(node: ast.ClassDef) -> bool:
     for item in node.body:
         if isinstance(item, ast.FunctionDef) and item.name == "backward":
             first = [
-                s for s in item.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                s
+                for s in item.body
+                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
             ]
             return bool(first) and "refuse_double_backward(" in ast.unparse(first[0])
     return False
@@ -169,7 +173,9 @@ def test_every_custom_autograd_function_differentiates_twice_or_refuses_by_name(
             apply, factor = DIFFERENTIABLE[name](cls)
             x = torch.randn(5, dtype=torch.float64)
             v = torch.randn(5, dtype=torch.float64)
-            _, hvp = torch.autograd.functional.hvp(lambda a, apply=apply: (apply(a) ** 3).sum(), x, v)
+            _, hvp = torch.autograd.functional.hvp(
+                lambda a, apply=apply: (apply(a) ** 3).sum(), x, v
+            )
             if not torch.allclose(hvp, factor * 6 * x * v, rtol=1e-12, atol=0):
                 wrong.append(f"{module}.{name}: hvp {hvp.tolist()}")
         elif not _refuses(node):
@@ -191,7 +197,9 @@ SHARDS = {  # (vocab_start, vocab_size) for a weight of V rows
 NO_REDUCTION = {"None": None, "SingleProcessCollectives": SingleProcessCollectives()}
 
 
-def _call(fn: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, options: LinearOptions) -> Any:
+def _call(
+    fn: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, options: LinearOptions
+) -> Any:
     if fn == "linear_logprobs":
         return linear_logprobs(h, w, y, options=options).logprobs
     if fn == "linear_topk_logprobs":  # once normalised over one shard (error 0.86) without a word
@@ -232,7 +240,9 @@ def _grads(
     hh = h.detach().clone().requires_grad_()
     ww = w.detach().clone().requires_grad_()
     lp, ent = fn(hh, ww)
-    torch.autograd.backward([lp, ent], [c_lp, c_ent])  # cotangents as given: a float32 one is promoted
+    torch.autograd.backward(
+        [lp, ent], [c_lp, c_ent]
+    )  # cotangents as given: a float32 one is promoted
     return {"lp": lp.detach(), "ent": ent.detach(), "dh": hh.grad, "dw": ww.grad}  # type: ignore[dict-item]
 
 
@@ -243,7 +253,13 @@ PROMOTIONS = {
     "bfloat16 temperature": (torch.float64, torch.float64, torch.bfloat16, 1.0, torch.float64),
     "float64 temperature": (torch.float64, torch.float64, torch.float64, 1.0, torch.float64),
     "number temperature and logit scale": (torch.float64, torch.float64, 0.7, 1.3, torch.float64),
-    "float32 temperature and logit scale": (torch.float64, torch.float64, torch.float32, 0.3, torch.float64),
+    "float32 temperature and logit scale": (
+        torch.float64,
+        torch.float64,
+        torch.float32,
+        0.3,
+        torch.float64,
+    ),
     "float32 cotangents": (torch.float64, torch.float64, 1.0, 1.0, torch.float32),
     "float32 weight": (torch.float64, torch.float32, torch.float32, 1.0, torch.float64),
     "float32 hidden states": (torch.float32, torch.float64, torch.float32, 1.0, torch.float64),
@@ -278,20 +294,30 @@ def test_float64_path_is_float64_accurate(case: str) -> None:
 
     got = _grads(ours, h, w, c_lp, c_ent)
     want = _grads(
-        lambda a, b: _truth(a, b, y, t, scale), h.double(), w.double(), c_lp.double(), c_ent.double()
+        lambda a, b: _truth(a, b, y, t, scale),
+        h.double(),
+        w.double(),
+        c_lp.double(),
+        c_ent.double(),
     )
     for k in ("lp", "ent"):
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            got[k], want[k], rtol=0, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}"
+        )
     for k, like in (("dh", h), ("dw", w)):
         assert got[k].dtype == like.dtype, k
         # a float32 operand's gradient is the float64 gradient rounded once
         tol = 1e-12 if like.dtype == torch.float64 else 2**-23 * float(want[k].abs().max())
-        torch.testing.assert_close(got[k].double(), want[k], rtol=0, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            got[k].double(), want[k], rtol=0, atol=tol, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 def test_fused_loss_and_processor_with_float32_temperature_are_float64_accurate() -> None:
     h, w, y = _inputs()
-    t = (torch.rand(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5).float()
+    t = (
+        torch.rand(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
+    ).float()
     lp_truth, ent_truth = _truth(h, w, y, t)
     f = fused_token_loss(
         h, w, y, lambda lp, ent, rows: (lp + ent).sum(), options=LinearOptions(temperature=t)
@@ -326,16 +352,27 @@ def _processor_cases() -> dict[str, tuple[Any, Any]]:
         torch.randn(V, H, generator=g, dtype=torch.float64),
     )
     top = torch.sort(torch.einsum("sbh,vh->bsv", th, tw).log_softmax(-1), -1, descending=True)
-    sparse = SparseTeacher(ids=top.indices[..., :4].contiguous(), logprobs=top.values[..., :4].contiguous())
+    sparse = SparseTeacher(
+        ids=top.indices[..., :4].contiguous(), logprobs=top.values[..., :4].contiguous()
+    )
     return {
         "selected_logprobs": (selected_logprobs(entropy=True), None),
         "cross_entropy_loss": (cross_entropy_loss(), None),
         "cross_entropy_loss(mean)": (cross_entropy_loss(reduction="mean"), None),
         "policy_loss(GRPO)": (policy_loss(PolicyLossConfig.grpo()), batch),
-        "policy_loss(PPO, autograd)": (policy_loss(PolicyLossConfig(fused=False, entropy_coef=0.1)), batch),
+        "policy_loss(PPO, autograd)": (
+            policy_loss(PolicyLossConfig(fused=False, entropy_coef=0.1)),
+            batch,
+        ),
         "topk_logprobs": (topk_logprobs(3, entropy=True), None),
-        "distillation_loss(dense)": (distillation_loss(), DenseTeacher(hidden_states=th, weight=tw)),
-        "distillation_loss(sparse)": (distillation_loss(DistillConfig(tail=TeacherTail.BUCKET)), sparse),
+        "distillation_loss(dense)": (
+            distillation_loss(),
+            DenseTeacher(hidden_states=th, weight=tw),
+        ),
+        "distillation_loss(sparse)": (
+            distillation_loss(DistillConfig(tail=TeacherTail.BUCKET)),
+            sparse,
+        ),
     }
 
 
@@ -352,7 +389,9 @@ def _outputs(
     )
     out = proc(ctx)
     out = {"loss": out} if isinstance(out, torch.Tensor) else dict(out)
-    total = sum(v.double().sum() for v in out.values() if v.dtype.is_floating_point and v.requires_grad)
+    total = sum(
+        v.double().sum() for v in out.values() if v.dtype.is_floating_point and v.requires_grad
+    )
     dh, dw = torch.autograd.grad(total, (hh, ww))
     return {**{k: v.detach() for k, v in out.items()}, "dh": dh, "dw": dw}
 
@@ -386,7 +425,9 @@ def test_a_callers_autocast_changes_no_processor(name: str) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _outputs(proc, context, h, w, y)
     for key, v in want.items():
-        torch.testing.assert_close(got[key], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=key: f"{name} {k}: {m}")
+        torch.testing.assert_close(
+            got[key], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=key: f"{name} {k}: {m}"
+        )
 
 
 # ---------------------------------------------------------------- 4. one meaning per name
@@ -397,7 +438,9 @@ def test_no_plan_in_the_processors() -> None:
     ``TileSetup`` (``_setup.py``), and no processor module, test of it or its page uses
     the word."""
     tests = [
-        p for p in sorted((ROOT / "tests").glob("test_processors_*.py")) if p.name != Path(__file__).name
+        p
+        for p in sorted((ROOT / "tests").glob("test_processors_*.py"))
+        if p.name != Path(__file__).name
     ]
     files = [
         *sorted((ROOT / "torch_impl" / "processors").glob("*.py")),

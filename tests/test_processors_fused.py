@@ -35,7 +35,9 @@ def _loss(x: dict[str, Any]) -> Any:
 
     def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
         lp, ent = lp.double(), ent.double()
-        return (x["a"][rows] * torch.exp(lp.clamp(max=0)) + x["b"][rows] * ent**2 + 0.1 * lp * ent).sum()
+        return (
+            x["a"][rows] * torch.exp(lp.clamp(max=0)) + x["b"][rows] * ent**2 + 0.1 * lp * ent
+        ).sum()
 
     return token_loss
 
@@ -133,7 +135,9 @@ def _learned(x: dict[str, Any], coef: torch.Tensor, raw: torch.Tensor, entropy: 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("entropy_grad", [True, False])
-def test_the_gradient_to_other_tensors_of_the_loss_is_carried(backend: str, entropy_grad: bool) -> None:
+def test_the_gradient_to_other_tensors_of_the_loss_is_carried(
+    backend: str, entropy_grad: bool
+) -> None:
     """``coef.grad`` and the value head's gradient equal float64 autograd through
     ``linear_logprobs`` (the loss's gradient through its arguments is the fused one)."""
     if backend == "triton":
@@ -150,7 +154,9 @@ def test_the_gradient_to_other_tensors_of_the_loss_is_carried(backend: str, entr
         loss_fn = _learned(x, coef, raw, entropy_grad)
         if fused:
             opts = LinearOptions(tile_rows=7, backend=backend)  # type: ignore[arg-type]
-            loss = fused_token_loss(h, w, x["y"], loss_fn, options=opts, entropy_grad=entropy_grad).loss
+            loss = fused_token_loss(
+                h, w, x["y"], loss_fn, options=opts, entropy_grad=entropy_grad
+            ).loss
         else:
             r = linear_logprobs(h.double(), w, x["y"], with_entropy=True)
             assert r.entropy is not None

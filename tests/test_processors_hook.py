@@ -45,7 +45,9 @@ def test_cross_entropy_equals_megatron_loss_and_gradients(tied: bool) -> None:
     (stock * cot).sum().backward()
     expected = _grads(model)
     torch_impl.enable_output_processor(model)
-    ours = model(*_args(batch), labels=batch["labels"], output_processor=cross_entropy_loss(tile_cols=24))
+    ours = model(
+        *_args(batch), labels=batch["labels"], output_processor=cross_entropy_loss(tile_cols=24)
+    )
     (ours * cot).sum().backward()
     got = _grads(model)
     keep = batch["labels"] != -100
@@ -76,7 +78,9 @@ def test_selected_logprobs_equal_stock_logits_with_context_temperature() -> None
     logp = (logits / t[..., None].double()).log_softmax(-1)
     expected = logp.gather(2, batch["labels"][..., None]).squeeze(-1)
     torch.testing.assert_close(out["logprobs"].double(), expected, rtol=0, atol=2e-6)
-    torch.testing.assert_close(out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=0, atol=2e-6)
+    torch.testing.assert_close(
+        out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=0, atol=2e-6
+    )
     with pytest.raises(ContractError, match=r"^temperature: expected one source"):
         model(
             *_args(batch),
@@ -103,7 +107,9 @@ def test_policy_loss_through_the_model_fused_equals_autograd() -> None:
     model = torch_impl.enable_output_processor(build_tiny_gpt())
     batch = tiny_batch(2, 8, 64, seed=4)
     with torch.no_grad():
-        lp = model(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())["logprobs"]
+        lp = model(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())[
+            "logprobs"
+        ]
     g = torch.Generator().manual_seed(5)
     pb = PolicyBatch(
         old_logprobs=lp + 0.2 * torch.randn(2, 8, generator=g),
@@ -126,5 +132,7 @@ def test_policy_loss_through_the_model_fused_equals_autograd() -> None:
     for key in ref_out:
         torch.testing.assert_close(fused_out[key], ref_out[key], rtol=1e-6, atol=1e-7, msg=key)
     for name in ref_grads:
-        torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            fused_grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name
+        )
     assert float(ref_grads["output_layer.weight"].abs().max()) > 0

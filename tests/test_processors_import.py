@@ -40,7 +40,9 @@ def test_running_linear_logprobs_on_cpu_imports_no_megatron() -> None:
 
 def test_the_package_itself_loads_megatron_only_when_a_name_is_used() -> None:
     assert _modules_after("import torch_impl") == []
-    assert "megatron.core" in _modules_after("import torch_impl; torch_impl.enable_output_processor")
+    assert "megatron.core" in _modules_after(
+        "import torch_impl; torch_impl.enable_output_processor"
+    )
 
 
 def test_every_public_name_resolves_and_is_listed_once() -> None:

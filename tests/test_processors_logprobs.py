@@ -20,7 +20,11 @@ SLACK = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.
 
 
 def reference(
-    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, temperature: float | torch.Tensor, dtype: torch.dtype
+    h: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    temperature: float | torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs and entropy with the full logits, computed in ``dtype``."""
     z = h.to(dtype) @ w.to(dtype).T
@@ -169,7 +173,11 @@ def test_float64_gradcheck() -> None:
 
     def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = linear_logprobs(
-            a, b, y, with_entropy=True, options=LinearOptions(temperature=t, tile_cols=5, tile_rows=4)
+            a,
+            b,
+            y,
+            with_entropy=True,
+            options=LinearOptions(temperature=t, tile_cols=5, tile_rows=4),
         )
         assert r.entropy is not None
         return r.logprobs, r.entropy
@@ -201,7 +209,9 @@ def test_all_logits_strongly_negative(dtype: torch.dtype) -> None:
     h = torch.cat([h, torch.ones(20, 1, dtype=torch.float64)], 1)
     w = torch.cat([w, torch.full((300, 1), -1e4, dtype=torch.float64)], 1)
     h, w = h.to(dtype), w.to(dtype)
-    r = linear_logprobs(h, w, y, with_entropy=True, options=LinearOptions(tile_cols=64, tile_rows=7))
+    r = linear_logprobs(
+        h, w, y, with_entropy=True, options=LinearOptions(tile_cols=64, tile_rows=7)
+    )
     assert bool(torch.isfinite(r.logprobs).all()) and bool((r.logprobs <= 0).all())
     truth_lp, truth_ent = reference(h, w, y, 1.0, torch.float64)
     naive_lp, _ = reference(h, w, y, 1.0, dtype)
@@ -222,7 +232,9 @@ def test_logits_up_to_1e4_and_peaked(dtype: torch.dtype) -> None:
 
 def test_entropy_is_non_negative_and_logprobs_non_positive() -> None:
     h, w, y = _inputs(64, 16, 500, torch.float32, seed=8, scale=30.0)
-    r = linear_logprobs(h, w, y, with_entropy=True, options=LinearOptions(tile_cols=77, tile_rows=9))
+    r = linear_logprobs(
+        h, w, y, with_entropy=True, options=LinearOptions(tile_cols=77, tile_rows=9)
+    )
     assert r.entropy is not None
     assert bool((r.entropy >= 0).all()) and bool((r.logprobs <= 0).all())
 
@@ -240,7 +252,9 @@ def test_nonfinite_hidden_states_give_nan_never_finite(bad: float) -> None:
     h, w, y = _inputs(10, 8, 60, torch.float32, seed=10)
     h[4, 2] = bad
     hh = h.clone().requires_grad_()
-    r = linear_logprobs(hh, w, y, with_entropy=True, options=LinearOptions(tile_cols=16, tile_rows=3))
+    r = linear_logprobs(
+        hh, w, y, with_entropy=True, options=LinearOptions(tile_cols=16, tile_rows=3)
+    )
     assert r.entropy is not None
     assert bool(torch.isnan(r.logprobs[4])) and bool(torch.isnan(r.entropy[4]))
     others = torch.arange(10) != 4
@@ -294,12 +308,16 @@ def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:
         linear_logprobs(h, w, torch.tensor([5, 35, 90, 0]), options=shard)
     with pytest.raises(ContractError, match=r"vocab: expected a shard of V_local = 30 rows"):
         linear_logprobs(
-            h, w, y, options=LinearOptions(vocab=VocabShard(30, 50, 90), collectives=_OtherRanksAbsent())
+            h,
+            w,
+            y,
+            options=LinearOptions(vocab=VocabShard(30, 50, 90), collectives=_OtherRanksAbsent()),
         )
 
 
 @pytest.mark.parametrize(
-    "temperature", [0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, 0.0, 1.0, 1.0]), True, "1"]
+    "temperature",
+    [0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, 0.0, 1.0, 1.0]), True, "1"],
 )
 def test_bad_temperature_raises(temperature: object) -> None:
     h, w, y = _inputs(4, 4, 30, torch.float32)

@@ -55,7 +55,13 @@ def _truth(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ent = -(logp.exp() * logp).sum(-1)
     loss = (p["c_lp"] * lp + p["c_ent"] * ent**2).sum()
     loss.backward()
-    return {"lp": lp.detach(), "ent": ent.detach(), "loss": loss.detach(), "dh": h.grad, "dw": w.grad}
+    return {
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "loss": loss.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+    }
 
 
 def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
@@ -74,7 +80,9 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     # 1. logprobs and entropy, autograd through the recomputing backward
     h = p["h"].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
-    r = linear_logprobs(h, w, p["y"], with_entropy=True, options=LinearOptions(collectives=coll, **kw))
+    r = linear_logprobs(
+        h, w, p["y"], with_entropy=True, options=LinearOptions(collectives=coll, **kw)
+    )
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy**2).sum().backward()
     torch.testing.assert_close(r.logprobs, truth["lp"], **tol)
@@ -126,7 +134,9 @@ def _tp2_functions(rank: int, p: dict[str, torch.Tensor], truth: dict[str, torch
     h_local = p["h"][rows].clone().requires_grad_()
     w = p["w"][shard].clone().requires_grad_()
     sp = GlooSequenceParallel(coll, group)
-    r = linear_logprobs(h_local, w, p["y"], with_entropy=True, options=LinearOptions(collectives=sp, **kw))
+    r = linear_logprobs(
+        h_local, w, p["y"], with_entropy=True, options=LinearOptions(collectives=sp, **kw)
+    )
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy**2).sum().backward()
     torch.testing.assert_close(r.logprobs, truth["lp"], **tol)
@@ -199,7 +209,9 @@ def _tp2_megatron_sequence_parallel(
     from torch_impl import TorchCollectives
 
     torch.cuda.set_device(0)
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=True)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=True
+    )
     half = V // 2
     shard = slice(rank * half, (rank + 1) * half)
     rows = slice(rank * N // 2, (rank + 1) * N // 2)
@@ -211,7 +223,9 @@ def _tp2_megatron_sequence_parallel(
         p["y"].cuda(),
         with_entropy=True,
         options=LinearOptions(
-            temperature=p["t"].cuda(), collectives=coll, vocab=VocabShard(rank * half, (rank + 1) * half, V)
+            temperature=p["t"].cuda(),
+            collectives=coll,
+            vocab=VocabShard(rank * half, (rank + 1) * half, V),
         ),
     )
     assert r.entropy is not None

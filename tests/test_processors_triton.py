@@ -67,7 +67,9 @@ def inputs(
     }
 
 
-def truth(p: dict[str, torch.Tensor], temperature: object, scale: float = 1.0) -> dict[str, torch.Tensor]:
+def truth(
+    p: dict[str, torch.Tensor], temperature: object, scale: float = 1.0
+) -> dict[str, torch.Tensor]:
     """float64: logprobs, entropy and the gradients of ``sum(c_lp * lp + c_ent * ent)``."""
     h = p["h"].double().requires_grad_()
     w = p["w"].double().requires_grad_()
@@ -124,7 +126,9 @@ def test_fp32_three_way(temperature: object) -> None:
         assert err <= 2e-6 * max(1.0, big[k]), (k, err)
     for k, err in max_err(tri, ref).items():
         assert err <= 2e-6 * max(1.0, big[k]), (k, err)
-    assert torch.equal(tri["lp"][p["y"] == IGNORE].cpu(), torch.zeros(int((p["y"] == IGNORE).sum())))
+    assert torch.equal(
+        tri["lp"][p["y"] == IGNORE].cpu(), torch.zeros(int((p["y"] == IGNORE).sum()))
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -133,7 +137,9 @@ def test_fp32_three_way(temperature: object) -> None:
     [(8, 64), (37, 100), (5, 300), (16, 33)],
     ids=["rows-and-columns-split", "all-rows", "all-columns", "odd-columns"],
 )
-def test_chunks_against_the_torch_path(dtype: torch.dtype, token_chunk: int, vocab_chunk: int) -> None:
+def test_chunks_against_the_torch_path(
+    dtype: torch.dtype, token_chunk: int, vocab_chunk: int
+) -> None:
     """Chunks of the cuBLAS logits: rows split (``dW`` through its fp32 accumulator) or
     not (each ``dW`` chunk one GEMM), columns split (``dh`` accumulated) or not; the
     gradient written in place over several kernel steps (64 columns a step here),
@@ -235,7 +241,9 @@ def test_bitwise_run_to_run() -> None:
 def test_nan_in_hidden_is_visible() -> None:
     p = inputs(seed=6)
     p["h"][3, 5] = float("nan")
-    r = linear_logprobs(p["h"], p["w"], p["y"], with_entropy=True, options=LinearOptions(backend="triton"))
+    r = linear_logprobs(
+        p["h"], p["w"], p["y"], with_entropy=True, options=LinearOptions(backend="triton")
+    )
     assert r.entropy is not None
     assert bool(torch.isnan(r.entropy[3]))
     assert int(p["y"][3]) != IGNORE  # a counted row: its logprob carries the NaN
@@ -269,7 +277,9 @@ def test_fused_token_loss_triton_equals_torch() -> None:
         f.loss.backward()
         out[backend] = {"loss": f.loss.detach(), "lp": f.logprobs, "dh": h.grad, "dw": w.grad}
     for k, v in out["torch"].items():
-        torch.testing.assert_close(out["triton"][k], v, rtol=0, atol=2e-6 * max(1.0, float(v.abs().max())))
+        torch.testing.assert_close(
+            out["triton"][k], v, rtol=0, atol=2e-6 * max(1.0, float(v.abs().max()))
+        )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -286,7 +296,11 @@ def test_fused_token_loss_contract(backend: str) -> None:
         assert what in str(err.value)
     # a constant loss is valid: zero gradients
     f = fused_token_loss(
-        h, p["w"], p["y"], lambda lp, ent, rows: torch.tensor(3.0), options=LinearOptions(backend=backend)
+        h,
+        p["w"],
+        p["y"],
+        lambda lp, ent, rows: torch.tensor(3.0),
+        options=LinearOptions(backend=backend),
     )
     f.loss.backward()
     assert torch.equal(h.grad, torch.zeros_like(h))
@@ -297,7 +311,9 @@ def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ContractError, match=r"backend.*one of"):
         linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="cuda"))  # type: ignore[arg-type]
     with pytest.raises(ContractError, match="float64"):
-        linear_logprobs(p["h"].double(), p["w"].double(), p["y"], options=LinearOptions(backend="triton"))
+        linear_logprobs(
+            p["h"].double(), p["w"].double(), p["y"], options=LinearOptions(backend="triton")
+        )
     if not ON_GPU:
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ContractError, match="TRITON_INTERPRET"):
@@ -357,7 +373,9 @@ def _tp2_triton(rank: int, p: dict[str, torch.Tensor], exact: dict[str, torch.Te
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     half = V // 2
     shard = slice(rank * half, (rank + 1) * half)
     h = p["h"].clone().requires_grad_()
@@ -407,7 +425,9 @@ def reference_rows(
     return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh}
 
 
-def naive_rows(hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def naive_rows(
+    hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """The naive path's ``dh`` on the rows: logits in the inputs' dtype, softmax in fp32."""
     h = hid[rows].clone().requires_grad_()
     logp = (h @ w.T).float().log_softmax(-1)
@@ -555,7 +575,9 @@ def _kernel_rows(seed: int, rows: int, cols: int) -> torch.Tensor:
     return z
 
 
-def _f64_sums(zt: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _f64_sums(
+    zt: torch.Tensor, ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 ``sum(exp(zt - ref))``, ``sum(exp(zt - ref) * (zt - ref))`` and the scale
     of the second, ``sum(exp(zt - ref) * |zt - ref|)``, per row."""
     d = zt.double() - ref.double()[:, None]
@@ -596,7 +618,9 @@ def test_stats_kernel_against_float64(split: tuple[int, ...]) -> None:
             chunk_stats_(tile, labels, inv_t, state, col0=col0, cfg=cfg)
             col0 += width
         assert torch.equal(m[:6], m_ref[:6]) and torch.equal(m[7:], m_ref[7:]), (m, m_ref)
-        torch.testing.assert_close(zy, zt[torch.arange(rows), labels], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(
+            zy, zt[torch.arange(rows), labels], rtol=0, atol=0, equal_nan=True
+        )
         assert bool(torch.isnan(s[nan_rows]).all())
         assert (float(m[4]), float(s[4])) == (float("-inf"), 0.0)
         torch.testing.assert_close(s[ok].double(), s64[ok], rtol=2e-6, atol=0)
@@ -616,7 +640,9 @@ def test_exp_rows_rounds_to_nearest_even(dtype: torch.dtype) -> None:
 
     rows, cols = 7, (300 if not ON_GPU else 2 * 2048 + 300)  # full blocks and a tail
     z = _kernel_rows(5, rows, cols)
-    z[3:] = torch.randn(rows - 3, cols, generator=torch.Generator().manual_seed(6)) * 4  # finite rows
+    z[3:] = (
+        torch.randn(rows - 3, cols, generator=torch.Generator().manual_seed(6)) * 4
+    )  # finite rows
     z = z.to(DEV)
     labels = torch.tensor([5, cols - 1, 0, 64, IGNORE, 150, 63], device=DEV)
     inv_t = 0.8

@@ -29,7 +29,9 @@ def _outputs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tenso
     """The stock loss, and the logprobs through the hook."""
     with torch.no_grad():
         loss = model(*_args(batch), labels=batch["labels"])
-        lp = model(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())["logprobs"]
+        lp = model(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())[
+            "logprobs"
+        ]
     return loss, lp
 
 
@@ -62,9 +64,9 @@ def test_processor_running_another_enabled_model() -> None:
     @hookspec.processor
     def distill(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:
         with torch.no_grad():  # the teacher's forward runs inside the student's hook
-            t_lp = teacher(*_args(batch), labels=batch["labels"], output_processor=selected_logprobs())[
-                "logprobs"
-            ]
+            t_lp = teacher(
+                *_args(batch), labels=batch["labels"], output_processor=selected_logprobs()
+            )["logprobs"]
         s_lp = selected_logprobs()(ctx)["logprobs"]
         seen["teacher"] = t_lp
         return {"logprobs": s_lp, "kl": s_lp - t_lp}

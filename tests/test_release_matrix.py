@@ -49,7 +49,9 @@ def readme_release_rows() -> dict[str, str]:
     return rows
 
 
-def run(model: Any, batch: dict[str, Any], **kw: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def run(
+    model: Any, batch: dict[str, Any], **kw: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(batch["input_ids"], batch["position_ids"], None, **kw)
     out.float().sum().backward()
@@ -101,7 +103,9 @@ def test_installed_megatron_is_the_one_imported() -> None:
 
 @pytest.mark.usefixtures("megatron_single")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])
+@pytest.mark.parametrize(
+    "processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"]
+)
 def test_mtp_model_main_processor_is_bitwise_stock(processor: Any, tied: bool) -> None:
     """A processor on a model with MTP layers: the stock MTP losses and gradients
     (computed where the release computes them), bitwise."""
@@ -169,7 +173,9 @@ def test_packed_mtp_is_refused_where_roll_tensor_cannot_roll_per_sequence() -> N
     """Where ``roll_tensor`` takes no ``packed_seq_params`` it would roll labels
     across packed sequences: ``_compat.roll_tensor`` refuses THD input there."""
     if "packed_seq_params" in _compat.roll_accepts():
-        pytest.skip("roll_tensor takes packed_seq_params here: it rolls each packed sequence on its own")
+        pytest.skip(
+            "roll_tensor takes packed_seq_params here: it rolls each packed sequence on its own"
+        )
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -221,7 +227,9 @@ def test_reduce_inspection_matches_what_tp2_does() -> None:
 
 
 @pytest.mark.usefixtures("megatron_single")
-@pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])
+@pytest.mark.parametrize(
+    "processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"]
+)
 def test_schedule_plan_post_process_node_runs_the_hook_like_forward(processor: Any) -> None:
     """The node gets what the plan hands it: the decoder's output before the final
     norm where the release's node (or the adapter's plan) applies the norm itself,
@@ -251,7 +259,9 @@ def test_schedule_plan_post_process_node_runs_the_hook_like_forward(processor: A
     calls: list[int] = []
     probe = norm.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
-        post_node(model, batch, output_processor=processor).post_process.forward_impl(taken["post"].clone())
+        post_node(model, batch, output_processor=processor).post_process.forward_impl(
+            taken["post"].clone()
+        )
     probe.remove()
     node_input = taken["pre"] if calls else taken["post"]
 

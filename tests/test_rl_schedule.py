@@ -29,7 +29,12 @@ from torch_impl.testing.examples.grpo_schedule import (
     train,
     wrap_ddp,
 )
-from torch_impl.testing.examples.grpo_toy import CountingTask, GRPOToyConfig, rollout, sequence_logprobs
+from torch_impl.testing.examples.grpo_toy import (
+    CountingTask,
+    GRPOToyConfig,
+    rollout,
+    sequence_logprobs,
+)
 from torch_impl.testing.schedules import cpu_schedule
 from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, megatron_parallel
 
@@ -37,7 +42,9 @@ TOY_SHAPE = TinyGPTShape(vocab_size=16, max_sequence_length=16)
 NUM_MICROBATCHES = 4
 
 
-def _policy_and_reference(*, double: bool = False, reference_seed: int = 1234) -> tuple[Any, torch.nn.Module]:
+def _policy_and_reference(
+    *, double: bool = False, reference_seed: int = 1234
+) -> tuple[Any, torch.nn.Module]:
     def build(seed: int) -> torch.nn.Module:
         model = build_tiny_gpt(TOY_SHAPE, seed=seed)
         return torch_impl.enable_output_processor(model.double() if double else model)
@@ -69,8 +76,13 @@ def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> N
         if varied:
             rows = {f: getattr(batch, f) for f in PACKED_FIELDS} | {"mask": mask}
             parts = [range(4 * k, 4 * k + 4) for k in range(NUM_MICROBATCHES)]
-            mbs = [pack({f: v[r] for f, v in rows.items()}, lengths=[lengths[i] for i in r]) for r in parts]
-            assert [mb.input_ids.shape[1] for mb in mbs] == [sum(lengths[i] for i in r) for r in parts]
+            mbs = [
+                pack({f: v[r] for f, v in rows.items()}, lengths=[lengths[i] for i in r])
+                for r in parts
+            ]
+            assert [mb.input_ids.shape[1] for mb in mbs] == [
+                sum(lengths[i] for i in r) for r in parts
+            ]
         else:
             mbs = split_rollout(batch, NUM_MICROBATCHES)
             assert all(mb.input_ids.shape == (1, 4 * 7) for mb in mbs)  # 4 sequences of 7 a row
@@ -80,12 +92,18 @@ def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> N
         # the toy's way: padded rows [16, 7], one plain forward each
         want_old = sequence_logprobs(ddp, batch)
         want_ref = sequence_logprobs(reference, batch)
-        torch.testing.assert_close(torch.cat(old, 1), _flat(want_old, lengths), rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(torch.cat(ref, 1), _flat(want_ref, lengths), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            torch.cat(old, 1), _flat(want_old, lengths), rtol=1e-10, atol=1e-12
+        )
+        torch.testing.assert_close(
+            torch.cat(ref, 1), _flat(want_ref, lengths), rtol=1e-10, atol=1e-12
+        )
         assert not torch.equal(want_old, want_ref)
 
         # old logprobs moved off the policy's own, so that some ratios clip; the same both ways
-        noise = 0.3 * torch.randn(16, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        noise = 0.3 * torch.randn(
+            16, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
         mbs = [
             dataclasses.replace(
                 mb,
@@ -104,7 +122,10 @@ def test_one_packed_schedule_update_equals_the_padded_forward(varied: bool) -> N
             labels=batch.labels,
             output_processor=policy_loss(PolicyLossConfig.grpo(kl_coef=config.kl_coef)),
             output_processor_context=PolicyBatch(
-                old_logprobs=want_old + noise, advantages=batch.advantages, mask=mask, ref_logprobs=want_ref
+                old_logprobs=want_old + noise,
+                advantages=batch.advantages,
+                mask=mask,
+                ref_logprobs=want_ref,
             ),
         )
         ddp.zero_grad_buffer()
@@ -144,7 +165,9 @@ def test_micro_batches_must_split_the_rollout_evenly() -> None:
 
 
 # The toy's defaults but 120 steps; 8 micro-batches of 32 packed sequences (224 tokens) each
-RUN = GRPOToyConfig(prompts_per_step=16, group_size=16, steps=120, updates_per_step=2, lr=2e-3, kl_coef=0.1)
+RUN = GRPOToyConfig(
+    prompts_per_step=16, group_size=16, steps=120, updates_per_step=2, lr=2e-3, kl_coef=0.1
+)
 RUN_MICROBATCHES = 8
 # Mean of the last 5 steps; chance is 1/16. Measured on a 2-core CPU, one thread, megatron-core
 # 0.16.1: 0.059 over the first 3 steps, 0.906 over the last 5 with seed 0 (0.058 -> 0.899 with

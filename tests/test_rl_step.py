@@ -26,7 +26,12 @@ import torch_impl
 from hookspec import ContractError
 from tests.distributed import run_distributed
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
-from torch_impl.testing.examples.grpo_toy import CountingTask, GRPOToyConfig, group_advantages, train
+from torch_impl.testing.examples.grpo_toy import (
+    CountingTask,
+    GRPOToyConfig,
+    group_advantages,
+    train,
+)
 from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt
 
 B, S = 4, 8
@@ -65,7 +70,9 @@ def materialised_grpo_loss(
 ) -> torch.Tensor:
     """GRPO from full logits ``[b, s, V]``: PPO clip on the token ratio, k3 KL to
     the reference, seq-mean-token-mean over ``mask`` (every sequence non-empty)."""
-    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, labels[..., None])[..., 0]
+    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).gather(-1, labels[..., None])[
+        ..., 0
+    ]
     ratio = torch.exp(logp - old)
     pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP, 1 + CLIP))
     r = ref - logp
@@ -79,7 +86,10 @@ def _policy_inputs(logp: torch.Tensor, seed: int = 5) -> dict[str, torch.Tensor]
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU, the same on every device
     mask = (torch.rand(B, S, generator=g) > 0.3).float()
     mask[:, 0] = 1.0
-    old_noise, ref_noise = 0.3 * torch.randn(B, S, generator=g), 0.5 * torch.randn(B, S, generator=g)
+    old_noise, ref_noise = (
+        0.3 * torch.randn(B, S, generator=g),
+        0.5 * torch.randn(B, S, generator=g),
+    )
     return {
         "old": logp + old_noise.to(logp.device),
         "ref": logp + ref_noise.to(logp.device),
@@ -100,7 +110,11 @@ def _batch(device: str = "cpu") -> dict[str, torch.Tensor]:
 
 def _stock_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     local = model(batch["input_ids"], batch["position_ids"], None)  # [b, s, V/tp], labels=None
-    return _GatherVocab.apply(local) if parallel_state.get_tensor_model_parallel_world_size() > 1 else local
+    return (
+        _GatherVocab.apply(local)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1
+        else local
+    )
 
 
 def _context(inputs: dict[str, torch.Tensor]) -> PolicyBatch:
@@ -114,14 +128,18 @@ def _context(inputs: dict[str, torch.Tensor]) -> PolicyBatch:
 
 
 def _loss_rank(rank: int) -> None:
-    torch.set_num_threads(1)  # two ranks on a small CPU: oversubscribed threads stall the collectives
+    torch.set_num_threads(
+        1
+    )  # two ranks on a small CPU: oversubscribed threads stall the collectives
     batch = _batch()
     stock = build_tiny_gpt()
     model = torch_impl.enable_output_processor(build_tiny_gpt())
 
     logits = _stock_logits(stock, batch)
     with torch.no_grad():
-        logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, batch["labels"][..., None])[..., 0]
+        logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, batch["labels"][..., None])[
+            ..., 0
+        ]
     inputs = _policy_inputs(logp)
     want = materialised_grpo_loss(logits, batch["labels"], **inputs)
     want.backward()
@@ -169,7 +187,9 @@ REWARD_THRESHOLD = 0.75
 
 
 def _toy_rank(rank: int, result: Any) -> None:
-    torch.set_num_threads(1)  # oversubscribed threads on two loaded cores make the run many times slower
+    torch.set_num_threads(
+        1
+    )  # oversubscribed threads on two loaded cores make the run many times slower
     model = torch_impl.enable_output_processor(build_tiny_gpt(TOY_SHAPE))
     reference = torch_impl.enable_output_processor(build_tiny_gpt(TOY_SHAPE))
     for p in reference.parameters():
@@ -234,7 +254,9 @@ def test_policy_step_through_megatron_schedule_on_gpu() -> None:
         model = torch_impl.enable_output_processor(build_tiny_gpt().cuda())
         logits = _stock_logits(stock, batch)
         with torch.no_grad():
-            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, batch["labels"][..., None])[..., 0]
+            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(
+                -1, batch["labels"][..., None]
+            )[..., 0]
         inputs = _policy_inputs(logp)
         want = materialised_grpo_loss(logits, batch["labels"], **inputs)
         want.backward()
@@ -271,7 +293,8 @@ def test_counting_reward_is_exact_match_with_wrap_around() -> None:
     # row 3: the answer is 15, 0, 1, 2 (wrapped in the completion): the third is wrong
     assert task.reward(prompts, completions).tolist() == [0.75, 1.0, 0.0, 0.75]
     assert torch.equal(
-        task.answers(prompts), torch.tensor([[7, 8, 9, 10], [1, 2, 3, 4], [7, 8, 9, 10], [15, 0, 1, 2]])
+        task.answers(prompts),
+        torch.tensor([[7, 8, 9, 10], [1, 2, 3, 4], [7, 8, 9, 10], [15, 0, 1, 2]]),
     )
     assert task.reward(prompts, task.answers(prompts)).tolist() == [1.0] * 4
 
@@ -289,7 +312,9 @@ def test_counting_reward_is_not_gamed_by_a_fixed_continuation() -> None:
     assert task.reward(prompts, task.answers(prompts)).tolist() == [1.0] * 16
     # any fixed continuation scores 1/16 on average over the starts
     for seed in range(5):
-        c = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(seed)).expand(16, 4)
+        c = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(seed)).expand(
+            16, 4
+        )
         assert task.reward(prompts, c).mean().item() == 1 / 16
 
 
@@ -297,7 +322,9 @@ def test_group_advantages_normalise_within_each_group() -> None:
     rewards = torch.tensor([[0.0, 1.0, 0.5, 0.5], [0.25, 0.25, 0.25, 0.25]])
     adv = group_advantages(rewards, eps=1e-12)
     std = (0.125) ** 0.5  # population std of [0, 1, .5, .5]
-    torch.testing.assert_close(adv[0], torch.tensor([-0.5, 0.5, 0.0, 0.0]) / std, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        adv[0], torch.tensor([-0.5, 0.5, 0.0, 0.0]) / std, rtol=1e-6, atol=1e-9
+    )
     assert torch.equal(adv[1], torch.zeros(4))  # equal rewards: no signal, not NaN
 
 

@@ -43,13 +43,17 @@ def decoder_output(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["gpt", "gpt+mtp"])
-@pytest.mark.parametrize("processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"])
+@pytest.mark.parametrize(
+    "processor", [stock_loss, stock_loss_upstream], ids=["hookspec", "upstream"]
+)
 def test_post_process_node_runs_the_hook_like_forward(processor: Any, mtp: bool) -> None:
     model = enable_output_processor(build_mtp_gpt() if mtp else build_tiny_gpt()).eval()
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
     extra = {"mtp_processor": default_mtp_loss} if mtp else {}
-    want = model(batch["input_ids"], batch["position_ids"], None, **kw, output_processor=processor, **extra)
+    want = model(
+        batch["input_ids"], batch["position_ids"], None, **kw, output_processor=processor, **extra
+    )
     want.sum().backward()
     want_grad = model.output_layer.weight.grad.clone()
     model.zero_grad(set_to_none=True)
@@ -71,7 +75,11 @@ def test_hook_sees_the_original_ids_where_mtp_rolled_them() -> None:
         @hookspec.processor
         def record(ctx: OutputContext) -> Any:
             seen[where].append(ctx)
-            return default_mtp_loss(ctx) if ctx.mtp_depth else ctx.hidden_states.sum(-1).transpose(0, 1)
+            return (
+                default_mtp_loss(ctx)
+                if ctx.mtp_depth
+                else ctx.hidden_states.sum(-1).transpose(0, 1)
+            )
 
         return record
 
@@ -86,7 +94,9 @@ def test_hook_sees_the_original_ids_where_mtp_rolled_them() -> None:
         output_processor=recorder("forward"),
         mtp_processor=recorder("forward"),
     )
-    plan = post_node(model, batch, output_processor=recorder("plan"), mtp_processor=recorder("plan"))
+    plan = post_node(
+        model, batch, output_processor=recorder("plan"), mtp_processor=recorder("plan")
+    )
     hidden = decoder_output(model, batch)
     rolled = torch.roll(batch["input_ids"], -2, dims=-1)  # two MTP layers rolled them twice
     plan.state.input_ids = rolled
@@ -96,7 +106,9 @@ def test_hook_sees_the_original_ids_where_mtp_rolled_them() -> None:
     for got, want in zip(seen["plan"], seen["forward"]):
         assert got.mtp_depth == want.mtp_depth
         assert torch.equal(got.input_ids, batch["input_ids"])
-        assert torch.equal(got.labels, want.labels) if want.labels is not None else got.labels is None
+        assert (
+            torch.equal(got.labels, want.labels) if want.labels is not None else got.labels is None
+        )
         assert torch.equal(got.loss_mask, want.loss_mask) if want.loss_mask is not None else True
 
 
@@ -173,9 +185,14 @@ def test_mapping_result_without_the_loss_wrapper_is_refused() -> None:
 @pytest.mark.parametrize(
     ("result", "expected"),
     [
-        (lambda **kw: [kw["hidden_states"].sum()], "a tensor, a tuple of tensors or a mapping of tensors"),
         (
-            hookspec.processor(lambda ctx: {"entropy": ctx.hidden_states.detach().sum(-1).T}, name="no_grad"),
+            lambda **kw: [kw["hidden_states"].sum()],
+            "a tensor, a tuple of tensors or a mapping of tensors",
+        ),
+        (
+            hookspec.processor(
+                lambda ctx: {"entropy": ctx.hidden_states.detach().sum(-1).T}, name="no_grad"
+            ),
             "at least one value that requires grad",
         ),
     ],

@@ -42,7 +42,12 @@ import torch_impl
 from tests import hook_cases as cases
 from tests.distributed import run_distributed
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
-from torch_impl.testing.schedules import INTERLEAVED_GLOO, CPUDeviceMode, cpu_schedule, is_cuda_device
+from torch_impl.testing.schedules import (
+    INTERLEAVED_GLOO,
+    CPUDeviceMode,
+    cpu_schedule,
+    is_cuda_device,
+)
 from torch_impl.testing.tiny import TinyGPTShape, build_tiny_gpt, megatron_parallel, tiny_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +81,9 @@ def test_cpu_device_mode_maps_cuda_requests_to_the_cpu() -> None:
         assert t.new_zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(1, device="cpu").device.type == "cpu"
     assert [is_cuda_device(d) for d in ("cuda", "cuda:1", 3, torch.device("cuda"))] == [True] * 4
-    assert [is_cuda_device(d) for d in ("cpu", None, True, torch.device("cpu"), "meta")] == [False] * 5
+    assert [is_cuda_device(d) for d in ("cpu", None, True, torch.device("cpu"), "meta")] == [
+        False
+    ] * 5
 
 
 def test_cpu_schedule_patches_torch_only_while_entered() -> None:
@@ -123,7 +130,10 @@ def test_cpu_schedule_from_two_threads_with_interleaved_exits_undoes_every_patch
         with cpu_schedule():
             b_in.set()
             a_out.wait(10)
-            seen["b after a left"] = (torch.cuda.current_device(), torch.empty(1, device="cuda").device.type)
+            seen["b after a left"] = (
+                torch.cuda.current_device(),
+                torch.empty(1, device="cuda").device.type,
+            )
         b_out.set()
 
     threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
@@ -192,7 +202,9 @@ def _contexts(model: torch.nn.Module, batches: list[dict[str, Any]]) -> list[Pol
     for i, mb in enumerate(batches):
         with torch.no_grad():
             logits = model(*cases.model_inputs(mb))
-            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, mb["labels"][..., None])[..., 0]
+            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, mb["labels"][..., None])[
+                ..., 0
+            ]
         g = torch.Generator().manual_seed(100 + i)
         b, s = logp.shape
         mask = (torch.rand(b, s, generator=g) > 0.3).double()
@@ -200,7 +212,9 @@ def _contexts(model: torch.nn.Module, batches: list[dict[str, Any]]) -> list[Pol
         contexts.append(
             PolicyBatch(
                 old_logprobs=logp + 0.3 * torch.randn(b, s, generator=g, dtype=torch.float64),
-                advantages=torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, s).contiguous(),
+                advantages=torch.randn(b, 1, generator=g, dtype=torch.float64)
+                .expand(b, s)
+                .contiguous(),
                 mask=mask,
                 ref_logprobs=logp + 0.5 * torch.randn(b, s, generator=g, dtype=torch.float64),
                 temperature=TEMPERATURE,
@@ -248,7 +262,10 @@ def _loss_func(processor: str, mb: dict[str, Any], seen: list[str], result: Any)
     assert isinstance(result, Mapping), type(result)  # the processor's mapping, as returned
     seen.append("mapping")
     # .clone(): the schedule divides the returned loss in place, and a detach() shares storage
-    return result["loss"], {"loss": result["loss"].detach().clone(), "clip": result["clip_fraction"]}
+    return result["loss"], {
+        "loss": result["loss"].detach().clone(),
+        "clip": result["clip_fraction"],
+    }
 
 
 def _forward_step(
@@ -314,7 +331,9 @@ def _holds_the_unpipelined_tensors(
     assert not differ, f"stage tensors other than the pp=1 model's: {differ}"
 
 
-def _check(processor: str, models: list[torch.nn.Module], losses: list[Any], ref: dict[str, Any]) -> None:
+def _check(
+    processor: str, models: list[torch.nn.Module], losses: list[Any], ref: dict[str, Any]
+) -> None:
     last_stage = any(getattr(m, "post_process", False) for m in models)
     assert len(losses) == (NUM_MICROBATCHES if last_stage else 0)
     for got, want in zip(losses, ref["losses"] if last_stage else [], strict=True):
@@ -347,7 +366,11 @@ def _stage_models(
     chunks: list[int | None] = list(range(vpp)) if vpp else [None]
     models = []
     for v in chunks:
-        extra = {"virtual_pipeline_model_parallel_size": vpp, **INTERLEAVED_GLOO, **overrides} if vpp else {}
+        extra = (
+            {"virtual_pipeline_model_parallel_size": vpp, **INTERLEAVED_GLOO, **overrides}
+            if vpp
+            else {}
+        )
         model = torch_impl.enable_output_processor(_build(processor, shape, vp_stage=v, **extra))
         _holds_the_unpipelined_tensors(model, ref["state"], lambda k, m=model: _global_name(m, k))
         models.append(model)
@@ -365,8 +388,12 @@ def _run_and_check(refs: dict[str, dict[str, Any]], vpp: int | None, num_layers:
     return seen_all
 
 
-def _pipeline_rank(rank: int, refs: dict[str, dict[str, Any]], vpp: int | None, num_layers: int) -> None:
-    torch.set_num_threads(1)  # two ranks on a small CPU: oversubscribed threads stall the collectives
+def _pipeline_rank(
+    rank: int, refs: dict[str, dict[str, Any]], vpp: int | None, num_layers: int
+) -> None:
+    torch.set_num_threads(
+        1
+    )  # two ranks on a small CPU: oversubscribed threads stall the collectives
     seen = _run_and_check(refs, vpp, num_layers)
     # the first rank's stages end in hidden states; the mapping reaches loss_func on the last
     chunks = vpp or 1
@@ -569,7 +596,11 @@ def test_unequal_micro_batches_with_the_batch_count() -> None:
     want = loss.detach()
     torch.testing.assert_close(metrics[0]["loss"] + metrics[1]["loss"], want, rtol=1e-5, atol=1e-7)
     # the plain average of the two means is not the whole batch's mean
-    assert abs(float(metrics[0]["loss"] * 8 / 3 + metrics[1]["loss"] * 8 / 5) / 2 - float(want)) > 1e-3
+    assert (
+        abs(float(metrics[0]["loss"] * 8 / 3 + metrics[1]["loss"] * 8 / 5) / 2 - float(want)) > 1e-3
+    )
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
-        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[name], p.grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )

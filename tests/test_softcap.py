@@ -101,7 +101,13 @@ def test_linear_logprobs_against_float64(
     assert r.entropy is not None
     (p["c_lp"] * r.logprobs + p["c_ent"] * r.entropy + p["c_lse"] * r.lse**2).sum().backward()
     assert h.grad is not None and w.grad is not None
-    for got, key in ((r.logprobs, "lp"), (r.entropy, "ent"), (r.lse, "lse"), (h.grad, "dh"), (w.grad, "dw")):
+    for got, key in (
+        (r.logprobs, "lp"),
+        (r.entropy, "ent"),
+        (r.lse, "lse"),
+        (h.grad, "dh"),
+        (w.grad, "dw"),
+    ):
         close_to_float64(got, truth[key], dtype)
 
 
@@ -134,7 +140,9 @@ def test_fused_token_loss_against_float64(
         w,
         p["y"],
         _token_loss(p, entropy_grad),
-        options=LinearOptions(temperature=p["t"].to(dtype), logit_scale=SCALE, softcap=cap, tile_rows=4),
+        options=LinearOptions(
+            temperature=p["t"].to(dtype), logit_scale=SCALE, softcap=cap, tile_rows=4
+        ),
         entropy_grad=entropy_grad,
         lse_loss=lambda lse, rows: (p["c_lse"][rows] * lse**2).sum(),
     )
@@ -197,8 +205,12 @@ def test_gathered_values_are_capped(backend: str) -> None:
     torch.testing.assert_close(
         eng.logits_of(z.gather(1, cols), rows).double(), want.gather(1, cols), rtol=2e-6, atol=2e-6
     )
-    torch.testing.assert_close(eng.logits_of(z.amax(1), rows).double(), want.amax(1), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(eng.logits_of(z, rows, inplace=True).double(), want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        eng.logits_of(z.amax(1), rows).double(), want.amax(1), rtol=2e-6, atol=2e-6
+    )
+    torch.testing.assert_close(
+        eng.logits_of(z, rows, inplace=True).double(), want, rtol=2e-6, atol=2e-6
+    )
 
 
 def test_nan_hidden_states_give_nan_rows_only() -> None:
@@ -218,7 +230,9 @@ def test_an_infinite_logit_is_capped(backend: str) -> None:
     h = p["h"].float()
     h[4] = 0.0
     h[4, 0] = float("inf")  # u[4] = inf * w[:, 0]: +-inf, no NaN
-    r = linear_logprobs(h, p["w"].float(), p["y"], options=LinearOptions(softcap=5.0, temperature=0.8))
+    r = linear_logprobs(
+        h, p["w"].float(), p["y"], options=LinearOptions(softcap=5.0, temperature=0.8)
+    )
     z = 5.0 * torch.tanh(h.double() @ p["w"].float().double().T / 5.0) / 0.8
     want = torch.where(
         p["y"] == IGNORE, 0.0, z.log_softmax(-1).gather(1, p["y"].clamp(min=0)[:, None]).squeeze(1)
@@ -254,7 +268,9 @@ def _ce_problem(seed: int = 3) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_cross_entropy_honours_the_configs_softcap(dtype: torch.dtype, cap: float, backend: str) -> None:
+def test_cross_entropy_honours_the_configs_softcap(
+    dtype: torch.dtype, cap: float, backend: str
+) -> None:
     """``config.final_logit_softcapping`` (where a release has it) applied after MuP's
     ``scale_logits`` factor, before the temperature: the mean cross-entropy and its
     gradients equal float64 of the capped logits."""
@@ -263,12 +279,16 @@ def test_cross_entropy_honours_the_configs_softcap(dtype: torch.dtype, cap: floa
     hh, ww = p["h"].clone().requires_grad_(), p["w"].clone().requires_grad_()
     z = _capped(torch.einsum("sbh,vh->bsv", hh, ww), cap, t)
     y = p["y"]
-    ce = torch.where(y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
+    ce = torch.where(
+        y == IGNORE, 0.0, -z.log_softmax(-1).gather(2, y.clamp(min=0)[..., None]).squeeze(-1)
+    )
     want = ce.sum() / (y != IGNORE).sum()
     want.backward()
     h = p["h"].to(dtype).clone().requires_grad_()
     w = p["w"].to(dtype).clone().requires_grad_()
-    out = cross_entropy_loss(reduction="mean", temperature=t, tile_rows=4, tile_cols=8)(_ctx(h, w, y, cap))
+    out = cross_entropy_loss(reduction="mean", temperature=t, tile_rows=4, tile_cols=8)(
+        _ctx(h, w, y, cap)
+    )
     out["loss"].backward()
     assert h.grad is not None and w.grad is not None and hh.grad is not None and ww.grad is not None
     close_to_float64(out["loss"], want.detach(), dtype)
@@ -284,7 +304,9 @@ def test_selected_logprobs_honours_the_configs_softcap() -> None:
     out = selected_logprobs(entropy=True)(_ctx(p["h"], p["w"], y, cap))
     want = torch.where(y == IGNORE, 0.0, logp.gather(2, y.clamp(min=0)[..., None]).squeeze(-1))
     torch.testing.assert_close(out["logprobs"].double(), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=1e-12, atol=1e-12
+    )
     off = selected_logprobs()(_ctx(p["h"], p["w"], y, 0))  # 0 (or None, False): off
     plain = (
         torch.einsum("sbh,vh->bsv", p["h"], p["w"])
@@ -292,7 +314,9 @@ def test_selected_logprobs_honours_the_configs_softcap() -> None:
         .log_softmax(-1)
         .gather(2, y.clamp(min=0)[..., None])
     )
-    torch.testing.assert_close(off["logprobs"].double(), torch.where(y == IGNORE, 0.0, plain.squeeze(-1)))
+    torch.testing.assert_close(
+        off["logprobs"].double(), torch.where(y == IGNORE, 0.0, plain.squeeze(-1))
+    )
 
 
 def test_policy_loss_honours_the_configs_softcap() -> None:
@@ -350,7 +374,12 @@ def _u(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_truth(
-    p: dict[str, torch.Tensor], b: torch.Tensor, cap: float, t: Any, ids: torch.Tensor, dtype: torch.dtype
+    p: dict[str, torch.Tensor],
+    b: torch.Tensor,
+    cap: float,
+    t: Any,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
 ) -> dict[str, Any]:
     """Float64 autograd of ``sum(c_k * lp[ids]) + sum(c_lp * lp[y]) + sum(c_ent * H)`` at
     the implementation's ``ids`` (its ties are its own values'), and the true top-k values."""
@@ -368,7 +397,9 @@ def _topk_truth(
 
 @pytest.mark.parametrize(("cap", "per_token"), [(1.0, True), (5.0, False), (30.0, True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_topk_against_float64(dtype: torch.dtype, cap: float, per_token: bool, backend: str) -> None:
+def test_topk_against_float64(
+    dtype: torch.dtype, cap: float, per_token: bool, backend: str
+) -> None:
     """``linear_topk_logprobs`` with a bias: the top-k values (ids checked against the
     truth's values at them), the label's logprob, the entropy, and ``dh``, ``dW``, ``db``
     of a loss on all three (the top-k's slope taken from the gathered capped values)."""
@@ -409,9 +440,13 @@ def test_topk_ties_of_capped_values(tile_cols: int, backend: str) -> None:
     h = torch.tensor([[1.0, 0.1], [1.0, -0.2]])
     r = linear_topk_logprobs(h, w, k=3, options=LinearOptions(softcap=1.0, tile_cols=tile_cols))
     assert torch.equal(r.ids, torch.tensor([[1, 2, 5], [1, 2, 5]]))
-    teacher = SparseTeacher(ids=torch.tensor([[1, 0], [2, 0]]), logprobs=torch.tensor([[-0.1, -3.0]] * 2))
+    teacher = SparseTeacher(
+        ids=torch.tensor([[1, 0], [2, 0]]), logprobs=torch.tensor([[-0.1, -3.0]] * 2)
+    )
     opts = LinearOptions(softcap=1.0, tile_rows=1)
-    d = linear_distillation_loss(h, w, None, teacher, options=opts, config=DistillConfig(tail="bucket"))
+    d = linear_distillation_loss(
+        h, w, None, teacher, options=opts, config=DistillConfig(tail="bucket")
+    )
     assert d.top1_agreement.tolist() == [True, False]  # the student's top-1: id 1
 
 
@@ -426,7 +461,9 @@ def _divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float
     return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
 
 
-def _teacher(form: str, seed: int, h: torch.Tensor, w: torch.Tensor, t: float = 0.8) -> tuple[Any, Any]:
+def _teacher(
+    form: str, seed: int, h: torch.Tensor, w: torch.Tensor, t: float = 0.8
+) -> tuple[Any, Any]:
     """``(teacher, log_p_of(z))``: a sparse teacher's top-4 (renormalize or bucket) of
     float64 logits, or a dense teacher with its own logit scale and softcap, near the
     student's ``h @ w.T``; ``log_p_of`` maps the student's capped logits ``z`` ``[n, V]``
@@ -436,7 +473,10 @@ def _teacher(form: str, seed: int, h: torch.Tensor, w: torch.Tensor, t: float = 
     tw = torch.cat([w, torch.randn(V, 2, generator=g, dtype=torch.float64)], 1)
     if form == "dense":
         log_p = _capped(th @ tw.T * (1.3 / SCALE), 4.0, t).log_softmax(-1)  # c_t = 1.3, s_t = 4
-        return DenseTeacher(th, tw, logit_scale=1.3, softcap=4.0), lambda z: (log_p, z.log_softmax(-1))
+        return DenseTeacher(th, tw, logit_scale=1.3, softcap=4.0), lambda z: (
+            log_p,
+            z.log_softmax(-1),
+        )
     lp_t, ids = (th @ tw.T).log_softmax(-1).topk(4, dim=1)
     teacher = SparseTeacher(ids=ids, logprobs=lp_t.float())
     lp_t = lp_t.float().double()
@@ -461,7 +501,11 @@ def test_distillation_against_float64(kind: str, form: str, backend: str) -> Non
     backend, fp32 on Triton)."""
     dtype = torch.float64 if backend == "torch" else torch.float32
     cap = CAPS[
-        (["forward-kl", "reverse-kl", "jsd"].index(kind) + ["renormalize", "bucket", "dense"].index(form)) % 3
+        (
+            ["forward-kl", "reverse-kl", "jsd"].index(kind)
+            + ["renormalize", "bucket", "dense"].index(form)
+        )
+        % 3
     ]
     p, t, beta = _problem(12), 0.8, 0.3
     b64 = torch.randn(V, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3.0
@@ -499,7 +543,9 @@ def test_topk_and_distillation_follow_the_configs_softcap() -> None:
     z = _capped(torch.einsum("sbh,vh->bsv", p["h"], p["w"]), cap, t)
     logp = z.log_softmax(-1)
     out = topk_logprobs(3, temperature=t)(_ctx(p["h"], p["w"], p["y"], cap))
-    torch.testing.assert_close(out["topk_logprobs"].double(), logp.topk(3).values, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out["topk_logprobs"].double(), logp.topk(3).values, rtol=1e-12, atol=1e-12
+    )
     assert torch.equal(out["topk_ids"], logp.topk(3).indices)
     lp_t, ids = (torch.einsum("sbh,vh->bsv", p["h"], p["w"]) * 0.5).log_softmax(-1).topk(3)
     cfg = DistillConfig(temperature=t)
@@ -595,9 +641,9 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
                 loss = loss + (cot_k * logp.gather(1, ids[0]).double()).sum()
             if form == "distillation":
                 ut = th.to(h.dtype) @ tw.to(h.dtype).T
-                log_p = _capped((ut.float() if how == "naive" else ut) * (1.2 / SCALE), 3.0, t).log_softmax(
-                    -1
-                )
+                log_p = _capped(
+                    (ut.float() if how == "naive" else ut) * (1.2 / SCALE), 3.0, t
+                ).log_softmax(-1)
                 d = (log_p.exp() * (log_p - logp)).sum(-1)
                 loss = (m * d.double()).sum() / m.sum()
         dh, dw = torch.autograd.grad(loss, (h, w))
@@ -607,7 +653,11 @@ def test_bf16_compute_against_float64_beside_the_naive_path(form: str, backend: 
 
     ours, truth, naive = run("ours"), run("truth"), run("naive")
     for key, want in truth.items():
-        err, naive_err, rounding = _rel(ours[key], want), _rel(naive[key], want), _rel(want.to(BF16), want)
+        err, naive_err, rounding = (
+            _rel(ours[key], want),
+            _rel(naive[key], want),
+            _rel(want.to(BF16), want),
+        )
         assert err <= max(naive_err / 3, 2 * rounding), (key, err, naive_err, rounding)
 
 
@@ -619,7 +669,9 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, Any], backends:
 
     from torch_impl import TorchCollectives
 
-    coll = TorchCollectives(parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False)
+    coll = TorchCollectives(
+        parallel_state.get_tensor_model_parallel_group(), sequence_parallel=False
+    )
     lo, hi = (0, 14) if rank == 0 else (14, V)
     for be in backends:
         dtype = torch.float64 if be == "torch" else torch.float32
@@ -663,7 +715,12 @@ def _tp2(rank: int, p: dict[str, torch.Tensor], truth: dict[str, Any], backends:
 
 
 def _tp2_topk_distill(
-    p: dict[str, torch.Tensor], truth: dict[str, Any], dtype: torch.dtype, base: Any, shard: Any, tol: Any
+    p: dict[str, torch.Tensor],
+    truth: dict[str, Any],
+    dtype: torch.dtype,
+    base: Any,
+    shard: Any,
+    tol: Any,
 ) -> None:
     """Top-k (with a bias) and distillation (a dense teacher's jsd, a sparse teacher's
     bucket reverse KL) on this rank's shard, against the float64 truths."""
@@ -684,8 +741,13 @@ def _tp2_topk_distill(
     for kind, form in (("jsd", "dense"), ("reverse-kl", "bucket")):
         teacher, want = _teacher(form, 14, p["h"], p["w"])[0], truth[form]
         if form == "dense":
-            teacher = dataclasses.replace(teacher, weight=teacher.weight[lo:hi], vocab=base["vocab"])
-        h, w = p["h"].to(dtype).clone().requires_grad_(), p["w"][lo:hi].to(dtype).clone().requires_grad_()
+            teacher = dataclasses.replace(
+                teacher, weight=teacher.weight[lo:hi], vocab=base["vocab"]
+            )
+        h, w = (
+            p["h"].to(dtype).clone().requires_grad_(),
+            p["w"][lo:hi].to(dtype).clone().requires_grad_(),
+        )
         cfg = DistillConfig(divergence=kind, tail="bucket", beta=0.3, temperature=0.8)  # type: ignore[arg-type]
         opts = LinearOptions(tile_rows=4, **{**base, "temperature": 1.0})
         d = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg)
@@ -728,7 +790,9 @@ def test_tp2_against_float64() -> None:
 
 @pytest.mark.parametrize("entropy_grad", [None, False, True], ids=["linear", "single", "two-pass"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_a_bias_enters_before_the_cap(dtype: torch.dtype, entropy_grad: bool | None, backend: str) -> None:
+def test_a_bias_enters_before_the_cap(
+    dtype: torch.dtype, entropy_grad: bool | None, backend: str
+) -> None:
     """``z = s * tanh((h @ W.T + b) * logit_scale / s) / T``: values and ``dh``, ``dW``,
     ``db`` against float64 autograd, the linear function and both fused passes."""
     skip_fp64_triton(backend, dtype)
@@ -788,7 +852,9 @@ def test_the_mean_logit_is_of_the_capped_logits(fused: bool, weighted: bool, bac
     hr, wr, br = (x.float().double().clone().requires_grad_() for x in (p["h"], p["w"], b64))
     z = _capped(hr @ wr.T + br, cap, p["t"][:, None])
     y = p["y"]
-    lp = torch.where(y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1))
+    lp = torch.where(
+        y == IGNORE, 0.0, z.log_softmax(-1).gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    )
     mean = (z * cw).sum(-1) / v
     (p["c_lp"] * lp + c_mean * mean).sum().backward()
     h, w, b = (x.float().clone().requires_grad_() for x in (p["h"], p["w"], b64))
@@ -803,8 +869,13 @@ def test_the_mean_logit_is_of_the_capped_logits(fused: bool, weighted: bool, bac
         )  # fmt: skip
         got_mean, _ = f.mean_logit, f.loss.backward()
     else:
-        r = linear_logprobs(h, w, y, options=opts, bias=b, with_mean_logit=True, mean_logit_weights=weights)
-        got_mean, _ = r.mean_logit, (p["c_lp"] * r.logprobs + c_mean * r.mean_logit).sum().backward()
+        r = linear_logprobs(
+            h, w, y, options=opts, bias=b, with_mean_logit=True, mean_logit_weights=weights
+        )
+        got_mean, _ = (
+            r.mean_logit,
+            (p["c_lp"] * r.logprobs + c_mean * r.mean_logit).sum().backward(),
+        )
     assert got_mean is not None
     close_to_float64(got_mean, mean.detach(), torch.float32)
     for got, want in ((h.grad, hr.grad), (w.grad, wr.grad), (b.grad, br.grad)):

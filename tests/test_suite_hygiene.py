@@ -69,7 +69,9 @@ def test_no_test_module_imports_another(path: Path) -> None:
     assert found == []
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "conftest.py"], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.name != "conftest.py"], ids=lambda p: p.name
+)
 def test_only_conftest_sets_triton_interpret(path: Path) -> None:
     """Triton reads ``TRITON_INTERPRET`` once, at its first import: ``conftest.py``
     sets it before any test module is collected; a module setting it again at

@@ -56,7 +56,9 @@ def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("shape", [(2, 5), (5, 2), (10, 1), (1, 10)])
-def test_a_temperature_of_more_than_one_dim_is_refused_at_construction(shape: tuple[int, ...]) -> None:
+def test_a_temperature_of_more_than_one_dim_is_refused_at_construction(
+    shape: tuple[int, ...],
+) -> None:
     """``_options.py``: only the dtype was checked; ``[2, 5]`` for 10 rows was flattened."""
     with pytest.raises(ContractError) as info:
         LinearOptions(temperature=torch.ones(shape))
@@ -135,7 +137,11 @@ def _meta(case: str) -> tuple[tuple[Any, ...], dict[str, Any], str]:
     if case == "temperature":
         return (h, w, y), {"temperature": torch.ones(N, device="meta")}, "temperature"
     assert case == "temperature, unchecked"
-    return (h, w, y), {"temperature": torch.ones(N, device="meta"), "check_values": False}, "temperature"
+    return (
+        (h, w, y),
+        {"temperature": torch.ones(N, device="meta"), "check_values": False},
+        "temperature",
+    )
 
 
 META_CASES = [
@@ -203,7 +209,9 @@ def _meta_ctx(change: str) -> OutputContext:
     if change == "context.logprobs":
         return ctx.replace(context=SparseTeacher(ids=ids, logprobs=lp.to("meta")))
     assert change == "context.mask"
-    return ctx.replace(context=SparseTeacher(ids=ids, logprobs=lp, mask=torch.ones(2, 5, device="meta")))
+    return ctx.replace(
+        context=SparseTeacher(ids=ids, logprobs=lp, mask=torch.ones(2, 5, device="meta"))
+    )
 
 
 PROCESSOR_META = [
@@ -267,7 +275,9 @@ def test_every_options_class_compares_and_hashes(make: Any) -> None:
     one hash; a changed field unequal."""
     a, b = make(), make()
     assert a == b and hash(a) == hash(b)
-    field = next(f for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), bool | int | float))
+    field = next(
+        f for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), bool | int | float)
+    )
     value = getattr(a, field.name)
     changed = (not value) if isinstance(value, bool) else value + 1
     try:
@@ -368,7 +378,9 @@ else:
 """
 
 
-@pytest.mark.parametrize(("order", "outcome"), [("after", "refused backend True"), ("before", "ran True")])
+@pytest.mark.parametrize(
+    ("order", "outcome"), [("after", "refused backend True"), ("before", "ran True")]
+)
 def test_triton_interpreter_set_after_triton_is_imported_is_named(order: str, outcome: str) -> None:
     """``TRITON_INTERPRET=1`` set after ``import megatron.core`` (which imports Triton):
     every ``backend="triton"`` call failed with Triton's ``InterpreterError`` ("Cannot

@@ -102,7 +102,9 @@ def test_megatron_parallel_keeps_the_callers_megatron_groups(callers_group: Any)
     assert torch.distributed.is_initialized()
 
 
-def test_megatron_parallel_of_another_size_inside_a_callers_group_is_refused(callers_group: Any) -> None:
+def test_megatron_parallel_of_another_size_inside_a_callers_group_is_refused(
+    callers_group: Any,
+) -> None:
     with pytest.raises(RuntimeError, match="caller's process group has 1 ranks, 2 asked"):
         with megatron_parallel(tp=2):
             pass
@@ -128,7 +130,9 @@ def _meddling_check() -> None:
 
 
 @pytest.mark.parametrize("with_group", [True, False], ids=["caller-group", "no-group"])
-def test_doctor_run_checks_leaves_the_callers_state(request: pytest.FixtureRequest, with_group: bool) -> None:
+def test_doctor_run_checks_leaves_the_callers_state(
+    request: pytest.FixtureRequest, with_group: bool
+) -> None:
     if with_group:
         request.getfixturevalue("callers_group")
     before = _snapshot()
@@ -170,7 +174,9 @@ def _resources() -> dict[str, int]:
     return {"groups": len(registered_process_groups()), "fds": fds, "threads": threads}
 
 
-def test_megatron_parallel_destroys_the_groups_it_registers_in_a_callers_group(callers_group: Any) -> None:
+def test_megatron_parallel_destroys_the_groups_it_registers_in_a_callers_group(
+    callers_group: Any,
+) -> None:
     before = _resources()
     for _ in range(3):
         with megatron_parallel():
@@ -211,7 +217,11 @@ def test_doctor_checks_run_under_their_own_state(state: str) -> None:
     fail every check ("0 passed, 6 failed")."""
     checks = [c for c in doctor.default_checks() if not c[0].startswith("GPU:")][:3]
     with CALLER_STATES[state]():
-        inside = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype())
+        inside = (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.get_default_dtype(),
+        )
         results = doctor.run_checks(checks)
         assert (
             torch.is_grad_enabled(),

@@ -46,7 +46,9 @@ def _problem(seed: int = 0, *, ties: bool = False) -> dict[str, torch.Tensor]:
     }
 
 
-def _truth(p: dict[str, torch.Tensor], k: int, cot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _truth(
+    p: dict[str, torch.Tensor], k: int, cot: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Materialised logits in float64; ids by a stable sort (ties: the smaller id first)."""
     h = p["h"].clone().requires_grad_()
     w = p["w"].clone().requires_grad_()
@@ -85,7 +87,11 @@ def _ours(
     options = LinearOptions(temperature=p["t"], **kw)
     r = linear_topk_logprobs(h, w, k=k, labels=p["y"], with_entropy=True, options=options)
     assert r.label_logprobs is not None and r.entropy is not None
-    loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
+    loss = (
+        (r.logprobs * cot["v"]).sum()
+        + (r.label_logprobs * cot["l"]).sum()
+        + (r.entropy * cot["e"]).sum()
+    )
     loss.backward()
     return {
         "values": r.logprobs.detach(),
@@ -97,7 +103,9 @@ def _ours(
     }
 
 
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-11) -> None:
+def _assert_equal(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-11
+) -> None:
     assert torch.equal(got["ids"], want["ids"]), (got["ids"], want["ids"])
     for key in ("values", "label", "entropy", "dh", "dw"):
         torch.testing.assert_close(got[key], want[key], rtol=tol, atol=tol, msg=key)
@@ -142,7 +150,9 @@ def test_float32_within_float32_error() -> None:
     p, cot = _problem(5), _cot(3)
     got = _ours({**p, "h": p["h"].float(), "w": p["w"].float()}, 3, cot, tile_cols=8)
     want = _truth(p, 3, cot)
-    _assert_equal({k: v.double() if v.is_floating_point() else v for k, v in got.items()}, want, tol=2e-5)
+    _assert_equal(
+        {k: v.double() if v.is_floating_point() else v for k, v in got.items()}, want, tol=2e-5
+    )
 
 
 def test_without_labels_and_nan_rows() -> None:
@@ -193,13 +203,20 @@ def test_through_the_hook_on_the_tiny_gpt(megatron_single: None) -> None:
     args = (batch["input_ids"], batch["position_ids"], None)
     logits = model(*args).double()  # [b, s, V]
     torch_impl.enable_output_processor(model)
-    out = model(*args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, tile_cols=24))
+    out = model(
+        *args, labels=batch["labels"], output_processor=topk_logprobs(5, entropy=True, tile_cols=24)
+    )
     logp = logits.log_softmax(-1)
     want = torch.sort(logp, dim=-1, descending=True, stable=True)
     assert torch.equal(out["topk_ids"], want.indices[..., :5])
-    torch.testing.assert_close(out["topk_logprobs"].double(), want.values[..., :5], rtol=0, atol=2e-6)
     torch.testing.assert_close(
-        out["logprobs"].double(), logp.gather(2, batch["labels"][..., None]).squeeze(-1), rtol=0, atol=2e-6
+        out["topk_logprobs"].double(), want.values[..., :5], rtol=0, atol=2e-6
+    )
+    torch.testing.assert_close(
+        out["logprobs"].double(),
+        logp.gather(2, batch["labels"][..., None]).squeeze(-1),
+        rtol=0,
+        atol=2e-6,
     )
     out["topk_logprobs"].sum().backward()
     assert all(q.grad is not None for q in model.parameters() if q.requires_grad)
@@ -228,7 +245,10 @@ def test_old_collectives_work_at_tp1_and_are_refused_by_name_on_a_shard() -> Non
 
 
 def _tp2(
-    rank: int, p: dict[str, torch.Tensor], cases: list[tuple[int, dict, dict]], sp: tuple[dict, dict, dict]
+    rank: int,
+    p: dict[str, torch.Tensor],
+    cases: list[tuple[int, dict, dict]],
+    sp: tuple[dict, dict, dict],
 ) -> None:
     from megatron.core import parallel_state
 
@@ -277,7 +297,11 @@ def _tp2(
         ),
     )
     assert r.label_logprobs is not None and r.entropy is not None
-    loss = (r.logprobs * cot["v"]).sum() + (r.label_logprobs * cot["l"]).sum() + (r.entropy * cot["e"]).sum()
+    loss = (
+        (r.logprobs * cot["v"]).sum()
+        + (r.label_logprobs * cot["l"]).sum()
+        + (r.entropy * cot["e"]).sum()
+    )
     loss.backward()
     assert torch.equal(r.ids, want["ids"])
     torch.testing.assert_close(r.logprobs, want["values"], rtol=1e-11, atol=1e-11)
@@ -295,8 +319,17 @@ def test_tp2_equals_float64() -> None:
     for k in (3, V // 2, V // 2 + 4):
         cot = _cot(k, seed=k)
         cases.append((k, cot, _truth(p, k, cot)))
-    assert cases[0][2]["ids"][0].tolist() == [2, 5, 30] and cases[0][2]["ids"][1].tolist() == [9, 21, 36]
-    p_sp = {**p, "h": p["h"][:22], "y": p["y"][:22], "t": _problem(7)["t"][:22]}  # 22 rows: 11 a rank
+    assert cases[0][2]["ids"][0].tolist() == [2, 5, 30] and cases[0][2]["ids"][1].tolist() == [
+        9,
+        21,
+        36,
+    ]
+    p_sp = {
+        **p,
+        "h": p["h"][:22],
+        "y": p["y"][:22],
+        "t": _problem(7)["t"][:22],
+    }  # 22 rows: 11 a rank
     cot = {key: c[:22] for key, c in _cot(3, seed=9).items()}
     run_distributed(_tp2, p, cases, (p_sp, cot, _truth(p_sp, 3, cot)), tp=2)
 
@@ -310,7 +343,9 @@ def test_every_optional_collective_is_no_newer_than_the_spec() -> None:
     methods = {n for n in vars(hookspec.Collectives) if not n.startswith("_")}
     assert methods == set(REQUIRED_COLLECTIVES) | set(OPTIONAL_COLLECTIVES)
     for name in OPTIONAL_COLLECTIVES:
-        found = re.search(r"\.\. versionadded:: (\d+)\.(\d+)", getattr(hookspec.Collectives, name).__doc__)
+        found = re.search(
+            r"\.\. versionadded:: (\d+)\.(\d+)", getattr(hookspec.Collectives, name).__doc__
+        )
         assert found is not None, name
         assert (int(found[1]), int(found[2])) <= hookspec.SPEC_VERSION, name
 

@@ -30,16 +30,21 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed here (py311's CPU torch wheel has none)", allow_module_level=True)
+    pytest.skip(
+        "triton is not installed here (py311's CPU torch wheel has none)", allow_module_level=True
+    )
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip(
-        "records launches under TRITON_INTERPRET=1 (a GPU runs them for real)", allow_module_level=True
+        "records launches under TRITON_INTERPRET=1 (a GPU runs them for real)",
+        allow_module_level=True,
     )
 
 from .compile_launches import small_dot_kernel
 from .launch_scenarios import SCENARIOS, STOPPED_BY_A_HOST_READ, record_all, unique
 
-pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Accessing the data pointer of FakeTensor:UserWarning"
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = (90, 80)
@@ -95,11 +100,15 @@ def _project_kernels() -> dict[str, Any]:
 
     kernels = {name for name in found if "tl.program_id" in source[name]}
     kernels |= {name for name in found if any(calls(name, k) for k in kernels)}
-    return {name: found[name] for name in kernels if not any(calls(other, name) for other in kernels)}
+    return {
+        name: found[name] for name in kernels if not any(calls(other, name) for other in kernels)
+    }
 
 
 @pytest.mark.slow
-def test_every_launched_specialisation_compiles_for_sm90_and_sm80(compiled: list[dict[str, Any]]) -> None:
+def test_every_launched_specialisation_compiles_for_sm90_and_sm80(
+    compiled: list[dict[str, Any]],
+) -> None:
     errors = [r for r in compiled if "error" in r]
     assert not errors, errors[:3]
     assert {r["arch"] for r in compiled} == set(ARCHS)
@@ -131,7 +140,9 @@ def test_every_kernel_and_every_gpu_call_is_recorded(recorded: list[Any]) -> Non
     # one scenario a shape and dtype: the logits' distribution (flat, peaked) launches the same
     shapes = {f"{s['tokens']}x{s['hidden']}x{s['vocab']} {s['dtype']}" for s in SIZES}
     assert len([s for s in SCENARIOS if s.startswith("bench:")]) == len(bench) * len(shapes)
-    silent = {s for s in SCENARIOS if s.startswith(("bench:", "gpu-test:"))} - {x.scenario for x in recorded}
+    silent = {s for s in SCENARIOS if s.startswith(("bench:", "gpu-test:"))} - {
+        x.scenario for x in recorded
+    }
     assert not silent, sorted(silent)
     # a host read would end a call on fake tensors (tests/test_host_reads.py finds none)
     assert not STOPPED_BY_A_HOST_READ
@@ -162,7 +173,9 @@ def test_the_launches_cover_what_runs(recorded: list[Any]) -> None:
     from torch_impl.processors._geometry import row_tile
 
     fused_rows = row_tile(8192, 151936, torch.device("cuda"), rows=None)
-    rows = {a["int"] for x in recorded if x.scenario.startswith("bench:") for a in x.args if "int" in a}
+    rows = {
+        a["int"] for x in recorded if x.scenario.startswith("bench:") for a in x.args if "int" in a
+    }
     assert fused_rows in rows and 8192 in rows, (fused_rows, sorted(rows))
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_MYPY = subprocess.run([sys.executable, "-m", "mypy", "--version"], capture_output=True).returncode == 0
+HAS_MYPY = (
+    subprocess.run([sys.executable, "-m", "mypy", "--version"], capture_output=True).returncode == 0
+)
 pytestmark = [
     pytest.mark.skipif(not HAS_MYPY, reason="mypy is not installed"),
     pytest.mark.release_independent,  # mypy reads the source; CI's type step runs it once, in py312
@@ -28,14 +30,23 @@ pytestmark = [
 
 # the errors of a keyword the callee does not take: without a catch-all, and with one
 # typed Never
-STALE_KEYWORD = re.compile(r'Unexpected keyword argument|incompatible type "[^"]*"; expected "Never"')
+STALE_KEYWORD = re.compile(
+    r'Unexpected keyword argument|incompatible type "[^"]*"; expected "Never"'
+)
 
 
 def _mypy(*paths: Path) -> subprocess.CompletedProcess[str]:
     """mypy with the project's configuration on ``paths`` (the repository's packages
     resolved from the checkout)."""
     return subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)],
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            *map(str, paths),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -91,7 +102,9 @@ def test_mypy_refuses_a_keyword_the_signature_no_longer_takes(tmp_path: Path) ->
     first = CALLS.count("\n") + 1
     bad = _mypy(stale)
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    flagged = {int(m.group(1)) for m in re.finditer(r"stale_calls\.py:(\d+): error: .*", bad.stdout)}
+    flagged = {
+        int(m.group(1)) for m in re.finditer(r"stale_calls\.py:(\d+): error: .*", bad.stdout)
+    }
     for i, call in enumerate(lines):
         assert first + i in flagged, f"mypy accepted {call}:\n{bad.stdout}"
     errors = [line for line in bad.stdout.splitlines() if ": error:" in line]

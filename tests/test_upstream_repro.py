@@ -80,7 +80,9 @@ def test_defect_shows_as_documented(script: str) -> None:
         assert report["swapped"] is report["defect"], report
         # the shape exchange of variable sequence lengths crosses even with batch_p2p_comm=False,
         # and the whole step then aborts gloo on the size mismatch (both pinned releases)
-        assert report["shapes"] == [[2, 1, 4], [3, 1, 4]] and report["shapes_swapped"] is True, report
+        assert report["shapes"] == [[2, 1, 4], [3, 1, 4]] and report["shapes_swapped"] is True, (
+            report
+        )
         call = report["variable_seq_lengths_call"]
         assert call["completed"] == [False, False] and call["gloo_size_mismatch"] is True, report
     if script == "plan_mtp_overwrites_input_ids.py":

@@ -58,12 +58,16 @@ def test_every_series_lists_patches_that_exist_in_order() -> None:
         numbers = [Path(p).name[:4] for p in patches]
         assert numbers == sorted(numbers), name
     main = [Path(p).name for p in _series("series-main")]
-    assert [name for name in main if name not in MAIN_ONLY] == [Path(p).name for p in _series("series")]
+    assert [name for name in main if name not in MAIN_ONLY] == [
+        Path(p).name for p in _series("series")
+    ]
     assert set(_series("series-0.18.2")) <= set(_series("series"))
 
 
 def test_series_main_records_its_snapshot_and_date() -> None:
-    recorded = re.findall(r"^# snapshot: (\S+) (\S+)$", (UPSTREAM / "series-main").read_text(), flags=re.M)
+    recorded = re.findall(
+        r"^# snapshot: (\S+) (\S+)$", (UPSTREAM / "series-main").read_text(), flags=re.M
+    )
     assert recorded == [MAIN_SNAPSHOT]
     for doc in (UPSTREAM / "README.md", ROOT / "docs" / "upstream.md"):
         text = doc.read_text()
@@ -99,7 +103,9 @@ def test_each_description_names_the_upstream_threads_and_its_failures() -> None:
         assert len(failing) == 2, name
         block = failing[1].split("```")[1]
         ids = [line for line in block.splitlines()[1:] if line.strip()]
-        assert ids and all(line.startswith("tests/unit_tests/") and "::" in line for line in ids), name
+        assert ids and all(line.startswith("tests/unit_tests/") and "::" in line for line in ids), (
+            name
+        )
 
 
 def test_patches_touch_only_megatron_core_and_its_unit_tests() -> None:
@@ -202,7 +208,9 @@ def test_gpt_mtp_processor_stays_the_adapters(monkeypatch: pytest.MonkeyPatch) -
     want = stock(batch["input_ids"], batch["position_ids"], None, **kw)
     want.sum().backward()
     model = enable_output_processor(_mtp_gpt())
-    got = model(batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=default_mtp_loss)
+    got = model(
+        batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=default_mtp_loss
+    )
     got.sum().backward()
     assert torch.equal(got, want)
     for (name, p), q in zip(model.named_parameters(), stock.parameters()):
@@ -222,9 +230,13 @@ def test_hybrid_model_through_megatrons_hook(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(HybridOutputHookAdapter, "_hookspec_run", refused)
     batch = tiny_batch()
     kw = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]}
-    want = build_tiny_hybrid("*-*-/*-").eval()(batch["input_ids"], batch["position_ids"], None, **kw)
+    want = build_tiny_hybrid("*-*-/*-").eval()(
+        batch["input_ids"], batch["position_ids"], None, **kw
+    )
     model = enable_output_processor(build_tiny_hybrid("*-*-/*-")).eval()
-    got = model(batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=default_mtp_loss)
+    got = model(
+        batch["input_ids"], batch["position_ids"], None, **kw, mtp_processor=default_mtp_loss
+    )
     assert torch.equal(got, want)
 
 

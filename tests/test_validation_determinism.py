@@ -75,7 +75,11 @@ def run_once(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     if name == "cross_entropy_loss":
         context = dataclasses.replace(d["batch"], temperature=None)
     ctx = OutputContext(
-        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V), context=context
+        hidden_states=h,
+        labels=d["labels"],
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=context,
     )
     out = PROCESSORS[name]()(ctx)
     if isinstance(out, dict) and "loss" in out:
@@ -132,7 +136,12 @@ def test_a_fresh_process_gives_bitwise_the_same_results() -> None:
         """
     )
     child = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, timeout=600
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        timeout=600,
     )
     lines = [line for line in child.stdout.splitlines() if line.strip()]
     got = dict(line.split() for line in lines)

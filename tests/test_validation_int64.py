@@ -70,7 +70,14 @@ def test_processor_factory_integer_options_are_checked_when_made(
     assert info.value.field == option, (name, info.value)
 
 
-_NUMBER_OPTIONS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "log_ratio_clamp")
+_NUMBER_OPTIONS = (
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "kl_coef",
+    "entropy_coef",
+    "log_ratio_clamp",
+)
 
 
 @pytest.mark.parametrize("option", _NUMBER_OPTIONS)
@@ -92,12 +99,16 @@ def test_in_range_integers_still_work_at_the_int64_edges() -> None:
     change nothing: the result equals the default call's, bitwise."""
     h, w, y = _inputs()
     want = linear_logprobs(h, w, y).logprobs
-    got = linear_logprobs(h, w, y, options=LinearOptions(tile_cols=2**63 - 1, tile_rows=2**63 - 1)).logprobs
+    got = linear_logprobs(
+        h, w, y, options=LinearOptions(tile_cols=2**63 - 1, tile_rows=2**63 - 1)
+    ).logprobs
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("value", HUGE)
-def test_enable_output_processor_refuses_ignore_index_beyond_int64(megatron_single: None, value: int) -> None:
+def test_enable_output_processor_refuses_ignore_index_beyond_int64(
+    megatron_single: None, value: int
+) -> None:
     """The reported defect: ``ignore_index=2**70`` was accepted and the forward
     then failed with ``OverflowError``."""
     from torch_impl import enable_output_processor, is_output_processor_enabled
@@ -128,7 +139,9 @@ def test_hookcheck_seed_beyond_its_range_is_named(value: str) -> None:
     from jax_ref.check.hookcheck import main
 
     err = io.StringIO()
-    code = main(["--seed", value, "--dtype", "float32", "--no-synthetic"], out=io.StringIO(), err=err)
+    code = main(
+        ["--seed", value, "--dtype", "float32", "--no-synthetic"], out=io.StringIO(), err=err
+    )
     assert code == 2
     line = err.getvalue().strip().splitlines()[-1]
     assert line.startswith("hookcheck: error: --seed: expected an int in [0, 2**32 - 1]"), line

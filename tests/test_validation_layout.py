@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 import hookspec
-from hookspec import ContractError, OutputContext, ParallelLayout, SingleProcessCollectives, VocabShard
+from hookspec import (
+    ContractError,
+    OutputContext,
+    ParallelLayout,
+    SingleProcessCollectives,
+    VocabShard,
+)
 from tests.identity_collectives import identity_collectives
 
 V, H, B, S = 16, 4, 2, 8
@@ -45,7 +51,9 @@ class _NoMax:
         return x
 
 
-def _ctx(tp: int, rank: int, vocab: VocabShard | None, collectives: Any, sp: bool = False) -> OutputContext:
+def _ctx(
+    tp: int, rank: int, vocab: VocabShard | None, collectives: Any, sp: bool = False
+) -> OutputContext:
     rows = vocab.local_size if vocab is not None else V
     s_h = S // tp if sp else S
     return OutputContext(
@@ -244,13 +252,27 @@ def test_mtp_accepted_must_be_bool_the_reported_defect() -> None:
     """A float ``accepted`` used to pass; MTP logging then counted every token."""
     loss = np.zeros((B, S), np.float32)
     with pytest.raises(ContractError) as info:
-        hookspec.validate_mtp_result({"loss": loss, "accepted": np.ones((B, S), np.float32)}, batch=B, seq=S)
+        hookspec.validate_mtp_result(
+            {"loss": loss, "accepted": np.ones((B, S), np.float32)}, batch=B, seq=S
+        )
     assert info.value.field == "mtp_processor result['accepted']"
     assert "bool" in str(info.value.expected) and info.value.actual == "float32"
 
 
-_MTP_LOSS_DTYPES = {np.float16: True, np.float32: True, np.float64: True, np.int64: False, bool: False}
-_MTP_ACCEPTED_DTYPES = {bool: True, np.float32: False, np.float64: False, np.int64: False, np.uint8: False}
+_MTP_LOSS_DTYPES = {
+    np.float16: True,
+    np.float32: True,
+    np.float64: True,
+    np.int64: False,
+    bool: False,
+}
+_MTP_ACCEPTED_DTYPES = {
+    bool: True,
+    np.float32: False,
+    np.float64: False,
+    np.int64: False,
+    np.uint8: False,
+}
 _MTP_SHAPES = {(B, S): True, (): False, (B,): False, (S, B): False, (B, S, 1): False}
 
 
@@ -269,7 +291,9 @@ def test_every_field_of_the_mtp_result_by_dtype_and_shape(
     loss_dtype: Any, loss_shape: tuple[int, ...], acc_dtype: Any, acc_shape: tuple[int, ...]
 ) -> None:
     loss = np.zeros(loss_shape, loss_dtype)
-    result: Any = loss if acc_dtype is None else {"loss": loss, "accepted": np.zeros(acc_shape, acc_dtype)}
+    result: Any = (
+        loss if acc_dtype is None else {"loss": loss, "accepted": np.zeros(acc_shape, acc_dtype)}
+    )
     # the rule, stated independently: shapes first (loss, then accepted), then dtypes
     if not _MTP_SHAPES[loss_shape]:
         want = ("loss", "shape")

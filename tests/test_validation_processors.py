@@ -72,7 +72,12 @@ def _ctx(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, context: Any = None, **kw: Any
 ) -> OutputContext:
     return OutputContext(
-        hidden_states=h, labels=labels, vocab_weight=w, vocab=VocabShard(0, V, V), context=context, **kw
+        hidden_states=h,
+        labels=labels,
+        vocab_weight=w,
+        vocab=VocabShard(0, V, V),
+        context=context,
+        **kw,
     )
 
 
@@ -124,8 +129,12 @@ def test_bad_entry_in_the_models_loss_mask_gives_nan_too() -> None:
     loss_mask = torch.ones(B, S)
     loss_mask[2, 3] = NAN
     batch = dataclasses.replace(d["batch"], mask=None)
-    with pytest.raises(ContractError, match=r"^loss_mask: expected finite values >= 0, got 1 values"):
-        policy_loss(PolicyLossConfig.gspo())(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask))
+    with pytest.raises(
+        ContractError, match=r"^loss_mask: expected finite values >= 0, got 1 values"
+    ):
+        policy_loss(PolicyLossConfig.gspo())(
+            _ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask)
+        )
     out = policy_loss(PolicyLossConfig.gspo())(
         _ctx(d["h"], d["w"], d["labels"], batch, loss_mask=loss_mask, check_values=False)
     )
@@ -141,7 +150,9 @@ def test_exactly_zero_mask_is_still_zero_with_zero_gradient() -> None:
     batch = dataclasses.replace(d["batch"], mask=torch.zeros(B, S), advantages=adv)
     for agg in AGGREGATIONS:
         h = d["h"].clone().requires_grad_()
-        out = policy_loss(PolicyLossConfig(aggregation=agg, kl_coef=0.1))(_ctx(h, d["w"], d["labels"], batch))
+        out = policy_loss(PolicyLossConfig(aggregation=agg, kl_coef=0.1))(
+            _ctx(h, d["w"], d["labels"], batch)
+        )
         out["loss"].backward()
         assert float(out["loss"].detach()) == 0.0
         assert torch.equal(h.grad, torch.zeros_like(h))
@@ -152,7 +163,9 @@ def test_exactly_zero_mask_is_still_zero_with_zero_gradient() -> None:
 def test_non_finite_or_non_positive_global_count_raises(field: str, value: Any) -> None:
     d = _data()
     batch = dataclasses.replace(d["batch"], **{field: value})
-    with pytest.raises(ContractError, match=rf"^context\.{field}: expected a finite number > 0") as err:
+    with pytest.raises(
+        ContractError, match=rf"^context\.{field}: expected a finite number > 0"
+    ) as err:
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], batch))
     assert err.value.field == f"context.{field}"
 
@@ -182,8 +195,12 @@ def test_a_count_the_aggregation_never_reads_is_refused(aggregation: str, field:
     give the local mean silently."""
     d = _data()
     batch = dataclasses.replace(d["batch"], **{field: 12.0})
-    with pytest.raises(ContractError, match=rf"^context\.{field}: expected None with aggregation") as err:
-        policy_loss(PolicyLossConfig(aggregation=aggregation))(_ctx(d["h"], d["w"], d["labels"], batch))
+    with pytest.raises(
+        ContractError, match=rf"^context\.{field}: expected None with aggregation"
+    ) as err:
+        policy_loss(PolicyLossConfig(aggregation=aggregation))(
+            _ctx(d["h"], d["w"], d["labels"], batch)
+        )
     assert err.value.actual == "12.0"
     segments = torch.arange(2)[:, None].expand(2, 3)
     with pytest.raises(ContractError, match=rf"^{field}: expected None with aggregation"):
@@ -195,7 +212,9 @@ def test_aggregation_weights_bad_mask_raises_and_counts_are_checked() -> None:
     for bad in (NAN, INF, -1.0):
         mask = torch.tensor([[1.0, bad, 0.0], [1.0, 1.0, 0.0]])
         for how in AGGREGATIONS:
-            with pytest.raises(ContractError, match=r"^mask: expected finite values >= 0, got 1 values"):
+            with pytest.raises(
+                ContractError, match=r"^mask: expected finite values >= 0, got 1 values"
+            ):
                 aggregation_weights(mask, segments, 2, how)
     w = aggregation_weights(torch.zeros(2, 3), segments, 2, "token-mean")
     assert torch.equal(w, torch.zeros(2, 3))
@@ -241,7 +260,9 @@ def test_every_config_number_is_finite_and_in_range(kwargs: dict[str, Any], fiel
 def test_config_takes_numpy_numbers_as_floats() -> None:
     import numpy as np
 
-    cfg = PolicyLossConfig(clip_low=np.float64(0.1), kl_coef=np.float32(0.5), entropy_coef=np.int64(0))
+    cfg = PolicyLossConfig(
+        clip_low=np.float64(0.1), kl_coef=np.float32(0.5), entropy_coef=np.int64(0)
+    )
     assert (cfg.clip_low, cfg.kl_coef, cfg.entropy_coef) == (0.1, 0.5, 0.0)
     assert all(type(x) is float for x in (cfg.clip_low, cfg.kl_coef, cfg.entropy_coef))
 
@@ -253,7 +274,9 @@ def test_temperature_takes_numpy_numbers_like_the_config() -> None:
     h, w, y = d["h"].reshape(-1, H), d["w"], d["labels"].T.reshape(-1)
     want = linear_logprobs(h, w, y, options=LinearOptions(temperature=0.5)).logprobs
     for t in (np.float32(0.5), np.float64(0.5)):
-        assert torch.equal(linear_logprobs(h, w, y, options=LinearOptions(temperature=t)).logprobs, want)
+        assert torch.equal(
+            linear_logprobs(h, w, y, options=LinearOptions(temperature=t)).logprobs, want
+        )
         selected_logprobs(temperature=t)  # accepted where the factory checks it
     with pytest.raises(ContractError, match=r"^temperature: expected a finite number > 0"):
         linear_logprobs(h, w, y, options=LinearOptions(temperature=np.float32("nan")))
@@ -262,7 +285,9 @@ def test_temperature_takes_numpy_numbers_like_the_config() -> None:
 @pytest.mark.parametrize("collectives", [object(), "tp", 2])
 def test_collectives_that_are_not_collectives_are_named(collectives: Any) -> None:
     d = _data()
-    with pytest.raises(ContractError, match=r"^collectives: expected None or a hookspec.Collectives") as err:
+    with pytest.raises(
+        ContractError, match=r"^collectives: expected None or a hookspec.Collectives"
+    ) as err:
         linear_logprobs(
             d["h"].reshape(-1, H),
             d["w"],
@@ -289,7 +314,9 @@ def test_collectives_that_are_not_collectives_are_named(collectives: Any) -> Non
         (policy_loss, {"tile_rows": NAN}, "tile_rows"),
         (distillation_loss, {"tile_rows": 1.5}, "tile_rows"),
     ],
-    ids=lambda v: getattr(v, "__name__", None) or repr(v),  # no address: the same ids in every process
+    ids=lambda v: (
+        getattr(v, "__name__", None) or repr(v)
+    ),  # no address: the same ids in every process
 )
 def test_processor_options_are_checked_when_the_processor_is_made(
     factory: Any, kwargs: dict[str, Any], field: str
@@ -312,7 +339,9 @@ def test_kl_penalty_checks_its_estimator_and_clamp() -> None:
 def test_mup_output_multiplier_read_from_the_config_is_checked(mult: float) -> None:
     d = _data()
     config = types.SimpleNamespace(use_mup=True, mup_output_mult=mult)
-    with pytest.raises(ContractError, match=r"^config\.mup_output_mult: expected a finite number > 0"):
+    with pytest.raises(
+        ContractError, match=r"^config\.mup_output_mult: expected a finite number > 0"
+    ):
         selected_logprobs()(_ctx(d["h"], d["w"], d["labels"], config=config))
 
 
@@ -364,7 +393,9 @@ def test_cross_entropy_refuses_a_context_temperature(name: str, form: str) -> No
     context: Any = {name: 0.5}
     if form == "PolicyBatch":
         context = dataclasses.replace(d["batch"], **{name: 0.5})
-    with pytest.raises(ContractError, match=rf"^context\.{name}: expected none: cross_entropy_loss\(\)"):
+    with pytest.raises(
+        ContractError, match=rf"^context\.{name}: expected none: cross_entropy_loss\(\)"
+    ):
         cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], context))
     cross_entropy_loss()(_ctx(d["h"], d["w"], d["labels"], {name: None}))
     with pytest.raises(ContractError, match=r"^context\.temperature"):
@@ -375,7 +406,8 @@ def test_policy_batch_given_as_a_mapping_is_refused_with_the_fix() -> None:
     d = _data()
     as_dict = dataclasses.asdict(d["batch"])
     with pytest.raises(
-        ContractError, match=r"^context: expected a torch_impl\.processors\.PolicyBatch.*PolicyBatch\(\*\*"
+        ContractError,
+        match=r"^context: expected a torch_impl\.processors\.PolicyBatch.*PolicyBatch\(\*\*",
     ):
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], as_dict))
 
@@ -406,7 +438,9 @@ def test_direct_call_with_a_weight_that_is_not_the_vocab_shard_raises() -> None:
 def test_direct_call_with_a_broadcastable_loss_mask_raises() -> None:
     d = _data()
     batch = dataclasses.replace(d["batch"], mask=None)
-    with pytest.raises(ContractError, match=r"^loss_mask: expected shape \[b=3, s=9\], got \[1, 9\]"):
+    with pytest.raises(
+        ContractError, match=r"^loss_mask: expected shape \[b=3, s=9\], got \[1, 9\]"
+    ):
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], batch, loss_mask=torch.ones(1, S)))
 
 
@@ -420,7 +454,9 @@ CLEAN_CONFIGS = {
 }
 
 
-def _run(cfg: PolicyLossConfig, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any) -> Any:
+def _run(
+    cfg: PolicyLossConfig, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, batch: Any
+) -> Any:
     h = h.clone().requires_grad_()
     w = w.clone().requires_grad_()
     out = policy_loss(cfg)(_ctx(h, w, labels, batch))
@@ -528,9 +564,18 @@ def test_inf_in_the_weight_is_as_documented() -> None:
         ),
         (([[1.0]], torch.zeros(1, 1, dtype=torch.long), 1), "mask", "list"),
     ],
-    ids=["count-negative", "count-float", "segments-float", "segments-shape", "segments-range", "mask-list"],
+    ids=[
+        "count-negative",
+        "count-float",
+        "segments-float",
+        "segments-shape",
+        "segments-range",
+        "mask-list",
+    ],
 )
-def test_aggregation_weights_checks_its_inputs(args: tuple[Any, ...], field: str, actual: str) -> None:
+def test_aggregation_weights_checks_its_inputs(
+    args: tuple[Any, ...], field: str, actual: str
+) -> None:
     with pytest.raises(ContractError, match=rf"^{field}: expected ") as err:
         aggregation_weights(*args, "seq-mean-token-mean")
     assert actual in str(err.value.actual)

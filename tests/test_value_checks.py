@@ -39,7 +39,9 @@ from torch_impl.value_checks import (
 def test_cpu_is_immediate_and_names_the_values() -> None:
     check_labels_deferred(torch.tensor([0, 4, -100]), 5, ignore_index=-100)
     with pytest.raises(ContractError) as err:
-        check_labels_deferred(torch.tensor([0, 7, -3, -100, 9]), 5, ignore_index=-100, field="labels")
+        check_labels_deferred(
+            torch.tensor([0, 7, -3, -100, 9]), 5, ignore_index=-100, field="labels"
+        )
     text = str(err.value)
     assert "labels" in text and "[0, 5)" in text and "3 ids outside it, in [-3, 9]" in text
     assert pending_checks() == 0
@@ -91,9 +93,15 @@ def test_cuda_graph_capture_carries_the_check() -> None:
 def test_cpu_positive_check_counts_nan_and_names_the_field() -> None:
     check_positive_deferred(torch.tensor([0.5, 2.0]), field="temperature")
     with pytest.raises(ContractError) as err:
-        check_positive_deferred(torch.tensor([0.5, -1.0, float("nan"), 0.0]), field="context.temperature")
+        check_positive_deferred(
+            torch.tensor([0.5, -1.0, float("nan"), 0.0]), field="context.temperature"
+        )
     text = str(err.value)
-    assert "context.temperature" in text and "finite values > 0" in text and "3 values outside it" in text
+    assert (
+        "context.temperature" in text
+        and "finite values > 0" in text
+        and "3 values outside it" in text
+    )
 
 
 @pytest.mark.parametrize(
@@ -250,7 +258,9 @@ def test_cuda_forward_with_a_processor_makes_no_host_sync_in_our_code() -> None:
 
     with megatron_parallel():
         model = torch_impl.enable_output_processor(build_tiny_gpt().cuda())
-        batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch().items()}
+        batch = {
+            k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in tiny_batch().items()
+        }
         kw = {"labels": batch["labels"], "output_processor": selected_logprobs(entropy=True)}
         model(*model_inputs(batch), **kw)  # warm-up: compilation, allocator
         raise_pending_errors(wait=True)
@@ -318,7 +328,9 @@ def test_a_call_never_raises_for_its_own_values_even_when_its_copy_lands_at_once
             with value_checks.checked_call():  # nested: only the outermost entry reads
                 check_positive_deferred(torch.tensor([1.0]), field="t")
         assert pending_checks() == 3
-        with pytest.raises(ContractError, match=r"1 ids outside it, in \[7, 7\] \(found by the deferred"):
+        with pytest.raises(
+            ContractError, match=r"1 ids outside it, in \[7, 7\] \(found by the deferred"
+        ):
             with value_checks.checked_call():
                 pytest.fail("the entry raises before the body runs")
         assert pending_checks() == 2  # read once, oldest first; the good ones stay until read
@@ -358,6 +370,8 @@ def test_linear_logprobs_with_a_landed_bad_temperature_returns_then_the_next_cal
     with deferred_checks(at_once=True):
         out = linear_logprobs(h, w, labels, options=LinearOptions(temperature=bad_t))
         assert out.logprobs.shape == (4,)
-        with pytest.raises(ContractError, match="found by the deferred check of an earlier call") as err:
+        with pytest.raises(
+            ContractError, match="found by the deferred check of an earlier call"
+        ) as err:
             linear_logprobs(h, w, labels)
         assert "temperature" in err.value.field

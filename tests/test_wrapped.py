@@ -73,7 +73,9 @@ def test_language_model_attribute_is_unwrapped() -> None:
     gpt = build_tiny_gpt()
     wrapped = TinyMultimodal(gpt)
     assert torch_impl.enable_output_processor(wrapped) is wrapped
-    assert torch_impl.unwrap_model(wrapped) is gpt and torch_impl.is_output_processor_enabled(wrapped)
+    assert torch_impl.unwrap_model(wrapped) is gpt and torch_impl.is_output_processor_enabled(
+        wrapped
+    )
     got = _run(wrapped, batch, processor)
     _assert_equal(got, want)
     _assert_equal(_gpt_grads(gpt), _gpt_grads(reference))
@@ -112,7 +114,9 @@ def test_megatron_ddp_around_float16module_around_the_wrapper() -> None:
     gpt = build_tiny_gpt(bf16=True)
     with cpu_schedule():  # the grad buffers are allocated on torch.cuda.current_device()
         ddp = DistributedDataParallel(
-            gpt.config, DistributedDataParallelConfig(), Float16Module(gpt.config, TinyMultimodal(gpt))
+            gpt.config,
+            DistributedDataParallelConfig(),
+            Float16Module(gpt.config, TinyMultimodal(gpt)),
         )
     assert torch_impl.enable_output_processor(ddp) is ddp
     assert torch_impl.unwrap_model(ddp) is gpt

@@ -63,7 +63,9 @@ class OutputHookAdapter:
     _hookspec_original_class: type[Any]
     _hookspec_native: bool
     _hookspec_native_mtp: bool  # forward takes mtp_output_processor (upstream/ patch series)
-    _hookspec_postprocess_signature: inspect.Signature | None  # None on a HybridModel (no _postprocess)
+    _hookspec_postprocess_signature: (
+        inspect.Signature | None
+    )  # None on a HybridModel (no _postprocess)
 
     def forward(
         self,
@@ -74,8 +76,14 @@ class OutputHookAdapter:
         **kwargs: Any,
     ) -> Any:
         native = self._hookspec_native
-        if mtp_processor is None and has_mtp_layers(self) and options_of(self).mtp.rolls_or_scales_itself:  # type: ignore[arg-type]
-            mtp_processor = default_mtp_loss  # these MTP options act where the adapter computes the losses
+        if (
+            mtp_processor is None
+            and has_mtp_layers(self)
+            and options_of(self).mtp.rolls_or_scales_itself
+        ):  # type: ignore[arg-type]
+            mtp_processor = (
+                default_mtp_loss  # these MTP options act where the adapter computes the losses
+            )
         if output_processor is None and mtp_processor is None:
             if native:
                 kwargs["output_processor_context"] = output_processor_context
@@ -89,7 +97,10 @@ class OutputHookAdapter:
         )
         if native and mtp_processor is None:
             return super().forward(  # type: ignore[misc]
-                *args, output_processor=call, output_processor_context=output_processor_context, **kwargs
+                *args,
+                output_processor=call,
+                output_processor_context=output_processor_context,
+                **kwargs,
             )
         if native and native_mtp_applies(self):  # type: ignore[arg-type]
             return super().forward(  # type: ignore[misc]
@@ -101,7 +112,9 @@ class OutputHookAdapter:
             )
         return self._hookspec_run(args, kwargs, call)
 
-    def _hookspec_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: ForwardCall) -> Any:
+    def _hookspec_run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], call: ForwardCall
+    ) -> Any:
         """The model's own ``forward``; its ``_postprocess`` (below) finds the call."""
         with call.stashed():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -135,7 +148,8 @@ def adapted_class(cls: type[Any], mixin: type[OutputHookAdapter] = OutputHookAda
                 "__doc__": cls.__doc__,
                 "_hookspec_original_class": cls,
                 "_hookspec_native": forward_has_native_hook(cls),
-                "_hookspec_native_mtp": "mtp_output_processor" in inspect.signature(cls.forward).parameters,
+                "_hookspec_native_mtp": "mtp_output_processor"
+                in inspect.signature(cls.forward).parameters,
                 # Read once per class: inspect.signature costs ~50 us a call.
                 "_hookspec_postprocess_signature": (
                     inspect.signature(cls._postprocess) if hasattr(cls, "_postprocess") else None
@@ -161,7 +175,9 @@ def native_mtp_applies(model: Any) -> bool:
     """True when the adapted model's own ``forward`` takes ``mtp_output_processor``
     and its MTP options leave the MTP losses to Megatron (``per_token_normalization``
     ``"rolled"`` and ``cp_group_from_packed`` need the adapter's own MTP loop)."""
-    return bool(type(model)._hookspec_native_mtp) and not options_of(model).mtp.rolls_or_scales_itself
+    return (
+        bool(type(model)._hookspec_native_mtp) and not options_of(model).mtp.rolls_or_scales_itself
+    )
 
 
 def set_options(model: torch.nn.Module, options: HookOptions | None) -> None:

@@ -130,7 +130,9 @@ class HookOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mtp, MTPOptions):
-            raise ContractError("mtp", expected="a torch_impl.mtp.MTPOptions", actual=type(self.mtp).__name__)
+            raise ContractError(
+                "mtp", expected="a torch_impl.mtp.MTPOptions", actual=type(self.mtp).__name__
+            )
         # checked where they enter (enable_output_processor), not at the first forward
         # the label that selects no token (Megatron's is -100); it meets int64 label tensors
         object.__setattr__(self, "ignore_index", check_int64("ignore_index", self.ignore_index))
@@ -158,7 +160,9 @@ def default_output(
     Mirrors the tail of ``GPTModel._postprocess`` (megatron-core 0.16.1 and
     0.19.2, training path), pinned by ``tests/test_upstream_mirror.py``.
     """
-    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    logits, _ = output_layer(
+        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+    )
     logits = scale_logits(logits)
     if labels is None:
         return logits.transpose(0, 1).contiguous()
@@ -301,7 +305,9 @@ class ForwardCall:
         return self.main(hook_kwargs)
 
     @checked_call()
-    def mtp(self, hook_kwargs: Mapping[str, Any], depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mtp(
+        self, hook_kwargs: Mapping[str, Any], depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MTP processor's ``(loss [b, s], accepted [b, s] or None)`` at depth ``depth`` >= 1."""
         ctx = self.context(hook_kwargs, depth)
         result = self.mtp_processor(ctx)

@@ -138,7 +138,9 @@ class InstalledMegatron:
         if self.hybrid_model and not self.hybrid_native_hook:
             found.append("`HybridModel` has no hook (adapter adds one)")
         if self.schedule_plan != "no" and self.plan_mtp_overwrites_ids:
-            found.append("MTP in the plan hands the hook rolled `input_ids` (adapter restores them)")
+            found.append(
+                "MTP in the plan hands the hook rolled `input_ids` (adapter restores them)"
+            )
         return tuple(found)
 
 
@@ -261,7 +263,9 @@ def _plan_mtp_overwrites_ids() -> bool:
             continue
         module = importlib.import_module(name)
         for _, function in inspect.getmembers(module, inspect.isfunction):
-            if function.__module__ == name and _assigns_attribute(function, "chunk_state", "input_ids"):
+            if function.__module__ == name and _assigns_attribute(
+                function, "chunk_state", "input_ids"
+            ):
                 return True
     return False
 
@@ -300,7 +304,11 @@ def _plan_dense_step_applies_final_norm() -> bool:
         for node in ast.walk(nested[name]):
             if isinstance(node, ast.Attribute) and node.attr == "final_layernorm":
                 return True
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and reads_norm(node.func.id):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and reads_norm(node.func.id)
+            ):
                 return True
         return False
 
@@ -385,7 +393,9 @@ def check_mtp_processor(mtp_processor: Any) -> None:
             "mtp_processor",
             expected="None on this Megatron Core",
             actual=getattr(
-                mtp_processor, "name", getattr(mtp_processor, "__name__", type(mtp_processor).__name__)
+                mtp_processor,
+                "name",
+                getattr(mtp_processor, "__name__", type(mtp_processor).__name__),
             ),
             hint="its MultiTokenPredictionBlock.forward computes the MTP losses itself "
             "(it takes compute_language_model_loss); a per-depth MTP processor needs "

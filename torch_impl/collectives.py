@@ -83,7 +83,9 @@ class TorchCollectives:
         _check_group("group", group)
         _check_group("cp_group", cp_group)
         if not isinstance(sequence_parallel, bool):
-            raise ContractError("sequence_parallel", expected="a bool", actual=repr(sequence_parallel))
+            raise ContractError(
+                "sequence_parallel", expected="a bool", actual=repr(sequence_parallel)
+            )
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.size = torch.distributed.get_world_size(group) if group is not None else 1
@@ -109,7 +111,9 @@ class TorchCollectives:
         if self.size == 1:
             return x
         if self.sequence_parallel:
-            full = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=self.group)
+            full = gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=True, group=self.group
+            )
         else:
             full = copy_to_tensor_model_parallel_region(x, group=self.group)
         return _ContiguousGrad.apply(full)

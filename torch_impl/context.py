@@ -68,7 +68,9 @@ class _StaticParts(NamedTuple):
     by_cp_group: dict[Any, tuple[ParallelLayout, TorchCollectives]]
 
 
-_STATIC_PARTS: weakref.WeakKeyDictionary[torch.nn.Module, _StaticParts] = weakref.WeakKeyDictionary()
+_STATIC_PARTS: weakref.WeakKeyDictionary[torch.nn.Module, _StaticParts] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _static_parts(model: torch.nn.Module, vocab_weight: torch.Tensor | None) -> _StaticParts:
@@ -119,7 +121,9 @@ def _micro_batch_parts(
         size, rank = _size_rank(group)
         layout = dataclasses.replace(parts.layout, cp_size=size, cp_rank=rank)
         tp = parts.collectives
-        collectives = TorchCollectives(tp.group, sequence_parallel=tp.sequence_parallel, cp_group=group)
+        collectives = TorchCollectives(
+            tp.group, sequence_parallel=tp.sequence_parallel, cp_group=group
+        )
         parts.by_cp_group[group] = cached = (layout, collectives)
     return cached
 
@@ -143,7 +147,9 @@ def build_output_context(
     """
     output_weight = hook_kwargs.get("output_weight")
     output_layer = hook_kwargs.get("output_layer")
-    vocab_weight = output_weight if output_weight is not None else getattr(output_layer, "weight", None)
+    vocab_weight = (
+        output_weight if output_weight is not None else getattr(output_layer, "weight", None)
+    )
     parts = _static_parts(model, vocab_weight)
     layout, collectives = _micro_batch_parts(parts, hook_kwargs.get("packed_seq_params"))
     fields: dict[str, Any] = {k: hook_kwargs.get(k) for k in UPSTREAM_HOOK_KEYWORDS}

@@ -199,11 +199,10 @@ def adapter_path(facts: InstalledMegatron) -> str:
     if facts.native_hook:
         main = "native hook: the adapter hands Megatron's `output_processor=` a bridge to the typed context"
     else:
-        main = (
-            "no native hook: the adapter's own `_postprocess` runs the processor in place of the output layer"
-        )
+        main = "no native hook: the adapter's own `_postprocess` runs the processor in place of the output layer"
     return (
-        main + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "
+        main
+        + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "
         "own `_postprocess` on every release"
     )
 
@@ -237,11 +236,15 @@ def _stock_loss(ctx: Any) -> torch.Tensor:
     return ctx.compute_language_model_loss(ctx.labels, ctx.scale_logits(logits))
 
 
-def _run(model: Any, batch: dict[str, Any], **kw: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(
+    model: Any, batch: dict[str, Any], **kw: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(batch["input_ids"], batch["position_ids"], None, **kw)
     out.float().sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def _same(
@@ -276,7 +279,9 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
     def without_processor() -> None:
         for tied in (False, True):
             want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch, **kw)
-            model = enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=tied))
+            model = enable_output_processor(
+                build_tiny_gpt(share_embeddings_and_output_weights=tied)
+            )
             _same(_run(model, batch, **kw), want, f"tied={tied}")
             logits_want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch)
             _same(_run(model, batch), logits_want, f"tied={tied}, logits")
@@ -285,7 +290,9 @@ def _gpt_checks() -> Iterator[tuple[str, Callable[[], None]]]:
         def check() -> None:
             for tied in (False, True):
                 want = _run(build_tiny_gpt(share_embeddings_and_output_weights=tied), batch, **kw)
-                model = enable_output_processor(build_tiny_gpt(share_embeddings_and_output_weights=tied))
+                model = enable_output_processor(
+                    build_tiny_gpt(share_embeddings_and_output_weights=tied)
+                )
                 _same(_run(model, batch, **kw, output_processor=processor), want, f"tied={tied}")
 
         return check
@@ -518,9 +525,13 @@ def _run_checks(checks: Iterable[tuple[str, Callable[[], None]]]) -> list[CheckR
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_impl.doctor", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_impl.doctor", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
-        "--facts-row", action="store_true", help="print only the release-table row of docs/releases.md"
+        "--facts-row",
+        action="store_true",
+        help="print only the release-table row of docs/releases.md",
     )
     parser.add_argument("--no-checks", action="store_true", help="print the facts, run no checks")
     try:
@@ -563,7 +574,9 @@ def _main(args: argparse.Namespace) -> int:
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
     print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
     if counts["fail"] and python is None:
-        print("this release is outside the matrix: the failed checks above are what does not hold here")
+        print(
+            "this release is outside the matrix: the failed checks above are what does not hold here"
+        )
     return 1 if counts["fail"] else 0
 
 

@@ -114,7 +114,11 @@ def is_output_processor_enabled(model: torch.nn.Module) -> bool:
 
 
 def enable_output_processor(
-    model: M, *, ignore_index: int = IGNORE_INDEX, check_values: bool = True, mtp: MTPOptions | None = None
+    model: M,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    check_values: bool = True,
+    mtp: MTPOptions | None = None,
 ) -> M:
     """Give ``model`` keyword-only ``output_processor=`` and ``output_processor_context=``.
 
@@ -148,7 +152,9 @@ def enable_output_processor(
     if isinstance(ignore_index, int) and not isinstance(ignore_index, bool):
         check_int64("ignore_index", ignore_index)  # compared with int64 labels in the forward
     options = HookOptions(
-        ignore_index=ignore_index, check_values=check_values, mtp=MTPOptions() if mtp is None else mtp
+        ignore_index=ignore_index,
+        check_values=check_values,
+        mtp=MTPOptions() if mtp is None else mtp,
     )
     if not isinstance(inner, OutputHookAdapter):
         cls = type(inner)

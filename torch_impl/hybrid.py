@@ -29,7 +29,9 @@ __all__ = ["HybridOutputHookAdapter"]
 class HybridOutputHookAdapter(OutputHookAdapter):
     """Mixed in before ``HybridModel`` by ``enable_output_processor``."""
 
-    def _hookspec_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: ForwardCall) -> Any:
+    def _hookspec_run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], call: ForwardCall
+    ) -> Any:
         """``HybridModel.forward`` (0.19.2) as an inner stage, then the hook.
 
         Its inputs reach the hook as ``GPTModel._postprocess``'s do, with

@@ -94,7 +94,10 @@ class MTPSemantics:
 def has_mtp_layers(model: Any) -> bool:
     """True for a model built with multi-token prediction (``config.mtp_num_layers``
     and an MTP block), the condition of ``GPTModel._postprocess``'s MTP branch."""
-    return bool(getattr(model.config, "mtp_num_layers", None)) and getattr(model, "mtp", None) is not None
+    return (
+        bool(getattr(model.config, "mtp_num_layers", None))
+        and getattr(model, "mtp", None) is not None
+    )
 
 
 @functools.cache
@@ -124,7 +127,9 @@ def _top1_accepted(ctx: OutputContext, logits: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         gathered = ctx.runtime_gather_output
         sharded = (
-            (not gathered) if gathered is not None else not getattr(ctx.output_layer, "gather_output", False)
+            (not gathered)
+            if gathered is not None
+            else not getattr(ctx.output_layer, "gather_output", False)
         )
         if sharded and ctx.parallel.tp_size > 1 and ctx.vocab is not None:
             local_max, local_arg = logits.max(dim=-1)  # [s, b]
@@ -323,7 +328,9 @@ def adapt_mtp_layers(model: Any, options: MTPOptions | None) -> None:
                         {
                             "__module__": __name__,
                             "_hookspec_mtp_original_class": cls,
-                            "_hookspec_mtp_embeddings_signature": inspect.signature(cls._get_embeddings),
+                            "_hookspec_mtp_embeddings_signature": inspect.signature(
+                                cls._get_embeddings
+                            ),
                         },
                     )
                     _ADAPTED_LAYERS[cls] = adapted
@@ -410,9 +417,13 @@ def attach_mtp_losses(
             _log(mtp_loss, num_tokens, accepted, loss_mask, layer, depths, avg_group, semantics)
         if config.calculate_per_token_loss and rolled_per_token:
             safe = num_tokens.clamp(min=1)
-            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss * (original_num_tokens / safe))
+            hidden = _mtp.MTPLossAutoScaler.apply(
+                hidden, scale * mtp_loss * (original_num_tokens / safe)
+            )
         elif semantics.clamped_counts and not config.calculate_per_token_loss:
-            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss / num_tokens.clamp(min=1))
+            hidden = _mtp.MTPLossAutoScaler.apply(
+                hidden, scale * mtp_loss / num_tokens.clamp(min=1)
+            )
         elif config.calculate_per_token_loss:
             hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
         else:
@@ -438,7 +449,9 @@ def _log(
     """
     helper = _mtp.MTPLossLoggingHelper
     if not semantics.logs_acceptance:
-        helper.save_loss_to_tracker(torch.sum(mtp_loss) / num_tokens, layer, depths, avg_group=avg_group)
+        helper.save_loss_to_tracker(
+            torch.sum(mtp_loss) / num_tokens, layer, depths, avg_group=avg_group
+        )
         return
     value = (torch.sum(mtp_loss) * (num_tokens > 0).to(mtp_loss.dtype)) / num_tokens.clamp(min=1)
     with torch.no_grad():

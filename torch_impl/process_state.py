@@ -205,7 +205,9 @@ def megatron_parallel(
     world_size = world_size or tp * pp * cp
     made_group = not torch.distributed.is_initialized()
     if made_group:
-        if world_size == 1 and port is None:  # one process meets no one: no port to find or to collide on
+        if (
+            world_size == 1 and port is None
+        ):  # one process meets no one: no port to find or to collide on
             torch.distributed.init_process_group(
                 backend, store=torch.distributed.HashStore(), rank=0, world_size=1
             )
@@ -341,7 +343,9 @@ class _DropRecords(logging.Filter):
 def known_noise_silenced() -> Iterator[None]:
     """Silence :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_RECORDS` inside; the
     warning filters and loggers are as they were afterwards."""
-    filters = [(logging.getLogger(name), _DropRecords(prefix)) for name, prefix in KNOWN_LOG_RECORDS]
+    filters = [
+        (logging.getLogger(name), _DropRecords(prefix)) for name, prefix in KNOWN_LOG_RECORDS
+    ]
     with warnings.catch_warnings():
         for message, category in KNOWN_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)

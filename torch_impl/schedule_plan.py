@@ -93,7 +93,9 @@ class PlanOutputs:
                 hint="Return (plan, torch_impl.plan_loss_func(plan, loss_func)) from forward_step_func: "
                 "the mapping then crosses the schedule packed and reaches loss_func whole",
             )
-        packed = tuple(k for k, v in result.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+        packed = tuple(
+            k for k, v in result.items() if isinstance(v, torch.Tensor) and v.requires_grad
+        )
         if not packed and torch.is_grad_enabled():
             raise ContractError(
                 "schedule plan output",
@@ -111,7 +113,9 @@ class PlanOutputs:
             return tensors[0] if len(tensors) == 1 else tensors
         if len(tensors) != len(self.packed):
             raise ContractError(
-                "schedule plan loss inputs", expected=f"{len(self.packed)} tensors", actual=len(tensors)
+                "schedule plan loss inputs",
+                expected=f"{len(self.packed)} tensors",
+                actual=len(tensors),
             )
         values = dict(self.carried)
         values.update(zip(self.packed, tensors))
@@ -150,7 +154,9 @@ class _HookPostProcessNode:
             state.input_ids, state.position_ids = rolled
         return hook.outputs.pack(result)
 
-    def _hookspec_backward(self, outputs: tuple[torch.Tensor, ...], output_grad: tuple[Any, ...]) -> Any:
+    def _hookspec_backward(
+        self, outputs: tuple[torch.Tensor, ...], output_grad: tuple[Any, ...]
+    ) -> Any:
         """The stock backward, with zeros for packed values the loss did not use
         (the loss node hands back ``None`` for them; autograd needs a tensor)."""
         grads = tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outputs, output_grad))
@@ -178,7 +184,9 @@ def attach_plan_hook(node: Any, hook: _PlanHook) -> None:
     if not issubclass(cls, _HookPostProcessNode):
         adapted = _NODE_CLASSES.get(cls)
         if adapted is None:
-            adapted = type(f"OutputHook{cls.__name__}", (_HookPostProcessNode, cls), {"__module__": __name__})
+            adapted = type(
+                f"OutputHook{cls.__name__}", (_HookPostProcessNode, cls), {"__module__": __name__}
+            )
             _NODE_CLASSES[cls] = adapted
         node.__class__ = adapted
     node.__dict__["_hookspec_plan"] = hook
@@ -220,7 +228,9 @@ def build_schedule_plan(
             kwargs["output_processor_context"] = output_processor_context
         plan = inner.build_schedule_plan(*args, **kwargs)  # type: ignore[operator]
     else:
-        arguments = inspect.signature(original.build_schedule_plan).bind(inner, *args, **kwargs).arguments
+        arguments = (
+            inspect.signature(original.build_schedule_plan).bind(inner, *args, **kwargs).arguments
+        )
         native_kwargs, hook = prepare_plan_hook(
             inner,
             arguments,
@@ -258,9 +268,16 @@ def prepare_plan_hook(
     native_kwargs: dict[str, Any] = {}
     stash: ForwardCall | None = call
     if uses_native_hook(model) and mtp_processor is None:
-        native_kwargs = {"output_processor": call, "output_processor_context": output_processor_context}
+        native_kwargs = {
+            "output_processor": call,
+            "output_processor_context": output_processor_context,
+        }
         stash = None
-    elif uses_native_hook(model) and installed_megatron().plan_native_mtp_hook and native_mtp_applies(model):
+    elif (
+        uses_native_hook(model)
+        and installed_megatron().plan_native_mtp_hook
+        and native_mtp_applies(model)
+    ):
         native_kwargs = {
             "output_processor": None if output_processor is None else call,
             "output_processor_context": output_processor_context,

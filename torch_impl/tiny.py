@@ -192,9 +192,13 @@ def build_tiny_gpt(
     config = tiny_config(shape, **config_overrides)
     virtual = vp_stage is not None
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        )
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        )
     spec = cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec
 
     def build(config: TransformerConfig, pre: bool, post: bool, vp: int | None) -> GPTModel:
@@ -220,7 +224,10 @@ def build_tiny_gpt(
             # the unpipelined model's tensors instead.
             kept = {k: v for k, v in config_overrides.items() if k not in _STAGE_PLACEMENT}
             whole_config = tiny_config(
-                shape, **kept, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None
+                shape,
+                **kept,
+                pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None,
             )
             whole = build(whole_config, True, True, None).state_dict()
             model.load_state_dict(_stage_tensors(model, whole), strict=False)

@@ -39,7 +39,9 @@ def cpu_hybrid_stack_spec() -> ModuleSpec:
     attention = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm, self_attention=layer.self_attention, self_attn_bda=layer.self_attn_bda
+            input_layernorm=norm,
+            self_attention=layer.self_attention,
+            self_attn_bda=layer.self_attn_bda,
         ),
     )
     mlp = ModuleSpec(
@@ -64,7 +66,9 @@ def cpu_hybrid_stack_spec() -> ModuleSpec:
     return ModuleSpec(
         module=HybridStack,
         params={"post_layer_norm": False},
-        submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp, mtp_block_spec=mtp_block),
+        submodules=HybridStackSubmodules(
+            attention_layer=attention, mlp_layer=mlp, mtp_block_spec=mtp_block
+        ),
     )
 
 

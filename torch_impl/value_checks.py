@@ -116,7 +116,9 @@ def _error(
     field: str, expected: str, noun: str, count: int, lo: float, hi: float, *, late: bool
 ) -> ContractError:
     when = " (found by the deferred check of an earlier call)" if late else ""
-    return ContractError(field, expected=expected, actual=f"{count} {noun} outside it, in [{lo}, {hi}]{when}")
+    return ContractError(
+        field, expected=expected, actual=f"{count} {noun} outside it, in [{lo}, {hi}]{when}"
+    )
 
 
 def raise_pending_errors(*, wait: bool = False) -> None:
@@ -178,11 +180,15 @@ def refuse_meta(values: Any, *, field: str) -> None:
     computation) cannot read it. ``ContractError`` naming ``field``."""
     if isinstance(values, torch.Tensor) and values.device.type == "meta":
         raise ContractError(
-            field, expected="a tensor with values (on a CPU or an accelerator)", actual="a tensor on meta"
+            field,
+            expected="a tensor with values (on a CPU or an accelerator)",
+            actual="a tensor on meta",
         )
 
 
-def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
+def check_labels_deferred(
+    labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels"
+) -> None:
     """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
 
     Raises at once for a wrong type or dtype; outside a checked call, also for the bad
@@ -194,7 +200,9 @@ def check_labels_deferred(labels: Any, vocab_size: int, *, ignore_index: int, fi
         check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
         return
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
-        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)  # raises, naming the dtype
+        check_labels(
+            labels, vocab_size, ignore_index=ignore_index, field=field
+        )  # raises, naming the dtype
     if labels.numel() == 0:
         return
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
@@ -229,7 +237,11 @@ def check_indices_deferred(indices: torch.Tensor, size: int, *, field: str) -> N
 
 
 def check_finite_deferred(
-    values: torch.Tensor, *, field: str, nonnegative: bool = False, where: torch.Tensor | None = None
+    values: torch.Tensor,
+    *,
+    field: str,
+    nonnegative: bool = False,
+    where: torch.Tensor | None = None,
 ) -> None:
     """Every value of ``values`` finite (and ``>= 0`` with ``nonnegative``: a mask
     of weights), at the tokens where ``where`` is True (every token when ``None``;
@@ -249,7 +261,9 @@ def check_finite_deferred(
     _check(bad, v, field=field, expected=expected)
 
 
-def check_multiple_deferred(values: torch.Tensor, multiple: int, *, field: str, why: str = "") -> None:
+def check_multiple_deferred(
+    values: torch.Tensor, multiple: int, *, field: str, why: str = ""
+) -> None:
     """Every value of the integer tensor ``values`` a multiple of ``multiple`` (say,
     packed sequence boundaries under context parallel), without a host read on CUDA."""
     _entry()

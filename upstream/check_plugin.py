@@ -43,10 +43,15 @@ def _check_raises_without_te() -> bool:
 @pytest.fixture(autouse=True)
 def _inference_linears_without_transformer_engine(request: pytest.FixtureRequest) -> Iterator[None]:
     # 0006's own tests see the function as it is: they must fail where the fix is absent.
-    if request.node.path.name == "test_inference_layers_without_te.py" or not _check_raises_without_te():
+    if (
+        request.node.path.name == "test_inference_layers_without_te.py"
+        or not _check_raises_without_te()
+    ):
         yield
         return
     from megatron.core.transformer import multi_token_prediction
 
-    with mock.patch.object(multi_token_prediction, "is_inference_column_parallel_linear", return_value=False):
+    with mock.patch.object(
+        multi_token_prediction, "is_inference_column_parallel_linear", return_value=False
+    ):
         yield

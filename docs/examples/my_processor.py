@@ -34,7 +34,11 @@ def _temperature(ctx: hookspec.OutputContext) -> torch.Tensor:
     """The user context's temperature, or a ContractError naming what came instead."""
     user = ctx.context  # the caller's output_processor_context, None where there was none
     if not isinstance(user, Mapping) or "temperature" not in user:
-        got = f"a mapping with keys {sorted(user)}" if isinstance(user, Mapping) else type(user).__name__
+        got = (
+            f"a mapping with keys {sorted(user)}"
+            if isinstance(user, Mapping)
+            else type(user).__name__
+        )
         raise hookspec.ContractError(
             "context", expected="{'temperature': [b, s]} (output_processor_context=)", actual=got
         )

@@ -131,7 +131,9 @@ def run_example(*, num_microbatches: int = 4) -> ExampleRun:
     micro_batches = grpo_micro_batches(model, num_microbatches)
     with cpu_schedule():
         metrics = train_step(model, micro_batches)
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+    }
     state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
     return ExampleRun(micro_batches, list(metrics), grads, state)
 
@@ -144,7 +146,9 @@ def whole_batch(run: ExampleRun) -> WholeBatch:
     cat = {k: torch.cat([mb[k] for mb in run.micro_batches]) for k in run.micro_batches[0]}
     result = forward_step_func(iter([cat]), model)[0]
     result["loss"].backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+    }
     return WholeBatch(result["loss"].detach(), grads)
 
 

@@ -47,10 +47,14 @@ def resolve(spec: str, /, *, field: str = "processor") -> Any:
                 field,
                 expected=f"an importable module {module_name!r}",
                 actual=f"{type(exc).__name__}: {exc}".splitlines()[0],
-                hint=f"looked in the current directory {cwd} and on sys.path (PYTHONPATH)" if missing else "",
+                hint=f"looked in the current directory {cwd} and on sys.path (PYTHONPATH)"
+                if missing
+                else "",
             ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ContractError(field, expected=f"{spec!r} to exist", actual=f"no attribute {part!r}")
+            raise ContractError(
+                field, expected=f"{spec!r} to exist", actual=f"no attribute {part!r}"
+            )
         obj = getattr(obj, part)
     return obj

@@ -185,7 +185,9 @@ DISTILL_SPARSE_CONFIG = DistillConfig(
     divergence=DistillDivergence.JSD, beta=0.3, tail=TeacherTail.BUCKET, temperature=1.5
 )
 DISTILL_SPARSE = distillation_loss(DISTILL_SPARSE_CONFIG, tile_rows=3)
-DISTILL_RENORMALIZE_CONFIG = DistillConfig(aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN, temperature=1.5)
+DISTILL_RENORMALIZE_CONFIG = DistillConfig(
+    aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN, temperature=1.5
+)
 DISTILL_RENORMALIZE = distillation_loss(DISTILL_RENORMALIZE_CONFIG, tile_rows=3)
 DISTILL_DENSE_CONFIG = DistillConfig(divergence=DistillDivergence.REVERSE_KL, temperature=0.8)
 DISTILL_DENSE = distillation_loss(DISTILL_DENSE_CONFIG, tile_rows=3)
@@ -207,7 +209,10 @@ def distillation_by_rows(
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         teacher = ctx.context
         assert isinstance(teacher, (SparseTeacher, DenseTeacher))
-        hs, weight = typing.cast(torch.Tensor, ctx.hidden_states), typing.cast(torch.Tensor, ctx.vocab_weight)
+        hs, weight = (
+            typing.cast(torch.Tensor, ctx.hidden_states),
+            typing.cast(torch.Tensor, ctx.vocab_weight),
+        )
         b = int(hs.shape[1])
         s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
         labels = None if ctx.labels is None else _rows(typing.cast(torch.Tensor, ctx.labels))
@@ -244,7 +249,8 @@ def distillation_by_rows(
         return {
             "loss": res.loss,
             "kl": (torch.where(m > 0, res.kl, 0.0) * m).sum() / count,
-            "top1_agreement": (torch.where(m > 0, res.top1_agreement.to(m.dtype), 0.0) * m).sum() / count,
+            "top1_agreement": (torch.where(m > 0, res.top1_agreement.to(m.dtype), 0.0) * m).sum()
+            / count,
         }
 
     return processor(fn, name="linear_distillation_loss")

@@ -56,7 +56,10 @@ def _cross_entropy(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     ``[b, s]``, logits ``[s, b, V]`` -> unreduced loss ``[b, s]`` (float32)."""
     s, b, v = logits.shape
     flat = torch.nn.functional.cross_entropy(
-        logits.float().reshape(s * b, v), labels.t().reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
+        logits.float().reshape(s * b, v),
+        labels.t().reshape(-1),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
     )
     return flat.reshape(s, b).t()
 

@@ -109,7 +109,9 @@ def to_reference_tree(obj: Any, /, *, field: str = "context") -> Any:
             for f in dataclasses.fields(obj)
         }
         try:
-            return dataclasses.replace(obj, **{k: v for k, v in values.items() if k in _init_fields(obj)})
+            return dataclasses.replace(
+                obj, **{k: v for k, v in values.items() if k in _init_fields(obj)}
+            )
         except Exception:
             return types.SimpleNamespace(**values)
     if isinstance(obj, Mapping):
@@ -180,7 +182,9 @@ def _reference_outputs(out: Any, single: bool, name: str) -> dict[str, Any]:
         return dict(out)
     if single and hasattr(out, "shape"):
         return {SINGLE_OUTPUT: out}
-    actual = f"one array of shape {list(np.shape(out))}" if hasattr(out, "shape") else type(out).__name__
+    actual = (
+        f"one array of shape {list(np.shape(out))}" if hasattr(out, "shape") else type(out).__name__
+    )
     raise ContractError(
         f"reference {name!r} result",
         expected="a mapping of arrays, as the processor returns" if not single else "one array",
@@ -213,7 +217,13 @@ def compare(
         n = int((np.isfinite(a) & ~np.isfinite(e)).sum())
         who = f"the reference {reference!r}" if reference else "the reference"
         nans = int(np.isnan(e).sum())
-        kind = "NaN" if nans == int((~np.isfinite(e)).sum()) else "NaN or infinite" if nans else "infinite"
+        kind = (
+            "NaN"
+            if nans == int((~np.isfinite(e)).sum())
+            else "NaN or infinite"
+            if nans
+            else "infinite"
+        )
         return (
             max_abs,
             math.inf,
@@ -261,7 +271,9 @@ def _pullbacks(
         if key not in run.cotangents:
             continue
         cot = dict(zeros)
-        cot[key] = jnp.asarray(_np64(run.cotangents[key]), dtype=jnp.result_type(ref[key]))  # uncommitted
+        cot[key] = jnp.asarray(
+            _np64(run.cotangents[key]), dtype=jnp.result_type(ref[key])
+        )  # uncommitted
         dh, dw = pullback(cot[SINGLE_OUTPUT] if run.single else cot)
         found[key, "d/d hidden"] = dh
         found[key, "d/d weight"] = dw if weight_rows is None else dw[weight_rows]

@@ -58,7 +58,9 @@ class GPTCase:
         return "gpt-tied" if self.tied else "gpt"
 
 
-def build_case_model(*, dtype: str = "float32", tied: bool = False, seed: int = 1234) -> torch.nn.Module:
+def build_case_model(
+    *, dtype: str = "float32", tied: bool = False, seed: int = 1234
+) -> torch.nn.Module:
     """An enabled tiny GPT in ``dtype`` (call inside ``megatron_parallel``)."""
     from megatron.core.transformer.module import Float16Module
 
@@ -91,7 +93,11 @@ def run_gpt_case(case: GPTCase, proc: Any = None, make_context: Any = None) -> T
         make_context = resolve(case.make_context, field="make_context")
     model = build_case_model(dtype=case.dtype, tied=case.tied)
     return run_through_hook(
-        proc, model, case_batch(case.batch, case.seq), make_user_context=make_context, seed=case.seed
+        proc,
+        model,
+        case_batch(case.batch, case.seq),
+        make_user_context=make_context,
+        seed=case.seed,
     )
 
 
@@ -158,7 +164,8 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
         ),
         "final_logit_softcapping": getattr(ctx.config, "final_logit_softcapping", None),
         "run": {
-            k: _to_wire(getattr(run, k)) for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
+            k: _to_wire(getattr(run, k))
+            for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
         },
         "single": run.single,
     }
@@ -227,13 +234,17 @@ def run_tensor_parallel(
             try:
                 rank, status, payload = results.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
+                ]
                 if dead:
                     raise RuntimeError(
                         f"rank {dead[0]} of {tp} exited with code {procs[dead[0]].exitcode} before reporting"
                     ) from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel run timed out after {timeout_s:.0f} s") from None
+                    raise RuntimeError(
+                        f"tensor-parallel run timed out after {timeout_s:.0f} s"
+                    ) from None
                 continue
             if status == "contract":
                 field, expected, actual, hint = payload

@@ -126,7 +126,9 @@ def _example_ref(name: str) -> Callable[[], Any]:
 
 _B = "jax_ref.check.builtin_processors"
 BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
-    BuiltinCheck("selected_logprobs(entropy)", f"{_B}:LOGPROBS", _ref("selected_logprobs", entropy=True)),
+    BuiltinCheck(
+        "selected_logprobs(entropy)", f"{_B}:LOGPROBS", _ref("selected_logprobs", entropy=True)
+    ),
     BuiltinCheck(
         "selected_logprobs(T=0.7)",
         f"{_B}:LOGPROBS_T07",
@@ -140,7 +142,9 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     ),
     BuiltinCheck("cross_entropy_loss", f"{_B}:CROSS_ENTROPY", _ref("cross_entropy_loss")),
     BuiltinCheck(
-        "cross_entropy_loss(z_loss)", f"{_B}:CROSS_ENTROPY_Z_LOSS", _ref("cross_entropy_loss", z_loss=0.01)
+        "cross_entropy_loss(z_loss)",
+        f"{_B}:CROSS_ENTROPY_Z_LOSS",
+        _ref("cross_entropy_loss", z_loss=0.01),
     ),
     BuiltinCheck(
         "cross_entropy_loss(label_smoothing)",
@@ -158,13 +162,22 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         _capped_ref("cross_entropy_loss", z_loss=0.01),
     ),
     BuiltinCheck(
-        "policy_loss(ppo, fused)", f"{_B}:PPO", _policy_reference(f"{_B}:PPO_CONFIG"), f"{_B}:policy_context"
+        "policy_loss(ppo, fused)",
+        f"{_B}:PPO",
+        _policy_reference(f"{_B}:PPO_CONFIG"),
+        f"{_B}:policy_context",
     ),
     BuiltinCheck(
-        "policy_loss(grpo)", f"{_B}:GRPO", _policy_reference(f"{_B}:GRPO_CONFIG"), f"{_B}:policy_context"
+        "policy_loss(grpo)",
+        f"{_B}:GRPO",
+        _policy_reference(f"{_B}:GRPO_CONFIG"),
+        f"{_B}:policy_context",
     ),
     BuiltinCheck(
-        "policy_loss(gspo)", f"{_B}:GSPO", _policy_reference(f"{_B}:GSPO_CONFIG"), f"{_B}:gspo_context"
+        "policy_loss(gspo)",
+        f"{_B}:GSPO",
+        _policy_reference(f"{_B}:GSPO_CONFIG"),
+        f"{_B}:gspo_context",
     ),
     BuiltinCheck(
         "policy_loss(seq-mean-token-sum)",
@@ -296,7 +309,9 @@ def _parser() -> argparse.ArgumentParser:
         help="make_context(ctx) -> the user context (output_processor_context) the processor reads "
         "('-' for none); one per --processor, in order",
     )
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="dtypes to check (default: all three)")
+    p.add_argument(
+        "--dtype", action="append", choices=DTYPES, help="dtypes to check (default: all three)"
+    )
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks for the GPT case (gloo processes)"
     )
@@ -308,13 +323,22 @@ def _parser() -> argparse.ArgumentParser:
         + ", ".join(SYNTHETIC_KINDS)
         + "; random and masked only when asked; 'all': every kind)",
     )
-    p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic and adversarial cases")
-    p.add_argument("--full", action="store_true", help="print every compared array, not the summary")
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the cotangents and synthetic cases, in [0, 2**32 - 1]"
+        "--no-synthetic", action="store_true", help="skip the synthetic and adversarial cases"
+    )
+    p.add_argument(
+        "--full", action="store_true", help="print every compared array, not the summary"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the cotangents and synthetic cases, in [0, 2**32 - 1]",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
+    p.add_argument(
+        "--traceback", action="store_true", help="show the traceback of an unexpected error"
+    )
     return p
 
 
@@ -340,7 +364,11 @@ def _versions() -> str:
 
     from torch_impl import installed_megatron
 
-    hook = "native hook" if installed_megatron().native_hook else "no native hook: the adapter's own path"
+    hook = (
+        "native hook"
+        if installed_megatron().native_hook
+        else "no native hook: the adapter's own path"
+    )
     return (
         f"python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"megatron-core {megatron.core.__version__} ({hook}), "
@@ -384,7 +412,9 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
                     actual=type(make).__name__,
                 )
             jobs.append(
-                _job(proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec, ref_spec)
+                _job(
+                    proc_spec.rpartition(":")[2], proc, ref, make, proc_spec, context_spec, ref_spec
+                )
             )
         return jobs, []
     jobs, unavailable = [], []
@@ -399,7 +429,9 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
             unavailable.append(f"{check.name} ({check.processor}): {exc.actual}")
             continue
         jobs.append(
-            _job(check.name, proc, check.reference(), make, check.processor, check.make_context, None)
+            _job(
+                check.name, proc, check.reference(), make, check.processor, check.make_context, None
+            )
         )
     return jobs, unavailable
 
@@ -434,7 +466,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     dtypes = tuple(args.dtype or DTYPES)
     builtin = not args.processor
     kinds = _synthetic_kinds(args)
-    model_cases = [(d, False) for d in dtypes] + ([("float32", True)] if "float32" in dtypes else [])
+    model_cases = [(d, False) for d in dtypes] + (
+        [("float32", True)] if "float32" in dtypes else []
+    )
     if args.tp > 1:
         model_cases = [("float32", False)]
     progress.total = len(jobs) * (len(model_cases) + len(kinds))
@@ -465,7 +499,10 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 file=out,
             )
         if len(failures) > _MAX_FAILURE_LINES:
-            print(f"... and {len(failures) - _MAX_FAILURE_LINES} more (--full prints every row)", file=out)
+            print(
+                f"... and {len(failures) - _MAX_FAILURE_LINES} more (--full prints every row)",
+                file=out,
+            )
         print(f"hookcheck: {len(failures)} of {len(report.rows)} comparisons FAILED", file=out)
         return 1
     print(f"hookcheck: all {len(report.rows)} comparisons passed", file=out)
@@ -546,7 +583,10 @@ def _case_failed(case: str, exc: Exception) -> ContractError:
 
 
 def _run_gpt(
-    jobs: list[_Job], model_cases: list[tuple[str, bool]], args: argparse.Namespace, progress: _Progress
+    jobs: list[_Job],
+    model_cases: list[tuple[str, bool]],
+    args: argparse.Namespace,
+    progress: _Progress,
 ) -> list[Any]:
     from torch_impl.process_state import megatron_parallel
 
@@ -566,7 +606,11 @@ def _run_gpt(
             for job in jobs:
                 with _attributed(job, f"{case}, {dtype}", "processor"):
                     run = run_through_hook(
-                        job.processor, model, batch, make_user_context=job.make_context, seed=args.seed
+                        job.processor,
+                        model,
+                        batch,
+                        make_user_context=job.make_context,
+                        seed=args.seed,
                     )
                 with _attributed(job, f"{case}, {dtype}", "reference"):
                     got = compare_run(run, job.reference, case=case, processor=job.name)
@@ -626,7 +670,9 @@ def _run_tensor_parallel(
     how = ""
     for job, runs in zip(jobs, all_runs):
         with _attributed(job, f"gpt tp{args.tp}", "reference"):
-            report, how = cross_check_tensor_parallel(runs, job.reference, processor=job.name, case="gpt")
+            report, how = cross_check_tensor_parallel(
+                runs, job.reference, processor=job.name, case="gpt"
+            )
         rows += report.rows
         progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
     notes.append(f"hookcheck: tp={args.tp}: {how}")
@@ -638,7 +684,9 @@ def _status(rows: Sequence[Any]) -> str:
     return "ok" if not bad else f"FAIL ({len(bad)} of {len(rows)})"
 
 
-def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
     """Run ``hookcheck`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
@@ -653,7 +701,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         return _error(f"--seed: expected an int in [0, 2**32 - 1], got {args.seed}", err)
     if args.case and args.no_synthetic:
         return _error(
-            f"--case: expected no --no-synthetic beside it, got --case {' --case '.join(args.case)}", err
+            f"--case: expected no --no-synthetic beside it, got --case {' --case '.join(args.case)}",
+            err,
         )
     from torch_impl.process_state import known_noise_silenced, tool_state  # torch: not for --help
 
@@ -699,7 +748,10 @@ def _main(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             if args.traceback:
                 raise
             return _error(
-                f"{type(exc).__name__}: {exc} (run with --traceback for details)".replace("\n", " "), err
+                f"{type(exc).__name__}: {exc} (run with --traceback for details)".replace(
+                    "\n", " "
+                ),
+                err,
             )
 
 

@@ -34,7 +34,17 @@ class Row:
     slack: float = 0.0
 
 
-_HEADER = ("case", "dtype", "output", "quantity", "max abs err", "max rel err", "rtol", "atol", "result")
+_HEADER = (
+    "case",
+    "dtype",
+    "output",
+    "quantity",
+    "max abs err",
+    "max rel err",
+    "rtol",
+    "atol",
+    "result",
+)
 _SUMMARY = ("processor", "case", "dtype", "outputs", "value", "d/d hidden", "d/d weight", "result")
 
 
@@ -106,7 +116,13 @@ class CrossCheckReport:
             bad = [r for r in rows if not r.passed]
             outputs = ",".join(sorted({r.output for r in rows}))
             floored = any(r.floor for r in rows)
-            verdict = f"FAIL ({len(bad)} of {len(rows)})" if bad else "ok (f32 floor)" if floored else "ok"
+            verdict = (
+                f"FAIL ({len(bad)} of {len(rows)})"
+                if bad
+                else "ok (f32 floor)"
+                if floored
+                else "ok"
+            )
             cells.append((proc, case, dtype, outputs, *worst, verdict))
         return _grid(cells)
 
@@ -137,7 +153,9 @@ def pass_rule(rows: Sequence[Row]) -> str:
     )
 
 
-def combine(reports: Sequence[CrossCheckReport], /, *, processor: str, reference: str) -> CrossCheckReport:
+def combine(
+    reports: Sequence[CrossCheckReport], /, *, processor: str, reference: str
+) -> CrossCheckReport:
     """One report holding the rows of ``reports``."""
     rows: tuple[Row, ...] = ()
     for r in reports:

@@ -76,18 +76,26 @@ def call_processor(proc: Any, ctx: OutputContext, /) -> Any:
 
 
 def processor_name(proc: Any) -> str:
-    return str(getattr(proc, "name", None) or getattr(proc, "__name__", None) or type(proc).__name__)
+    return str(
+        getattr(proc, "name", None) or getattr(proc, "__name__", None) or type(proc).__name__
+    )
 
 
 def _outputs(result: Any, name: str) -> tuple[dict[str, torch.Tensor], bool]:
     if isinstance(result, torch.Tensor):
         return {SINGLE_OUTPUT: result}, True
-    if isinstance(result, Mapping) and result and all(isinstance(v, torch.Tensor) for v in result.values()):
+    if (
+        isinstance(result, Mapping)
+        and result
+        and all(isinstance(v, torch.Tensor) for v in result.values())
+    ):
         return {str(k): v for k, v in result.items()}, False
     raise ContractError(
         f"processor {name!r} result",
         expected="a torch.Tensor or a non-empty mapping of str to torch.Tensor",
-        actual=type(result).__name__ if not isinstance(result, Mapping) else f"mapping {dict(result)!r:.80}",
+        actual=type(result).__name__
+        if not isinstance(result, Mapping)
+        else f"mapping {dict(result)!r:.80}",
     )
 
 
@@ -119,7 +127,9 @@ def _vjps(
 def _leaf_weight(ctx: OutputContext) -> OutputContext:
     w = ctx.vocab_weight
     if not isinstance(w, torch.Tensor):
-        raise ContractError("vocab_weight", expected="a torch.Tensor [V_local, h]", actual=type(w).__name__)
+        raise ContractError(
+            "vocab_weight", expected="a torch.Tensor [V_local, h]", actual=type(w).__name__
+        )
     if w.is_leaf and w.requires_grad:
         return ctx
     leaf = w.detach().requires_grad_()
@@ -140,7 +150,9 @@ def run_on_context(proc: Any, ctx: OutputContext, /, *, seed: int = 0) -> TorchR
     with torch.enable_grad():
         result = call_processor(proc, ctx)
         if is_hookspec_processor(proc):
-            validate_result(result, batch=ctx.batch_size, seq=ctx.seq_len, field=f"processor {name!r} result")
+            validate_result(
+                result, batch=ctx.batch_size, seq=ctx.seq_len, field=f"processor {name!r} result"
+            )
         outputs, single = _outputs(result, name)
         cots, dh, dw = _vjps(outputs, h, ctx.vocab_weight, seed)  # type: ignore[arg-type]
     detached = {k: v.detach() for k, v in outputs.items()}
@@ -221,7 +233,9 @@ def run_through_hook(
         else:
             from torch_impl import build_output_context, unwrap_model
 
-            ctx = build_output_context(unwrap_model(model), stash["kwargs"], ignore_index=ignore_index)
+            ctx = build_output_context(
+                unwrap_model(model), stash["kwargs"], ignore_index=ignore_index
+            )
         outputs, single = _outputs(stash["result"], name)
         cots, dh, dw = _vjps(outputs, ctx.hidden_states, ctx.vocab_weight, seed)
     detached = {k: v.detach() for k, v in outputs.items()}

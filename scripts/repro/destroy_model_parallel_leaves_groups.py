@@ -108,7 +108,9 @@ def main() -> None:
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
-    registry = torch.distributed.distributed_c10d._world.pg_map  # torch's registry (no public listing)
+    registry = (
+        torch.distributed.distributed_c10d._world.pg_map
+    )  # torch's registry (no public listing)
     cycle(registry)  # what a first initialisation makes once per process (imports, pools)
     before = resources()
     left, after, dropped = cycle(registry)

@@ -79,7 +79,13 @@ def run_plan_forward(plan) -> torch.Tensor:
     for i in range(plan.num_layers()):
         layer = plan.get_layer(i)
         first = getattr(layer, "pre_dispatch_computation", None) or layer.attn  # 0.16 names it attn
-        for node in (first, layer.moe_dispatch, layer.mlp, layer.moe_combine, layer.mtp_post_process):
+        for node in (
+            first,
+            layer.moe_dispatch,
+            layer.mlp,
+            layer.moe_combine,
+            layer.mtp_post_process,
+        ):
             if not isinstance(node, NoopScheduleNode):
                 hidden = node.forward_func(*(hidden if isinstance(hidden, tuple) else (hidden,)))
     return plan.post_process.forward_func(hidden)

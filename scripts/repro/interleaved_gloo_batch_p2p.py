@@ -73,10 +73,15 @@ def variable_seq_lengths_config() -> ModelParallelConfig:
 
 def exchange_shapes(rank: int) -> list[list[int]]:
     """Rank ``rank``'s received ``[from prev, from next]`` shapes, ``batch_p2p_comm=False``."""
-    comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), variable_seq_lengths_config())
+    comm = P2PCommunicator(
+        parallel_state.get_pipeline_model_parallel_group(), variable_seq_lengths_config()
+    )
     activation, gradient = torch.zeros(ACTIVATION), torch.zeros(GRADIENT)
     # its shape buffers are on torch.cuda.current_device(); it synchronizes CUDA after the batch
-    with mock.patch("torch.cuda.current_device", return_value="cpu"), mock.patch("torch.cuda.synchronize"):
+    with (
+        mock.patch("torch.cuda.current_device", return_value="cpu"),
+        mock.patch("torch.cuda.synchronize"),
+    ):
         from_prev, from_next = comm._communicate_shapes(activation, gradient, True, True)
     return [list(from_prev), list(from_next)]
 
@@ -87,8 +92,13 @@ def variable_seq_lengths_call(rank: int, port: int) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), variable_seq_lengths_config())
-    with mock.patch("torch.cuda.current_device", return_value="cpu"), mock.patch("torch.cuda.synchronize"):
+    comm = P2PCommunicator(
+        parallel_state.get_pipeline_model_parallel_group(), variable_seq_lengths_config()
+    )
+    with (
+        mock.patch("torch.cuda.current_device", return_value="cpu"),
+        mock.patch("torch.cuda.synchronize"),
+    ):
         comm.send_forward_backward_recv_forward_backward(
             torch.zeros(ACTIVATION),
             torch.zeros(GRADIENT),

@@ -30,7 +30,10 @@ import socket
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -66,7 +69,11 @@ def main() -> None:
             report["check_error"] = describe(error)
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True, mtp_num_layers=1
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        mtp_num_layers=1,
     )
     layer = get_gpt_layer_local_spec()
     try:

@@ -35,7 +35,10 @@ import socket
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.pipeline_parallel.utils import NoopScheduleNode
 from megatron.core.transformer import multi_token_prediction as mtp
 from megatron.core.transformer.module import MegatronModule
@@ -102,7 +105,13 @@ def run_plan_forward(plan) -> object:
     for i in range(plan.num_layers()):
         layer = plan.get_layer(i)
         first = getattr(layer, "pre_dispatch_computation", None) or layer.attn  # 0.16 names it attn
-        for node in (first, layer.moe_dispatch, layer.mlp, layer.moe_combine, layer.mtp_post_process):
+        for node in (
+            first,
+            layer.moe_dispatch,
+            layer.mlp,
+            layer.moe_combine,
+            layer.mtp_post_process,
+        ):
             if not isinstance(node, NoopScheduleNode):
                 hidden = node.forward_func(*(hidden if isinstance(hidden, tuple) else (hidden,)))
     return plan.post_process.forward_func(hidden)
@@ -150,7 +159,9 @@ def main() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # unbound without Transformer Engine before 0.19 (report 3)
+        moe_utils.te_general_gemm = (
+            None  # unbound without Transformer Engine before 0.19 (report 3)
+        )
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -185,7 +196,9 @@ def main() -> None:
 
     process = getattr(mtp, "process_mtp_loss", None)
     if process is not None and "input_ids" in inspect.signature(process).parameters:
-        want = logged_mtp_losses(model, lambda: model(ids, pos, None, loss_mask=torch.ones(BATCH, SEQ)))
+        want = logged_mtp_losses(
+            model, lambda: model(ids, pos, None, loss_mask=torch.ones(BATCH, SEQ))
+        )
         got = logged_mtp_losses(
             model,
             lambda: run_plan_forward(

@@ -43,10 +43,14 @@ _UNMEASURED_GPU = BackendChoice(
     measured=False,
     source="not measured on this device class: cuBLAS GEMMs with Triton epilogues by default",
 )
-_CPU = BackendChoice("torch", measured=False, source="the CPU path (torch ops; Triton would be interpreted)")
+_CPU = BackendChoice(
+    "torch", measured=False, source="the CPU path (torch ops; Triton would be interpreted)"
+)
 _NO_TRITON = BackendChoice("torch", measured=False, source="triton is not installed")
 
-_KNOWN = tuple("GH200 H200 H100 H800 H20 B200 B100 GB200 A100 A800 L40S L4 A10".split())  # first match wins
+_KNOWN = tuple(
+    "GH200 H200 H100 H800 H20 B200 B100 GB200 A100 A800 L40S L4 A10".split()
+)  # first match wins
 
 
 def device_class(name: str, capability: tuple[int, int]) -> str:

@@ -69,7 +69,9 @@ def check_finite_number(
     try:
         x = float(value)
     except OverflowError:  # an int beyond the float range (10**400)
-        raise ContractError(field, expected=expected, actual=f"{value!r} (beyond the float range)") from None
+        raise ContractError(
+            field, expected=expected, actual=f"{value!r} (beyond the float range)"
+        ) from None
     below = low is not None and (x <= low if low_open else x < low)
     above = high is not None and (x >= high if high_open else x > high)
     if not math.isfinite(x) or below or above:
@@ -82,10 +84,14 @@ def check_enum(field: str, kind: Any, value: Any) -> Any:
     try:
         return kind(value)
     except ValueError:
-        raise ContractError(field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)) from None
+        raise ContractError(
+            field, expected=f"one of {[k.value for k in kind]}", actual=repr(value)
+        ) from None
 
 
-def check_instance(field: str, x: Any, kind: type | tuple[type, ...], expected: str, hint: str = "") -> Any:
+def check_instance(
+    field: str, x: Any, kind: type | tuple[type, ...], expected: str, hint: str = ""
+) -> Any:
     """``x`` is an instance of ``kind`` (the error names its type)."""
     if not isinstance(x, kind):
         raise ContractError(field, expected=expected, actual=type(x).__name__, hint=hint)
@@ -111,7 +117,9 @@ def describe_tensor(value: Any) -> str:
     """``"a float32 tensor of shape [2, 3]"`` for a tensor, else its type's name."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
-    return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {format_shape(value.shape)}"
+    return (
+        f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {format_shape(value.shape)}"
+    )
 
 
 def context_field(context: Any, name: str) -> Any:
@@ -129,7 +137,9 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ContractError(field, expected="a torch.Tensor", actual=type(x).__name__)
     if x.dtype not in FLOATS:
-        raise ContractError(field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch."))
+        raise ContractError(
+            field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch.")
+        )
     refuse_meta(x, field=field)  # a shape without values: torch would fail deep inside
     return x
 
@@ -137,7 +147,9 @@ def check_floating(field: str, x: Any) -> torch.Tensor:
 def check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:
     """``value`` a tensor of shape ``want`` (``expected`` says it: ``"[b=2, s=3]"``)."""
     if not isinstance(value, torch.Tensor):
-        raise ContractError(field, expected=f"a torch.Tensor {expected}", actual=type(value).__name__)
+        raise ContractError(
+            field, expected=f"a torch.Tensor {expected}", actual=type(value).__name__
+        )
     if tuple(value.shape) != want:
         raise ContractError(field, expected=f"shape {expected}", actual=format_shape(value.shape))
     return value
@@ -153,14 +165,20 @@ def check_temperature(
         temperature = float(temperature)
     if isinstance(temperature, torch.Tensor):
         check_floating(field, temperature)  # the shape, not the count: a [b, s] is not [s * b]
-        check_shape(field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)")
+        check_shape(
+            field, temperature, (n,), f"[n={n}] or a number (one value per row, in the rows' order)"
+        )
         t = temperature.detach()
         t = t.double() if t.dtype == torch.float64 else t.float()
         if check_values:
             check_positive_deferred(t, field=field)
         return t
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):  # Python or NumPy
-        raise ContractError(field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__)
+    if isinstance(temperature, bool) or not isinstance(
+        temperature, numbers.Real
+    ):  # Python or NumPy
+        raise ContractError(
+            field, expected="a number > 0 or a tensor [n]", actual=type(temperature).__name__
+        )
     return check_finite_number(field, temperature, low=0.0, low_open=True)
 
 
@@ -188,7 +206,11 @@ def resolve_compute_dtype(
     return torch.float32 if device.type == "cpu" and dtype != torch.float64 else dtype
 
 
-UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = ("logit_dtype", "output_logit_softcapping", "logit_softcapping")
+UNSUPPORTED_LOGIT_OPTIONS: tuple[str, ...] = (
+    "logit_dtype",
+    "output_logit_softcapping",
+    "logit_softcapping",
+)
 """Config fields that would change the stock logits in a way the built-in processors do
 not follow; none is read by megatron-core 0.13.1 to 0.19.2's output path, so a release
 that adds one gets a ``ContractError`` naming it when set, not a silent difference."""
@@ -233,7 +255,10 @@ def context_logit_scale(ctx: Any, *, processor: str) -> float:
     mup = 1.0
     if config is not None and getattr(config, "use_mup", False):
         mup = check_finite_number(
-            "config.mup_output_mult", getattr(config, "mup_output_mult", 1.0), low=0.0, low_open=True
+            "config.mup_output_mult",
+            getattr(config, "mup_output_mult", 1.0),
+            low=0.0,
+            low_open=True,
         )
     scale_logits = getattr(ctx, "scale_logits", None)
     if scale_logits is None:

@@ -71,9 +71,15 @@ class DistillConfig:
         put(self, "divergence", check_enum("divergence", DistillDivergence, self.divergence))
         put(self, "tail", check_enum("tail", TeacherTail, self.tail))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
-        beta = check_finite_number("beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True)
+        beta = check_finite_number(
+            "beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True
+        )
         put(self, "beta", beta)
-        put(self, "temperature", check_finite_number("temperature", self.temperature, low=0.0, low_open=True))
+        put(
+            self,
+            "temperature",
+            check_finite_number("temperature", self.temperature, low=0.0, low_open=True),
+        )
 
 
 # ---------------------------------------------------------------- per-token maths
@@ -98,7 +104,11 @@ def divergence_of(
 
 
 def _sparse_divergence(
-    lp_t: torch.Tensor, u: torch.Tensor, lse: torch.Tensor, log_tail: torch.Tensor | None, cfg: DistillConfig
+    lp_t: torch.Tensor,
+    u: torch.Tensor,
+    lse: torch.Tensor,
+    log_tail: torch.Tensor | None,
+    cfg: DistillConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D, forward KL)`` per token ``[r]`` of a sparse teacher, from its logprobs
     ``lp_t [r, k]``, the student's tempered logits at the teacher's ids ``u [r, k]``,
@@ -144,7 +154,9 @@ class _Outputs(NamedTuple):
         self.kl[rows], self.agree[rows], self.lse[rows] = per_token
 
 
-def _argmax_ids(setup: TileSetup, local: tuple[torch.Tensor, ...], big_m: torch.Tensor) -> torch.Tensor:
+def _argmax_ids(
+    setup: TileSetup, local: tuple[torch.Tensor, ...], big_m: torch.Tensor
+) -> torch.Tensor:
     """The global argmax of each row over the shards (ties: the smaller id), from this
     shard's ``(max, argmax)`` of the tempered tile and the rows' global max ``big_m``."""
     local_max, local_arg = local
@@ -163,7 +175,9 @@ def _dense_terms(
     ls, lt = zs.sub_(ms[:, None]), zt.sub_(mt[:, None])  # shifted, in place
     es, et = torch.exp(ls), torch.exp(lt)
     diff = lt - ls
-    sums = setup.reduce_sum(torch.stack([es.sum(1), et.sum(1), (et * diff).sum(1), (es * diff).sum(1)]))
+    sums = setup.reduce_sum(
+        torch.stack([es.sum(1), et.sum(1), (et * diff).sum(1), (es * diff).sum(1)])
+    )
     log_ss, log_st = torch.log(sums[0]), torch.log(sums[1])
     shift = log_ss - log_st  # log p - log q = diff + shift
     kl = sums[2] / sums[1] + shift
@@ -195,7 +209,9 @@ def _outside(
     tile summed over those entries and the shards: no ``1 - sum`` to cancel."""
     here = (cols >= 0).to(torch.uint8)
     listed = torch.zeros(e.shape, dtype=torch.uint8, device=cols.device)
-    listed = listed.scatter_reduce_(1, cols.clamp(min=0), here, "amax").bool()  # -1s land on 0 without a 1
+    listed = listed.scatter_reduce_(
+        1, cols.clamp(min=0), here, "amax"
+    ).bool()  # -1s land on 0 without a 1
     return listed, setup.reduce_sum(torch.where(listed, 0.0, e).sum(1)) / sumexp
 
 
@@ -203,12 +219,16 @@ def _dense_epilogue(
     eng: Engine, cfg: DistillConfig, teacher: DenseTeacher, weights: torch.Tensor, out: _Outputs
 ) -> Epilogue:
     setup = eng.setup
-    t_hidden, t_weight = (x.to(setup.compute_dtype) for x in (teacher.hidden_states, teacher.weight))
+    t_hidden, t_weight = (
+        x.to(setup.compute_dtype) for x in (teacher.hidden_states, teacher.weight)
+    )
     t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         zs = eng.logits_of(z, rows, inplace=True)
-        slope = eng.cap_slope_of(zs, rows) if sink.active else 1.0  # a softcap's, before zs is shifted
+        slope = (
+            eng.cap_slope_of(zs, rows) if sink.active else 1.0
+        )  # a softcap's, before zs is shifted
         zt = eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype)
         gemm_into(zt, t_hidden[rows], t_weight.T, first=True)
         if t_cap is None:
@@ -250,7 +270,11 @@ def _sparse_epilogue(
         need = sink.active  # no autograd where no gradient is wanted (inference mode included)
         with torch.set_grad_enabled(need):
             u_, lse_ = u.detach().requires_grad_(need), lse.detach().requires_grad_(need)
-            lqt_ = None if q_out is None else torch.log(q_out.clamp_min(TAIL_FLOOR)).requires_grad_(need)
+            lqt_ = (
+                None
+                if q_out is None
+                else torch.log(q_out.clamp_min(TAIL_FLOOR)).requires_grad_(need)
+            )
             d, kl = _sparse_divergence(lp_t, u_, lse_, lqt_, cfg)
             total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
@@ -266,7 +290,9 @@ def _sparse_epilogue(
             sink.add_sparse(rows, cols, gu * eng.cap_slope_of(picked, rows))
             return
         assert q_out is not None and e is not None and listed is not None
-        gt = torch.where(q_out < TAIL_FLOOR, 0.0, grads[2])  # 0 where the floor holds it (as clamp_min's)
+        gt = torch.where(
+            q_out < TAIL_FLOOR, 0.0, grads[2]
+        )  # 0 where the floor holds it (as clamp_min's)
         # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last term
         # over the outside entries alone (no terms of size p_tail / q_tail that cancel at the ids)
         q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
@@ -311,7 +337,9 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
     check_counts(how, **global_counts(teacher), prefix=f"{field}.")
     if cp > 1 and how == Aggregation.SEQ_MEAN_TOKEN_MEAN:
         raise ContractError(
-            "parallel.cp_size", expected="1 for seq-mean-token-mean (it needs whole sequences)", actual=cp
+            "parallel.cp_size",
+            expected="1 for seq-mean-token-mean (it needs whole sequences)",
+            actual=cp,
         )
     need = "global_tokens" if how == Aggregation.TOKEN_MEAN else "global_sequences"
     if cp > 1 and getattr(teacher, need) is None:
@@ -336,10 +364,14 @@ def _fused(
     the forward pass (:class:`~._engine.FormedInForward`)."""
     acc = setup.acc_dtype
 
-    def run(need_dh: bool, need_dw: bool, need_db: bool) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
+    def run(
+        need_dh: bool, need_dw: bool, need_db: bool
+    ) -> tuple[tuple[torch.Tensor, ...], Any, Any, Any]:
         with no_autocast(h):
             eng = Engine(h, weight, setup, need_db=need_db)
-            kl, lse, loss = (torch.zeros(shape, dtype=acc, device=h.device) for shape in (eng.n, eng.n, ()))
+            kl, lse, loss = (
+                torch.zeros(shape, dtype=acc, device=h.device) for shape in (eng.n, eng.n, ())
+            )
             out = _Outputs(loss, kl, torch.zeros(eng.n, dtype=torch.bool, device=h.device), lse)
             if isinstance(teacher, SparseTeacher):
                 epilogue = _sparse_epilogue(eng, config, teacher, weights, out)
@@ -350,13 +382,20 @@ def _fused(
         return tuple(out), dh, dw, eng.db
 
     grad = torch.is_grad_enabled()
-    loss, kl, agree, lse = FormedInForward.apply(h, weight, setup.bias, "distillation_loss", run, grad)
+    loss, kl, agree, lse = FormedInForward.apply(
+        h, weight, setup.bias, "distillation_loss", run, grad
+    )
     # + 0 * sum(lse): NaN where the student's hidden states or weight hold NaN/inf anywhere
     return DistillResult(loss=loss + 0.0 * lse.sum(), kl=kl, top1_agreement=agree)
 
 
 def _row_weights(
-    teacher: Teacher, sequences: Any, setup: TileSetup, config: DistillConfig, check: bool, labelled: bool
+    teacher: Teacher,
+    sequences: Any,
+    setup: TileSetup,
+    config: DistillConfig,
+    check: bool,
+    labelled: bool,
 ) -> torch.Tensor:
     """The aggregation's weights ``[n]`` of the rows: ``M`` the teacher's ``mask`` ``[n]``
     (ones when ``None``; an entry NaN, infinite or negative NaN, refused when ``check``;
@@ -375,7 +414,9 @@ def _row_weights(
     if sequences is not None:
         if not isinstance(sequences, tuple) or len(sequences) != 2:
             raise ContractError(
-                "sequences", expected="None or (segments [n], count)", actual=type(sequences).__name__
+                "sequences",
+                expected="None or (segments [n], count)",
+                actual=type(sequences).__name__,
             )
         segments = check_rows("sequences[0]", sequences[0], (n,), f"[n={n}]", integer=True)
         count = check_int("sequences[1]", sequences[1], low=1)
@@ -443,7 +484,9 @@ def linear_distillation_loss(
             1, n, weights != 0, vocab.size, dtype=acc, check_values=check, field="teacher"
         )
     else:
-        th = check_rows("teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]")
+        th = check_rows(
+            "teacher.hidden_states", teacher.hidden_states, hidden.shape[:1], "[n_local, h_t]"
+        )
         teacher = dataclasses.replace(teacher, hidden_states=th[:, None])
         teacher = teacher.prepare(hidden[:, None], vocab, options.collectives, "teacher")
     return _fused(h, weight, setup, config, teacher, weights)
@@ -470,7 +513,10 @@ def distillation_loss(
     or :class:`DenseTeacher` (hidden states ``[s, b, h_t]``, weight shard). ``M``: the
     context's ``mask``, else ``loss_mask``, else ones; 0 at an ignored label."""
     refuse_unexpected("distillation_loss", unexpected)
-    config, tiles = _checked_config(config), LinearOptions(tile_rows=tile_rows, compute_dtype=compute_dtype)
+    config, tiles = (
+        _checked_config(config),
+        LinearOptions(tile_rows=tile_rows, compute_dtype=compute_dtype),
+    )
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -478,16 +524,26 @@ def distillation_loss(
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
         options = x.tensor_options(tiles, config.temperature)
         options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        m, field = (ctx.loss_mask, "loss_mask") if teacher.mask is None else (teacher.mask, "context.mask")
+        m, field = (
+            (ctx.loss_mask, "loss_mask") if teacher.mask is None else (teacher.mask, "context.mask")
+        )
         mask = to_tokens(counted_mask(ctx, x, m, field).to(setup.acc_dtype))
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        weights = weights_of(mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher))
+        weights = weights_of(
+            mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher)
+        )
         vocab, acc, check = typing.cast(VocabShard, ctx.vocab), setup.acc_dtype, ctx.check_values
         if isinstance(teacher, SparseTeacher):
-            teacher = teacher.prepare(x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check)
+            teacher = teacher.prepare(
+                x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check
+            )
         else:
-            teacher = teacher.prepare(typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives)
+            teacher = teacher.prepare(
+                typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives
+            )
         res = _fused(h, x.weight, setup, config, teacher, weights)
-        return {"loss": res.loss} | {k: masked_mean(getattr(res, k), mask) for k in ("kl", "top1_agreement")}
+        return {"loss": res.loss} | {
+            k: masked_mean(getattr(res, k), mask) for k in ("kl", "top1_agreement")
+        }
 
     return processor(fn, name="distillation_loss")

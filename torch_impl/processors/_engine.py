@@ -83,7 +83,11 @@ def combine(
 
 
 def _summed_stats(
-    big_m: torch.Tensor, parts: list[torch.Tensor], sz: torch.Tensor | None, setup: TileSetup, rows: slice
+    big_m: torch.Tensor,
+    parts: list[torch.Tensor],
+    sz: torch.Tensor | None,
+    setup: TileSetup,
+    rows: slice,
 ) -> Stats:
     """:class:`Stats` from the rows' global max ``M`` and the shards' ``parts = [S, z_y -
     M(, T = sum_j exp(z_j - M) (z_j - M), where entropy is wanted)]`` and ``sz = sum_j
@@ -105,11 +109,17 @@ def _fresh_state(
     tiles: Tiles, r: int, *, with_entropy: bool, with_mean: bool
 ) -> tuple[_State, torch.Tensor | None]:
     """A fresh :data:`_State` of ``r`` rows and the running sum of their logits (or None)."""
-    m, s, t, zy, sz = torch.zeros(5, r, dtype=tiles.setup.acc_dtype, device=tiles.hs.device).unbind(0)
-    return (m.fill_(float("-inf")), s, (t if with_entropy else None), zy), (sz if with_mean else None)
+    m, s, t, zy, sz = torch.zeros(5, r, dtype=tiles.setup.acc_dtype, device=tiles.hs.device).unbind(
+        0
+    )
+    return (m.fill_(float("-inf")), s, (t if with_entropy else None), zy), (
+        sz if with_mean else None
+    )
 
 
-def _target_in_tile(labels_local: torch.Tensor, col0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_in_tile(
+    labels_local: torch.Tensor, col0: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hit [r], col [r, 1])``: which rows have their label in columns ``[col0, col0 + cols)``."""
     col = labels_local - col0
     hit = (col >= 0) & (col < cols)
@@ -191,9 +201,15 @@ class FormedInForward(torch.autograd.Function):
     ``create_graph=True``."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, run: Any, grad: bool) -> Any:
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, run: Any, grad: bool
+    ) -> Any:
         outputs, *grads = run(*(grad and need for need in ctx.needs_input_grad[:3]))
-        ctx.name, ctx.grads, ctx.dtypes = name, grads, [None if x is None else x.dtype for x in (h, w, b)]
+        ctx.name, ctx.grads, ctx.dtypes = (
+            name,
+            grads,
+            [None if x is None else x.dtype for x in (h, w, b)],
+        )
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
@@ -206,7 +222,9 @@ class FormedInForward(torch.autograd.Function):
                 "the forward pass and handed over (scaled in place) by the first backward. Call it again"
             )
         grads, ctx.grads = ctx.grads, None
-        for x in (x for x in grads if x is not None):  # one list a dtype: vectorised, g read on the device
+        for x in (
+            x for x in grads if x is not None
+        ):  # one list a dtype: vectorised, g read on the device
             torch._foreach_mul_([x], g)
         scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
         return *scaled, None, None, None
@@ -221,7 +239,9 @@ class Recomputed(torch.autograd.Function):
     :meth:`Engine.backward`. A second backward recomputes; ``create_graph=True`` raises."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, setup: Any, run: Any) -> Any:
+    def forward(
+        ctx: Any, h: torch.Tensor, w: torch.Tensor, b: Any, name: str, setup: Any, run: Any
+    ) -> Any:
         with no_autocast(h):
             outputs, frozen, ctx.grad_of = run(Engine(h, w, setup))
         ctx.set_materialize_grads(False)
@@ -271,7 +291,12 @@ class Engine(Tiles):
     # -- the vocabulary sweep
 
     def stats_pass(
-        self, z: torch.Tensor, rows: slice, cols: slice, state: _State, sz: torch.Tensor | None = None
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        state: _State,
+        sz: torch.Tensor | None = None,
     ) -> None:
         """Fold the tempered tile ``z [r, c]`` into the rows' running ``(m, s, t, zy)``
         (``[r]`` views, updated in place); ``sz += z.sum(1)`` (``z @ cw[cols]`` with the
@@ -284,7 +309,15 @@ class Engine(Tiles):
             assert setup.kernel is not None
             inv_t = setup.row_inv_t(rows, column=False)
             chunk_stats_(
-                z, labels, inv_t, state, col0=cols.start, cfg=setup.kernel, cap_k=setup.cap_k, sz=sz, cw=cw
+                z,
+                labels,
+                inv_t,
+                state,
+                col0=cols.start,
+                cfg=setup.kernel,
+                cap_k=setup.cap_k,
+                sz=sz,
+                cw=cw,
             )
             return
         (m, s, t, zy), first = state, cols.start == 0
@@ -351,10 +384,30 @@ class Engine(Tiles):
             assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
             wide = sparse is not None and setup.compute_dtype != z.dtype
             dtype, out = (z.dtype, None) if wide else (setup.compute_dtype, out)
-            labels, inv_t, col0 = setup.labels_local[rows], setup.row_inv_t(rows, column=False), cols.start
-            abg, cfg, cap, cw = (coef.a, coef.b, coef.g), setup.kernel, setup.cap_k, setup.mean_weights
+            labels, inv_t, col0 = (
+                setup.labels_local[rows],
+                setup.row_inv_t(rows, column=False),
+                cols.start,
+            )
+            abg, cfg, cap, cw = (
+                (coef.a, coef.b, coef.g),
+                setup.kernel,
+                setup.cap_k,
+                setup.mean_weights,
+            )
             gz = logit_grad_(
-                z, dtype, labels, inv_t, big_m, abg, col0=col0, cfg=cfg, out=out, cap_k=cap, u=coef.u, cw=cw
+                z,
+                dtype,
+                labels,
+                inv_t,
+                big_m,
+                abg,
+                col0=col0,
+                cfg=cfg,
+                out=out,
+                cap_k=cap,
+                u=coef.u,
+                cw=cw,
             )
         else:
             if shifted:  # whole rows: their label columns made once a call
@@ -363,7 +416,11 @@ class Engine(Tiles):
                 z.sub_(big_m[:, None])
                 e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
                 hit, col = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            f = -coef.a[:, None] if coef.b is None else z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+            f = (
+                -coef.a[:, None]
+                if coef.b is None
+                else z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+            )
             gz = e.mul_(f)  # as Coefficients' dz, in place in e
             gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
             if coef.u is not None:
@@ -397,19 +454,31 @@ class Engine(Tiles):
         """
         setup = self.setup
         n, local, hid = self.n, self.local, self.hs.shape[1]
-        if n == 0 or local == 0 or (self.triton and _rows_outer(setup, n, local, hid, self.w_dtype)):
+        if (
+            n == 0
+            or local == 0
+            or (self.triton and _rows_outer(setup, n, local, hid, self.w_dtype))
+        ):
 
-            def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:  # zeros, or whole rows
+            def epilogue(
+                z: torch.Tensor, rows: slice, sink: GradSink
+            ) -> None:  # zeros, or whole rows
                 self.row_grad(z, rows, stats.max[rows], coef.of_rows(rows), sink, sparse=sparse)
 
             return self.row_sweep(epilogue, need_dh=need_dh, need_dw=need_dw)
         acc, cdt, dev = setup.acc_dtype, setup.compute_dtype, self.hs.device
         direct = setup.tile[0] >= n and self.w_dtype == cdt
         dh = torch.empty((n, hid), dtype=acc, device=dev) if need_dh else None
-        dw = torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev) if need_dw else None
+        dw = (
+            torch.empty((local, hid), dtype=self.w_dtype if direct else acc, device=dev)
+            if need_dw
+            else None
+        )
         for rows, cols, wc, z in self.vocab_tiles():
             part = coef.of_rows(rows)
-            gz = self.grad_pass(z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse).to(cdt)
+            gz = self.grad_pass(
+                z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse
+            ).to(cdt)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
@@ -454,12 +523,16 @@ class Engine(Tiles):
         ``mean_logit``."""
         setup = self.setup
         if self.triton:
-            state, sz = _fresh_state(self, z.shape[0], with_entropy=with_entropy, with_mean=with_mean)
+            state, sz = _fresh_state(
+                self, z.shape[0], with_entropy=with_entropy, with_mean=with_mean
+            )
             self.stats_pass(z, rows, slice(0, self.local), state, sz)
             stats = combine(*state, setup, rows, sz=sz)
             if not exps:
                 return stats, None
-            return stats, torch.exp(self.logits_of(z, rows) - stats.max[:, None], out=self.like("e", z))
+            return stats, torch.exp(
+                self.logits_of(z, rows) - stats.max[:, None], out=self.like("e", z)
+            )
         big_m = setup.reduce_max(z.amax(1))
         hit, col, _ = self.label_columns(rows)
         zy = torch.where(hit, z.gather(1, col).squeeze(1) - big_m, 0.0)
@@ -484,6 +557,10 @@ class Engine(Tiles):
     ) -> None:
         """The gradient of a whole-row tile after :meth:`row_stats` (``big_m``: its rows'
         ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
-        out = sink.tile(rows) if self.triton else None  # Triton writes the GEMMs' form into the buffer
-        gz = self.grad_pass(z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out)
+        out = (
+            sink.tile(rows) if self.triton else None
+        )  # Triton writes the GEMMs' form into the buffer
+        gz = self.grad_pass(
+            z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out
+        )
         sink.commit(rows, None if gz is out else gz)

@@ -88,7 +88,9 @@ def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
 def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``loss`` as the :data:`TokenLoss` contract has it, else a ``ContractError`` naming ``name``."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-        expected = "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
+        expected = (
+            "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
+        )
         raise ContractError(name, expected=expected, actual=f"it returned {describe_tensor(loss)}")
     if any(x.grad is not None for x in args):
         raise ContractError(
@@ -121,7 +123,10 @@ class _Calls:
     ) -> tuple[torch.Tensor, _Grad, _Grad, _Grad, _Grad]:
         assert stats.entropy is not None
         with torch.enable_grad():
-            lp, ent = stats.logprobs.detach().requires_grad_(), stats.entropy.detach().requires_grad_()
+            lp, ent = (
+                stats.logprobs.detach().requires_grad_(),
+                stats.entropy.detach().requires_grad_(),
+            )
             loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
             args = {"token_loss": lp, "entropy": ent}
             for name, fn, v in (
@@ -134,7 +139,9 @@ class _Calls:
             keep = self.grad and loss.requires_grad and _reaches_others(loss, tuple(args.values()))
             grads: dict[str, _Grad] = {}
             if need and loss.requires_grad:
-                g = torch.autograd.grad(loss, list(args.values()), allow_unused=True, retain_graph=keep)
+                g = torch.autograd.grad(
+                    loss, list(args.values()), allow_unused=True, retain_graph=keep
+                )
                 grads = dict(zip(args, g, strict=True))
             if keep:
                 self.graph = loss if self.graph is None else self.graph + loss
@@ -152,7 +159,9 @@ class _Calls:
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (differentiable in the hidden rows and weight) also carrying the
         gradient of the calls' losses to other tensors (``lp``, ``ent`` held fixed)."""
-        return loss if self.graph is None else loss + (self.graph - self.graph.detach()).to(loss.dtype)
+        return (
+            loss if self.graph is None else loss + (self.graph - self.graph.detach()).to(loss.dtype)
+        )
 
 
 def _sweep(
@@ -164,7 +173,9 @@ def _sweep(
     eng = Engine(h, w, setup, need_db=need_db)
     acc, ignored = setup.acc_dtype, setup.ignored
     mean = calls.mean_fn is not None
-    lp_ent = torch.empty((3 + mean, eng.n), dtype=acc, device=h.device)  # logprobs, entropy, lse, mean
+    lp_ent = torch.empty(
+        (3 + mean, eng.n), dtype=acc, device=h.device
+    )  # logprobs, entropy, lse, mean
     total = torch.zeros((), dtype=acc, device=h.device)
     active = need_dh or need_dw or need_db
 
@@ -237,12 +248,20 @@ def fused_token_loss(
     ):
         if not callable(fn) and (fn is not None or field == "token_loss"):
             optional = "" if field == "token_loss" else "None or "
-            raise ContractError(field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn))
+            raise ContractError(
+                field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn)
+            )
     check_bool("entropy_grad", entropy_grad)
     name, cw = "fused_token_loss", mean_logit_weights
-    _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
+    _, h, setup = prologue(
+        name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
+    )
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
     run = functools.partial(_sweep, h, weight, setup, calls)
-    loss, lp, entropy, lse, mean = FormedInForward.apply(h, weight, setup.bias, name, run, calls.grad)
+    loss, lp, entropy, lse, mean = FormedInForward.apply(
+        h, weight, setup.bias, name, run, calls.grad
+    )
     mean = mean if mean_logit_loss is not None else None
-    return FusedLossResult(loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean)
+    return FusedLossResult(
+        loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
+    )

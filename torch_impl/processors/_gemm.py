@@ -39,7 +39,9 @@ def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: boo
     try:
         return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     except (RuntimeError, TypeError):  # no fp32 accumulator in this release's addmm(out_dtype)
-        return out.add_(torch.mm(a, b, out_dtype=out.dtype))  # (torch 2.11's decomposition: TypeError)
+        return out.add_(
+            torch.mm(a, b, out_dtype=out.dtype)
+        )  # (torch 2.11's decomposition: TypeError)
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

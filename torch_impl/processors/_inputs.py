@@ -13,7 +13,12 @@ import torch
 
 from hookspec import ContractError, OutputContext, validate_context
 
-from ..value_checks import check_finite_deferred, check_labels_deferred, check_multiple_deferred, refuse_meta
+from ..value_checks import (
+    check_finite_deferred,
+    check_labels_deferred,
+    check_multiple_deferred,
+    refuse_meta,
+)
 from ._checks import (
     check_floating,
     check_instance,
@@ -61,7 +66,11 @@ class HookInputs:
     @property
     def acc_dtype(self) -> torch.dtype:
         """The dtype of per-token weights and masks: float64 where an input is, else float32."""
-        return torch.float64 if torch.float64 in (self.hidden.dtype, self.weight.dtype) else torch.float32
+        return (
+            torch.float64
+            if torch.float64 in (self.hidden.dtype, self.weight.dtype)
+            else torch.float32
+        )
 
     @property
     def token_labels(self) -> torch.Tensor:
@@ -69,7 +78,9 @@ class HookInputs:
         assert self.labels is not None, "hook_inputs(needs_labels=True) checked them"
         return self.labels
 
-    def tensor_options(self, tiles: LinearOptions, temperature: float | torch.Tensor = 1.0) -> LinearOptions:
+    def tensor_options(
+        self, tiles: LinearOptions, temperature: float | torch.Tensor = 1.0
+    ) -> LinearOptions:
         """:attr:`options` with the processor's temperature and its factory's
         ``tile_rows``, ``tile_cols`` and ``compute_dtype`` (``tiles``)."""
         return dataclasses.replace(
@@ -86,7 +97,11 @@ class HookInputs:
 
 
 def factory_tiles(
-    name: str, unexpected: dict[str, Any], temperature: float | None, rows: int | None, cols: int | None
+    name: str,
+    unexpected: dict[str, Any],
+    temperature: float | None,
+    rows: int | None,
+    cols: int | None,
 ) -> LinearOptions:
     """A processor factory's first lines: refuse its ``unexpected`` keywords, check a
     given ``temperature``, and return its tiles (:meth:`HookInputs.tensor_options`)."""
@@ -126,9 +141,13 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
             "labels", expected=f"token ids [b, s] (processor {name!r} needs them)", actual="None"
         )
     if ctx.vocab_weight is None:
-        raise ContractError("vocab_weight", expected="the output weight shard [V_local, h]", actual="None")
+        raise ContractError(
+            "vocab_weight", expected="the output weight shard [V_local, h]", actual="None"
+        )
     if ctx.vocab is None:
-        raise ContractError("vocab", expected="the weight's VocabShard (start, end, size)", actual="None")
+        raise ContractError(
+            "vocab", expected="the weight's VocabShard (start, end, size)", actual="None"
+        )
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
@@ -136,7 +155,9 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     user = ctx.context
     if dataclasses.is_dataclass(user) and not isinstance(user, type):
         user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
-    named = [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
+    named = (
+        [(f"context.{k}", v) for k, v in user.items()] if isinstance(user, typing.Mapping) else []
+    )
     for field, value in named + [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]:
         refuse_meta(value, field=field)
     if ctx.labels is not None and ctx.check_values and not ctx.labels_checked:
@@ -154,14 +175,18 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
             ignore_index=ctx.ignore_index,
             vocab=ctx.vocab,
             collectives=ctx.collectives,
-            logit_scale=context_logit_scale(ctx, processor=name),  # MuP's factor, or refused by name
+            logit_scale=context_logit_scale(
+                ctx, processor=name
+            ),  # MuP's factor, or refused by name
             softcap=context_softcap(ctx),
             check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
         ),
     )
 
 
-def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
+def sequence_ids(
+    ctx: OutputContext, b: int, s: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """``(segments [b, s], count)``: each token's sequence. A row per sequence, or,
     for packed (THD) input, the sequences of ``packed_seq_params``
     (``cu_seqlens_q_padded``, else ``cu_seqlens_q``); tokens past the last boundary
@@ -171,7 +196,11 @@ def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tu
     psp = ctx.packed_seq_params
     if psp is None:
         return torch.arange(b, device=device)[:, None].expand(b, s), b
-    name = "cu_seqlens_q" if getattr(psp, "cu_seqlens_q_padded", None) is None else "cu_seqlens_q_padded"
+    name = (
+        "cu_seqlens_q"
+        if getattr(psp, "cu_seqlens_q_padded", None) is None
+        else "cu_seqlens_q_padded"
+    )
     cu = getattr(psp, name, None)
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1:
         raise ContractError(
@@ -193,7 +222,9 @@ def sequence_ids(ctx: OutputContext, b: int, s: int, device: torch.device) -> tu
     return seg[None, :], int(bounds.numel()) + 1
 
 
-def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int) -> float | torch.Tensor:
+def resolve_temperature(
+    given: float | None, ctx: OutputContext, b: int, s: int
+) -> float | torch.Tensor:
     """The processor's ``temperature``, else the user context's ``temperature``
     (a number or ``[b, s]``; a mapping's key or an object's attribute), else 1.
     A ``[b, s]`` tensor's values are checked here when ``ctx.check_values``."""
@@ -209,6 +240,9 @@ def resolve_temperature(given: float | None, ctx: OutputContext, b: int, s: int)
     if isinstance(from_context, torch.Tensor) and from_context.dim() > 0:
         check_shape("context.temperature", from_context, (b, s), f"[b={b}, s={s}] (or a number)")
         return check_temperature(
-            to_tokens(from_context), b * s, field="context.temperature", check_values=ctx.check_values
+            to_tokens(from_context),
+            b * s,
+            field="context.temperature",
+            check_values=ctx.check_values,
         )
     return check_temperature(from_context, b * s, field="context.temperature")

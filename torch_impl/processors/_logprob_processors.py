@@ -111,7 +111,9 @@ def _token_weights(
         why = "class_weights (the mean divides by the counted tokens' class weights)"
         if reduction != "mean":
             why = f"reduction={reduction!r}, which divides by no count"
-        raise ContractError("context.global_tokens", expected=f"None with {why}", actual=repr(count))
+        raise ContractError(
+            "context.global_tokens", expected=f"None with {why}", actual=repr(count)
+        )
     if count is not None:
         count = check_finite_number("context.global_tokens", count, low=0.0, low_open=True)
     if reduction == "sum":
@@ -125,7 +127,9 @@ def _token_weights(
             hint="or use reduction='sum' and divide by the count yourself",
         )
     segments = torch.zeros(m.shape, dtype=torch.long, device=m.device)
-    wz = weights_of(m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None)
+    wz = weights_of(
+        m, segments, 1, Aggregation.TOKEN_MEAN, global_tokens=count, global_sequences=None
+    )
     if cwy is None:
         return wz, wz, wz, m
     total = (m * cwy).sum()  # count is None here: refused with class weights
@@ -178,11 +182,15 @@ def cross_entropy_loss(
     """
     tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ContractError("reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction))
+        raise ContractError(
+            "reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction)
+        )
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
     eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
     cw = class_weights
-    if cw is not None and not (isinstance(cw, torch.Tensor) and cw.dim() == 1 and cw.dtype.is_floating_point):
+    if cw is not None and not (
+        isinstance(cw, torch.Tensor) and cw.dim() == 1 and cw.dtype.is_floating_point
+    ):
         raise ContractError(
             "class_weights", expected="None or a floating tensor [V]", actual=describe_tensor(cw)
         )
@@ -190,7 +198,10 @@ def cross_entropy_loss(
     @checked_call()
     def fn(ctx: OutputContext) -> torch.Tensor:
         x = hook_inputs(ctx, "cross_entropy_loss")
-        for name in ("temperature", "global_tokens"):  # read by a reduction only: refused, not ignored
+        for name in (
+            "temperature",
+            "global_tokens",
+        ):  # read by a reduction only: refused, not ignored
             value = context_field(ctx.context, name)
             if value is not None:
                 raise ContractError(
@@ -210,10 +221,14 @@ def cross_entropy_loss(
         )
         loss = -res.logprobs if cwy is None else -res.logprobs * cwy
         if res.mean_logit is not None:
-            smooth = torch.where(x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit)
+            smooth = torch.where(
+                x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit
+            )
             loss = (1.0 - eps) * loss + eps * smooth
         if z_loss != 0.0:
-            loss = loss + z_loss * torch.where(x.token_labels == ctx.ignore_index, 0.0, res.lse.square())
+            loss = loss + z_loss * torch.where(
+                x.token_labels == ctx.ignore_index, 0.0, res.lse.square()
+            )
         return from_tokens(loss, x.b, x.s)
 
     @checked_call()

@@ -92,7 +92,11 @@ def linear_logprobs(
     check_bool("with_entropy", with_entropy)
     check_bool("with_mean_logit", with_mean_logit)
     name, cw = "linear_logprobs", mean_logit_weights
-    _, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw)
+    _, h, setup = prologue(
+        name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
+    )
     run = functools.partial(_run, with_entropy, with_mean_logit)
     logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, name, setup, run)
-    return LogprobResult(logprobs, entropy if with_entropy else None, lse, mean if with_mean_logit else None)
+    return LogprobResult(
+        logprobs, entropy if with_entropy else None, lse, mean if with_mean_logit else None
+    )

@@ -82,11 +82,17 @@ class PolicyLossConfig:
         if self.clip_high is not None:
             put(self, "clip_high", check_finite_number("clip_high", self.clip_high, low=0.0))
         if self.dual_clip is not None:
-            put(self, "dual_clip", check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True))
+            put(
+                self,
+                "dual_clip",
+                check_finite_number("dual_clip", self.dual_clip, low=1.0, low_open=True),
+            )
         if not isinstance(self.ratio, RatioLevel):
             if self.ratio not in ("token", "sequence"):
                 raise ContractError(
-                    "ratio", expected="RatioLevel.TOKEN or RatioLevel.SEQUENCE", actual=repr(self.ratio)
+                    "ratio",
+                    expected="RatioLevel.TOKEN or RatioLevel.SEQUENCE",
+                    actual=repr(self.ratio),
                 )
             warnings.warn(
                 f"PolicyLossConfig(ratio={self.ratio!r}): a string ratio is deprecated; "
@@ -98,7 +104,9 @@ class PolicyLossConfig:
         put(self, "kl_coef", check_finite_number("kl_coef", self.kl_coef, low=0.0))
         put(self, "entropy_coef", check_finite_number("entropy_coef", self.entropy_coef))
         if self.log_ratio_clamp is not None:
-            clamp = check_finite_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True)
+            clamp = check_finite_number(
+                "log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_open=True
+            )
             put(self, "log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
         put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
@@ -121,7 +129,9 @@ class PolicyLossConfig:
         return self.effective_clip_high
 
     @classmethod
-    def ppo(cls, *, clip_low: float = 0.2, clip_high: float | None = None, **kw: Any) -> PolicyLossConfig:
+    def ppo(
+        cls, *, clip_low: float = 0.2, clip_high: float | None = None, **kw: Any
+    ) -> PolicyLossConfig:
         """PPO clip (token ratio, token-mean)."""
         return cls(clip_low=clip_low, clip_high=clip_high, **kw)
 
@@ -133,7 +143,9 @@ class PolicyLossConfig:
         return cls(clip_low=clip_low, kl_coef=kl_coef, **kw)
 
     @classmethod
-    def gspo(cls, *, clip_low: float = 3e-4, clip_high: float | None = 4e-4, **kw: Any) -> PolicyLossConfig:
+    def gspo(
+        cls, *, clip_low: float = 3e-4, clip_high: float | None = 4e-4, **kw: Any
+    ) -> PolicyLossConfig:
         """GSPO: the clipped objective on the sequence-level ratio, seq-mean-token-mean."""
         kw.setdefault("aggregation", Aggregation.SEQ_MEAN_TOKEN_MEAN)
         return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
@@ -237,7 +249,9 @@ def aggregation_weights(
     is_tensor = isinstance(segments, torch.Tensor)
     if not is_tensor or segments.dtype.is_floating_point or segments.dtype == torch.bool:
         what = str(segments.dtype) if is_tensor else type(segments).__name__
-        raise ContractError("segments", expected="an integer tensor (each token's sequence)", actual=what)
+        raise ContractError(
+            "segments", expected="an integer tensor (each token's sequence)", actual=what
+        )
     if segments.shape != mask.shape:
         expected = f"the shape of mask {format_shape(mask.shape)}"
         raise ContractError("segments", expected=expected, actual=format_shape(segments.shape))
@@ -246,7 +260,9 @@ def aggregation_weights(
     check_finite_deferred(mask, field="mask", nonnegative=True)
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
-    return weights_of(m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences)
+    return weights_of(
+        m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences
+    )
 
 
 def weights_of(
@@ -284,7 +300,9 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.where(w != 0, x, 0.0) * w).sum()
 
 
-def masked_mean(x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor, m: torch.Tensor, total: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sum(x * m) / sum(m)`` over ``m > 0``; ``0`` when ``sum(m)`` is exactly 0.
     ``x`` where ``m == 0`` is not read; NaN at a counted token, or in ``m``, gives NaN.
     ``total``: the denominator instead of ``sum(m)`` (the sum over the ranks)."""

@@ -29,7 +29,14 @@ from ._checks import (
     resolve_compute_dtype,
 )
 from ._engine import TileSetup
-from ._geometry import grad_capacity, interpreting, kernel_config, row_tile, sweep_tile, triton_mode_mismatch
+from ._geometry import (
+    grad_capacity,
+    interpreting,
+    kernel_config,
+    row_tile,
+    sweep_tile,
+    triton_mode_mismatch,
+)
 
 __all__ = [
     "LinearOptions",
@@ -87,16 +94,24 @@ class LinearOptions:
         t = self.temperature
         if not isinstance(t, torch.Tensor):
             check_temperature(t, 1)
-        elif t.dim() > 0 and check_floating("temperature", t).dim() != 1:  # a [b, s] is not the rows
+        elif (
+            t.dim() > 0 and check_floating("temperature", t).dim() != 1
+        ):  # a [b, s] is not the rows
             raise ContractError(
                 "temperature",
                 expected="a number or a tensor [n] (one per gathered row, s-major)",
                 actual=format_shape(t.shape),
             )
-        put(self, "logit_scale", check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True))
+        put(
+            self,
+            "logit_scale",
+            check_finite_number("logit_scale", self.logit_scale, low=0.0, low_open=True),
+        )
         check_int("ignore_index", self.ignore_index, low=-(1 << 62))
         if self.vocab is not None and not isinstance(self.vocab, VocabShard):
-            raise ContractError("vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab))
+            raise ContractError(
+                "vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab)
+            )
         if self.collectives is not None:
             expected = "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, gather_hidden_states)"
             check_instance("collectives", self.collectives, Collectives, expected)
@@ -110,7 +125,11 @@ class LinearOptions:
                 check_int(name, getattr(self, name), low=1)
         check_bool("check_values", self.check_values)
         if self.softcap is not None:
-            put(self, "softcap", check_finite_number("softcap", self.softcap, low=0.0, low_open=True))
+            put(
+                self,
+                "softcap",
+                check_finite_number("softcap", self.softcap, low=0.0, low_open=True),
+            )
 
     def _key(self) -> tuple[Any, ...]:
         """The fields, a tensor temperature as its identity."""
@@ -151,7 +170,9 @@ def refuse_unexpected(function: str, extra: dict[str, Any], *, options: bool = F
         moved = [f"{k}= -> LinearOptions({RENAMED.get(k, k)})" for k in sorted(extra) if k in known]
         where = "into options=LinearOptions(...)"
     else:  # a factory takes the tiles only
-        moved = [f"{k}= -> {RENAMED[k]}" for k in sorted(extra) if RENAMED.get(k, "").startswith("tile_")]
+        moved = [
+            f"{k}= -> {RENAMED[k]}" for k in sorted(extra) if RENAMED.get(k, "").startswith("tile_")
+        ]
         where = "to tile_rows= and tile_cols= (LinearOptions' names)"
     hint = f": the options moved {where}: {'; '.join(moved)}" if moved else ""
     raise TypeError(f"{function}() got unexpected keyword arguments {sorted(extra)}{hint}")
@@ -179,18 +200,24 @@ def prologue(
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
         raise ContractError(
-            "options", expected="a torch_impl.processors.LinearOptions", actual=type(options).__name__
+            "options",
+            expected="a torch_impl.processors.LinearOptions",
+            actual=type(options).__name__,
         )
     vocab = options.vocab
     tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
-    checked = checked_collectives(options.collectives, tp_size=tp)  # each result checked where it returns
+    checked = checked_collectives(
+        options.collectives, tp_size=tp
+    )  # each result checked where it returns
     if checked is not options.collectives:
         options = dataclasses.replace(options, collectives=checked)
     if check_floating("hidden", hidden).dim() != 2:
         raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
     h = hidden if checked is None else checked.gather_hidden_states(hidden)
     check_floating("weight", weight)
-    refuse_function_transforms(hidden=h, weight=weight, labels=labels, temperature=options.temperature)
+    refuse_function_transforms(
+        hidden=h, weight=weight, labels=labels, temperature=options.temperature
+    )
     n, width = h.shape
     if weight.dim() != 2 or weight.shape[1] != width:
         raise ContractError(
@@ -206,20 +233,28 @@ def prologue(
     if labels is None:
         y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
     else:
-        y = check_token_labels(labels, n, size, options.ignore_index, check_values=options.check_values)
+        y = check_token_labels(
+            labels, n, size, options.ignore_index, check_values=options.check_values
+        )
         y = y.to(device=h.device, dtype=torch.long)
     t = check_temperature(options.temperature, n, check_values=options.check_values)
     # float64 if either operand is, as torch would promote (Triton refused float64 above);
     # Triton's default is the input dtype on a CPU too
     wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
-    cdtype = resolve_compute_dtype(h.device, wide, options.compute_dtype or (h.dtype if triton else None))
+    cdtype = resolve_compute_dtype(
+        h.device, wide, options.compute_dtype or (h.dtype if triton else None)
+    )
     if triton and cdtype == torch.float64:
-        raise ContractError("compute_dtype", expected="not float64 with backend 'triton'", actual="float64")
+        raise ContractError(
+            "compute_dtype", expected="not float64 with backend 'triton'", actual="float64"
+        )
     acc = torch.float64 if cdtype == torch.float64 else torch.float32
     # 1 / T in the accumulation dtype: exact to float64 for a float32 T with float64 inputs
     scale = options.logit_scale
     inv_t: torch.Tensor | float = (
-        (scale / t.to(device=h.device, dtype=acc)).contiguous() if isinstance(t, torch.Tensor) else scale / t
+        (scale / t.to(device=h.device, dtype=acc)).contiguous()
+        if isinstance(t, torch.Tensor)
+        else scale / t
     )
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
     if (c := mean_weights) is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
@@ -236,14 +271,21 @@ def prologue(
         ignored=ignored,
         inv_t=inv_t,
         # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
-        fold=fold and not triton and cdtype in (torch.float32, torch.float64) and options.softcap is None,
+        fold=fold
+        and not triton
+        and cdtype in (torch.float32, torch.float64)
+        and options.softcap is None,
         compute_dtype=cdtype,
         acc_dtype=acc,
         vocab_start=start,
         vocab_size=size,
-        tile=sweep_tile(n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols),
+        tile=sweep_tile(
+            n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols
+        ),
         row_tile=rows,
-        grad_capacity=grad_capacity(n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device),
+        grad_capacity=grad_capacity(
+            n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device
+        ),
         collectives=options.collectives,
         kernel=kernel_config(h.device) if triton else None,
         bias=bias,

@@ -23,7 +23,14 @@ from hookspec import (
 from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_floating, check_instance, check_shape
 from ._fused import fused_token_loss
-from ._inputs import counted_mask, factory_tiles, hook_inputs, resolve_temperature, sequence_ids, to_tokens
+from ._inputs import (
+    counted_mask,
+    factory_tiles,
+    hook_inputs,
+    resolve_temperature,
+    sequence_ids,
+    to_tokens,
+)
 from ._logprobs import linear_logprobs
 from ._loss_math import (
     PolicyLossConfig,
@@ -89,7 +96,11 @@ class PolicyBatch:
 def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) -> PolicyBatch:
     """The user context, a :class:`PolicyBatch` validated for ``config`` (its shapes and counts)."""
     batch, expected = ctx.context, "a torch_impl.processors.PolicyBatch (output_processor_context=)"
-    hint = "A mapping is not read as one: pass PolicyBatch(**mapping)" if isinstance(batch, Mapping) else ""
+    hint = (
+        "A mapping is not read as one: pass PolicyBatch(**mapping)"
+        if isinstance(batch, Mapping)
+        else ""
+    )
     check_instance("context", batch, PolicyBatch, expected, hint)
     batch.validate(b, s, need_ref=config.kl_coef != 0.0)
     check_counts(config.aggregation, **global_counts(batch), prefix="context.")
@@ -99,7 +110,9 @@ def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) 
 CpSum = Callable[[torch.Tensor], torch.Tensor]
 
 
-def context_parallel_sum(config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext) -> CpSum | None:
+def context_parallel_sum(
+    config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext
+) -> CpSum | None:
     """The sum over the context-parallel group the loss makes its per-sequence
     sums whole with (``ctx.collectives.all_reduce_sum_context_parallel``), or
     ``None`` at ``cp_size`` 1. Collectives without it, or of one rank, raise
@@ -146,7 +159,9 @@ class TokenRows:
 
     def take(self, rows: slice) -> TokenRows:
         """The rows ``rows`` of every field."""
-        fields: dict[str, typing.Any] = {k: None if v is None else v[rows] for k, v in vars(self).items()}
+        fields: dict[str, typing.Any] = {
+            k: None if v is None else v[rows] for k, v in vars(self).items()
+        }
         return TokenRows(**fields)
 
 
@@ -158,7 +173,9 @@ def _rows(mask: torch.Tensor, weights: torch.Tensor, batch: PolicyBatch) -> Toke
         weights=to_tokens(weights),
         old=to_tokens(batch.old_logprobs).detach().to(device),
         adv=torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0),
-        ref=None if batch.ref_logprobs is None else to_tokens(batch.ref_logprobs).detach().to(device),
+        ref=None
+        if batch.ref_logprobs is None
+        else to_tokens(batch.ref_logprobs).detach().to(device),
     )
 
 
@@ -211,7 +228,9 @@ def token_terms(
     if config.entropy_coef != 0.0:
         total = total - config.entropy_coef * entropy
     loss = (total * rows.weights.to(logp.dtype)).sum()
-    return TokenTerms(loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy)
+    return TokenTerms(
+        loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy
+    )
 
 
 def _sequence_log_ratio(
@@ -231,7 +250,10 @@ def _sequence_log_ratio(
         log_ratio = clamp(num / n)[segments]   # 0 where n == 0
     """
     mask, segments = to_tokens(mask), to_tokens(segments)
-    diff = torch.where(mask > 0, logp - to_tokens(old).to(device=logp.device, dtype=logp.dtype), 0.0) * mask
+    diff = (
+        torch.where(mask > 0, logp - to_tokens(old).to(device=logp.device, dtype=logp.dtype), 0.0)
+        * mask
+    )
     num = segment_sum(diff, segments, count)
     den = segment_sum(mask.to(num.dtype), segments, count)
     if cp_sum is not None:
@@ -300,7 +322,9 @@ def policy_loss(
         x = hook_inputs(ctx, "policy_loss")
         batch = _policy_batch(ctx, x.b, x.s, config)
         cp_sum = context_parallel_sum(config, batch, ctx)
-        given, field = (ctx.loss_mask, "loss_mask") if batch.mask is None else (batch.mask, "context.mask")
+        given, field = (
+            (ctx.loss_mask, "loss_mask") if batch.mask is None else (batch.mask, "context.mask")
+        )
         mask = counted_mask(ctx, x, given, field)
         if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
             for name in ("old_logprobs", "advantages", "ref_logprobs"):
@@ -311,7 +335,9 @@ def policy_loss(
         log_ratio: torch.Tensor | None = None
         totals: torch.Tensor | None = None
         if not fused:  # autograd through linear_logprobs (logits recomputed in backward)
-            lr = linear_logprobs(x.hidden, x.weight, x.token_labels, options=options, with_entropy=True)
+            lr = linear_logprobs(
+                x.hidden, x.weight, x.token_labels, options=options, with_entropy=True
+            )
             logp, entropy = lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
         if config.ratio == RatioLevel.SEQUENCE:
             log_ratio, totals = _sequence_log_ratio(
@@ -319,7 +345,9 @@ def policy_loss(
             )
         elif cp_sum is not None:  # one collective: each sequence's token count over the group
             totals = cp_sum(segment_sum(mask, segments, count))
-        weights = weights_of(mask, segments, count, config.aggregation, **global_counts(batch), totals=totals)
+        weights = weights_of(
+            mask, segments, count, config.aggregation, **global_counts(batch), totals=totals
+        )
         rows = _rows(mask, weights, batch)
         if fused:  # gradients formed in the forward pass, tile by tile
 
@@ -328,9 +356,16 @@ def policy_loss(
 
             entropy_grad = config.entropy_coef != 0.0
             res = fused_token_loss(
-                x.hidden, x.weight, x.token_labels, tile_loss, options=options, entropy_grad=entropy_grad
+                x.hidden,
+                x.weight,
+                x.token_labels,
+                tile_loss,
+                options=options,
+                entropy_grad=entropy_grad,
             )
-            terms = dataclasses.replace(token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss)
+            terms = dataclasses.replace(
+                token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss
+            )
             return _metrics(terms, rows, config, totals)
         return _metrics(token_terms(logp, entropy, rows, config, log_ratio), rows, config, totals)
 

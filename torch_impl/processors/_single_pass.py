@@ -17,7 +17,9 @@ from ._sink import GradSink, RowScale
 __all__ = ["exp_rows", "row_scale", "single_pass"]
 
 
-def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: torch.Tensor) -> None:
+def exp_rows(
+    eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: torch.Tensor
+) -> None:
     """The pass over a whole-row tile: ``out`` gets ``E = exp(z - c)`` (0 at the label's
     column), and ``vec`` (``[5, r]``, acc dtype: a view of the call's ``[5, n]``) the
     rows' local ``c, m, s, t, zy``, combined later over a whole buffer by
@@ -36,7 +38,9 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
         flags = eng.buffer("flags", 1, rows.stop - rows.start, torch.int8)[0]
         inv_t = setup.row_inv_t(rows, column=False)
         vectors = (c, m, s, t, zy, flags)
-        exp_rows_(z, out, setup.labels_local[rows], inv_t, vectors, cfg=setup.kernel, cap_k=setup.cap_k)
+        exp_rows_(
+            z, out, setup.labels_local[rows], inv_t, vectors, cfg=setup.kernel, cap_k=setup.cap_k
+        )
         return
     _, col, keep = eng.label_columns(rows)
     torch.gather(z, 1, col, out=zy[:, None])
@@ -52,7 +56,9 @@ def exp_rows(eng: Engine, z: torch.Tensor, rows: slice, out: torch.Tensor, vec: 
     out.scatter_reduce_(1, col, keep, "prod")
 
 
-def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients) -> RowScale:
+def row_scale(
+    eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: Coefficients
+) -> RowScale:
     """The :class:`RowScale` of the rows ``rows`` of :func:`exp_rows`' vectors from
     their :class:`Stats` and coefficients (``b`` None), times the temperature factor
     the sink's GEMMs need (1 where it is folded into the hidden rows; ``E`` holds a
@@ -61,7 +67,9 @@ def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: C
         dz = -a exp(z - M) + g [j == y]
            = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
     """
-    assert coef.u is None  # a uniform term is no scale of E: the fused loss takes the two-pass sweep
+    assert (
+        coef.u is None
+    )  # a uniform term is no scale of E: the fused loss takes the two-pass sweep
     c, zy = vec[0, rows], vec[4, rows]
     f = 1.0 if eng.setup.fold else eng.setup.row_inv_t(rows, column=False)
     scale = -coef.a * torch.exp(c - stats.max) * f
@@ -70,7 +78,11 @@ def row_scale(eng: Engine, vec: torch.Tensor, rows: slice, stats: Stats, coef: C
 
 
 def single_pass(
-    eng: Engine, on_stats: Callable[[Stats, slice], Coefficients | None], *, need_dh: bool, need_dw: bool
+    eng: Engine,
+    on_stats: Callable[[Stats, slice], Coefficients | None],
+    *,
+    need_dh: bool,
+    need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The row sweep with :func:`exp_rows` a tile: ``on_stats(stats, rows)`` gets the
     exact :class:`Stats` of each gradient buffer's rows (entropy included) and returns

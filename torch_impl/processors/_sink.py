@@ -82,7 +82,9 @@ class GradSink:
         eng = self.engine
         cdt = eng.setup.compute_dtype
         if self.aliased or self.buf is None:
-            self.buf = torch.empty((min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device)
+            self.buf = torch.empty(
+                (min(self.capacity, eng.n), eng.local), dtype=cdt, device=eng.hs.device
+            )
             self.aliased = False
         return self.buf[self.held : self.held + rows.stop - rows.start]
 
@@ -134,13 +136,19 @@ class GradSink:
         g, safe = torch.where(cols >= 0, g, 0.0), cols.clamp(min=0)
         eng.bias_grad_(g, rows, cols)
         if self.dh is not None:
-            self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(1)  # [r, k, h] -> [r, h]
+            self.dh[rows] += (g.unsqueeze(2) * eng.weight_all()[safe].to(acc)).sum(
+                1
+            )  # [r, k, h] -> [r, h]
         if self.dw is not None:
             contrib = g.unsqueeze(2) * eng.hs[rows].to(acc).unsqueeze(1)  # [r, k, h]
-            self.dw.index_add_(0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype))
+            self.dw.index_add_(
+                0, safe.reshape(-1), contrib.reshape(-1, eng.hs.shape[1]).to(self.dw.dtype)
+            )
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(dh, dW)``: ``dh`` in the accumulation dtype (times ``inv_t`` when folded),
         ``dW`` in ``W``'s dtype."""
         self._flush()
-        return self.engine.unfold_dh(self.dh), None if self.dw is None else self.dw.to(self.engine.w_dtype)
+        return self.engine.unfold_dh(self.dh), None if self.dw is None else self.dw.to(
+            self.engine.w_dtype
+        )

@@ -25,10 +25,18 @@ def check_rows(
     """``value`` a tensor ``what`` (``"[n=4, k]"``: as many dims as it names) whose
     leading dims are ``lead``; of an integer dtype where ``integer``."""
     dims = what.count(",") + 1
-    if not isinstance(value, torch.Tensor) or value.dim() != dims or tuple(value.shape[: len(lead)]) != lead:
-        actual = format_shape(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != dims
+        or tuple(value.shape[: len(lead)]) != lead
+    ):
+        actual = (
+            format_shape(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        )
         raise ContractError(field, expected=f"a tensor {what}", actual=actual)
-    if integer and (value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex()):
+    if integer and (
+        value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex()
+    ):
         raise ContractError(field, expected="an integer dtype", actual=str(value.dtype))
     return value
 
@@ -72,7 +80,9 @@ class SparseTeacher:
         if k < 1:
             raise ContractError(f"{field}.ids", expected="k >= 1 ids per token", actual="k = 0")
         check_floating(f"{field}.logprobs", self.logprobs)
-        check_shape(f"{field}.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids")
+        check_shape(
+            f"{field}.logprobs", self.logprobs, (b, s, k), f"[b={b}, s={s}, k={k}] like ids"
+        )
         device = counted.device
         ids = ids.transpose(0, 1).reshape(-1, k).to(device=device, dtype=torch.long)
         lp = self.logprobs.detach().transpose(0, 1).reshape(-1, k).to(device=device)
@@ -115,7 +125,9 @@ def _check_sparse_values(
     expected = "a finite first logprob (ids[0] is the teacher's top-1: probability > 0)"
     refuse(wide[:, 0] == -math.inf, wide[:, 0], expected, first)
     top, total = wide.amax(1), torch.logsumexp(wide, 1)
-    refuse(top > eps, top, f"logprobs <= 0 (up to eps = {eps:.3g})", "tokens (their largest logprob)")
+    refuse(
+        top > eps, top, f"logprobs <= 0 (up to eps = {eps:.3g})", "tokens (their largest logprob)"
+    )
     expected = f"logprobs whose exp sums to <= 1 (up to k * eps = {k * eps:.3g}) per token"
     refuse(total > math.log1p(k * eps), total.exp(), expected, "tokens (their sum of exp)")
     if k > 1:
@@ -158,15 +170,23 @@ class DenseTeacher:
         """The checked teacher as detached rows of the gathered tokens, ``hidden_states``
         ``[n, h_t]``; ``hidden``: the student's ``[s, b, h]`` (local); ``field``: what
         errors call it."""
-        scale = check_finite_number(f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True)
+        scale = check_finite_number(
+            f"{field}.logit_scale", self.logit_scale, low=0.0, low_open=True
+        )
         cap = self.softcap
-        cap = None if cap is None else check_finite_number(f"{field}.softcap", cap, low=0.0, low_open=True)
+        cap = (
+            None
+            if cap is None
+            else check_finite_number(f"{field}.softcap", cap, low=0.0, low_open=True)
+        )
         th = check_floating(f"{field}.hidden_states", self.hidden_states)
         tw = check_floating(f"{field}.weight", self.weight)
         sb = f"[{hidden.shape[0]}, {hidden.shape[1]}, h_t] like ctx.hidden_states"
         check_rows(f"{field}.hidden_states", th, tuple(hidden.shape[:2]), sb)
         local = student_vocab.end - student_vocab.start
-        check_rows(f"{field}.weight", tw, (local, th.shape[2]), f"[V_local={local}, h_t={th.shape[2]}]")
+        check_rows(
+            f"{field}.weight", tw, (local, th.shape[2]), f"[V_local={local}, h_t={th.shape[2]}]"
+        )
         whole = student_vocab.start == 0 and student_vocab.end == student_vocab.size
         if self.vocab != student_vocab and (self.vocab is not None or not whole):
             raise ContractError(
@@ -177,4 +197,6 @@ class DenseTeacher:
         t_h = th.detach().to(hidden.device)
         t_h = collectives.gather_hidden_states(t_h) if collectives is not None else t_h
         rows, weight = t_h.reshape(-1, t_h.shape[-1]).detach(), tw.detach().to(hidden.device)
-        return dataclasses.replace(self, hidden_states=rows, weight=weight, logit_scale=scale, softcap=cap)
+        return dataclasses.replace(
+            self, hidden_states=rows, weight=weight, logit_scale=scale, softcap=cap
+        )

@@ -61,7 +61,9 @@ class Tiles:
     Triton kernels): an epilogue reads tiles through :meth:`logits_of` and hands the
     gradient of the tempered logits to a :class:`~._sink.GradSink` (:meth:`untempered_grad`)."""
 
-    def __init__(self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, *, need_db: bool = False) -> None:
+    def __init__(
+        self, h: torch.Tensor, w: torch.Tensor, setup: TileSetup, *, need_db: bool = False
+    ) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
         # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype = compute)
@@ -100,10 +102,14 @@ class Tiles:
         (``wc = W[cols]``): tempered on the torch backend (folded: ``(h inv_t) @ wc.T +
         inv_t b``), untempered on the Triton backend (its kernels apply ``inv_t``)."""
         x = self.hs[rows]
-        z = gemm_into(self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T, first=True)
+        z = gemm_into(
+            self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T, first=True
+        )
         if self.b is not None:
             f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
-            z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(self.b[cols], alpha=f)
+            z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(
+                self.b[cols], alpha=f
+            )
         if self.setup.cap_k is not None and not self.triton:  # tanh(u k) kept for cap_slope_
             t = torch.mul(z, self.setup.cap_k, out=self.like("cap", z)).tanh_()
             return torch.mul(t, self._cap_out(rows), out=z)
@@ -130,14 +136,18 @@ class Tiles:
         t = zv / self._cap_out(rows, column=zv.dim() == 2)
         return 1.0 - t * t
 
-    def logits_of(self, values: torch.Tensor, rows: slice, *, inplace: bool = False) -> torch.Tensor:
+    def logits_of(
+        self, values: torch.Tensor, rows: slice, *, inplace: bool = False
+    ) -> torch.Tensor:
         """Values read from a tile of :meth:`logits` (``[r, k]``, a gather or a max; or
         ``[r]``; or the tile itself, ``inplace``) as the tempered logits ``z``."""
         if not self.triton:
             return values
         column = values.dim() == 2
         if self.setup.cap_k is None:
-            return scaled_(values if inplace else values.clone(), self.setup.row_inv_t(rows, column=column))
+            return scaled_(
+                values if inplace else values.clone(), self.setup.row_inv_t(rows, column=column)
+            )
         t = torch.mul(values, self.setup.cap_k, out=values if inplace else None).tanh_()
         return scaled_(t, self._cap_out(rows, column=column))
 
@@ -147,7 +157,9 @@ class Tiles:
         ``gz`` comes times its slope (:meth:`cap_slope_of`, the caller's: elementwise)."""
         return gz if self.setup.fold else scaled_(gz, self.setup.row_inv_t(rows))
 
-    def bias_grad_(self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None) -> None:
+    def bias_grad_(
+        self, g: torch.Tensor, rows: slice, cols: Any = slice(None), scale: Any = None
+    ) -> None:
         """``db[cols] += sum_i w_i g[i]`` (``db = sum_i dL/du_i``) for ``g`` in the GEMMs' form,
         ``[r, c]`` of the columns ``cols``, or ``[r, k]`` at the local columns ``cols`` (-1:
         none, ``g`` 0 there); ``w = scale`` (1 when None), times ``inv_t`` where folded."""
@@ -164,7 +176,11 @@ class Tiles:
 
     def unfold_dh(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """``dh = d(hs) * inv_t`` when the temperature was folded into the hidden rows."""
-        return dh if dh is None or not self.setup.fold else scaled_(dh, self.setup.row_inv_t(slice(None)))
+        return (
+            dh
+            if dh is None or not self.setup.fold
+            else scaled_(dh, self.setup.row_inv_t(slice(None)))
+        )
 
     def label_columns(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(hit [r], col [r, 1], keep [r, 1])`` of whole rows: the label is in this shard,
@@ -182,7 +198,11 @@ class Tiles:
         height, width = self.setup.tile
         for j0 in range(0, self.local if self.n else 0, width):
             cols = slice(j0, min(j0 + width, self.local))
-            wc = self.w[cols].to(self.setup.compute_dtype) if self._w_all is None else self._w_all[cols]
+            wc = (
+                self.w[cols].to(self.setup.compute_dtype)
+                if self._w_all is None
+                else self._w_all[cols]
+            )
             for i0 in range(0, self.n, height):
                 rows = slice(i0, min(i0 + height, self.n))
                 yield rows, cols, wc, self.logits(rows, wc, cols)

@@ -62,7 +62,9 @@ def _tile_topk(z: torch.Tensor, k: int, first_id: int) -> tuple[torch.Tensor, to
     tied = torch.topk(torch.where(z == kth, neg_col, float("-inf")), k, dim=1).values
     above = vals > kth
     is_tied = tied > float("-inf")
-    cand_v = torch.cat([torch.where(above, vals, float("-inf")), torch.where(is_tied, kth, tied)], 1)
+    cand_v = torch.cat(
+        [torch.where(above, vals, float("-inf")), torch.where(is_tied, kth, tied)], 1
+    )
     ids_above = torch.where(above, idx + first_id, _NO_ID)
     cand_i = torch.cat([ids_above, torch.where(is_tied, first_id - tied.long(), _NO_ID)], 1)
     cand_v, cand_i = order_candidates(cand_v, cand_i)
@@ -79,7 +81,9 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
     capped = eng.triton and setup.cap_k is not None  # u's order breaks ties of capped values
 
     def on_tile(z: torch.Tensor, rows: slice, cols: slice) -> None:
-        tv, ti = _tile_topk(eng.logits_of(z, rows) if capped else z, k_local, setup.vocab_start + cols.start)
+        tv, ti = _tile_topk(
+            eng.logits_of(z, rows) if capped else z, k_local, setup.vocab_start + cols.start
+        )
         tv = tv if capped else eng.logits_of(tv, rows)
         if cols.start == 0:
             top_v[rows, : tv.shape[1]], top_i[rows, : ti.shape[1]] = tv, ti
@@ -115,7 +119,9 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
         if g_val is None and g_lab is None and g_ent is None:
             return None
         g_lab = (
-            torch.zeros_like(kept.max) if g_lab is None else torch.where(setup.ignored, 0.0, g_lab.to(acc))
+            torch.zeros_like(kept.max)
+            if g_lab is None
+            else torch.where(setup.ignored, 0.0, g_lab.to(acc))
         )
         total = g_lab if g_val is None else g_lab + g_val.to(acc).sum(1)
         coef = logit_grad_coefficients(kept, total, g_ent, torch.zeros_like(setup.ignored), acc)
@@ -160,7 +166,9 @@ def linear_topk_logprobs(
     """
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
-    options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, fold=False, bias=bias)
+    options, h, setup = prologue(
+        name, hidden, weight, labels, options, unexpected, fold=False, bias=bias
+    )
     k = check_int("k", k, low=1, high=setup.vocab_size)
     gather = None
     if int(weight.shape[0]) < setup.vocab_size:  # the vocabulary split over shards
@@ -173,7 +181,9 @@ def linear_topk_logprobs(
             )
     run = functools.partial(_run, k, gather, with_entropy)
     values, ids, label, entropy = Recomputed.apply(h, weight, setup.bias, name, setup, run)
-    return TopkResult(values, ids, label if labels is not None else None, entropy if with_entropy else None)
+    return TopkResult(
+        values, ids, label if labels is not None else None, entropy if with_entropy else None
+    )
 
 
 def topk_logprobs(
@@ -212,7 +222,10 @@ def topk_logprobs(
             with_entropy=entropy,
         )
         return x.per_token(
-            topk_logprobs=res.logprobs, topk_ids=res.ids, logprobs=res.label_logprobs, entropy=res.entropy
+            topk_logprobs=res.logprobs,
+            topk_ids=res.ids,
+            logprobs=res.label_logprobs,
+            entropy=res.entropy,
         )
 
     return processor(fn, name="topk_logprobs")

@@ -43,7 +43,9 @@ def _temper(u, k2, f, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr):
+def _row_scales(
+    inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr
+):
     """The rows' ``f`` and ``k2`` of :func:`_temper`: ``inv_t`` (per row or a scalar), or
     ``inv_t / cap_k`` under ``SOFTCAP``."""
     if PER_TOKEN_T:
@@ -54,7 +56,9 @@ def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.const
 
 
 @triton.jit
-def _summand(z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr):
+def _summand(
+    z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr
+):
     """A block's term of the mean logit's sum before its factor ``inv_t`` (``inv_t /
     cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights; 0 in
     a masked column (``MASKED``: ``cw_ok`` False)."""
@@ -83,7 +87,18 @@ def _store_rounded(ptrs, x, mask):
 
 @triton.jit
 def _stats_step(
-    z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY: tl.constexpr, k2, SOFTCAP: tl.constexpr, ok
+    z,
+    m,
+    base,
+    s_in,
+    t_in,
+    s_l,
+    t_l,
+    inv_t,
+    WITH_ENTROPY: tl.constexpr,
+    k2,
+    SOFTCAP: tl.constexpr,
+    ok,
 ):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
@@ -155,7 +170,11 @@ def _chunk_stats_kernel(
     # the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
     m = tl.load(m_ptr + r, mask=row_ok, other=float("-inf"))
     s_in = tl.load(s_ptr + r, mask=row_ok, other=0.0)
-    t_in = tl.load(t_ptr + r, mask=row_ok, other=0.0) if WITH_ENTROPY else tl.zeros((BLOCK_M,), tl.float32)
+    t_in = (
+        tl.load(t_ptr + r, mask=row_ok, other=0.0)
+        if WITH_ENTROPY
+        else tl.zeros((BLOCK_M,), tl.float32)
+    )
     base = tl.where(m > float("-inf"), m, 0.0)
     s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -325,7 +344,8 @@ def _exp_rows_kernel(
             else:
                 z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
                 ref = tl.maximum(
-                    _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP), tl.where(here, zy, float("-inf"))
+                    _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP),
+                    tl.where(here, zy, float("-inf")),
                 )
             ref = tl.where(row_ok, ref, 0.0)
             m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
@@ -337,7 +357,9 @@ def _exp_rows_kernel(
                 z = z_next
                 z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
                 out = out_rows + (c0 + cc)[None, :]
-                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP)
+                m_l, s_l, t_l = _exp_step(
+                    z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP
+                )
             if full < cols:
                 c = full + cc
                 ok = row_ok[:, None] & (c < cols)[None, :]
@@ -360,7 +382,12 @@ def _exp_rows_kernel(
 
 
 def _launch(
-    kernel: Any, cfg: KernelConfig, args: tuple[Any, ...], inv_t: Any, cap_k: float | None, **flags: Any
+    kernel: Any,
+    cfg: KernelConfig,
+    args: tuple[Any, ...],
+    inv_t: Any,
+    cap_k: float | None,
+    **flags: Any,
 ) -> None:
     """One launch over the rows of ``z = args[0]``: ``inv_t`` a per-row fp32 tensor or a
     number; ``cap_k = logit_scale / softcap`` or None."""
@@ -407,7 +434,11 @@ def chunk_stats_(
     ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
     m, s, t, zy = state
     args = (z, labels_local, m, s, m if t is None else t, zy, *z.shape, col0, z.stride(0))
-    flags = {"WITH_ENTROPY": t is not None, "sz_ptr": m if sz is None else sz, "WITH_SUM": sz is not None}
+    flags = {
+        "WITH_ENTROPY": t is not None,
+        "sz_ptr": m if sz is None else sz,
+        "WITH_SUM": sz is not None,
+    }
     flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
     _launch(_chunk_stats_kernel, cfg, args, inv_t, cap_k, **flags)
 
@@ -457,7 +488,9 @@ def exp_rows_(
     out: torch.Tensor,
     labels_local: torch.Tensor,
     inv_t: torch.Tensor | float,
-    vectors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    vectors: tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ],
     *,
     cfg: KernelConfig,
     cap_k: float | None = None,
@@ -478,5 +511,19 @@ def exp_rows_(
     the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``.
     ``cap_k``: a softcap (``zt`` capped, ``out`` times ``1 - tanh(z cap_k)**2``)."""
     c, m, s, t, zy, flags = vectors
-    args = (z, out, labels_local, c, m, s, t, zy, flags, *z.shape, z.stride(0), out.stride(0), EXP_RANGE)
+    args = (
+        z,
+        out,
+        labels_local,
+        c,
+        m,
+        s,
+        t,
+        zy,
+        flags,
+        *z.shape,
+        z.stride(0),
+        out.stride(0),
+        EXP_RANGE,
+    )
     _launch(_exp_rows_kernel, cfg, args, inv_t, cap_k)

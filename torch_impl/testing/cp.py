@@ -44,7 +44,9 @@ def cp_chunk_index(length: int, cp: int, rank: int) -> torch.Tensor:
         raise ValueError(f"length {length} is not a multiple of 2 * cp = {2 * cp}")
     c = length // (2 * cp)
     mirror = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)]
+    )
 
 
 def thd_partition_index(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

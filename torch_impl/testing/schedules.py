@@ -141,7 +141,9 @@ class _Patches:
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
                     stack.enter_context(mock.patch("torch.cuda.synchronize"))
-                    stack.enter_context(mock.patch("torch.cuda.current_stream", return_value=stream))
+                    stack.enter_context(
+                        mock.patch("torch.cuda.current_stream", return_value=stream)
+                    )
                     self.stack = stack.pop_all()
             self.entries += 1
 

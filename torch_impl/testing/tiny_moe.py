@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_mtp_block_spec,
+)
 
 from hookspec import ContractError
 
@@ -67,7 +70,9 @@ def build_tiny_moe_gpt(
         layer_spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
     mtp_spec = None
     if mtp_num_layers:
-        moe_spec = next(s for s, v in zip(block.layer_specs, moe_layers) if v) if any(moe_layers) else None
+        moe_spec = (
+            next(s for s, v in zip(block.layer_specs, moe_layers) if v) if any(moe_layers) else None
+        )
         if moe_spec is None:
             raise ContractError(
                 "moe_layers",
@@ -75,4 +80,6 @@ def build_tiny_moe_gpt(
                 actual=list(moe_layers),
             )
         mtp_spec = get_gpt_mtp_block_spec(config, moe_spec, use_transformer_engine=False)
-    return build_tiny_gpt(shape, seed=seed, transformer_layer_spec=block, mtp_block_spec=mtp_spec, **kwargs)
+    return build_tiny_gpt(
+        shape, seed=seed, transformer_layer_spec=block, mtp_block_spec=mtp_spec, **kwargs
+    )

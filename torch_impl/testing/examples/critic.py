@@ -96,7 +96,11 @@ def clipped_value_loss(
         per_token = torch.maximum(unclipped, clipped)
         clipped_tokens = (clipped > unclipped).to(values.dtype)
     total = mask.sum()
-    loss = 0.5 * (mask * per_token).sum() / (count if isinstance(count, torch.Tensor) else float(count))
+    loss = (
+        0.5
+        * (mask * per_token).sum()
+        / (count if isinstance(count, torch.Tensor) else float(count))
+    )
     fraction = torch.where(total > 0, (mask * clipped_tokens).sum() / total.clamp(min=1e-30), 0.0)
     return loss, fraction.detach()
 
@@ -106,7 +110,9 @@ def _check_tensor(field: str, value: Any, shape: tuple[int, int]) -> torch.Tenso
         raise ContractError(field, expected="a torch.Tensor [b, s]", actual=type(value).__name__)
     if tuple(value.shape) != shape:
         raise ContractError(
-            field, expected=f"shape [b={shape[0]}, s={shape[1]}]", actual=f"shape {list(value.shape)}"
+            field,
+            expected=f"shape [b={shape[0]}, s={shape[1]}]",
+            actual=f"shape {list(value.shape)}",
         )
     return value
 
@@ -119,13 +125,17 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
     ``ColumnParallelLinear(h, 1)`` at tp=1; bias added); ``clip_range``: a finite
     number > 0, or ``None`` for the unclipped loss."""
     if not callable(head):
-        raise ContractError("head", expected="a callable [..., h] -> [..., 1]", actual=type(head).__name__)
+        raise ContractError(
+            "head", expected="a callable [..., h] -> [..., 1]", actual=type(head).__name__
+        )
     if clip_range is not None and (
         isinstance(clip_range, bool)
         or not isinstance(clip_range, (int, float))
         or not (0 < float(clip_range) < math.inf)
     ):
-        raise ContractError("clip_range", expected="a finite number > 0, or None", actual=repr(clip_range))
+        raise ContractError(
+            "clip_range", expected="a finite number > 0, or None", actual=repr(clip_range)
+        )
     clip = None if clip_range is None else float(clip_range)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -139,26 +149,42 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
             out = out if bias is None else out + bias
         if out.shape[-1] != 1 or tuple(out.shape[:-1]) != tuple(hidden.shape[:-1]):
             raise ContractError(
-                "head", expected=f"output [s, b, 1] for input {list(hidden.shape)}", actual=list(out.shape)
+                "head",
+                expected=f"output [s, b, 1] for input {list(hidden.shape)}",
+                actual=list(out.shape),
             )
         values = out[..., 0].transpose(0, 1).float()  # [b, s]
         batch = ctx.context
         if batch is None:
             return {"values": values}
         if not isinstance(batch, ValueBatch):
-            raise ContractError("context", expected="a ValueBatch or None", actual=type(batch).__name__)
+            raise ContractError(
+                "context", expected="a ValueBatch or None", actual=type(batch).__name__
+            )
         shape = (ctx.batch_size, ctx.seq_len)
         returns = _check_tensor("context.returns", batch.returns, shape).float()
         old = _check_tensor("context.old_values", batch.old_values, shape).float()
         mask = batch.mask if batch.mask is not None else ctx.loss_mask
-        mask = torch.ones(shape) if mask is None else _check_tensor("context.mask", mask, shape).float()
+        mask = (
+            torch.ones(shape)
+            if mask is None
+            else _check_tensor("context.mask", mask, shape).float()
+        )
         count: float | torch.Tensor = mask.sum().clamp(min=1.0)
         if batch.global_tokens is not None:
             g = batch.global_tokens
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < float(g) < math.inf):
-                raise ContractError("context.global_tokens", expected="a finite number > 0", actual=repr(g))
+            if (
+                isinstance(g, bool)
+                or not isinstance(g, (int, float))
+                or not (0 < float(g) < math.inf)
+            ):
+                raise ContractError(
+                    "context.global_tokens", expected="a finite number > 0", actual=repr(g)
+                )
             count = float(g)
-        loss, fraction = clipped_value_loss(values, returns, old, mask, clip_range=clip, count=count)
+        loss, fraction = clipped_value_loss(
+            values, returns, old, mask, clip_range=clip, count=count
+        )
         return {"values": values, "loss": loss, "clip_fraction": fraction}
 
     return hookspec.processor(fn, name="value_head")

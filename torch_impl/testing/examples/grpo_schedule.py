@@ -81,7 +81,9 @@ class PackedMicroBatch:
 PACKED_FIELDS = ("input_ids", "position_ids", "labels", "mask", "advantages")
 
 
-def pack(rows: Mapping[str, torch.Tensor], /, *, lengths: Sequence[int] | None = None) -> PackedMicroBatch:
+def pack(
+    rows: Mapping[str, torch.Tensor], /, *, lengths: Sequence[int] | None = None
+) -> PackedMicroBatch:
     """Pack ``[n, s]`` rows (``input_ids``, ``position_ids``, ``labels``, ``mask``,
     ``advantages``) into one THD row ``[1, t]``, keeping the first ``lengths[i]``
     tokens of row ``i`` (all ``s`` when ``lengths`` is ``None``)::
@@ -100,7 +102,11 @@ def pack(rows: Mapping[str, torch.Tensor], /, *, lengths: Sequence[int] | None =
         raise ContractError("lengths", expected=f"{n} lengths in [1, {s}]", actual=repr(lengths))
     cu = torch.tensor([0, *keep], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(keep), max_seqlen_kv=max(keep)
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(keep),
+        max_seqlen_kv=max(keep),
     )
     flat = {k: torch.cat([rows[k][i, : keep[i]] for i in range(n)])[None] for k in PACKED_FIELDS}
     return PackedMicroBatch(**flat, packed_seq_params=psp)
@@ -109,8 +115,14 @@ def pack(rows: Mapping[str, torch.Tensor], /, *, lengths: Sequence[int] | None =
 def split_rollout(batch: Rollout, num_microbatches: int, /) -> list[PackedMicroBatch]:
     """The rollout's rows in ``num_microbatches`` equal, consecutive parts, each packed."""
     b = batch.input_ids.shape[0]
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ContractError("num_microbatches", expected="an int >= 1", actual=repr(num_microbatches))
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+    ):
+        raise ContractError(
+            "num_microbatches", expected="an int >= 1", actual=repr(num_microbatches)
+        )
     if b % num_microbatches:
         raise ContractError(
             "num_microbatches",
@@ -163,7 +175,9 @@ def schedule_logprobs(
     the logprobs as its metrics), entered inside ``schedule_scope()``."""
     processor = selected_logprobs(temperature=temperature)
 
-    def loss_func(result: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_func(
+        result: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return torch.zeros(()), {"logprobs": result["logprobs"].detach()}
 
     def step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module) -> Any:
@@ -220,14 +234,20 @@ def policy_update(
     loss_fn = policy_loss(PolicyLossConfig.grpo(kl_coef=kl_coef))
     scalar_t = None if temperature == 1.0 else temperature
 
-    def loss_func(result: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_func(
+        result: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # clone: the schedule divides the returned loss by num_microbatches in place
-        return result["loss"], {k: result[k].detach().clone() for k in ("loss", "kl", "clip_fraction")}
+        return result["loss"], {
+            k: result[k].detach().clone() for k in ("loss", "kl", "clip_fraction")
+        }
 
     def step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module) -> Any:
         mb = next(data_iterator)
         if mb.old_logprobs is None or mb.ref_logprobs is None:
-            raise ContractError("micro_batch", expected="old_logprobs and ref_logprobs", actual="None")
+            raise ContractError(
+                "micro_batch", expected="old_logprobs and ref_logprobs", actual="None"
+            )
         context = PolicyBatch(
             old_logprobs=mb.old_logprobs,
             advantages=mb.advantages,
@@ -270,14 +290,18 @@ def grpo_schedule_step(
     vocab = getattr(unwrap_model(ddp), "vocab_size", None)
     if vocab != task.vocab_size:
         raise ContractError(
-            "task.vocab_size", expected=f"the model's vocabulary size {vocab}", actual=task.vocab_size
+            "task.vocab_size",
+            expected=f"the model's vocabulary size {vocab}",
+            actual=task.vocab_size,
         )
     batch = rollout(ddp, task, config, generator=generator)
     mbs = split_rollout(batch, num_microbatches)
     kw: dict[str, Any] = {"temperature": config.temperature, "schedule_scope": schedule_scope}
     old = schedule_logprobs(ddp, mbs, **kw)
     ref = schedule_logprobs(reference, mbs, **kw)
-    mbs = [dataclasses.replace(mb, old_logprobs=o, ref_logprobs=r) for mb, o, r in zip(mbs, old, ref)]
+    mbs = [
+        dataclasses.replace(mb, old_logprobs=o, ref_logprobs=r) for mb, o, r in zip(mbs, old, ref)
+    ]
     metrics: list[dict[str, torch.Tensor]] = []
     for _ in range(config.updates_per_step):
         optimizer.zero_grad(set_to_none=True)

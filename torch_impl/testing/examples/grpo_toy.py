@@ -107,14 +107,20 @@ class GRPOToyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ContractError(name, expected="an int >= 1", actual=repr(value))
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+        if (
+            isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size < 2
+        ):
             raise ContractError(
                 "group_size",
                 expected="an int >= 2 (advantages are normalised within a group)",
                 actual=repr(self.group_size),
             )
         if not self.temperature > 0:
-            raise ContractError("temperature", expected="a number > 0", actual=repr(self.temperature))
+            raise ContractError(
+                "temperature", expected="a number > 0", actual=repr(self.temperature)
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +189,20 @@ def group_advantages(rewards: torch.Tensor, /, *, eps: float = 1e-6) -> torch.Te
 
 
 def rollout(
-    model: torch.nn.Module, task: CountingTask, config: GRPOToyConfig, /, *, generator: torch.Generator
+    model: torch.nn.Module,
+    task: CountingTask,
+    config: GRPOToyConfig,
+    /,
+    *,
+    generator: torch.Generator,
 ) -> Rollout:
     """Sample ``group_size`` completions for each of ``prompts_per_step`` prompts and
     score them."""
     n, g = config.prompts_per_step, config.group_size
     prompts = task.prompts(n, generator=generator).repeat_interleave(g, dim=0)
-    seqs = sample(model, prompts, task.completion_len, generator=generator, temperature=config.temperature)
+    seqs = sample(
+        model, prompts, task.completion_len, generator=generator, temperature=config.temperature
+    )
     rewards = task.reward(prompts, seqs[:, task.prompt_len :])
     adv = group_advantages(rewards.view(n, g)).reshape(-1)
     s = seqs.shape[1] - 1
@@ -206,7 +219,9 @@ def rollout(
 
 
 @torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, batch: Rollout, /, *, temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module, batch: Rollout, /, *, temperature: float = 1.0
+) -> torch.Tensor:
     """``[b, s]``: the labels' logprobs under ``model``, through the hook
     (``selected_logprobs``), without a graph."""
     out = model(
@@ -235,7 +250,9 @@ def grpo_step(
     vocab = getattr(unwrap_model(model), "vocab_size", None)
     if vocab != task.vocab_size:
         raise ContractError(
-            "task.vocab_size", expected=f"the model's vocabulary size {vocab}", actual=task.vocab_size
+            "task.vocab_size",
+            expected=f"the model's vocabulary size {vocab}",
+            actual=task.vocab_size,
         )
     batch = rollout(model, task, config, generator=generator)
     old = sequence_logprobs(model, batch, temperature=config.temperature)
@@ -277,5 +294,6 @@ def train(
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     return [
-        grpo_step(model, reference, optimizer, task, config, generator=generator) for _ in range(config.steps)
+        grpo_step(model, reference, optimizer, task, config, generator=generator)
+        for _ in range(config.steps)
     ]
