@@ -102,6 +102,24 @@ Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
 
 An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
 
+Preference losses of pairs of sequences, ``c`` chosen and ``r`` rejected. A sequence's
+logprob is ``S = sum_t(M * logprob)`` over its ``n = sum_t(M)`` counted tokens, the
+reference's ``S_ref`` over the same tokens; length-normalised, both are divided by ``n``
+(DPO: sums by default; IPO: means by default, as TRL, where the IPO paper writes sums;
+SimPO: always means; ``lp = 0`` where ``n == 0``)::
+
+    lp, ref = (S / n, S_ref / n) if length_normalized else (S, S_ref)
+    m = (lp_c - ref_c) - (lp_r - ref_r)                    # SimPO: ref = 0
+    dpo:    L = -(1 - eps) * logsigmoid(beta * m) - eps * logsigmoid(-beta * m)
+    ipo:    L = (m - 1 / (2 * beta)) ** 2
+    simpo:  L = -(1 - eps) * logsigmoid(beta * m - gamma) - eps * logsigmoid(gamma - beta * m)
+    reward = beta * (lp - ref)                             # each side; accuracy: r_c > r_r
+    loss = sum_i(w_i * L_i) / sum_i(w_i)                   # mean over the pairs, weights w >= 0
+
+``beta > 0``; ``eps`` (label smoothing, conservative DPO) in ``[0, 0.5]``, 0 for IPO;
+``gamma`` SimPO's target margin. A pair counts (``w_i > 0``) only with a counted token in
+each of its sequences.
+
 Top-k logprobs of one token: the ``k`` largest entries of ``lp = log_softmax(z /
 T)``, ordered by value descending and, among equal values, by id ascending (the
 smaller id first, deterministically)::

@@ -22,6 +22,7 @@ from ._logprobs import LogprobResult, linear_logprobs
 from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
+from ._preference import PreferenceBatch, PreferenceConfig, PreferenceMethod, preference_loss
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
@@ -38,6 +39,9 @@ __all__ = [
     "MEASURED_CHOICES",
     "PolicyBatch",
     "PolicyLossConfig",
+    "PreferenceBatch",
+    "PreferenceConfig",
+    "PreferenceMethod",
     "RatioLevel",
     "SparseTeacher",
     "TILES_BY_DEVICE",
@@ -55,6 +59,7 @@ __all__ = [
     "linear_logprobs",
     "linear_topk_logprobs",
     "policy_loss",
+    "preference_loss",
     "selected_logprobs",
     "topk_logprobs",
 ]
