@@ -32,11 +32,14 @@ from torch_impl.processors import (
     LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
+    PreferenceBatch,
+    PreferenceConfig,
     SparseTeacher,
     cross_entropy_loss,
     distillation_loss,
     linear_distillation_loss,
     policy_loss,
+    preference_loss,
     selected_logprobs,
     topk_logprobs,
 )
@@ -66,6 +69,10 @@ __all__ = [
     "LOGPROBS_T07",
     "PPO",
     "PPO_CONFIG",
+    "PREFERENCE_DPO",
+    "PREFERENCE_DPO_CONFIG",
+    "PREFERENCE_SIMPO",
+    "PREFERENCE_SIMPO_CONFIG",
     "SOFTCAP",
     "SEQ_SUM",
     "SEQ_SUM_CONFIG",
@@ -76,6 +83,8 @@ __all__ = [
     "distillation_by_rows",
     "gspo_context",
     "policy_context",
+    "preference_context",
+    "reference_free_context",
     "softcapped",
     "softcapped_config",
     "sparse_teacher_context",
@@ -303,3 +312,39 @@ def dense_teacher_context(ctx: OutputContext) -> CheckedDenseTeacher:
         vocab=ctx.vocab,
         full_weight=tw.float(),
     )
+
+
+# ---------------------------------------------------------------- preference losses
+
+PREFERENCE_DPO_CONFIG = PreferenceConfig.dpo(beta=0.5, label_smoothing=0.1)
+PREFERENCE_DPO = preference_loss(PREFERENCE_DPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
+PREFERENCE_SIMPO_CONFIG = PreferenceConfig.simpo(beta=2.0, gamma=0.5, label_smoothing=0.05)
+PREFERENCE_SIMPO = preference_loss(PREFERENCE_SIMPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
+
+
+def preference_context(ctx: OutputContext) -> PreferenceBatch:
+    """The pairs (0, 1) and (2, 0) of the cases' three rows, the second counted only
+    where rows 2 and 0 both count a token (the masked cases empty row 2); the reference's
+    sums 0.3 to 0.9 away from the policy's: the margins -1.5 and 1.2 (times beta), far
+    from a tie and from cancelling."""
+    lp = current_logprobs(ctx)  # [b, s] float64
+    assert ctx.labels is not None
+    counted = ctx.labels != ctx.ignore_index
+    if ctx.loss_mask is not None:
+        counted = counted & (ctx.loss_mask.to(counted.device) > 0)
+    total = torch.where(counted, lp, 0.0).sum(-1)
+    tokens = counted.sum(-1)
+    chosen, rejected = torch.tensor([0, 2]), torch.tensor([1, 0])
+    both = bool(tokens[2] > 0 and tokens[0] > 0)
+    return PreferenceBatch(
+        ref_chosen=(total[chosen] + torch.tensor([0.8, -0.9], dtype=total.dtype)).float(),
+        ref_rejected=(total[rejected] + torch.tensor([-0.7, 0.3], dtype=total.dtype)).float(),
+        chosen=chosen,
+        rejected=rejected,
+        pair_mask=torch.tensor([True, both]),
+    )
+
+
+def reference_free_context(ctx: OutputContext) -> PreferenceBatch:
+    """:func:`preference_context` without the reference's sums (SimPO refuses them)."""
+    return dataclasses.replace(preference_context(ctx), ref_chosen=None, ref_rejected=None)
