@@ -104,12 +104,7 @@ def preference_loss(config: Any) -> Reference:
     normalized = config.length_normalized
     if normalized is None:
         normalized = method != "dpo"
-    options = {
-        "method": method,
-        "beta": float(config.beta),
-        "label_smoothing": float(config.label_smoothing),
-        "gamma": float(config.gamma),
-    }
+    beta, eps, gamma = float(config.beta), float(config.label_smoothing), float(config.gamma)
 
     def preference_loss_reference(
         hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
@@ -128,7 +123,9 @@ def preference_loss(config: Any) -> Reference:
             if ref_c is not None:
                 ref_c = _per_token(as_float64(ref_c), tokens[chosen])
                 ref_r = _per_token(as_float64(ref_r), tokens[rejected])
-        t = pair_losses(lp_c, lp_r, ref_c, ref_r, **options)
+        t = pair_losses(
+            lp_c, lp_r, ref_c, ref_r, method=method, beta=beta, label_smoothing=eps, gamma=gamma
+        )
         pm = batch.pair_mask
         pm = jnp.ones(lp_c.shape) if pm is None else as_float64(pm, where="pair_mask")
         total_pairs = jnp.sum(pm) if batch.global_pairs is None else float(batch.global_pairs)

@@ -328,10 +328,10 @@ def preference_context(ctx: OutputContext) -> PreferenceBatch:
     sums 0.3 to 0.9 away from the policy's: the margins -1.5 and 1.2 (times beta), far
     from a tie and from cancelling."""
     lp = current_logprobs(ctx)  # [b, s] float64
-    assert ctx.labels is not None
-    counted = ctx.labels != ctx.ignore_index
+    labels = typing.cast(torch.Tensor, ctx.labels)
+    counted = labels != ctx.ignore_index
     if ctx.loss_mask is not None:
-        counted = counted & (ctx.loss_mask.to(counted.device) > 0)
+        counted = counted & (typing.cast(torch.Tensor, ctx.loss_mask).to(labels.device) > 0)
     total = torch.where(counted, lp, 0.0).sum(-1)
     tokens = counted.sum(-1)
     chosen, rejected = torch.tensor([0, 2]), torch.tensor([1, 0])

@@ -191,14 +191,12 @@ class PreferenceBatch:
 
 
 def _preference_batch(ctx: OutputContext) -> PreferenceBatch:
-    batch, expected = (
-        ctx.context,
-        "a torch_impl.processors.PreferenceBatch (output_processor_context=)",
-    )
+    """The user context, a :class:`PreferenceBatch` (a mapping is refused with a hint)."""
+    batch = ctx.context
+    expected = "a torch_impl.processors.PreferenceBatch (output_processor_context=)"
     hint = "A mapping is not read as one: pass PreferenceBatch(**mapping)"
-    check_instance(
-        "context", batch, PreferenceBatch, expected, hint if isinstance(batch, Mapping) else ""
-    )
+    hint = hint if isinstance(batch, Mapping) else ""
+    check_instance("context", batch, PreferenceBatch, expected, hint)
     return batch
 
 
@@ -213,41 +211,41 @@ class Pairs:
     weights: torch.Tensor
 
 
-def _sequence_count(ctx: OutputContext, b: int, count: int) -> tuple[int, str]:
-    """The batch's sequences (``count`` segments less the packed row's tail) and the field
-    they come from."""
+def _sequence_count(ctx: OutputContext, count: int) -> tuple[int, str, str]:
+    """``(sequences, field, what)``: the batch's sequences (``count`` segments less the
+    packed row's tail), the field they come from and how."""
     psp = ctx.packed_seq_params
     if psp is None:
-        return count, f"labels (b={b}: a sequence per row)"
-    name = (
-        "cu_seqlens_q"
-        if getattr(psp, "cu_seqlens_q_padded", None) is None
-        else "cu_seqlens_q_padded"
-    )
-    return count - 1, f"packed_seq_params.{name}"
+        return count, "labels", f"b={count}: a sequence per row"
+    padded = getattr(psp, "cu_seqlens_q_padded", None) is not None
+    name = "cu_seqlens_q_padded" if padded else "cu_seqlens_q"
+    return count - 1, f"packed_seq_params.{name}", "packed sequences"
 
 
 def _indices(
-    batch: PreferenceBatch, sequences: int, source: str, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chosen, rejected)`` ``[P]`` as given (checked for type and shape), or the
-    interleaved layout of ``sequences`` sequences (an odd count raises)."""
+    ctx: OutputContext, batch: PreferenceBatch, count: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(chosen, rejected, sequences)``: the pairs' indices ``[P]`` as given (checked for
+    type and shape), or the interleaved layout of the batch's sequences (an odd count
+    raises), and the count of sequences they index."""
+    sequences, field, what = _sequence_count(ctx, count)
+    device = ctx.hidden_states.device
     if batch.chosen is None and batch.rejected is None:
         if sequences % 2:
             raise ContractError(
-                source.partition(" ")[0],
+                field,
                 expected="an even number of sequences, chosen and rejected interleaved "
                 "(2i, 2i + 1), or context.chosen and context.rejected",
-                actual=f"{sequences} sequences ({source})",
+                actual=f"{sequences} sequences ({what})",
             )
         every = torch.arange(sequences, device=device)
-        return every[0::2], every[1::2]
+        return every[0::2], every[1::2], sequences
     given = {"chosen": batch.chosen, "rejected": batch.rejected}
     for name, idx in given.items():
         integer = isinstance(idx, torch.Tensor) and not (
             idx.dtype.is_floating_point or idx.is_complex() or idx.dtype == torch.bool
         )
-        if not integer or idx.dim() != 1:
+        if not integer or typing.cast(torch.Tensor, idx).dim() != 1:
             other = "rejected" if name == "chosen" else "chosen"
             raise ContractError(
                 f"context.{name}",
@@ -264,33 +262,57 @@ def _indices(
         tuple(chosen.shape),
         f"[P={chosen.shape[0]}] like context.chosen",
     )
-    return chosen.to(device), rejected.to(device)
+    return chosen.to(device), rejected.to(device), sequences
+
+
+def _weights(
+    ctx: OutputContext, batch: PreferenceBatch, chosen: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The pairs' weights ``[P]`` (``chosen``'s shape and device): ``pair_mask`` (NaN where
+    an entry is bad), else ones."""
+    if batch.pair_mask is None:
+        return torch.ones(chosen.shape, dtype=dtype, device=chosen.device)
+    if ctx.check_values:
+        check_finite_deferred(batch.pair_mask, field="context.pair_mask", nonnegative=True)
+    weights = batch.pair_mask.detach().to(device=chosen.device, dtype=dtype)
+    return torch.where(torch.isfinite(weights) & (weights >= 0), weights, float("nan"))
 
 
 def _pairs(
     ctx: OutputContext,
     batch: PreferenceBatch,
-    indices: tuple[torch.Tensor, torch.Tensor],
-    sequences: int,
+    count: int,
     dtype: torch.dtype,
+    config: PreferenceConfig,
 ) -> Pairs:
-    """:class:`Pairs` of ``batch`` (validated) with ``indices`` ``(chosen, rejected)`` into
-    ``sequences`` sequences; the values checked with ``ctx.check_values``."""
-    chosen, rejected = indices
-    device = chosen.device
-    if batch.pair_mask is None:
-        weights = torch.ones(chosen.shape, dtype=dtype, device=device)
-    else:
-        if ctx.check_values:
-            check_finite_deferred(batch.pair_mask, field="context.pair_mask", nonnegative=True)
-        weights = batch.pair_mask.detach().to(device=device, dtype=dtype)
-        weights = torch.where(torch.isfinite(weights) & (weights >= 0), weights, float("nan"))
+    """:class:`Pairs` of ``batch`` over the ``count`` segments of :func:`sequence_ids`,
+    ``batch`` validated for ``config``; the values read (indices, weights, the reference's
+    sums at counted pairs) checked with ``ctx.check_values``."""
+    chosen, rejected, sequences = _indices(ctx, batch, count)
+    batch.validate(int(chosen.shape[0]), need_ref=config.needs_reference)
+    weights = _weights(ctx, batch, chosen, dtype)
     top = max(sequences - 1, 0)
     for name, idx in (("chosen", chosen), ("rejected", rejected)):
         if ctx.check_values and batch.chosen is not None:
             check_indices_deferred(idx, sequences, field=f"context.{name}")
         weights = torch.where((idx >= 0) & (idx <= top), weights, float("nan"))
+    for name in ("ref_chosen", "ref_rejected"):
+        if ctx.check_values and (value := getattr(batch, name)) is not None:
+            check_finite_deferred(value, field=f"context.{name}", where=weights != 0)
     return Pairs(chosen.clamp(0, top), rejected.clamp(0, top), weights)
+
+
+def _check_nonempty(pairs: Pairs, tokens: torch.Tensor, field: str) -> None:
+    """Both sequences of every counted pair count a token (``tokens``: each sequence's)."""
+    n = torch.minimum(tokens[pairs.chosen], tokens[pairs.rejected])
+    check_condition_deferred(
+        (pairs.weights != 0) & (n == 0),
+        n,
+        field=field,
+        expected="a counted token (mask > 0, label not ignore_index) in both sequences "
+        "of every counted pair",
+        noun="pairs",
+    )
 
 
 CpSum = Callable[[torch.Tensor], torch.Tensor]
@@ -481,28 +503,13 @@ def preference_loss(
         )
         mask = counted_mask(ctx, x, given, field)
         segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        sequences, source = _sequence_count(ctx, x.b, count)
-        indices = _indices(batch, sequences, source, mask.device)
-        batch.validate(int(indices[0].shape[0]), need_ref=config.needs_reference)
-        pairs = _pairs(ctx, batch, indices, sequences, x.acc_dtype)
-        if ctx.check_values:
-            for name in ("ref_chosen", "ref_rejected"):
-                if (value := getattr(batch, name)) is not None:
-                    check_finite_deferred(value, field=f"context.{name}", where=pairs.weights != 0)
+        pairs = _pairs(ctx, batch, count, x.acc_dtype, config)
         cp_sum = _context_parallel_sum(ctx)
         # 2. the token logprobs (autograd recomputes the logits in backward), the sequences'
         lp = linear_logprobs(x.hidden, x.weight, x.token_labels, options=x.tensor_options(tile))
         total, tokens = sequence_logprobs(lp.logprobs, mask, segments, count, cp_sum)
         if ctx.check_values:
-            n = torch.minimum(tokens[pairs.chosen], tokens[pairs.rejected])
-            check_condition_deferred(
-                (pairs.weights != 0) & (n == 0),
-                n,
-                field=field,
-                expected="a counted token (mask > 0, label not ignore_index) in both sequences "
-                "of every counted pair",
-                noun="pairs",
-            )
+            _check_nonempty(pairs, tokens, field)
         # 3. the pairs' terms, the loss and the metrics
         terms = _terms(total, tokens, pairs, batch, config)
         return _metrics(terms, pairs, batch.global_pairs, ctx.parallel.cp_size, lp.logprobs)
