@@ -23,6 +23,13 @@ from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_pe
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
 from ._preference import PreferenceBatch, PreferenceConfig, PreferenceMethod, preference_loss
+from ._rollout import (
+    RejectionBounds,
+    RolloutCorrection,
+    RolloutCorrectionResult,
+    WeightLevel,
+    rollout_correction,
+)
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
@@ -43,11 +50,15 @@ __all__ = [
     "PreferenceConfig",
     "PreferenceMethod",
     "RatioLevel",
+    "RejectionBounds",
+    "RolloutCorrection",
+    "RolloutCorrectionResult",
     "SparseTeacher",
     "TILES_BY_DEVICE",
     "TILE_BYTES",
     "TokenLoss",
     "TopkResult",
+    "WeightLevel",
     "aggregation_weights",
     "auto_choice",
     "cross_entropy_loss",
@@ -59,6 +70,7 @@ __all__ = [
     "linear_logprobs",
     "linear_topk_logprobs",
     "policy_loss",
+    "rollout_correction",
     "preference_loss",
     "selected_logprobs",
     "topk_logprobs",

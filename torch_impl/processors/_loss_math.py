@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +14,17 @@ from hookspec import Aggregation, ContractError, KLEstimator
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred
-from ._checks import check_bool, check_enum, check_finite_number, check_floating, check_int
+from ._checks import (
+    check_bool,
+    check_enum,
+    check_finite_number,
+    check_floating,
+    check_instance,
+    check_int,
+)
+
+if TYPE_CHECKING:
+    from ._rollout import RolloutCorrection
 
 __all__ = [
     "PolicyLossConfig",
@@ -57,6 +67,15 @@ class PolicyLossConfig:
     The clamp (default 20, as veRL; ``None``: off) keeps ``exp`` finite. ``fused``: form
     the gradients in the forward pass (``RatioLevel.TOKEN`` only; GSPO recomputes).
 
+    ``rollout_correction`` (a :class:`RolloutCorrection`; needs
+    ``PolicyBatch.rollout_logprobs``) corrects for the rollout engine: ``pg`` is multiplied
+    by the detached importance weight ``w`` and the mask by the rejection's ``keep``
+    (which the aggregation's normalisation then reads too)::
+
+        pg = w * pg;  M = M * keep        # decoupled: w, keep of old / rollout
+        old = rollout                     # bypass mode: w, keep of logp / rollout
+        pg = -A * w * logp                # bypass mode, loss_type "reinforce"
+
     Checked at construction (``ContractError``; NumPy numbers stored as ``float``):
     every number finite, ``0 <= clip_low <= 1``, ``clip_high >= 0`` (``None``:
     ``clip_low``), ``dual_clip > 1``, ``kl_coef >= 0``, ``log_ratio_clamp > 0``.
@@ -75,6 +94,7 @@ class PolicyLossConfig:
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     log_ratio_clamp: float | None = 20.0
     fused: bool = True
+    rollout_correction: RolloutCorrection | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -109,6 +129,13 @@ class PolicyLossConfig:
             )
             put(self, "log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
+        if self.rollout_correction is not None:
+            from ._rollout import RolloutCorrection  # it builds on this module's segment_sum
+
+            expected = "None or a torch_impl.processors.RolloutCorrection"
+            check_instance(
+                "rollout_correction", self.rollout_correction, RolloutCorrection, expected
+            )
         put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
 

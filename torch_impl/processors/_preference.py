@@ -229,7 +229,7 @@ def _indices(
     type and shape), or the interleaved layout of the batch's sequences (an odd count
     raises), and the count of sequences they index."""
     sequences, field, what = _sequence_count(ctx, count)
-    device = ctx.hidden_states.device
+    device = typing.cast(torch.Tensor, ctx.hidden_states).device
     if batch.chosen is None and batch.rejected is None:
         if sequences % 2:
             raise ContractError(
