@@ -94,6 +94,20 @@ mean (not the "GSPO-token" stop-gradient form)::
 
     ratio_b = exp(clamp(sum_s((logp - old) * M) / sum_s(M), -C, C))   # [b], broadcast over s
 
+Rollout correction, between the trainer's ``old`` logprobs and the rollout engine's
+``rollout`` (``bypass``: the current ``logp`` against ``rollout``, which is then ``old``)::
+
+    log_ratio = where(M > 0, old - rollout, 0)
+    w = exp(clamp(log_ratio, -20, 20))                               # token
+    w_b = exp(clamp(sum_s(log_ratio * M), -20, 20))                  # sequence, broadcast
+    w_b = exp(clamp(sum_s(log_ratio * M) / sum_s(M), -20, 20))       # geometric, broadcast
+    w = min(w, upper) * M              # truncated; with a lower bound: where(lo <= w <= up, w, 0)
+    r = clamp(log_ratio, -20, 20);  k1 = -r;  k2 = r ** 2 / 2;  k3 = exp(r) - 1 - r
+    keep = all(lower <= stat <= upper)   # per token, or a sequence's sum, mean or max of it
+    M = M * keep;  pg = w * pg           # a rejected token leaves the loss and its normaliser
+
+with k1's bounds ratios compared in log space. The weights are detached.
+
 Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
 
     token-mean:          sum(L * M) / sum(M)

@@ -31,6 +31,7 @@ from .references import (
     kl_penalty,
     linear_logprobs,
 )
+from .rollout import rollout_correction
 
 __all__ = [
     "Reference",
@@ -193,6 +194,25 @@ def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return aggregate(lax.stop_gradient(x), mask, mode="token-mean")
 
 
+def _rollout_corrected(
+    config: Any, batch: Any, logp: jax.Array, mask: jax.Array, old: jax.Array
+) -> tuple[jax.Array, jax.Array, Any]:
+    """``(mask * keep, old, weights)`` under ``config.rollout_correction``: the decoupled
+    PPO compares ``old`` with the rollout's logprobs; bypass mode the current ``logp``
+    (detached), and the rollout's become ``old`` (weights applied by "reinforce" only)."""
+    correction = getattr(config, "rollout_correction", None)
+    if correction is None:
+        return mask, old, None
+    rollout = lax.stop_gradient(jnp.asarray(batch.rollout_logprobs, jnp.float64))
+    behaviour = lax.stop_gradient(logp) if correction.bypass_mode else old
+    weights, keep = rollout_correction(behaviour, rollout, mask, correction)
+    if correction.bypass_mode:
+        old = rollout
+        if correction.loss_type == "ppo_clip":
+            weights = None
+    return mask * keep, old, weights
+
+
 def policy_loss(config: Any) -> Reference:
     """The policy loss and its metrics, each a scalar; the user context holds
     ``old_logprobs``, ``advantages``, ``mask`` (or None: the loss mask),
@@ -225,6 +245,7 @@ def policy_loss(config: Any) -> Reference:
         mask = jnp.where(inputs.labels == inputs.ignore_index, 0.0, mask)
         old = lax.stop_gradient(batch.old_logprobs)
         adv = lax.stop_gradient(batch.advantages)
+        mask, old, weights = _rollout_corrected(config, batch, logp, mask, old)
         if config.ratio == "sequence":
             ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=clamp)
         else:
@@ -233,6 +254,11 @@ def policy_loss(config: Any) -> Reference:
             ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip
         )
         pg1, pg2 = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+        correction = getattr(config, "rollout_correction", None)
+        if correction is not None and correction.loss_type == "reinforce":
+            pg = pg1 = pg2 = -adv * jnp.where(mask > 0, logp, 0.0)
+        if weights is not None:
+            pg = pg * weights
         total = pg
         kl = None
         if batch.ref_logprobs is not None:

@@ -353,3 +353,28 @@ def test_bf16_compute_beside_naive_bf16_against_float64(monkeypatch: pytest.Monk
     naive = (pg * m).sum() / m.sum()
     error = (ours(torch.bfloat16) - truth).abs()
     assert float(error) <= float((naive - truth).abs()) + 2**-8 * float(truth.abs())
+
+
+@pytest.mark.parametrize("name", [*CORRECTIONS, "geometric"])
+def test_the_jax_reference_gives_the_same_weights_and_mask(name: str) -> None:
+    jax_rollout = pytest.importorskip("jax_ref.rollout")
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_ref
+
+    config = CORRECTIONS.get(name) or RolloutCorrection(rollout_is="geometric")
+    d = _logprob_data(seed=len(name) + 1)
+    segments = torch.arange(B)[:, None].expand(B, S)
+    ours = rollout_correction(d["old"], d["rollout"], d["mask"], segments, B, config)
+    with jax_ref.float64():
+        arrays = (jnp.asarray(d[k].numpy()) for k in ("old", "rollout", "mask"))
+        weights, keep = jax_rollout.rollout_correction(*arrays, config)
+        keep = torch.from_numpy(np.asarray(keep).copy())
+        if weights is not None:
+            weights = torch.from_numpy(np.asarray(weights).copy())
+    torch.testing.assert_close(ours.keep, keep, **TOL)
+    if config.rollout_is is None:
+        assert weights is None
+    else:
+        torch.testing.assert_close(ours.weights, weights, **TOL)

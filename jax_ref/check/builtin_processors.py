@@ -34,7 +34,9 @@ from torch_impl.processors import (
     PolicyLossConfig,
     PreferenceBatch,
     PreferenceConfig,
+    RolloutCorrection,
     SparseTeacher,
+    WeightLevel,
     cross_entropy_loss,
     distillation_loss,
     linear_distillation_loss,
@@ -47,6 +49,10 @@ from torch_impl.processors import (
 from .examples import current_logprobs
 
 __all__ = [
+    "BYPASS",
+    "BYPASS_CONFIG",
+    "CORRECTED",
+    "CORRECTED_CONFIG",
     "CROSS_ENTROPY",
     "CROSS_ENTROPY_LABEL_SMOOTHING",
     "CROSS_ENTROPY_SOFTCAP",
@@ -83,6 +89,7 @@ __all__ = [
     "distillation_by_rows",
     "gspo_context",
     "policy_context",
+    "rollout_context",
     "preference_context",
     "reference_free_context",
     "softcapped",
@@ -141,6 +148,34 @@ SEQ_SUM_CONFIG = PolicyLossConfig(
     aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
 )
 SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, tile_rows=3)
+CORRECTED_CONFIG = PolicyLossConfig.grpo(
+    rollout_correction=RolloutCorrection(
+        rollout_is=WeightLevel.TOKEN,
+        rollout_is_threshold=1.2,
+        rollout_rs={"token_k1": 1.3, "seq_mean_k3": 0.05},
+    )
+)
+
+
+def loss_and_policy_metrics(proc: Processor, /) -> Processor:
+    """``proc``'s result without the ``rollout_corr/`` metrics: the JAX reference checks the
+    loss, its gradients and the policy metrics; the correction's metrics are checked
+    against veRL's own functions in the tests (``tests/test_rollout_correction.py``)."""
+
+    def fn(ctx: OutputContext) -> Any:
+        out = proc(ctx)
+        return {k: v for k, v in out.items() if not k.startswith("rollout_corr/")}
+
+    return processor(fn, name="policy_loss")
+
+
+CORRECTED = loss_and_policy_metrics(policy_loss(CORRECTED_CONFIG, tile_rows=3))  # fused
+BYPASS_CONFIG = PolicyLossConfig(
+    rollout_correction=RolloutCorrection(
+        rollout_is=WeightLevel.TOKEN, bypass_mode=True, loss_type="reinforce"
+    )
+)
+BYPASS = loss_and_policy_metrics(policy_loss(BYPASS_CONFIG, tile_rows=_ROWS, tile_cols=_COLS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +210,16 @@ def policy_context(ctx: OutputContext) -> PolicyBatch:
     """Old and reference logprobs near the current ones (log-ratio noise 0.2:
     some tokens clipped, some not), random advantages."""
     return _near_policy(ctx, 0.2, seed=5)
+
+
+def rollout_context(ctx: OutputContext) -> PolicyBatch:
+    """As :func:`policy_context`, with rollout-engine logprobs 0.2 (log ratio) from the old
+    ones: some weights truncated at 1.2, some tokens and sequences rejected."""
+    batch = _near_policy(ctx, 0.2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    noise = 0.2 * torch.randn(batch.old_logprobs.shape, generator=g, dtype=torch.float64)
+    rollout = (batch.old_logprobs.double() + noise).float()
+    return dataclasses.replace(batch, rollout_logprobs=rollout)
 
 
 def gspo_context(ctx: OutputContext) -> PolicyBatch:

@@ -196,6 +196,18 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:policy_context",
     ),
     BuiltinCheck(
+        "policy_loss(grpo, rollout correction)",
+        f"{_B}:CORRECTED",
+        _policy_reference(f"{_B}:CORRECTED_CONFIG"),
+        f"{_B}:rollout_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(bypass reinforce)",
+        f"{_B}:BYPASS",
+        _policy_reference(f"{_B}:BYPASS_CONFIG"),
+        f"{_B}:rollout_context",
+    ),
+    BuiltinCheck(
         "preference_loss(dpo, label smoothing)",
         f"{_B}:PREFERENCE_DPO",
         _preference_reference(f"{_B}:PREFERENCE_DPO_CONFIG"),

@@ -47,7 +47,7 @@ from ._loss_math import (
     weights_of,
 )
 from ._options import LinearOptions
-from ._rollout import rollout_correction
+from ._rollout import RolloutCorrection, WeightLevel, rollout_correction
 
 __all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
 
@@ -423,6 +423,13 @@ def _corrected(
     correction = config.rollout_correction
     if correction is None:
         return Corrected(call.mask, None, {})
+    if call.cp_sum is not None and spans_sequences(correction):
+        raise ContractError(
+            "rollout_correction",
+            expected="token-level weights and rejection under context parallel (a sequence's "
+            "tokens are split over the ranks)",
+            actual=f"rollout_is={correction.rollout_is}, rollout_rs={sorted(correction.rollout_rs)}",
+        )
     rollout = typing.cast(torch.Tensor, call.batch.rollout_logprobs).to(call.mask.device)
     behaviour = current if correction.bypass_mode else call.batch.old_logprobs
     behaviour = typing.cast(torch.Tensor, behaviour).detach().to(call.mask.device)
@@ -434,6 +441,13 @@ def _corrected(
     # bypass PPO-clip: the ratio is already pi / pi_rollout; weights would count it twice
     clip_only = correction.bypass_mode and correction.loss_type == "ppo_clip"
     return Corrected(mask, None if clip_only else result.weights, metrics)
+
+
+def spans_sequences(correction: RolloutCorrection) -> bool:
+    """Whether a weight or a rejection statistic reads a whole sequence."""
+    level = correction.rollout_is
+    by_sequence = level is not None and level != WeightLevel.TOKEN
+    return by_sequence or any(not name.startswith("token") for name in correction.rollout_rs)
 
 
 def _token_rows(
