@@ -74,6 +74,12 @@ selected-token logprobs ``[b, s]``), with ``log_ratio = ref - logp``::
     k1 = logp - ref
     k2 = (logp - ref) ** 2 / 2
     k3 = exp(log_ratio) - log_ratio - 1                    # >= 0, unbiased
+    abs = |logp - ref|
+
+Optionally the value is clamped (veRL clamps k3 to ``[-10, 10]``), and the
+straight-through form (veRL's ``"k3+"``) keeps the value with k2's gradient::
+
+    kl = k2 - stop_gradient(k2) + stop_gradient(kl)
 
 PPO clipped objective with ``ratio = exp(logp - old)`` and advantages ``A``::
 
@@ -113,6 +119,8 @@ Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
     token-mean:          sum(L * M) / sum(M)
     seq-mean-token-sum:  mean_b( sum_s(L * M) )            # over sequences with sum_s M > 0
     seq-mean-token-mean: mean_b( sum_s(L * M) / sum_s(M) ) # over sequences with sum_s M > 0
+    token-sum:           sum(L * M)
+    seq-mean-token-sum-norm: seq-mean-token-sum / F        # Dr. GRPO; F: a constant, default s
 
 An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
 
@@ -290,6 +298,7 @@ class KLEstimator(enum.StrEnum):
     K1 = "k1"
     K2 = "k2"
     K3 = "k3"
+    ABS = "abs"
 
 
 class Aggregation(enum.StrEnum):
@@ -298,6 +307,8 @@ class Aggregation(enum.StrEnum):
     TOKEN_MEAN = "token-mean"
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    TOKEN_SUM = "token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
 class DistillDivergence(enum.StrEnum):

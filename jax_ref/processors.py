@@ -233,6 +233,7 @@ def policy_loss(config: Any) -> Reference:
     eps_high = eps_low if config.clip_high is None else float(config.clip_high)
     clamp = config.log_ratio_clamp
     mode = getattr(config.aggregation, "value", config.aggregation)
+    factor = getattr(config, "loss_scale_factor", None)
     estimator = getattr(config.kl_estimator, "value", config.kl_estimator)
 
     def policy_loss_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
@@ -263,21 +264,26 @@ def policy_loss(config: Any) -> Reference:
         kl = None
         if batch.ref_logprobs is not None:
             kl = kl_penalty(
-                logp, lax.stop_gradient(batch.ref_logprobs), estimator=estimator, clamp=clamp
+                logp,
+                lax.stop_gradient(batch.ref_logprobs),
+                estimator=estimator,
+                clamp=clamp,
+                value_clamp=getattr(config, "kl_value_clamp", None),
+                straight_through=getattr(config, "kl_straight_through", False),
             )
             if config.kl_coef != 0.0:
                 total = total + config.kl_coef * kl
         if config.entropy_coef != 0.0:
             total = total - config.entropy_coef * ent
         out = {
-            "loss": aggregate(total, mask, mode=mode),
-            "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode),
+            "loss": aggregate(total, mask, mode=mode, loss_scale_factor=factor),
+            "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode, loss_scale_factor=factor),
             "entropy": _token_mean(ent, mask),
             "clip_fraction": _token_mean((pg2 > pg1).astype(jnp.float64), mask),
             "approx_kl": _token_mean(kl_penalty(logp, old, estimator="k3", clamp=clamp), mask),
         }
         if kl is not None:
-            out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode)
+            out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode, loss_scale_factor=factor)
         if config.dual_clip is not None:
             dual = (adv < 0) & (jnp.maximum(pg1, pg2) > -adv * config.dual_clip)
             out["dual_clip_fraction"] = _token_mean(dual.astype(jnp.float64), mask)

@@ -102,6 +102,10 @@ def _div(
 
 
 def _aggregate(loss: torch.Tensor, m: torch.Tensor, how: Aggregation) -> torch.Tensor:
+    if how == Aggregation.TOKEN_SUM:
+        return (loss * m).sum()
+    if how == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:  # the default factor: the padded length
+        return _aggregate(loss, m, Aggregation.SEQ_MEAN_TOKEN_SUM) / m.shape[-1]
     if how == Aggregation.TOKEN_MEAN:
         return (loss * m).sum() / m.sum() if m.sum() > 0 else loss.sum() * 0.0
     per = []

@@ -95,6 +95,9 @@ class PolicyLossConfig:
     log_ratio_clamp: float | None = 20.0
     fused: bool = True
     rollout_correction: RolloutCorrection | None = None
+    kl_value_clamp: float | None = None
+    kl_straight_through: bool = False
+    loss_scale_factor: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -136,8 +139,22 @@ class PolicyLossConfig:
             check_instance(
                 "rollout_correction", self.rollout_correction, RolloutCorrection, expected
             )
-        put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
+        estimator, straight = _verl_estimator(self.kl_estimator)
+        put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, estimator))
+        check_bool("kl_straight_through", self.kl_straight_through)
+        put(self, "kl_straight_through", self.kl_straight_through or straight)
+        for name in ("kl_value_clamp", "loss_scale_factor"):
+            if (value := getattr(self, name)) is not None:
+                put(self, name, check_finite_number(name, value, low=0.0, low_open=True))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
+
+    @property
+    def kl_options(self) -> KLOptions:
+        """The KL term's options: the estimator, the log-ratio clamp, the value clamp, the
+        straight-through form."""
+        return KLOptions(
+            self.kl_estimator, self.log_ratio_clamp, self.kl_value_clamp, self.kl_straight_through
+        )
 
     @property
     def effective_clip_high(self) -> float:
@@ -178,38 +195,83 @@ class PolicyLossConfig:
         return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
 
 
+VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+"""veRL's ``kl_loss_type`` names that are other names of ours (``abs`` is ``abs``)."""
+
+
+def _verl_estimator(given: Any) -> tuple[Any, bool]:
+    """``(estimator, straight_through)`` of a ``kl_estimator`` given in veRL's words: a
+    trailing ``+`` is the straight-through form; ``kl``, ``mse``, ``low_var_kl`` are k1,
+    k2, k3 (veRL also clamps k3's value to 10: ``kl_value_clamp=10``)."""
+    if not isinstance(given, str) or isinstance(given, KLEstimator):
+        return given, False
+    straight = given.endswith("+")
+    name = given[:-1] if straight else given
+    return VERL_KL_NAMES.get(name, name), straight
+
+
 def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
     """``clamp(x, -bound, bound)``; ``x`` itself when ``bound`` is ``None``."""
     return x if bound is None else x.clamp(-bound, bound)
 
 
 def kl_penalty(
-    logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
+    logp: torch.Tensor,
+    ref: torch.Tensor,
+    estimator: KLEstimator,
+    *,
+    clamp: float | None,
+    value_clamp: float | None = None,
+    straight_through: bool = False,
 ) -> torch.Tensor:
-    """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``
-    with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``; ``clamp`` a finite
-    number > 0, or ``None``: no clamp). Elementwise, any shape."""
+    """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``,
+    ``abs = |logp - ref|`` with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``;
+    ``clamp`` a finite number > 0, or ``None``: no clamp); the value clamped to
+    ``[-value_clamp, value_clamp]`` (veRL's k3: 10); ``straight_through``: the value with
+    k2's gradient (veRL's ``"k3+"``). Elementwise, any shape."""
     estimator = check_enum("estimator", KLEstimator, estimator)
     if clamp is not None:
         clamp = check_finite_number("clamp", clamp, low=0.0, low_open=True)
+    if value_clamp is not None:
+        value_clamp = check_finite_number("value_clamp", value_clamp, low=0.0, low_open=True)
+    check_bool("straight_through", straight_through)
     check_floating("logp", logp)
     check_floating("ref", ref)
     if ref.shape != logp.shape:
         expected = f"the shape of logp {format_shape(logp.shape)}"
         raise ContractError("ref", expected=expected, actual=format_shape(ref.shape))
-    return kl_terms(logp, ref, estimator, clamp=clamp)
+    options = KLOptions(estimator, clamp, value_clamp, straight_through)
+    return kl_terms(logp, ref, options)
 
 
-def kl_terms(
-    logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class KLOptions:
+    """The KL term's options, checked: the estimator, the log-ratio clamp, the value
+    clamp and the straight-through form (:func:`kl_penalty`)."""
+
+    estimator: KLEstimator
+    clamp: float | None = None
+    value_clamp: float | None = None
+    straight_through: bool = False
+
+
+def kl_terms(logp: torch.Tensor, ref: torch.Tensor, options: KLOptions) -> torch.Tensor:
     """:func:`kl_penalty` on options already checked."""
-    log_ratio = symmetric_clamp(ref - logp, clamp)
+    log_ratio = symmetric_clamp(ref - logp, options.clamp)
+    estimator = options.estimator
     if estimator == KLEstimator.K1:
-        return -log_ratio
-    if estimator == KLEstimator.K2:
-        return 0.5 * log_ratio * log_ratio
-    return torch.expm1(log_ratio) - log_ratio
+        value = -log_ratio
+    elif estimator == KLEstimator.K2:
+        value = 0.5 * log_ratio * log_ratio
+    elif estimator == KLEstimator.ABS:
+        value = log_ratio.abs()
+    else:
+        value = torch.expm1(log_ratio) - log_ratio
+    value = symmetric_clamp(value, options.value_clamp)
+    if not options.straight_through or estimator == KLEstimator.K2:
+        return value
+    k2 = 0.5 * (logp - ref).square()  # k2's gradient, the value's value
+    return k2 - k2.detach() + value.detach()
 
 
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, count: int) -> torch.Tensor:
@@ -236,15 +298,24 @@ def check_counts(
             check_finite_number(f"{prefix}{name}", count, low=0.0, low_open=True)
     if how is None:
         return
-    used, unused = "global_tokens", "global_sequences"
-    if how != Aggregation.TOKEN_MEAN:
-        used, unused = unused, used
-    if counts[unused] is not None:
-        raise ContractError(
-            f"{prefix}{unused}",
-            expected=f"None with aggregation {how.value!r}, which divides by {used} and never reads it",
-            actual=repr(counts[unused]),
-        )
+    used = count_read(how)
+    for unused in (name for name in counts if name != used):
+        if counts[unused] is not None:
+            divides = f"divides by {used}" if used else "divides by no count"
+            raise ContractError(
+                f"{prefix}{unused}",
+                expected=f"None with aggregation {how.value!r}, which {divides} and never "
+                f"reads {unused}",
+                actual=repr(counts[unused]),
+            )
+
+
+def count_read(how: Aggregation) -> str | None:
+    """The global count an aggregation divides by: ``global_tokens`` (token-mean),
+    ``global_sequences`` (the sequence means), none (token-sum)."""
+    if how == Aggregation.TOKEN_MEAN:
+        return "global_tokens"
+    return None if how == Aggregation.TOKEN_SUM else "global_sequences"
 
 
 def aggregation_weights(
@@ -255,12 +326,15 @@ def aggregation_weights(
     *,
     global_tokens: float | None = None,
     global_sequences: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Weights ``w`` (shape of ``mask``) with ``aggregate(L) = sum(w * L)``::
 
         token-mean:           w = M / sum(M)
         seq-mean-token-sum:   w = M / K
         seq-mean-token-mean:  w = M / (n_k * K)
+        token-sum:            w = M
+        seq-mean-token-sum-norm:  w = M / (K * F)       # F: loss_scale_factor, default s
 
     ``n_k``: the mask's sum over sequence ``k`` (``segments`` gives each token's
     sequence, ``count`` sequences); ``K``: the sequences with ``n_k != 0``.
@@ -287,8 +361,17 @@ def aggregation_weights(
     check_finite_deferred(mask, field="mask", nonnegative=True)
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
+    if loss_scale_factor is not None:
+        factor = check_finite_number("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+        loss_scale_factor = factor
     return weights_of(
-        m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences
+        m,
+        segments,
+        count,
+        how,
+        global_tokens=global_tokens,
+        global_sequences=global_sequences,
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -301,10 +384,14 @@ def weights_of(
     global_tokens: float | None,
     global_sequences: float | None,
     totals: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """:func:`aggregation_weights` on inputs already checked (``m`` floating, bad
     entries NaN). ``totals``: ``n_k`` ``[count]`` summed over the context-parallel
-    group, which ``sum(M)`` and ``K`` then come from too."""
+    group, which ``sum(M)`` and ``K`` then come from too. ``loss_scale_factor``:
+    seq-mean-token-sum-norm's ``F`` (``None``: ``m``'s last dimension, the padded length)."""
+    if how == Aggregation.TOKEN_SUM:
+        return m
     if how == Aggregation.TOKEN_MEAN:
         if global_tokens is not None:
             total = torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
@@ -318,6 +405,9 @@ def weights_of(
         k = torch.tensor(float(global_sequences), dtype=m.dtype, device=m.device)
     if how == Aggregation.SEQ_MEAN_TOKEN_SUM:
         return m / k
+    if how == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        factor = float(m.shape[-1]) if loss_scale_factor is None else loss_scale_factor
+        return m / (k * factor)
     per_tok = n_k[segments]
     return m / (torch.where(per_tok == 0, 1.0, per_tok) * k)
 

@@ -35,9 +35,11 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import (
+    KLOptions,
     PolicyLossConfig,
     RatioLevel,
     check_counts,
+    count_read,
     global_counts,
     kl_terms,
     masked_mean,
@@ -142,13 +144,13 @@ def context_parallel_sum(
     one_rank = isinstance(coll, SingleProcessCollectives) or getattr(coll, "cp_size", None) == 1
     if callable(method) and not one_rank:
         return typing.cast(CpSum, method)
-    need = "global_tokens" if config.aggregation == Aggregation.TOKEN_MEAN else "global_sequences"
+    need = count_read(config.aggregation)
     hint = "torch_impl builds it from Megatron's context-parallel group"
     if config.ratio == RatioLevel.SEQUENCE:
         what = "GSPO's sequence ratio (each sequence's mean log-ratio spans the ranks)"
     elif config.aggregation == Aggregation.SEQ_MEAN_TOKEN_MEAN:
         what = "seq-mean-token-mean (each sequence's token count spans the ranks)"
-    elif getattr(batch, need) is None:
+    elif need is not None and getattr(batch, need) is None:
         what = f"{config.aggregation.value} without context.{need}"
         hint += f"; or give context.{need}"
     else:
@@ -256,7 +258,7 @@ def token_terms(
     kl = None
     if rows.ref is not None:
         ref = torch.where(live, rows.ref.to(logp.dtype), logp.detach())
-        kl = kl_terms(logp, ref, config.kl_estimator, clamp=config.log_ratio_clamp)
+        kl = kl_terms(logp, ref, config.kl_options)
         if config.kl_coef != 0.0:
             total = total + config.kl_coef * kl
     if config.entropy_coef != 0.0:
@@ -304,7 +306,7 @@ def _metrics(
     w, m = rows.weights.to(t.logp.dtype), rows.mask.to(t.logp.dtype)
     total = None if totals is None else totals.sum().to(m.dtype)
     logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
-    approx_kl = kl_terms(logp, old, KLEstimator.K3, clamp=config.log_ratio_clamp)
+    approx_kl = kl_terms(logp, old, KLOptions(KLEstimator.K3, config.log_ratio_clamp))
     out = {
         # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf, even uncounted
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
@@ -459,7 +461,13 @@ def _token_rows(
     """The aggregation's weights over the corrected mask, and the batch as rows."""
     mask, batch = corrected.mask, call.batch
     weights = weights_of(
-        mask, call.segments, call.count, config.aggregation, **global_counts(batch), totals=totals
+        mask,
+        call.segments,
+        call.count,
+        config.aggregation,
+        **global_counts(batch),
+        totals=totals,
+        loss_scale_factor=config.loss_scale_factor,
     )
     return _rows(
         mask, weights, batch, old=behaviour_logprobs(batch, config), is_weights=corrected.is_weights
