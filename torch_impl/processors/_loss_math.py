@@ -227,7 +227,15 @@ class PolicyLossConfig:
                 "vanilla's; loss_mode 'gspo' is GSPO-token)",
                 actual=repr(self.ratio),
             )
-        bypass = self.rollout_correction is not None and self.rollout_correction.bypass_mode
+        correction = self.rollout_correction
+        if mode == PolicyLossMode.GEO_MEAN and correction is not None and correction.rollout_is:
+            raise ContractError(
+                "rollout_correction.rollout_is",
+                expected="None with loss_mode 'geo_mean' (its sequence ratio would take the "
+                "token weights' geometric mean; rejection applies)",
+                actual=repr(correction.rollout_is),
+            )
+        bypass = correction is not None and correction.bypass_mode
         if mode == PolicyLossMode.BYPASS_MODE and not bypass:
             raise ContractError(
                 "rollout_correction",

@@ -166,7 +166,8 @@ def _sapo(
     diff = _diff(logp, rows)
     log_ratio = symmetric_clamp(diff, config.log_ratio_clamp)
     adv = rows.adv.to(logp.dtype)
-    tau = torch.where(adv > 0, config.tau_pos, config.tau_neg).to(logp.dtype)
+    tau_pos, tau_neg = (torch.full_like(adv, t) for t in (config.tau_pos, config.tau_neg))
+    tau = torch.where(adv > 0, tau_pos, tau_neg)  # in adv's dtype (two scalars: float32)
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
     return PgTerms(-gate * adv, {"ppo_kl": -log_ratio.detach()})
 
@@ -246,9 +247,8 @@ def _kl_cov(
     cov = (adv - masked_mean(adv, counted)) * (lp - masked_mean(lp, counted))
     n = int(live.sum())
     penalised = _top_rows(cov, live, max(1, int(n * config.kl_cov_ratio)) if n else 0)
-    pg = -adv * torch.exp(log_ratio) + torch.where(penalised, config.ppo_kl_coef, 0.0) * (
-        log_ratio.abs()
-    )
+    penalty = torch.where(penalised, config.ppo_kl_coef * log_ratio.abs(), 0.0)
+    pg = -adv * torch.exp(log_ratio) + penalty
     return PgTerms(pg, {"ppo_kl": log_ratio.detach().abs()})
 
 
