@@ -23,11 +23,10 @@ from jax import lax
 from hookspec import ContractError
 
 from .inputs import ReferenceInputs
+from .policy_family import pg_terms
 from .references import (
     LinearLogprobs,
     aggregate,
-    clipped_objective,
-    gspo_ratio,
     kl_penalty,
     linear_logprobs,
 )
@@ -219,18 +218,14 @@ def policy_loss(config: Any) -> Reference:
     ``ref_logprobs`` and ``temperature``::
 
         M = where(labels == ignore_index, 0, mask)
-        r = exp(clip(logp - old))                    # ratio="token"
-        r = gspo_ratio(logp, old, M)                 # ratio="sequence"
-        pg = clipped_objective(r, A, eps_low=clip_low, eps_high=clip_high, dual_clip=dual_clip)
+        pg, indicators = policy_family.pg_terms(config, logp, old, A, M)  # per loss_mode
         L = pg + kl_coef * kl_penalty(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, M, aggregation)
 
     Metrics (no gradient): ``pg_loss`` and ``kl`` aggregated like the loss;
-    ``entropy``, ``clip_fraction`` (``-A clip(r) > -A r``), ``approx_kl`` (k3 of
-    ``old`` against ``logp``) and ``dual_clip_fraction`` as token means over ``M``.
+    ``entropy``, ``approx_kl`` (k3 of ``old`` against ``logp``) and the mode's indicators
+    (``clip_fraction``, ``ppo_kl``, ...) as token means over ``M``.
     """
-    eps_low = float(config.clip_low)
-    eps_high = eps_low if config.clip_high is None else float(config.clip_high)
     clamp = config.log_ratio_clamp
     mode = getattr(config.aggregation, "value", config.aggregation)
     factor = getattr(config, "loss_scale_factor", None)
@@ -247,17 +242,7 @@ def policy_loss(config: Any) -> Reference:
         old = lax.stop_gradient(batch.old_logprobs)
         adv = lax.stop_gradient(batch.advantages)
         mask, old, weights = _rollout_corrected(config, batch, logp, mask, old)
-        if config.ratio == "sequence":
-            ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=clamp)
-        else:
-            ratio = jnp.exp(logp - old if clamp is None else jnp.clip(logp - old, -clamp, clamp))
-        pg = clipped_objective(
-            ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip
-        )
-        pg1, pg2 = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
-        correction = getattr(config, "rollout_correction", None)
-        if correction is not None and correction.loss_type == "reinforce":
-            pg = pg1 = pg2 = -adv * jnp.where(mask > 0, logp, 0.0)
+        pg, indicators = pg_terms(config, logp, old, adv, mask)
         if weights is not None:
             pg = pg * weights
         total = pg
@@ -279,14 +264,11 @@ def policy_loss(config: Any) -> Reference:
             "loss": aggregate(total, mask, mode=mode, loss_scale_factor=factor),
             "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode, loss_scale_factor=factor),
             "entropy": _token_mean(ent, mask),
-            "clip_fraction": _token_mean((pg2 > pg1).astype(jnp.float64), mask),
             "approx_kl": _token_mean(kl_penalty(logp, old, estimator="k3", clamp=clamp), mask),
         }
+        out |= {name: _token_mean(value, mask) for name, value in indicators.items()}
         if kl is not None:
             out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode, loss_scale_factor=factor)
-        if config.dual_clip is not None:
-            dual = (adv < 0) & (jnp.maximum(pg1, pg2) > -adv * config.dual_clip)
-            out["dual_clip_fraction"] = _token_mean(dual.astype(jnp.float64), mask)
         return out
 
     return policy_loss_reference

@@ -176,3 +176,140 @@ def test_verl_names_are_taken_as_they_are() -> None:
     assert config.kl_estimator == "k3" and config.kl_straight_through
     assert PolicyLossConfig(kl_estimator="mse").kl_estimator == "k2"
     assert PolicyLossConfig(kl_estimator="kl").kl_estimator == "k1"
+
+
+# --- every loss mode of veRL's register_policy_loss, through the processor ------------------
+
+# name -> (our config's keywords, veRL's actor keys, veRL's loss_agg_mode)
+MODES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "vanilla": ({"dual_clip": 3.0}, {}, "token-mean"),
+    "gspo": ({"clip_low": 3e-3, "clip_high": 4e-3}, {}, "seq-mean-token-mean"),
+    "dppo_tv": ({"clip_low": 2e-3, "clip_high": 3e-3, "dual_clip": 1.15}, {}, "token-mean"),
+    "dppo_kl": ({"clip_low": 1e-4, "clip_high": 2e-4, "dual_clip": 1.15}, {}, "token-sum"),
+    "sapo": ({"tau_pos": 1.2, "tau_neg": 1.6}, {}, "seq-mean-token-mean"),
+    "gpg": ({}, {}, "seq-mean-token-sum"),
+    "clip_cov": ({"clip_cov_ratio": 0.5, "clip_cov_lb": 0.3, "clip_cov_ub": 2.0}, {}, "token-mean"),
+    "kl_cov": ({"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.3}, {}, "seq-mean-token-sum-norm"),
+    "geo_mean": ({"clip_low": 0.1, "clip_high": 0.15}, {}, "seq-mean-token-mean"),
+    "dro": ({"dro_beta": 0.7}, {}, "token-mean"),
+    "cispo": ({"clip_low": 0.1, "clip_high": 0.12}, {}, "token-mean"),
+}
+# veRL keeps 1e-8 beside each count in these (its masked_mean; sapo's and geo_mean's means)
+EPSILON_MODES = {"sapo", "geo_mean", "gspo"}
+# veRL's metric -> ours (the modes' pg_clipfrac_lower is our clip_fraction_lower but vanilla's)
+METRICS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "ppo_kl"}
+
+
+def _mode_problem(seed: int, b: int) -> dict[str, Any]:
+    """Sequences of several lengths (an empty one, a short one), an ignored label."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(S, b, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
+    labels = torch.randint(0, V, (b, S), generator=g)
+    labels[0, 3] = IGNORE
+    lp = _materialised_logprobs(h, w, labels).detach()
+    mask = (torch.rand(b, S, generator=g) > 0.2).double()
+    mask[1] = 0.0
+    mask[2, 3:] = 0.0
+    adv = torch.randn(b, generator=g, dtype=torch.float64)[:, None].expand(b, S).clone()
+    adv[3:] += 0.3 * torch.randn(b - 3, S, generator=g, dtype=torch.float64)  # per token
+    old = lp + 0.1 * torch.randn(b, S, generator=g, dtype=torch.float64)
+    return {"h": h, "w": w, "labels": labels, "old": old, "adv": adv, "mask": mask}
+
+
+def _verl_mode_loss(verl: Any, name: str, d: dict[str, Any], config: PolicyLossConfig) -> Any:
+    """veRL's registered loss of ``name`` on float64 materialised-logit logprobs."""
+    _, _, mode = MODES[name]
+    h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    logp = _materialised_logprobs(h, w, d["labels"])
+    response_mask = d["mask"] * (d["labels"] != IGNORE)
+    policy = {k: getattr(config, k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}
+    policy |= {k: getattr(config, k) for k in ("kl_cov_ratio", "ppo_kl_coef", "dro_beta")}
+    actor = verl_oracle.ActorConfig(
+        clip_ratio=config.clip_low, clip_ratio_low=config.clip_low,
+        clip_ratio_high=config.effective_clip_high, tau_pos=config.tau_pos,
+        tau_neg=config.tau_neg, global_batch_info={},
+        policy_loss=verl_oracle.ActorConfig(policy),
+        **({} if config.dual_clip is None else {"clip_ratio_c": config.dual_clip}),
+    )  # fmt: skip
+    loss_fn = verl.core_algos.get_policy_loss_fn(name)
+    loss, metrics = loss_fn(d["old"], logp, d["adv"], response_mask, mode, actor)
+    loss.backward()
+    n = float(response_mask.sum())
+    unbiased = {k: v * (n + 1e-8) / n for k, v in metrics.items()}  # veRL's 1e-8 undone
+    return loss.detach(), h.grad, w.grad, unbiased
+
+
+def _our_mode_loss(name: str, d: dict[str, Any], config: PolicyLossConfig) -> Any:
+    b = d["h"].shape[1]
+    counts = {"global_sequences": float(b)} if name == "geo_mean" else {}
+    batch = PolicyBatch(old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], **counts)
+    h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V),
+        context=batch,
+    )  # fmt: skip
+    out = policy_loss(config, tile_rows=5, tile_cols=7)(ctx)
+    out["loss"].backward()
+    return out["loss"].detach(), h.grad, w.grad, out
+
+
+@pytest.mark.parametrize("b", [6, 9], ids=["b6", "b9"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+@pytest.mark.parametrize("name", list(MODES))
+def test_every_loss_mode_equals_verls_through_the_processor(
+    verl: Any, name: str, fused: bool, b: int
+) -> None:
+    """Loss, the gradients of the hidden states and the weight, and veRL's metrics. geo_mean
+    averages over every row in veRL (``torch.mean``): ours is given ``global_sequences=b``."""
+    ours_kw, _, mode = MODES[name]
+    config = PolicyLossConfig(loss_mode=name, aggregation=mode, fused=fused, **ours_kw)
+    d = _mode_problem(seed=len(name) + b, b=b)
+    loss, dh, dw, metrics = _verl_mode_loss(verl, name, d, config)
+    mine, mh, mw, out = _our_mode_loss(name, d, config)
+    tol = {"rtol": 1e-7, "atol": 1e-9} if name in EPSILON_MODES else TOL
+    torch.testing.assert_close(mine, loss, **tol)
+    torch.testing.assert_close(mh, dh, **tol)
+    torch.testing.assert_close(mw, dw, **tol)
+    lower = "dual_clip_fraction" if name == "vanilla" else "clip_fraction_lower"
+    for key, value in metrics.items():
+        ours = METRICS.get(key, lower)
+        if ours not in out:  # veRL's constant 0 (gspo's, sapo's, cispo's lower fractions)
+            assert value == 0.0, key
+            continue
+        want = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(out[ours], want, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_the_options_bite() -> None:
+    """The parity above is not of trivial branches: each mode's selection or clip is active."""
+    d = _mode_problem(seed=3, b=9)
+    for name in ("clip_cov", "dppo_tv", "dppo_kl", "cispo", "geo_mean"):
+        config = PolicyLossConfig(loss_mode=name, aggregation=MODES[name][2], **MODES[name][0])
+        out = _our_mode_loss(name, d, config)[3]
+        assert 0.0 < float(out["clip_fraction"]) < 1.0, name
+
+
+def test_clip_cov_takes_the_largest_covariances_where_verl_draws_at_random() -> None:
+    """With more candidates than ``clip_cov_ratio`` allows, veRL draws the tokens to leave out
+    at random (``torch.randperm``); ours takes those of largest covariance: deterministic."""
+    d = _mode_problem(seed=11, b=9)
+    config = PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.02, clip_cov_lb=0.0)
+    first = _our_mode_loss("clip_cov", d, config)
+    again = _our_mode_loss("clip_cov", d, config)
+    assert torch.equal(first[1], again[1])
+    n = float((d["mask"] * (d["labels"] != IGNORE)).sum())
+    assert float(first[3]["clip_fraction"]) == pytest.approx(int(0.02 * n) / n, abs=1e-15)
+
+
+def test_gspo_token_and_the_sequence_ratio_agree_on_a_sequence_advantage() -> None:
+    """loss_mode 'gspo' (veRL's GSPO-token) and RatioLevel.SEQUENCE (the paper's GSPO)
+    differ in gradient only where the advantage varies within a sequence."""
+    d = _mode_problem(seed=5, b=6)
+    d["adv"] = d["adv"][:, :1].expand(6, S).clone()
+    token = PolicyLossConfig(loss_mode="gspo", clip_low=3e-3, clip_high=4e-3,
+                             aggregation="seq-mean-token-mean")  # fmt: skip
+    sequence = PolicyLossConfig.gspo(clip_low=3e-3, clip_high=4e-3)
+    a, b = _our_mode_loss("gspo", d, token), _our_mode_loss("gspo", d, sequence)
+    for x, y in zip(a[:3], b[:3], strict=True):
+        torch.testing.assert_close(x, y, **TOL)

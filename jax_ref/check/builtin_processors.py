@@ -32,6 +32,7 @@ from torch_impl.processors import (
     LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
+    PolicyLossMode,
     PreferenceBatch,
     PreferenceConfig,
     RolloutCorrection,
@@ -75,6 +76,10 @@ __all__ = [
     "LOGPROBS_T07",
     "PPO",
     "PPO_CONFIG",
+    "CISPO",
+    "CISPO_CONFIG",
+    "GEO_MEAN",
+    "GEO_MEAN_CONFIG",
     "PREFERENCE_DPO",
     "PREFERENCE_DPO_CONFIG",
     "PREFERENCE_SIMPO",
@@ -148,6 +153,19 @@ SEQ_SUM_CONFIG = PolicyLossConfig(
     aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
 )
 SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, tile_rows=3)
+CISPO_CONFIG = PolicyLossConfig(
+    loss_mode=PolicyLossMode.CISPO,
+    clip_low=0.1,
+    kl_coef=0.05,
+    kl_estimator=KLEstimator.K3,
+    kl_straight_through=True,  # veRL's "low_var_kl+"
+    kl_value_clamp=10.0,
+)
+CISPO = policy_loss(CISPO_CONFIG, tile_rows=3)  # fused: each token's own logprob
+GEO_MEAN_CONFIG = PolicyLossConfig(
+    loss_mode=PolicyLossMode.GEO_MEAN, aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN
+)
+GEO_MEAN = policy_loss(GEO_MEAN_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)  # autograd
 CORRECTED_CONFIG = PolicyLossConfig.grpo(
     rollout_correction=RolloutCorrection(
         rollout_is=WeightLevel.TOKEN,

@@ -196,6 +196,18 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:policy_context",
     ),
     BuiltinCheck(
+        "policy_loss(cispo, k3+, fused)",
+        f"{_B}:CISPO",
+        _policy_reference(f"{_B}:CISPO_CONFIG"),
+        f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(geo_mean)",
+        f"{_B}:GEO_MEAN",
+        _policy_reference(f"{_B}:GEO_MEAN_CONFIG"),
+        f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
         "policy_loss(grpo, rollout correction)",
         f"{_B}:CORRECTED",
         _policy_reference(f"{_B}:CORRECTED_CONFIG"),

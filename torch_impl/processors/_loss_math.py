@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PolicyLossConfig",
+    "PolicyLossMode",
     "RatioLevel",
     "aggregation_weights",
     "check_counts",
@@ -49,6 +50,51 @@ class RatioLevel(enum.StrEnum):
     """``r_t = exp(logp_t - old_t)`` per token: PPO, GRPO."""
     SEQUENCE = "sequence"
     """``r_t = exp(mean_M(logp - old))`` over the masked tokens of ``t``'s sequence: GSPO."""
+
+
+class PolicyLossMode(enum.StrEnum):
+    """The policy-gradient term ``pg`` of :class:`PolicyLossConfig`, by veRL 0.9.1's
+    ``policy_loss.loss_mode`` names (``hookspec.conventions`` has each formula)."""
+
+    VANILLA = "vanilla"
+    """PPO clip, dual clip with ``dual_clip``; the token or sequence ratio of ``ratio``."""
+    GSPO = "gspo"
+    """GSPO-token: ``s = exp(sg(seq_mean(logp - old)) + logp - sg(logp))``, clipped."""
+    DPPO_TV = "dppo_tv"
+    """``-A * sg(min(r, c)) * logp`` where ``p - p_old`` stays inside the clip bounds."""
+    DPPO_KL = "dppo_kl"
+    """As ``dppo_tv``, the trust region a binary KL of ``p`` against ``p_old``."""
+    SAPO = "sapo"
+    """``-A * sigmoid(tau * (r - 1)) * 4 / tau``, ``tau``: ``tau_pos`` or ``tau_neg``."""
+    GPG = "gpg"
+    """``-A * logp``: no ratio."""
+    CLIP_COV = "clip_cov"
+    """PPO clip, the loss of the tokens of highest covariance of ``A`` and ``logp`` set to 0."""
+    KL_COV = "kl_cov"
+    """``-A * r``, plus ``ppo_kl_coef * |logp - old|`` at the tokens of highest covariance."""
+    GEO_MEAN = "geo_mean"
+    """GMPO: ``-mean(A) * exp(seq_mean(clipped log-ratio))`` per sequence."""
+    DRO = "dro"
+    """``-(A * logp - dro_beta / 2 * (logp - old) ** 2)``."""
+    CISPO = "cispo"
+    """``-sg(clip(r)) * A * logp``."""
+    BYPASS_MODE = "bypass_mode"
+    """``vanilla`` with ``old = rollout``: needs ``RolloutCorrection(bypass_mode=True)``."""
+
+
+TOKEN_LOCAL_MODES = frozenset(
+    {
+        PolicyLossMode.VANILLA,
+        PolicyLossMode.BYPASS_MODE,
+        PolicyLossMode.DPPO_TV,
+        PolicyLossMode.DPPO_KL,
+        PolicyLossMode.SAPO,
+        PolicyLossMode.GPG,
+        PolicyLossMode.DRO,
+        PolicyLossMode.CISPO,
+    }
+)
+"""The modes whose token term reads that token's own logprob alone: the fused path's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +144,15 @@ class PolicyLossConfig:
     kl_value_clamp: float | None = None
     kl_straight_through: bool = False
     loss_scale_factor: float | None = None
+    loss_mode: PolicyLossMode = PolicyLossMode.VANILLA
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -147,6 +202,57 @@ class PolicyLossConfig:
             if (value := getattr(self, name)) is not None:
                 put(self, name, check_finite_number(name, value, low=0.0, low_open=True))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        """``loss_mode`` and the options of the modes (veRL's names and defaults)."""
+        put = object.__setattr__
+        mode = check_enum("loss_mode", PolicyLossMode, self.loss_mode)
+        put(self, "loss_mode", mode)
+        for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
+            put(self, name, check_finite_number(name, getattr(self, name), low=0.0, low_open=True))
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            put(self, name, check_finite_number(name, getattr(self, name)))
+        if self.dro_beta is not None:
+            beta = check_finite_number("dro_beta", self.dro_beta, low=0.0, low_open=True)
+            put(self, "dro_beta", beta)
+        elif mode == PolicyLossMode.DRO:
+            raise ContractError(
+                "dro_beta", expected="a number > 0 with loss_mode 'dro'", actual=None
+            )
+        if self.ratio == RatioLevel.SEQUENCE and mode != PolicyLossMode.VANILLA:
+            raise ContractError(
+                "ratio",
+                expected=f"RatioLevel.TOKEN with loss_mode {mode.value!r} (the sequence ratio is "
+                "vanilla's; loss_mode 'gspo' is GSPO-token)",
+                actual=repr(self.ratio),
+            )
+        correction = self.rollout_correction
+        if mode == PolicyLossMode.GEO_MEAN and correction is not None and correction.rollout_is:
+            raise ContractError(
+                "rollout_correction.rollout_is",
+                expected="None with loss_mode 'geo_mean' (its sequence ratio would take the "
+                "token weights' geometric mean; rejection applies)",
+                actual=repr(correction.rollout_is),
+            )
+        bypass = correction is not None and correction.bypass_mode
+        if mode == PolicyLossMode.BYPASS_MODE and not bypass:
+            raise ContractError(
+                "rollout_correction",
+                expected="a RolloutCorrection(bypass_mode=True) with loss_mode 'bypass_mode'",
+                actual=repr(self.rollout_correction),
+            )
+
+    @property
+    def is_token_local(self) -> bool:
+        """Whether each token's term reads its own logprob alone (the fused path's losses)."""
+        return self.loss_mode in TOKEN_LOCAL_MODES and self.ratio == RatioLevel.TOKEN
+
+    @property
+    def dppo_truncation(self) -> float:
+        """DPPO's truncation ``c`` of the detached ratio: ``dual_clip`` (veRL's
+        ``clip_ratio_c``), else 20 as veRL."""
+        return 20.0 if self.dual_clip is None else self.dual_clip
 
     @property
     def kl_options(self) -> KLOptions:

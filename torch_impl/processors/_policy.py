@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Never
 
 import torch
@@ -49,6 +49,7 @@ from ._loss_math import (
     weights_of,
 )
 from ._options import LinearOptions
+from ._policy_terms import Batchwide, CpSum, TokenRows, pg_terms
 from ._rollout import RolloutCorrection, WeightLevel, rollout_correction
 
 __all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
@@ -126,9 +127,6 @@ def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) 
     return batch
 
 
-CpSum = Callable[[torch.Tensor], torch.Tensor]
-
-
 def context_parallel_sum(
     config: PolicyLossConfig, batch: PolicyBatch, ctx: OutputContext
 ) -> CpSum | None:
@@ -164,27 +162,6 @@ def context_parallel_sum(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenRows:
-    """The batch as hidden-state rows ``[n]`` (``s``-major), checked and detached:
-    ``mask`` ``M`` (NaN where an entry is bad), ``weights`` ``w`` (``loss = sum(w * L)``),
-    ``old``, ``adv`` (0 where ``M == 0``), ``ref``."""
-
-    mask: torch.Tensor
-    weights: torch.Tensor
-    old: torch.Tensor
-    adv: torch.Tensor
-    ref: torch.Tensor | None
-    is_weights: torch.Tensor | None = None
-
-    def take(self, rows: slice) -> TokenRows:
-        """The rows ``rows`` of every field."""
-        fields: dict[str, typing.Any] = {
-            k: None if v is None else v[rows] for k, v in vars(self).items()
-        }
-        return TokenRows(**fields)
-
-
 def _rows(
     mask: torch.Tensor,
     weights: torch.Tensor,
@@ -213,14 +190,13 @@ def _rows(
 class TokenTerms:
     """The terms ``[r]`` of ``L = pg + kl_coef * kl - entropy_coef * entropy``, the
     ``logp`` and ``entropy`` they are of, and ``loss = sum(w * L)``. ``kl``: ``None``
-    without ``ref_logprobs``; ``clipped``: the clip branch taken (``-A clip(r) > -A r``);
-    ``dual``: ``A < 0`` and the bound ``-A dual_clip`` taken (``None`` without it)."""
+    without ``ref_logprobs``; ``indicators``: the mode's per-token metric values
+    (:class:`~._policy_terms.PgTerms`)."""
 
     loss: torch.Tensor
     pg: torch.Tensor
     kl: torch.Tensor | None
-    clipped: torch.Tensor
-    dual: torch.Tensor | None
+    indicators: dict[str, torch.Tensor]
     logp: torch.Tensor
     entropy: torch.Tensor
 
@@ -230,43 +206,26 @@ def token_terms(
     entropy: torch.Tensor,
     rows: TokenRows,
     config: PolicyLossConfig,
-    log_ratio: torch.Tensor | None = None,
+    whole: Batchwide | None = None,
 ) -> TokenTerms:
-    """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by :class:`PolicyLossConfig`'s
-    formula; ``log_ratio``: GSPO's (default the token one, 0 where ``M == 0``)."""
-    live = rows.mask > 0
-    if log_ratio is None:
-        log_ratio = torch.where(live, logp - rows.old.to(logp.dtype), 0.0)
-        log_ratio = symmetric_clamp(log_ratio, config.log_ratio_clamp)
-    adv = rows.adv.to(logp.dtype)
-    correction = config.rollout_correction
-    if correction is not None and correction.loss_type == "reinforce":
-        pg1 = pg2 = -adv * torch.where(live, logp, 0.0)  # no ratio, no clip
-    else:
-        ratio = torch.exp(log_ratio)
-        pg1 = -adv * ratio
-        pg2 = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.effective_clip_high)
-    pg = torch.maximum(pg1, pg2)
-    dual = None
-    if config.dual_clip is not None:
-        pg3 = -adv * config.dual_clip
-        dual = (adv < 0) & (pg > pg3)
-        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by
+    :class:`PolicyLossConfig`'s formula; ``whole``: what the modes reading other rows read
+    (``None`` for the token-local modes, tile by tile)."""
+    terms = pg_terms(logp, rows, config, whole)
+    pg = terms.pg
     if rows.is_weights is not None:  # the rollout correction's weights, detached
         pg = pg * rows.is_weights.to(logp.dtype)
     total = pg
     kl = None
     if rows.ref is not None:
-        ref = torch.where(live, rows.ref.to(logp.dtype), logp.detach())
+        ref = torch.where(rows.mask > 0, rows.ref.to(logp.dtype), logp.detach())
         kl = kl_terms(logp, ref, config.kl_options)
         if config.kl_coef != 0.0:
             total = total + config.kl_coef * kl
     if config.entropy_coef != 0.0:
         total = total - config.entropy_coef * entropy
     loss = (total * rows.weights.to(logp.dtype)).sum()
-    return TokenTerms(
-        loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy
-    )
+    return TokenTerms(loss, pg, kl, terms.indicators, logp, entropy)
 
 
 def _sequence_log_ratio(
@@ -312,13 +271,12 @@ def _metrics(
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),
-        "clip_fraction": masked_mean(t.clipped, m, total),
         "approx_kl": masked_mean(approx_kl, m, total),
     }
+    for name, values in t.indicators.items():
+        out[name] = masked_mean(values.detach(), m, total)
     if t.kl is not None:
         out["kl"] = weighted_sum(t.kl.detach(), w)
-    if t.dual is not None:
-        out["dual_clip_fraction"] = masked_mean(t.dual, m, total)
     return out
 
 
@@ -361,11 +319,12 @@ def policy_loss(
 
 
 def takes_fused_path(config: PolicyLossConfig) -> bool:
-    """Whether the gradients are formed in the forward pass: ``config.fused``, a token
-    ratio (GSPO's reads the whole sequence) and no bypass-mode correction (its weights and
-    rejection read the current logprobs, which the fused pass forms tile by tile)."""
+    """Whether the gradients are formed in the forward pass: ``config.fused``, a mode whose
+    token term reads the token's own logprob alone (:attr:`PolicyLossConfig.is_token_local`:
+    not GSPO's sequence ratio, Clip-Cov, KL-Cov, GMPO) and no bypass-mode correction (its
+    weights and rejection read the current logprobs, which the fused pass forms tile by tile)."""
     bypass = config.rollout_correction is not None and config.rollout_correction.bypass_mode
-    return config.fused and config.ratio == RatioLevel.TOKEN and not bypass
+    return config.fused and config.is_token_local and not bypass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,30 +471,42 @@ def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.T
     return _metrics(terms, rows, config, totals) | corrected.metrics
 
 
-def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
-    """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
-    logits recomputed in backward): GSPO's sequence ratio, a bypass-mode correction
-    (which reads the current logprobs), or ``fused=False``."""
+def _current_logprobs(call: PolicyCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current policy's logprobs and entropies ``[n]``, differentiable (the logits
+    recomputed in backward): the one place the autograd path forms them."""
     x = call.x
     lr = linear_logprobs(
         x.hidden, x.weight, x.token_labels, options=call.options, with_entropy=True
     )
-    logp, entropy = lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
+    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
+
+
+def _batchwide(
+    call: PolicyCall, config: PolicyLossConfig, logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[Batchwide, torch.Tensor | None]:
+    """What the modes reading other rows read, and each sequence's token count over the
+    context-parallel group (``None`` at cp 1): for GSPO's sequence ratio, both from one
+    collective (:func:`_sequence_log_ratio`)."""
+    segments = to_tokens(call.segments)
+    if config.ratio != RatioLevel.SEQUENCE:
+        totals = _token_totals(call, mask)
+        return Batchwide(segments, call.count, call.cp_sum), totals
+    old = behaviour_logprobs(call.batch, config)
+    log_ratio, totals = _sequence_log_ratio(
+        logp, old, mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
+    )
+    return Batchwide(segments, call.count, call.cp_sum, log_ratio), totals
+
+
+def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
+    logits recomputed in backward): the modes reading other tokens (GSPO's sequence ratio,
+    ``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), a bypass-mode correction (which
+    reads the current logprobs), or ``fused=False``."""
+    logp, entropy = _current_logprobs(call)
+    x = call.x
     corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
-    log_ratio: torch.Tensor | None = None
-    if config.ratio == RatioLevel.SEQUENCE:
-        old = behaviour_logprobs(call.batch, config)
-        log_ratio, totals = _sequence_log_ratio(
-            logp,
-            old,
-            corrected.mask,
-            call.segments,
-            call.count,
-            call.cp_sum,
-            config.log_ratio_clamp,
-        )
-    else:
-        totals = _token_totals(call, corrected.mask)
+    whole, totals = _batchwide(call, config, logp, corrected.mask)
     rows = _token_rows(call, config, corrected, totals)
-    terms = token_terms(logp, entropy, rows, config, log_ratio)
+    terms = token_terms(logp, entropy, rows, config, whole)
     return _metrics(terms, rows, config, totals) | corrected.metrics
