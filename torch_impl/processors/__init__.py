@@ -19,7 +19,13 @@ from ._fused import FusedLossResult, LseLoss, MeanLogitLoss, TokenLoss, fused_to
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
 from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
-from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
+from ._loss_math import (
+    PolicyLossConfig,
+    PolicyLossMode,
+    RatioLevel,
+    aggregation_weights,
+    kl_penalty,
+)
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
 from ._preference import PreferenceBatch, PreferenceConfig, PreferenceMethod, preference_loss
@@ -46,6 +52,7 @@ __all__ = [
     "MEASURED_CHOICES",
     "PolicyBatch",
     "PolicyLossConfig",
+    "PolicyLossMode",
     "PreferenceBatch",
     "PreferenceConfig",
     "PreferenceMethod",
