@@ -313,3 +313,23 @@ def test_gspo_token_and_the_sequence_ratio_agree_on_a_sequence_advantage() -> No
     a, b = _our_mode_loss("gspo", d, token), _our_mode_loss("gspo", d, sequence)
     for x, y in zip(a[:3], b[:3], strict=True):
         torch.testing.assert_close(x, y, **TOL)
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_data_parallel_counts_equal_verls_up_to_its_dp_size_factor(verl: Any, mode: str) -> None:
+    """Under data parallelism veRL divides by ``batch_num_tokens`` / ``global_batch_size`` and
+    multiplies by ``dp_size`` (DDP averages the ranks' gradients); ours take the same counts
+    as ``global_tokens`` / ``global_sequences`` and do not multiply (the ranks' losses sum)."""
+    g = torch.Generator().manual_seed(7)
+    loss = torch.randn(B, S, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, S, generator=g) > 0.3).double()
+    segments = torch.arange(B)[:, None].expand(B, S)
+    dp, tokens, sequences = 4, 97.0, 23.0
+    counts = {"token-mean": {"global_tokens": tokens}, "token-sum": {}}
+    ours_counts = counts.get(mode, {"global_sequences": sequences})
+    weights = aggregation_weights(mask, segments, B, mode, **ours_counts)
+    theirs = verl.core_algos.agg_loss(
+        loss, mask, mode, dp_size=dp, batch_num_tokens=tokens, global_batch_size=sequences
+    )
+    tol = {"rtol": 1e-7, "atol": 1e-12} if mode == "seq-mean-token-mean" else TOL
+    torch.testing.assert_close((weights * loss).sum() * dp, theirs, **tol)
