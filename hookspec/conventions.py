@@ -100,6 +100,24 @@ mean (not the "GSPO-token" stop-gradient form)::
 
     ratio_b = exp(clamp(sum_s((logp - old) * M) / sum_s(M), -C, C))   # [b], broadcast over s
 
+The policy-loss modes (veRL's ``loss_mode`` names), ``d = clamp(logp - old, -C, C)``,
+``r = exp(d)``, ``sg`` the stop-gradient, ``[lo, hi] = [1 - eps_low, 1 + eps_high]``::
+
+    gspo:     s = exp(sg(sum_s(d * M) / sum_s(M)) + logp - sg(logp));  max(-A s, -A clip(s))
+    dppo_tv:  -A * sg(min(r, c)) * logp * sg(valid)   # valid: p - p_old <= eps_high if A > 0
+                                                      #        p - p_old >= -eps_low  else
+    dppo_kl:  the same, valid: bkl <= eps_high or p <= p_old (A > 0); bkl <= eps_low or p >= p_old
+              bkl = p_old * (old - logp) + (1 - p_old) * log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    sapo:     -A * sigmoid(tau * (r - 1)) * 4 / tau   # tau = tau_pos if A > 0 else tau_neg
+    gpg:      -A * logp
+    clip_cov: where(top, 0, max(-A r, -A clip(r)))    # top: max(1, int(ratio * sum(M))) unclipped
+              # tokens with lb < cov < ub of largest cov = (A - mean_M(A)) * (logp - mean_M(logp))
+    kl_cov:   -A r + where(top, coef * |d|, 0)        # top: max(1, int(ratio * n)), largest cov
+    geo_mean: -mean_M(A)_b * exp(mean_M(sign(A) * min(sign(A) * d, sign(A) * clip(d, -eps_low,
+              eps_high)))_b)                          # per sequence b, at each of its tokens
+    dro:      -(A * logp - beta / 2 * (logp - old) ** 2)
+    cispo:    -sg(clip(r, lo, hi)) * A * logp
+
 Rollout correction, between the trainer's ``old`` logprobs and the rollout engine's
 ``rollout`` (``bypass``: the current ``logp`` against ``rollout``, which is then ``old``)::
 

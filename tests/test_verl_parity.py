@@ -15,6 +15,7 @@ import torch
 
 from hookspec import OutputContext, VocabShard
 from tests import verl_oracle
+from tests.distributed import run_distributed
 from torch_impl.processors import (
     PolicyBatch,
     PolicyLossConfig,
@@ -200,12 +201,12 @@ EPSILON_MODES = {"sapo", "geo_mean", "gspo"}
 METRICS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "ppo_kl"}
 
 
-def _mode_problem(seed: int, b: int) -> dict[str, Any]:
+def _mode_problem(seed: int, b: int, v: int = V) -> dict[str, Any]:
     """Sequences of several lengths (an empty one, a short one), an ignored label."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(S, b, H, generator=g, dtype=torch.float64)
-    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
-    labels = torch.randint(0, V, (b, S), generator=g)
+    w = torch.randn(v, H, generator=g, dtype=torch.float64) * 0.7
+    labels = torch.randint(0, v, (b, S), generator=g)
     labels[0, 3] = IGNORE
     lp = _materialised_logprobs(h, w, labels).detach()
     mask = (torch.rand(b, S, generator=g) > 0.2).double()
@@ -245,8 +246,9 @@ def _our_mode_loss(name: str, d: dict[str, Any], config: PolicyLossConfig) -> An
     counts = {"global_sequences": float(b)} if name == "geo_mean" else {}
     batch = PolicyBatch(old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], **counts)
     h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    v = w.shape[0]
     ctx = OutputContext(
-        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V),
+        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, v, v),
         context=batch,
     )  # fmt: skip
     out = policy_loss(config, tile_rows=5, tile_cols=7)(ctx)
@@ -313,3 +315,69 @@ def test_gspo_token_and_the_sequence_ratio_agree_on_a_sequence_advantage() -> No
     a, b = _our_mode_loss("gspo", d, token), _our_mode_loss("gspo", d, sequence)
     for x, y in zip(a[:3], b[:3], strict=True):
         torch.testing.assert_close(x, y, **TOL)
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_data_parallel_counts_equal_verls_up_to_its_dp_size_factor(verl: Any, mode: str) -> None:
+    """Under data parallelism veRL divides by ``batch_num_tokens`` / ``global_batch_size`` and
+    multiplies by ``dp_size`` (DDP averages the ranks' gradients); ours take the same counts
+    as ``global_tokens`` / ``global_sequences`` and do not multiply (the ranks' losses sum)."""
+    g = torch.Generator().manual_seed(7)
+    loss = torch.randn(B, S, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, S, generator=g) > 0.3).double()
+    segments = torch.arange(B)[:, None].expand(B, S)
+    dp, tokens, sequences = 4, 97.0, 23.0
+    counts = {"token-mean": {"global_tokens": tokens}, "token-sum": {}}
+    ours_counts = counts.get(mode, {"global_sequences": sequences})
+    weights = aggregation_weights(mask, segments, B, mode, **ours_counts)
+    theirs = verl.core_algos.agg_loss(
+        loss, mask, mode, dp_size=dp, batch_num_tokens=tokens, global_batch_size=sequences
+    )
+    tol = {"rtol": 1e-7, "atol": 1e-12} if mode == "seq-mean-token-mean" else TOL
+    torch.testing.assert_close((weights * loss).sum() * dp, theirs, **tol)
+
+
+TP2_MODES = ("vanilla", "dppo_kl", "gspo", "kl_cov", "geo_mean")
+
+
+def _tp2_modes(rank: int, d: dict[str, Any], truths: dict[str, Any]) -> None:
+    from megatron.core import parallel_state
+
+    from hookspec import ParallelLayout
+    from torch_impl import TorchCollectives
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    coll = TorchCollectives(group, sequence_parallel=False)
+    b, v = d["h"].shape[1], d["w"].shape[0]
+    shard = slice(rank * v // 2, (rank + 1) * v // 2)
+    for name in TP2_MODES:
+        ours_kw, _, mode = MODES[name]
+        config = PolicyLossConfig(loss_mode=name, aggregation=mode, **ours_kw)
+        counts = {"global_sequences": float(b)} if name == "geo_mean" else {}
+        batch = PolicyBatch(old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], **counts)
+        h, w = d["h"].clone().requires_grad_(), d["w"][shard].clone().requires_grad_()
+        ctx = OutputContext(
+            hidden_states=h, labels=d["labels"], vocab_weight=w,
+            vocab=VocabShard(shard.start, shard.stop, v), context=batch, collectives=coll,
+            parallel=ParallelLayout(tp_size=2, tp_rank=rank),
+        )  # fmt: skip
+        out = policy_loss(config, tile_rows=5, tile_cols=7)(ctx)
+        out["loss"].backward()
+        loss, dh, dw = truths[name]
+        tol = {"rtol": 1e-7, "atol": 1e-9} if name in EPSILON_MODES else TOL
+        torch.testing.assert_close(out["loss"].detach(), loss, **tol)
+        torch.testing.assert_close(h.grad, dh, **tol)
+        torch.testing.assert_close(w.grad, dw[shard], **tol)
+
+
+@pytest.mark.slow
+def test_loss_modes_at_tp2_equal_verls(verl: Any) -> None:
+    """Two gloo ranks, each half of the vocabulary: fused and autograd modes against veRL's
+    losses on the whole vocabulary's materialised logits (one pair of processes)."""
+    d = _mode_problem(seed=21, b=6, v=30)  # an even vocabulary, split in two
+    truths = {}
+    for name in TP2_MODES:
+        ours_kw, _, mode = MODES[name]
+        config = PolicyLossConfig(loss_mode=name, aggregation=mode, **ours_kw)
+        truths[name] = _verl_mode_loss(verl, name, d, config)[:3]
+    run_distributed(_tp2_modes, d, truths, tp=2)

@@ -109,6 +109,13 @@ class PolicyLossConfig:
         L = pg + kl_coef * kl(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, mask, aggregation)
 
+    ``loss_mode`` (a :class:`PolicyLossMode`, veRL's name as it is) replaces ``pg`` by its
+    mode's term (``hookspec.conventions``), with veRL's options and defaults: ``tau_pos``,
+    ``tau_neg`` (sapo); ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` (clip_cov);
+    ``kl_cov_ratio``, ``ppo_kl_coef`` (kl_cov); ``dro_beta`` (dro, required); the clip bounds
+    are dppo's trust-region bounds and ``dual_clip`` its ratio truncation (veRL's
+    ``clip_ratio_c``, default 20).
+
     ``kl`` is the ``kl_estimator`` (k1, k2, k3) of ``log_ratio = clamp(ref - logp)``.
     The clamp (default 20, as veRL; ``None``: off) keeps ``exp`` finite. ``fused``: form
     the gradients in the forward pass (``RatioLevel.TOKEN`` only; GSPO recomputes).

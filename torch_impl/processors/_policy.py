@@ -290,17 +290,19 @@ def policy_loss(
 ) -> Processor:
     """A processor returning the policy loss and its metrics, each a scalar::
 
-        {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "dual_clip_fraction",
-         "approx_kl"}
+        {"loss", "pg_loss", "kl", "entropy", "approx_kl", "ppo_kl", "clip_fraction",
+         "dual_clip_fraction", "clip_fraction_lower"}
 
     ``loss`` is :class:`PolicyLossConfig`'s formula aggregated with its
     ``aggregation`` over the tokens of ``PolicyBatch.mask`` (the user context) whose
     label is not the ignore index; ``pg_loss`` and ``kl`` (with ``ref_logprobs``) are
     its terms aggregated alike. The rest are detached token means over the mask:
-    ``entropy``, ``clip_fraction``, ``dual_clip_fraction`` (with ``dual_clip``),
-    ``approx_kl`` = ``exp(old - logp) - (old - logp) - 1``.
+    ``entropy``, ``approx_kl`` = ``exp(old - logp) - (old - logp) - 1`` and the metrics veRL
+    logs for the mode, where it has them: ``ppo_kl`` (``old - logp``; kl_cov ``|logp - old|``),
+    ``clip_fraction`` (veRL's ``pg_clipfrac``), ``dual_clip_fraction`` (vanilla with
+    ``dual_clip``) or ``clip_fraction_lower`` (dppo, geo_mean: veRL's ``pg_clipfrac_lower``).
 
-    With ``config.fused`` and a token ratio, the gradients are formed in the forward
+    With ``config.fused`` and a token-local mode, the gradients are formed in the forward
     pass (tiles of ``tile_rows`` whole rows, by default ``TILE_BYTES`` of fp32 logits,
     32 MiB on a CPU and 256 MiB on CUDA); otherwise autograd goes through
     :func:`linear_logprobs` (tiles of ``tile_rows`` x ``tile_cols``). ``None``: the
