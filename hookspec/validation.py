@@ -18,11 +18,13 @@ from .context import OutputContext, ParallelLayout, VocabShard
 from .errors import ContractError
 
 __all__ = [
+    "IGNORE_INDEX_OF_A_CONTEXT",
     "INT64_MAX",
     "INT64_MIN",
     "REQUIRED_COLLECTIVES",
     "check_int64",
     "check_labels",
+    "labels_expected",
     "validate_collectives",
     "validate_context",
     "validate_mtp_result",
@@ -75,8 +77,29 @@ def _check_array(field: str, x: object) -> None:
         )
 
 
-def check_labels(labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels") -> None:
-    """Labels must be integers in ``[0, vocab_size)`` or equal to ``ignore_index``.
+IGNORE_INDEX_OF_A_CONTEXT = (
+    "the ignore index of a context: enable_output_processor(model, ignore_index=), "
+    "or OutputContext(ignore_index=) built by hand"
+)
+"""Where a context's ``ignore_index`` is set, which a label error names (labels padded
+with another value than the ignore index are refused as out of range)."""
+
+
+def labels_expected(vocab_size: int, ignore_index: int, set_by: str) -> str:
+    """The ``expected`` of a label error: the range, the ignore index and where it is set."""
+    return f"token ids in [0, {vocab_size}) or ignore_index={ignore_index} ({set_by})"
+
+
+def check_labels(
+    labels: Any,
+    vocab_size: int,
+    *,
+    ignore_index: int,
+    field: str = "labels",
+    set_by: str = IGNORE_INDEX_OF_A_CONTEXT,
+) -> None:
+    """Labels must be integers in ``[0, vocab_size)`` or equal to ``ignore_index``
+    (``set_by``: where the caller sets it, named in the error).
 
     Reads the values (one synchronisation on an accelerator).
     """
@@ -89,7 +112,7 @@ def check_labels(labels: Any, vocab_size: int, *, ignore_index: int, field: str 
         lo, hi = int(flat.min()), int(flat.max())
         raise ContractError(
             field,
-            expected=f"token ids in [0, {vocab_size}) or ignore_index={ignore_index}",
+            expected=labels_expected(vocab_size, ignore_index, set_by),
             actual=f"{int(bad.sum())} ids outside it, in [{lo}, {hi}]",
         )
 
@@ -189,6 +212,19 @@ def validate_collectives(ctx: OutputContext) -> None:
         )
 
 
+def _batch_first(hs: tuple[int, ...], actual: tuple[int, ...], name: str, sp: int) -> None:
+    """``hidden_states`` ``hs`` read as ``[b, s, h]`` against ``name`` ``[b, s]``: refused by
+    their name and layout (not as ``name`` of the wrong shape)."""
+    s_local = f"s={actual[1]}" if sp == 1 else f"s/tp={actual[1] // sp}"
+    raise ContractError(
+        "hidden_states",
+        expected=f"the sequence-first layout [s, b, h] (Megatron's): [{s_local}, b={actual[0]}, "
+        f"h={hs[2]}] for {name} [b={actual[0]}, s={actual[1]}]",
+        actual=f"{format_shape(hs)}, batch-first [b, s, h]",
+        hint="transpose them: hidden_states.transpose(0, 1)",
+    )
+
+
 def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
     """Check the shapes of ``ctx`` against each other, the layout, vocabulary
     shard and collectives against each other (:func:`validate_collectives`),
@@ -221,6 +257,8 @@ def validate_context(ctx: OutputContext, *, check_values: bool = True) -> None:
             continue
         _check_array(name, value)
         actual = shape_of(value)
+        if actual == (hs[0], hs[1] * sp) and actual != (b, s_full):
+            _batch_first(hs, actual, name, sp)
         if actual != (b, s_full):
             raise ContractError(
                 name,

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from hookspec import ContractError, check_labels
+from hookspec.validation import IGNORE_INDEX_OF_A_CONTEXT, labels_expected
 
 __all__ = [
     "check_condition_deferred",
@@ -187,9 +188,15 @@ def refuse_meta(values: Any, *, field: str) -> None:
 
 
 def check_labels_deferred(
-    labels: Any, vocab_size: int, *, ignore_index: int, field: str = "labels"
+    labels: Any,
+    vocab_size: int,
+    *,
+    ignore_index: int,
+    field: str = "labels",
+    set_by: str = IGNORE_INDEX_OF_A_CONTEXT,
 ) -> None:
-    """``hookspec.check_labels`` without a host read on CUDA (see the module docstring).
+    """``hookspec.check_labels`` without a host read on CUDA (see the module docstring);
+    ``set_by``: where the caller sets ``ignore_index``, named in the error.
 
     Raises at once for a wrong type or dtype; outside a checked call, also for the bad
     values of an earlier deferred check whose result has landed (rule 2).
@@ -197,12 +204,10 @@ def check_labels_deferred(
     _entry()
     refuse_meta(labels, field=field)
     if not isinstance(labels, torch.Tensor) or not _defers(labels):
-        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)
+        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field, set_by=set_by)
         return
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
-        check_labels(
-            labels, vocab_size, ignore_index=ignore_index, field=field
-        )  # raises, naming the dtype
+        check_labels(labels, vocab_size, ignore_index=ignore_index, field=field)  # names the dtype
     if labels.numel() == 0:
         return
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
@@ -210,7 +215,7 @@ def check_labels_deferred(
         bad,
         labels,
         field=field,
-        expected=f"token ids in [0, {vocab_size}) or ignore_index={ignore_index}",
+        expected=labels_expected(vocab_size, ignore_index, set_by),
         noun="ids",
     )
 

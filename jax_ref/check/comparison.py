@@ -48,6 +48,7 @@ __all__ = [
     "compare",
     "compare_run",
     "cross_check",
+    "failing_positions",
     "cross_check_tensor_parallel",
     "logit_scale",
     "logit_softcap",
@@ -236,6 +237,35 @@ def compare(
     return max_abs, max_rel, tol.allows(max_abs, scale), ""
 
 
+FIRST_POSITIONS = 3
+"""How many failing tokens a failing row names."""
+
+
+def failing_positions(actual: Any, expected: Any, bound: float, quantity: str) -> str:
+    """The first :data:`FIRST_POSITIONS` tokens ``(b, s)`` (rows ``v`` of ``d/d weight``)
+    where ``|actual - expected| > bound`` or ``actual`` is not finite where ``expected``
+    is, each with the entry of the largest error there, ours and the reference's; ``""``
+    for a scalar. A value is ``[b, s, ...]``, ``d/d hidden`` ``[s, b, h]``."""
+    a, e = _np64(actual), _np64(expected)
+    if a.ndim == 0 or a.shape != e.shape:
+        return ""
+    err = np.where(np.isfinite(a) | ~np.isfinite(e), np.abs(a - e), np.inf)
+    err = np.where(np.isnan(err), 0.0, err)  # both NaN, or inf - inf: compared elsewhere
+    hidden, weight = quantity == "d/d hidden", quantity == "d/d weight"
+    lead = 1 if weight or a.ndim == 1 else 2
+    shape = (*a.shape[:lead], -1)
+    per, a, e = err.reshape(shape), a.reshape(shape), e.reshape(shape)
+    if hidden:  # [s, b, h] -> [b, s, h]: the tokens in order, named as the labels
+        per, a, e = (x.transpose(1, 0, 2) for x in (per, a, e))
+    parts = []
+    for pos in np.argwhere(per.max(-1) > bound)[:FIRST_POSITIONS]:
+        at = tuple(int(i) for i in pos)
+        j = int(per[at].argmax())
+        name = f"v={at[0]}" if weight else f"(b={at[0]}, s={at[1]})" if lead == 2 else f"[{at[0]}]"
+        parts.append(f"{name} ours {a[at][j]:.6g} reference {e[at][j]:.6g}")
+    return "first failing: " + "; ".join(parts) if parts else ""
+
+
 def _f64(x: Any, field: str) -> jax.Array:
     if isinstance(x, torch.Tensor):
         return to_jax(x, field=field).astype(jnp.float64)
@@ -327,10 +357,10 @@ def compare_run(
                 floors[k] = float(diff.max()) if diff.size else 0.0
     rows = []
     for (key, quantity), (max_abs, max_rel, ok, note) in results.items():
-        floor = 0.0
+        floor, where = 0.0, ""
+        ref_np = _np64(want[key, quantity])
+        scale = float(np.abs(ref_np[np.isfinite(ref_np)]).max()) if np.isfinite(ref_np).any() else 0
         if not ok and not note and (key, quantity) in floors:
-            ref_np = _np64(want[key, quantity])
-            scale = float(np.abs(ref_np).max()) if ref_np.size else 0.0
             if tol.allows(max_abs, scale, floors[key, quantity]):
                 ok, floor = True, floors[key, quantity]
             else:
@@ -340,6 +370,9 @@ def compare_run(
                     f"allowed {tol.atol:.0e} + {tol.rtol:.0e} * {scale:.2e} + {tol.slack:g} * floor "
                     f"= {bound:.2e})"
                 )
+        if not ok:
+            bound = tol.atol + tol.rtol * scale + tol.slack * floors.get((key, quantity), 0.0)
+            where = failing_positions(got[key, quantity], ref_np, bound, quantity)
         rows.append(
             Row(
                 case,
@@ -355,6 +388,7 @@ def compare_run(
                 processor,
                 atol=tol.atol,
                 slack=tol.slack,
+                where=where,
             )
         )
     return rows

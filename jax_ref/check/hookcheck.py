@@ -534,16 +534,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     failures = report.failures()
     if failures:
         for row in failures[:_MAX_FAILURE_LINES]:
-            reason = (
-                row.note
-                if row.note.startswith(("non-finite", "shape", "finite"))
-                else f"max abs err {row.max_abs:.3g}, {row.max_rel:.3g} of the reference's scale "
-                f"(rtol {row.rtol:g}, atol {row.atol:g}) {row.note}".rstrip()
-            )
-            print(
-                f"FAIL {row.processor}: {row.output} {row.quantity} [{row.case}, {row.dtype}]: {reason}",
-                file=out,
-            )
+            print(row.fail_line(), file=out)
         if len(failures) > _MAX_FAILURE_LINES:
             print(
                 f"... and {len(failures) - _MAX_FAILURE_LINES} more (--full prints every row)",

@@ -32,6 +32,20 @@ class Row:
     processor: str = ""
     atol: float = 0.0
     slack: float = 0.0
+    where: str = ""  # a failing row: its first failing tokens, ours and the reference's values
+
+    def fail_line(self) -> str:
+        """The one line a failing row prints: what failed, by how much against what it
+        was allowed, and the first tokens where (ours and the reference's values)."""
+        reason = (
+            self.note
+            if self.note.startswith(("non-finite", "shape", "finite"))
+            else f"max abs err {self.max_abs:.3g}, {self.max_rel:.3g} of the reference's scale "
+            f"(rtol {self.rtol:g}, atol {self.atol:g}) {self.note}".rstrip()
+        )
+        where = f"; {self.where}" if self.where else ""
+        head = f"FAIL {self.processor}: {self.output} {self.quantity} [{self.case}, {self.dtype}]"
+        return f"{head}: {reason}{where}"
 
 
 _HEADER = (

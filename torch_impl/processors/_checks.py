@@ -192,7 +192,9 @@ def check_token_labels(
         )
     refuse_meta(labels, field="labels")
     if check_values:
-        check_labels_deferred(labels, vocab_size, ignore_index=ignore_index)
+        check_labels_deferred(
+            labels, vocab_size, ignore_index=ignore_index, set_by="LinearOptions(ignore_index=)"
+        )
     return labels
 
 

@@ -43,6 +43,7 @@ from ._loss_math import (
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, SparseTeacher, check_rows
+from ._tiles import cap_factor, soft_cap_
 
 __all__ = [
     "DenseTeacher",
@@ -236,7 +237,8 @@ def _dense_epilogue(
     t_hidden, t_weight = (
         x.to(setup.compute_dtype) for x in (teacher.hidden_states, teacher.weight)
     )
-    t_inv, t_cap = teacher.logit_scale / cfg.temperature, teacher.softcap
+    t_inv = teacher.logit_scale / cfg.temperature
+    t_cap = cap_factor(teacher.logit_scale, teacher.softcap, setup.acc_dtype)
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
         zs = eng.logits_of(z, rows, inplace=True)
@@ -245,10 +247,9 @@ def _dense_epilogue(
         )  # a softcap's, before zs is shifted
         zt = eng.buffer("teacher", zs.shape[0], zs.shape[1], setup.acc_dtype)
         gemm_into(zt, t_hidden[rows], t_weight.T, first=True)
-        if t_cap is None:
-            scaled_(zt, t_inv)  # the teacher's temperature and logit scale
-        else:  # and its own softcap: s_t * tanh(u_t * c_t / s_t) / T
-            zt.mul_(teacher.logit_scale / t_cap).tanh_().mul_(t_cap / cfg.temperature)
+        if t_cap is not None:  # its own softcap: s_t * tanh(u_t * c_t / s_t) / c_t
+            soft_cap_(zt, t_cap, eng.like("teacher_tanh", zt))
+        scaled_(zt, t_inv)  # the teacher's temperature and logit scale
         d, kl, agree, lse, gz = _dense_terms(setup, cfg, zs, zt)
         w = weights[rows]
         if sink.active:  # a teacher NaN at an uncounted token stays out

@@ -5,8 +5,11 @@ epilogue, for losses that are sums of per-token terms with weights known in adva
 
     loss = sum_i token_loss_i(logprob_i, entropy_i)
 
-With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`);
-with it, ``token_loss`` is called once a tile, before the tile's gradient pass.
+With ``entropy_grad=False`` each tile is read once (:func:`~._single_pass.single_pass`)
+and ``token_loss`` is called once a gradient buffer of rows; with it, or with a
+``mean_logit_loss`` (whose uniform term is no scale of the tile's exponentials), once a
+tile, before the tile's gradient pass. Either way the loss must be a sum of per-token
+terms: its calls on spans of rows are summed (``check_token_sums=True`` checks it).
 """
 
 from __future__ import annotations
@@ -86,12 +89,19 @@ def _reaches_others(loss: torch.Tensor, own: tuple[torch.Tensor, ...]) -> bool:
 
 
 def _checked_loss(name: str, loss: Any, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``loss`` as the :data:`TokenLoss` contract has it, else a ``ContractError`` naming ``name``."""
+    """``loss`` as the :data:`TokenLoss` contract has it, else a ``ContractError`` naming
+    ``name``."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
         expected = (
             "a callable returning a 0-dim floating torch.Tensor (the summed loss of the rows)"
         )
         raise ContractError(name, expected=expected, actual=f"it returned {describe_tensor(loss)}")
+    if loss.device != args[0].device:  # a meta loss would pass through, or fail in autograd
+        raise ContractError(
+            name,
+            expected=f"its loss on the device of its arguments, {args[0].device}",
+            actual=f"it returned {describe_tensor(loss)} on {loss.device}",
+        )
     if any(x.grad is not None for x in args):
         raise ContractError(
             name,
@@ -117,6 +127,7 @@ class _Calls:
     lse_fn: LseLoss | None
     mean_fn: MeanLogitLoss | None
     graph: torch.Tensor | None = None
+    sums: dict[str, tuple[float, float, int]] | None = None  # checked: (sum, sum |.|, calls)
 
     def __call__(
         self, stats: Stats, lse: torch.Tensor, rows: slice, need: bool
@@ -127,7 +138,9 @@ class _Calls:
                 stats.logprobs.detach().requires_grad_(),
                 stats.entropy.detach().requires_grad_(),
             )
-            loss = _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
+            loss = self._record(
+                "token_loss", _checked_loss("token_loss", self.fn(lp, ent, rows), (lp, ent))
+            )
             args = {"token_loss": lp, "entropy": ent}
             for name, fn, v in (
                 ("lse_loss", self.lse_fn, lse),
@@ -135,7 +148,8 @@ class _Calls:
             ):
                 if fn is not None and v is not None:
                     args[name] = x = v.detach().requires_grad_()
-                    loss = loss + _checked_loss(name, fn(x, rows), (x,)).to(loss.dtype)
+                    part = self._record(name, _checked_loss(name, fn(x, rows), (x,)))
+                    loss = loss + part.to(loss.dtype)
             keep = self.grad and loss.requires_grad and _reaches_others(loss, tuple(args.values()))
             grads: dict[str, _Grad] = {}
             if need and loss.requires_grad:
@@ -155,6 +169,36 @@ class _Calls:
             )
         get = grads.get
         return loss.detach(), get("token_loss"), g_h, get("lse_loss"), get("mean_logit_loss")
+
+    def _record(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` of one span, its value summed per name where sums are checked."""
+        if self.sums is not None:
+            total, size, calls = self.sums.get(name, (0.0, 0.0, 0))
+            value = float(loss.detach())
+            self.sums[name] = (total + value, size + abs(value), calls + 1)
+        return loss
+
+    def check_sums(self, vectors: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Each loss called once on every row (``vectors``: its ``[n]`` arguments by name)
+        equals the sum of its calls on spans, to 64 ulp of the spans' magnitudes, else
+        ``ContractError`` naming it."""
+        assert self.sums is not None
+        fns = {"token_loss": self.fn, "lse_loss": self.lse_fn, "mean_logit_loss": self.mean_fn}
+        for name, (total, size, calls) in self.sums.items():
+            args = tuple(v.detach() for v in vectors[name])
+            whole = slice(0, int(args[0].shape[0]))
+            with torch.no_grad():
+                one = float(_checked_loss(name, fns[name](*args, whole), args))  # type: ignore[operator]
+            if abs(one - total) > 64 * torch.finfo(args[0].dtype).eps * max(size, abs(one)):
+                raise ContractError(
+                    name,
+                    expected="a sum of per-token terms (fused_token_loss calls it on spans of "
+                    "rows and sums the results): one call on all rows equal to that sum",
+                    actual=f"{one:.6g} on all {whole.stop} rows, {total:.6g} summed over "
+                    f"{calls} spans",
+                    hint="a mean over the rows is a sum with weights known in advance: divide "
+                    "by the count (hookspec.conventions)",
+                )
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (differentiable in the hidden rows and weight) also carrying the
@@ -224,6 +268,7 @@ def fused_token_loss(
     bias: torch.Tensor | None = None,
     mean_logit_loss: MeanLogitLoss | None = None,
     mean_logit_weights: torch.Tensor | None = None,
+    check_token_sums: bool = False,
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
@@ -238,6 +283,12 @@ def fused_token_loss(
     twice, no GEMM more). The gradients are formed only when autograd needs them and
     held until backward (``dh`` in the accumulation dtype, rounded once after the
     upstream gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``.
+
+    The losses must be sums of per-token terms: ``token_loss`` is called on spans of rows
+    (once a gradient buffer with ``entropy_grad=False`` and no ``mean_logit_loss``, else
+    once a tile) and the results summed; ``-lp.mean()`` would give a mean per span.
+    ``check_token_sums=True`` (a debugging aid) calls the losses once more on all rows
+    and raises ``ContractError`` naming them where that differs from the sum.
     Differentiable once: a second backward through the same call, or
     ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
     """
@@ -252,16 +303,22 @@ def fused_token_loss(
                 field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn)
             )
     check_bool("entropy_grad", entropy_grad)
+    check_bool("check_token_sums", check_token_sums)
     name, cw = "fused_token_loss", mean_logit_weights
     _, h, setup = prologue(
         name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
     )
     calls = _Calls(token_loss, entropy_grad, torch.is_grad_enabled(), lse_loss, mean_logit_loss)
+    calls.sums = {} if check_token_sums else None
     run = functools.partial(_sweep, h, weight, setup, calls)
     loss, lp, entropy, lse, mean = FormedInForward.apply(
         h, weight, setup.bias, name, run, calls.grad
     )
     mean = mean if mean_logit_loss is not None else None
+    if calls.sums is not None:
+        calls.check_sums(
+            {"token_loss": (lp, entropy), "lse_loss": (lse,), "mean_logit_loss": (mean,)}
+        )
     return FusedLossResult(
         loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
     )

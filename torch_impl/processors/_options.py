@@ -37,6 +37,7 @@ from ._geometry import (
     sweep_tile,
     triton_mode_mismatch,
 )
+from ._tiles import cap_factor
 
 __all__ = [
     "LinearOptions",
@@ -233,7 +234,7 @@ def prologue(
         collectives=options.collectives,
         kernel=kernel_config(h.device) if triton else None,
         bias=bias,
-        cap_k=None if options.softcap is None else options.logit_scale / options.softcap,
+        cap_k=cap_factor(options.logit_scale, options.softcap, acc),
         mean_weights=mean_weights,
         **_tile_shape(n, local, h.device, options, triton=triton, dtype=cdtype),
     )

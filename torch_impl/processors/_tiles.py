@@ -1,12 +1,14 @@
 """One call's operands as the engine's tiles (:class:`Tiles`) and what the sweeps need,
 checked (:class:`TileSetup`, built by :mod:`._options`): the logits ``z = (h @ W.T + b) *
 logit_scale / T`` a tile at a time (one ``torch.mm`` with an fp32 output). With a softcap
-``s`` (``cap_k = logit_scale / s``) they are ``z = tanh(u * cap_k) * inv_t / cap_k`` of
-``u = h @ W.T + b``, and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
+``s`` (``cap_k = logit_scale / s``, :func:`cap_factor`) they are ``z = c * inv_t`` of ``u =
+h @ W.T + b`` capped (:func:`soft_cap_`: ``c = s * tanh(u * cap_k) / logit_scale`` formed
+so that no finite ``s`` overflows), and ``dz/du = inv_t * (1 - tanh(u * cap_k)**2)``."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,49 @@ from hookspec import Collectives
 from ._gemm import gemm_into, scaled_
 from ._geometry import KernelConfig
 
-__all__ = ["TileSetup", "Tiles"]
+__all__ = ["TileSetup", "Tiles", "cap_factor", "soft_cap_"]
+
+
+def _tiny_x(dtype: torch.dtype) -> float:
+    """Below this ``|x|``, ``tanh(x) == x`` in ``dtype``: ``x**3 / 3`` is under half an ulp
+    of ``x`` (``sqrt(eps / 2)``: ``2**-12`` in fp32, as the Triton kernels' ``X_TINY``)."""
+    return math.sqrt(torch.finfo(dtype).eps / 2)
+
+
+def cap_factor(logit_scale: float, softcap: float | None, dtype: torch.dtype) -> float | None:
+    """``cap_k = logit_scale / softcap`` as the tiles of accumulation ``dtype`` use it::
+
+        None          where cap_k * max(dtype) < sqrt(eps / 2): tanh(u cap_k) == u cap_k for
+                      every finite u, the cap changes no logit
+        sqrt(max)     where cap_k is larger: every capped logit is within logit_scale /
+                      sqrt(max) * inv_t of 0 either way (5e-20 in fp32), and their tanh
+                      stays readable from them (:meth:`Tiles.cap_slope_of`)
+        cap_k         else
+
+    Every finite ``softcap > 0`` is one of the three: none overflows or gives 0 * inf."""
+    if softcap is None:
+        return None
+    info = torch.finfo(dtype)
+    k = logit_scale / softcap  # a float64: inf only for a softcap below ~1e-308 * logit_scale
+    if k * float(info.max) < _tiny_x(dtype):
+        return None
+    return min(k, math.sqrt(float(info.max)))
+
+
+def soft_cap_(u: torch.Tensor, cap_k: float, th: torch.Tensor) -> torch.Tensor:
+    """``u [r, c]`` (or ``[r]``) capped in place and returned, ``tanh(x)`` into ``th`` (of
+    ``u``'s shape)::
+
+        x = u * cap_k
+        th = tanh(x)
+        u = where(|x| < sqrt(eps / 2), u, th / cap_k)     # = s * tanh(u / s) (s = 1 / cap_k)
+
+    ``u`` itself where ``tanh(x) == x``: no ``1 / cap_k`` formed to overflow, no subnormal
+    ``x`` to lose ``u``'s bits (the Triton kernels' ``_capped``)."""
+    torch.mul(u, cap_k, out=th)
+    keep = th.abs() < _tiny_x(u.dtype)
+    th.tanh_()
+    return torch.where(keep, u, th / cap_k, out=u)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +155,8 @@ class Tiles:
                 self.b[cols], alpha=f
             )
         if self.setup.cap_k is not None and not self.triton:  # tanh(u k) kept for cap_slope_
-            t = torch.mul(z, self.setup.cap_k, out=self.like("cap", z)).tanh_()
-            return torch.mul(t, self._cap_out(rows), out=z)
+            soft_cap_(z, self.setup.cap_k, self.like("cap", z))
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
-
-    def _cap_out(self, rows: slice, *, column: bool = True) -> torch.Tensor | float:
-        """``inv_t / cap_k``: ``z = tanh(u cap_k) * inv_t / cap_k``."""
-        assert self.setup.cap_k is not None
-        return self.setup.row_inv_t(rows, column=column) / self.setup.cap_k
 
     def cap_slope_(self, gz: torch.Tensor) -> torch.Tensor:
         """``gz * (1 - tanh(u cap_k)**2)`` in place, the tile's tanh from :meth:`logits`
@@ -130,11 +168,18 @@ class Tiles:
 
     def cap_slope_of(self, zv: torch.Tensor, rows: slice) -> torch.Tensor | float:
         """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` (``[r]``, or ``[r, k]``: a gather
-        or a tile) of the rows (1 without a softcap)."""
+        or a tile) of the rows (1 without a softcap)::
+
+            t = zv / inv_t * cap_k                    # tanh(u cap_k), to a few roundings
+            slope = where(1 - t**2 < 8 eps, 0, 1 - t**2)
+
+        A slope under the rounding of ``t**2`` is 0: where the tanh saturated (``t = +-1``
+        give or take an ulp) it would be ``+-2 eps`` instead of about 0."""
         if self.setup.cap_k is None:
             return 1.0
-        t = zv / self._cap_out(rows, column=zv.dim() == 2)
-        return 1.0 - t * t
+        t = zv / self.setup.row_inv_t(rows, column=zv.dim() == 2) * self.setup.cap_k
+        slope = 1.0 - t * t
+        return slope.masked_fill_(slope < 8 * torch.finfo(slope.dtype).eps, 0.0)
 
     def logits_of(
         self, values: torch.Tensor, rows: slice, *, inplace: bool = False
@@ -148,8 +193,9 @@ class Tiles:
             return scaled_(
                 values if inplace else values.clone(), self.setup.row_inv_t(rows, column=column)
             )
-        t = torch.mul(values, self.setup.cap_k, out=values if inplace else None).tanh_()
-        return scaled_(t, self._cap_out(rows, column=column))
+        c = values if inplace else values.clone()
+        soft_cap_(c, self.setup.cap_k, torch.empty_like(c))
+        return scaled_(c, self.setup.row_inv_t(rows, column=column))
 
     def untempered_grad(self, gz: torch.Tensor, rows: slice) -> torch.Tensor:
         """The gradient of tempered logits in the sink's GEMMs' form: times ``inv_t``

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from ._geometry import EXP_RANGE, KernelConfig, interpreting
 
@@ -28,41 +29,74 @@ for subnormal results, which no sum here needs (a term below ``2**-126`` of a su
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
-@triton.jit
-def _tanh(u, k2):
-    """``tanh(u k)`` (``tl`` has none) as ``2 / (1 + exp2(u k2)) - 1``, ``k2 = -2 k
-    log2(e)``: a multiply, an ``ex2``, a reciprocal; -1 at -inf, NaN stays NaN."""
-    return 2.0 / (1.0 + tl.exp2(u * k2)) - 1.0
+TANH_FROM_EXP = tl.constexpr(interpreting())
+"""The interpreter has no libdevice: there :func:`_tanh` is formed from ``exp``. Read once,
+when this module is imported."""
+
+X_TINY = tl.constexpr(2.0**-12)
+"""``|x| < X_TINY``: ``tanh(x) == x`` in fp32 (``x**3 / 3`` is below half an ulp of ``x``)."""
 
 
 @triton.jit
-def _temper(u, k2, f, SOFTCAP: tl.constexpr):
-    """The logits of raw ``u``: ``u * f`` (``f = inv_t``), or with a softcap ``tanh(u k) *
-    f`` (``k = logit_scale / s``, ``k2`` as :func:`_tanh`'s, ``f = inv_t / k``)."""
-    return (_tanh(u, k2) if SOFTCAP else u) * f
+def _tanh(x):
+    """``tanh(x)`` to a few ulp relative over the whole range, -1 at -inf, NaN stays NaN:
+    libdevice's ``tanhf`` compiled; under the interpreter ``sign(x) (1 - e) / (1 + e)`` of
+    ``e = exp(-2 |x|)``, and for ``|x| < 1/8`` (where ``1 - e`` would cancel) the series
+    ``x - x**3 / 3 + 2 x**5 / 15 - 17 x**7 / 315`` (relative error below ``62 x**8 / 2835``,
+    2e-9)."""
+    if TANH_FROM_EXP:
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        far = (1.0 - e) / (1.0 + e)
+        x2 = x * x
+        near = x + x * x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0)))
+        return tl.where(a < 0.125, near, tl.where(x < 0.0, -far, far))
+    else:
+        return libdevice.tanh(x)
 
 
 @triton.jit
-def _row_scales(
-    inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T: tl.constexpr, SOFTCAP: tl.constexpr
-):
-    """The rows' ``f`` and ``k2`` of :func:`_temper`: ``inv_t`` (per row or a scalar), or
-    ``inv_t / cap_k`` under ``SOFTCAP``."""
+def _capped(u, k):
+    """The softcap of raw ``u`` before the temperature, and its tanh: ``(c, th)`` with ``x =
+    u k`` (``k = logit_scale / s``), ``th = tanh(x)``, ``c = where(|x| < X_TINY, u, th / k)``
+    (``= s tanh(u logit_scale / s) / logit_scale``; ``u`` where ``tanh(x) == x``: no
+    ``1 / k`` to overflow, no subnormal ``x`` to lose ``u``'s bits)."""
+    x = u * k
+    th = _tanh(x)
+    return tl.where(tl.abs(x) < X_TINY, u, th / k), th
+
+
+@triton.jit
+def _temper(u, k, inv_t, SOFTCAP: tl.constexpr):
+    """The logits of raw ``u``: ``u * inv_t``, or with a softcap ``c * inv_t`` of
+    :func:`_capped`'s ``c`` (``k = logit_scale / s``)."""
+    if SOFTCAP:
+        c, _ = _capped(u, k)
+        return c * inv_t
+    else:
+        return u * inv_t
+
+
+@triton.jit
+def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T: tl.constexpr):
+    """The rows' ``inv_t``: per row, or a scalar."""
     if PER_TOKEN_T:
         inv_t = tl.load(inv_t_ptr + r, mask=row_ok, other=1.0)
     else:
         inv_t = tl.full(r.shape, 1.0, tl.float32) * inv_t_scalar
-    return (inv_t / cap_k if SOFTCAP else inv_t), cap_k * -2.0 * LOG2E
+    return inv_t
 
 
 @triton.jit
 def _summand(
-    z, k2, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr
+    z, cap_k, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr
 ):
-    """A block's term of the mean logit's sum before its factor ``inv_t`` (``inv_t /
-    cap_k`` with a softcap): ``z`` or ``tanh(z cap_k)``, times the column weights; 0 in
-    a masked column (``MASKED``: ``cw_ok`` False)."""
-    zs = _tanh(z, k2) if SOFTCAP else z
+    """A block's term of the mean logit's sum before its factor ``inv_t``: ``z`` or its
+    softcap (:func:`_capped`), times the column weights; 0 in a masked column (``MASKED``:
+    ``cw_ok`` False)."""
+    zs = z
+    if SOFTCAP:
+        zs, _ = _capped(z, cap_k)
     if WEIGHTED:
         zs = zs * (tl.load(cw_ptrs, mask=cw_ok, other=0.0) if MASKED else tl.load(cw_ptrs))[None, :]
     return tl.where(cw_ok[None, :], zs, 0.0) if MASKED else zs
@@ -96,7 +130,7 @@ def _stats_step(
     t_l,
     inv_t,
     WITH_ENTROPY: tl.constexpr,
-    k2,
+    cap_k,
     SOFTCAP: tl.constexpr,
     ok,
 ):
@@ -104,7 +138,7 @@ def _stats_step(
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
     tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``."""
     # inv_t > 0 and rounding is monotone: max(fl(z * inv_t)) == fl(max(z) * inv_t)
-    m_new = tl.maximum(m, _temper(tl.max(z, axis=1), k2, inv_t, SOFTCAP))  # tanh is monotone too
+    m_new = tl.maximum(m, _temper(tl.max(z, axis=1), cap_k, inv_t, SOFTCAP))  # the cap is monotone
     grow = m_new > m  # False for NaN: a NaN reaches the sums through its own term
     if tl.max(grow.to(tl.int32), axis=0) > 0:  # a record max: rare after a row's first steps
         base_new = tl.where(grow, m_new, base)
@@ -119,7 +153,7 @@ def _stats_step(
         m = tl.where(grow, m_new, m)
         base = base_new
     if SOFTCAP:  # a masked lane (ok False) stays -inf, a logit of -inf is capped
-        d = tl.where(ok, _temper(z, k2, inv_t[:, None], SOFTCAP), float("-inf")) - base[:, None]
+        d = tl.where(ok, _temper(z, cap_k, inv_t[:, None], SOFTCAP), float("-inf")) - base[:, None]
     else:
         d = z * inv_t[:, None] - base[:, None]  # one FFMA: the product is not rounded
     e = tl.exp2(d * LOG2E)  # a masked or -inf lane: exp2(-inf) = 0
@@ -157,16 +191,17 @@ def _chunk_stats_kernel(
     """:func:`chunk_stats_`. Per element of a full block, 4 bytes read and 11.2 SASS (9.2
     without entropy): FMNMX (the block max), FFMA (``d``), FMUL + MUFU (``exp2``), FADD
     (``s_l``), FMNMX + FFMA (``t_l``); per block a cross-warp max and a branch.
-    ``SOFTCAP``: a ``tanh`` more (one MUFU, a divide, three ALU); ``WITH_SUM``: a FADD."""
+    ``SOFTCAP``: the cap more (libdevice's ``tanhf``, a divide, a compare and a select);
+    ``WITH_SUM``: a FADD."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
-    inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
+    inv_t = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T)
     # a row past the end reads the last row (no row mask on the loads) and stores nothing
     z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
     lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-    zy_new = _temper(tl.sum(zy_new, axis=1), k2, inv_t, SOFTCAP)
+    zy_new = _temper(tl.sum(zy_new, axis=1), cap_k, inv_t, SOFTCAP)
     # the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
     m = tl.load(m_ptr + r, mask=row_ok, other=float("-inf"))
     s_in = tl.load(s_ptr + r, mask=row_ok, other=0.0)
@@ -187,19 +222,30 @@ def _chunk_stats_kernel(
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
         if WITH_SUM:
-            u_l += _summand(z, k2, cw_ptr + col0 + c0 + cc, None, SOFTCAP, WEIGHTED, False)
+            u_l += _summand(z, cap_k, cw_ptr + col0 + c0 + cc, None, SOFTCAP, WEIGHTED, False)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, True
+            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, cap_k, SOFTCAP, True
         )
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         if WITH_SUM:
-            u_l += _summand(z, k2, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
+            u_l += _summand(z, cap_k, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
-            z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, k2, SOFTCAP, (c < cols)[None, :]
+            z,
+            m,
+            base,
+            s_in,
+            t_in,
+            s_l,
+            t_l,
+            inv_t,
+            WITH_ENTROPY,
+            cap_k,
+            SOFTCAP,
+            (c < cols)[None, :],
         )
-    if WITH_SUM:  # inv_t is inv_t / cap_k under SOFTCAP: the sum of the capped, tempered logits
+    if WITH_SUM:  # the sum of the (capped) tempered logits
         sz = tl.load(sz_ptr + r, mask=row_ok, other=0.0)
         tl.store(sz_ptr + r, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
     tl.store(m_ptr + r, m, mask=row_ok)
@@ -244,7 +290,7 @@ def _logit_grad_kernel(
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
-    inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, False)
+    inv_t = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T)
     big_m = tl.load(max_ptr + r, mask=row_ok, other=0.0)
     a = tl.load(a_ptr + r, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + r, mask=row_ok, other=0.0)
@@ -259,8 +305,8 @@ def _logit_grad_kernel(
         ok = row_ok[:, None] & (c < cols)[None, :]
         zr = tl.load(z_rows + c[None, :], mask=ok, other=0.0)
         if SOFTCAP:
-            th = _tanh(zr, k2)
-            zc = th * (inv_t / cap_k)[:, None] - big_m[:, None]
+            zr, th = _capped(zr, cap_k)
+            zc = zr * inv_t[:, None] - big_m[:, None]
         else:
             zc = zr * inv_t[:, None] - big_m[:, None]
         if IN_PLACE:
@@ -279,13 +325,13 @@ def _logit_grad_kernel(
 
 
 @triton.jit
-def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, k2, SOFTCAP: tl.constexpr):
+def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, cap_k, SOFTCAP: tl.constexpr):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked): ``exp(zt -
     ref)`` stored (times the softcap's slope ``1 - tanh**2``), the per-lane max
     (untempered) and sums updated."""
     if SOFTCAP:
-        th = _tanh(z, k2)
-        zc = tl.where(mask, th, float("-inf")) * inv_t[:, None] - ref[:, None]  # masked: -inf
+        c, th = _capped(z, cap_k)
+        zc = tl.where(mask, c, float("-inf")) * inv_t[:, None] - ref[:, None]  # masked: -inf
     else:
         zc = z * inv_t[:, None] - ref[:, None]  # one FFMA
     e = tl.exp2(zc * LOG2E)
@@ -331,20 +377,20 @@ def _exp_rows_kernel(
             tl.debug_barrier()
             row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) > 0:
-            inv_t, k2 = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, cap_k, PER_TOKEN_T, SOFTCAP)
+            inv_t = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T)
             z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
             out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
             lab = tl.load(lab_ptr + r, mask=row_ok, other=-1)
             here = row_ok & (lab >= 0) & (lab < cols)
             zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
-            zy = _temper(tl.sum(zy, axis=1), k2, inv_t, SOFTCAP)
+            zy = _temper(tl.sum(zy, axis=1), cap_k, inv_t, SOFTCAP)
             cc = tl.arange(0, BLOCK_N)
             if REDO:
                 ref = tl.load(m_ptr + r, mask=row_ok, other=0.0)
             else:
                 z0 = tl.load(z_rows + cc[None, :], mask=(cc < cols)[None, :], other=float("-inf"))
                 ref = tl.maximum(
-                    _temper(tl.max(z0, axis=1), k2, inv_t, SOFTCAP),
+                    _temper(tl.max(z0, axis=1), cap_k, inv_t, SOFTCAP),
                     tl.where(here, zy, float("-inf")),
                 )
             ref = tl.where(row_ok, ref, 0.0)
@@ -358,21 +404,23 @@ def _exp_rows_kernel(
                 z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
                 out = out_rows + (c0 + cc)[None, :]
                 m_l, s_l, t_l = _exp_step(
-                    z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], k2, SOFTCAP
+                    z, ref, inv_t, m_l, s_l, t_l, out, row_ok[:, None], cap_k, SOFTCAP
                 )
             if full < cols:
                 c = full + cc
                 ok = row_ok[:, None] & (c < cols)[None, :]
                 z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
                 out = out_rows + c[None, :]
-                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, ok, k2, SOFTCAP)
+                m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, ok, cap_k, SOFTCAP)
             # the label's column is 0 in E: written above by whichever thread held it, so
             # overwritten once every thread's stores are ordered before this one
             tl.debug_barrier()
             zero = tl.zeros((BLOCK_M, 1), tl.float32)
             _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
             tl.store(c_ptr + r, ref, mask=row_ok)
-            big_m = _temper(tl.max(m_l, axis=1), k2, inv_t, SOFTCAP)  # monotone: the max of the row
+            big_m = _temper(
+                tl.max(m_l, axis=1), cap_k, inv_t, SOFTCAP
+            )  # monotone: the max of the row
             tl.store(m_ptr + r, big_m, mask=row_ok)
             tl.store(s_ptr + r, tl.sum(s_l, axis=1), mask=row_ok)
             tl.store(t_ptr + r, tl.sum(t_l, axis=1), mask=row_ok)
@@ -431,7 +479,8 @@ def chunk_stats_(
         sz += zt.sum(1)                          # where sz is given (zt @ cw[col0:] with cw)
 
     ``inv_t > 0``. Bytes: ``4 rows cols`` read, ``O(rows)`` else. ``cap_k``: a softcap,
-    ``zt = tanh(z cap_k) * inv_t / cap_k`` (:mod:`._tiles`)."""
+    ``zt = c * inv_t`` of ``c = where(|x| < 2**-12, z, tanh(x) / cap_k)``, ``x = z cap_k``
+    (:mod:`._tiles`)."""
     m, s, t, zy = state
     args = (z, labels_local, m, s, m if t is None else t, zy, *z.shape, col0, z.stride(0))
     flags = {
