@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Callable
 from typing import Any, Never
 
@@ -187,8 +188,9 @@ class _Calls:
         for name, (total, size, calls) in self.sums.items():
             args = tuple(v.detach() for v in vectors[name])
             whole = slice(0, int(args[0].shape[0]))
+            loss = typing.cast(Callable[..., Any], fns[name])
             with torch.no_grad():
-                one = float(_checked_loss(name, fns[name](*args, whole), args))  # type: ignore[operator]
+                one = float(_checked_loss(name, loss(*args, whole), args))
             if abs(one - total) > 64 * torch.finfo(args[0].dtype).eps * max(size, abs(one)):
                 raise ContractError(
                     name,
@@ -316,9 +318,10 @@ def fused_token_loss(
     )
     mean = mean if mean_logit_loss is not None else None
     if calls.sums is not None:
-        calls.check_sums(
-            {"token_loss": (lp, entropy), "lse_loss": (lse,), "mean_logit_loss": (mean,)}
-        )
+        vectors = {"token_loss": (lp, entropy), "lse_loss": (lse,)}
+        if mean is not None:
+            vectors["mean_logit_loss"] = (mean,)
+        calls.check_sums(vectors)
     return FusedLossResult(
         loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
     )
