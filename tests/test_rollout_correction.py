@@ -283,6 +283,34 @@ def test_policy_loss_with_correction_equals_verls_through_the_processor(
                 torch.testing.assert_close(out[key], want, **tol, msg=key)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_micro_batch_without_a_counted_token_where_verl_refuses_it(
+    verl: Any, name: str, fused: bool
+) -> None:
+    """veRL's correction raises on a micro-batch without a counted token (a pipeline's
+    padding micro-batch has none); ours gives a loss of 0, zero gradients and finite
+    metrics (a max, min or effective sample size of nothing is 0, not an infinity)."""
+    cfg = dataclasses.replace(LOSSES[name], fused=fused)
+    d = _problem(seed=2)
+    d["mask"] = torch.zeros_like(d["mask"])
+    with pytest.raises(ValueError, match="at least one valid token"):
+        _verl_loss(verl, d, cfg)
+    batch = PolicyBatch(
+        old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], rollout_logprobs=d["rollout"]
+    )
+    h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V),
+        context=batch,
+    )  # fmt: skip
+    out = policy_loss(cfg, tile_rows=4, tile_cols=11)(ctx)
+    out["loss"].backward()
+    assert float(out["loss"].detach()) == 0.0 and not h.grad.any() and not w.grad.any()
+    infinite = [k for k, v in out.items() if not bool(torch.isfinite(v))]
+    assert not infinite, infinite
+
+
 def test_a_correction_without_rollout_logprobs_is_refused_by_name() -> None:
     d = _problem(seed=1)
     cfg = LOSSES["decoupled-tis-token-mean"]

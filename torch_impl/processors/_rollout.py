@@ -343,8 +343,8 @@ def _weight_metrics(
     out = {"rollout_is_mean": masked_mean(weights, mask)}
     if config.rollout_is == WeightLevel.TOKEN:
         live = mask > 0
-        out["rollout_is_max"] = torch.where(live, weights, float("-inf")).max()
-        out["rollout_is_min"] = torch.where(live, weights, float("inf")).min()
+        out["rollout_is_max"] = live_extreme(weights, live, top=True)
+        out["rollout_is_min"] = live_extreme(weights, live, top=False)
         out["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(mask.dtype), mask)
         out["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(mask.dtype), mask)
     else:  # the per-sequence log ratios, every sequence (veRL's rows, empty ones too)
@@ -359,7 +359,8 @@ def _weight_metrics(
     several = mask.sum() > 1
     out["rollout_is_std"] = torch.where(several, variance.clamp_min(0.0).sqrt(), 0.0)
     normalized = bounded / (mean + 1e-8)
-    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalized.square(), mask)
+    second = masked_mean(normalized.square(), mask)  # 0 only for an empty mask
+    out["rollout_is_eff_sample_size"] = torch.where(second > 0, 1.0 / second, 0.0)
     out.update(_sequence_weight_metrics(weights, raw, seqs, upper, lower))
     return out
 
@@ -446,8 +447,8 @@ def _statistic_metrics(
     seq_stats = _valid_statistics(per_sequence, valid, high=high, low=low)
     out = {"mean": masked_mean(stat, mask)}
     live = mask > 0
-    out["max"] = seq_stats["seq_max"] if by_sequence else torch.where(live, stat, -math.inf).max()
-    out["min"] = seq_stats["seq_min"] if by_sequence else torch.where(live, stat, math.inf).min()
+    out["max"] = seq_stats["seq_max"] if by_sequence else live_extreme(stat, live, top=True)
+    out["min"] = seq_stats["seq_min"] if by_sequence else live_extreme(stat, live, top=False)
     if by_sequence:
         out["fraction_high"] = seq_stats["seq_fraction_high"]
         out["fraction_low"] = seq_stats.get("seq_fraction_low", torch.zeros((), dtype=dtype))
@@ -460,6 +461,15 @@ def _statistic_metrics(
     variance = masked_mean(bounded.square(), mask) - mean.square()
     out["std"] = torch.where(mask.sum() > 1, variance.clamp_min(0.0).sqrt(), 0.0)
     return out | seq_stats
+
+
+def live_extreme(values: torch.Tensor, live: torch.Tensor, *, top: bool) -> torch.Tensor:
+    """The max (``top``) or min of ``values`` where ``live``; 0 where nothing is live (veRL
+    refuses a micro-batch without a counted token; ours logs 0 rather than an infinity)."""
+    fill = -math.inf if top else math.inf
+    picked = torch.where(live, values, fill)
+    extreme = picked.max() if top else picked.min()
+    return torch.where(live.any(), extreme, 0.0)
 
 
 def _valid_statistics(
