@@ -46,25 +46,6 @@ def _logprob_data(seed: int) -> dict[str, torch.Tensor]:
     return {"old": old, "rollout": rollout, "mask": mask}
 
 
-def _verl_spec(bounds: RejectionBounds, name: str) -> str:
-    if name.endswith("k1"):
-        return f"{bounds.lower!r}_{bounds.upper!r}"
-    return repr(bounds.upper)
-
-
-def _verl_kwargs(config: RolloutCorrection) -> dict[str, Any]:
-    """The same correction in veRL's keywords."""
-    lower, upper = config.rollout_is_threshold_lower, config.rollout_is_threshold
-    rs = dict(config.rollout_rs)
-    return {
-        "rollout_is": None if config.rollout_is is None else str(config.rollout_is),
-        "rollout_is_threshold": upper if lower is None else f"{lower!r}_{upper!r}",
-        "rollout_is_batch_normalize": config.rollout_is_batch_normalize,
-        "rollout_rs": ",".join(rs) or None,
-        "rollout_rs_threshold": ",".join(_verl_spec(b, n) for n, b in rs.items()) or None,
-    }
-
-
 REJECTIONS = {
     "token_k1": RejectionBounds(upper=1.25, lower=0.8),
     "token_k2": 0.01,
@@ -112,7 +93,7 @@ def test_weights_mask_and_metrics_equal_verls(verl: Any, name: str) -> None:
         old_log_prob=d["old"],
         rollout_log_prob=d["rollout"],
         response_mask=d["mask"],
-        **_verl_kwargs(config),
+        **verl_oracle.rollout_kwargs(config),
     )
     torch.testing.assert_close(d["mask"] * ours.keep, theirs_mask, **TOL)
     if config.rollout_is is None:
@@ -177,7 +158,8 @@ def _materialised_logprobs(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) ->
 
 def _verl_actor(config: PolicyLossConfig, correction: RolloutCorrection) -> Any:
     clip = config.clip_low
-    policy = {"rollout_correction": {"loss_type": correction.loss_type, **_verl_kwargs(correction)}}
+    keys = verl_oracle.rollout_kwargs(correction)
+    policy = {"rollout_correction": {"loss_type": correction.loss_type, **keys}}
     return verl_oracle.ActorConfig(
         clip_ratio=clip,
         clip_ratio_low=clip,
@@ -206,7 +188,7 @@ def _verl_loss(verl: Any, d: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Any
             old_log_prob=d["old"],
             rollout_log_prob=d["rollout"],
             response_mask=response_mask,
-            **_verl_kwargs(correction),
+            **verl_oracle.rollout_kwargs(correction),
         )
         weights = None if proto is None else proto.batch["rollout_is_weights"]
         loss, metrics = verl.core_algos.compute_policy_loss_vanilla(
@@ -248,19 +230,10 @@ LOSSES = {
 }
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_policy_loss_with_correction_equals_verls_through_the_processor(
-    verl: Any, name: str, fused: bool
-) -> None:
-    cfg = dataclasses.replace(LOSSES[name], fused=fused)
-    d = _problem(seed=len(name))
-    loss, dh, dw, metrics = _verl_loss(verl, d, cfg)
+def _processor(d: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Any, ...]:
+    """The processor's outputs on the problem ``d`` and the gradients of ``h`` and ``W``."""
     batch = PolicyBatch(
-        old_logprobs=d["old"],
-        advantages=d["adv"],
-        mask=d["mask"],
-        rollout_logprobs=d["rollout"],
+        old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], rollout_logprobs=d["rollout"]
     )
     h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
     ctx = OutputContext(
@@ -269,9 +242,21 @@ def test_policy_loss_with_correction_equals_verls_through_the_processor(
     )  # fmt: skip
     out = policy_loss(cfg, tile_rows=4, tile_cols=11)(ctx)
     out["loss"].backward()
+    return out, h.grad, w.grad
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_policy_loss_with_correction_equals_verls_through_the_processor(
+    verl: Any, name: str, fused: bool
+) -> None:
+    cfg = dataclasses.replace(LOSSES[name], fused=fused)
+    d = _problem(seed=len(name))
+    loss, dh, dw, metrics = _verl_loss(verl, d, cfg)
+    out, h_grad, w_grad = _processor(d, cfg)
     torch.testing.assert_close(out["loss"], loss, **TOL)
-    torch.testing.assert_close(h.grad, dh, **TOL)
-    torch.testing.assert_close(w.grad, dw, **TOL)
+    torch.testing.assert_close(h_grad, dh, **TOL)
+    torch.testing.assert_close(w_grad, dw, **TOL)
     if "actor/pg_clipfrac" in metrics and cfg.rollout_correction.loss_type == "ppo_clip":
         clip = torch.tensor(metrics["actor/pg_clipfrac"], dtype=torch.float64)
         torch.testing.assert_close(out["clip_fraction"], clip, rtol=1e-7, atol=1e-9)
@@ -296,17 +281,8 @@ def test_a_micro_batch_without_a_counted_token_where_verl_refuses_it(
     d["mask"] = torch.zeros_like(d["mask"])
     with pytest.raises(ValueError, match="at least one valid token"):
         _verl_loss(verl, d, cfg)
-    batch = PolicyBatch(
-        old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], rollout_logprobs=d["rollout"]
-    )
-    h, w = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
-    ctx = OutputContext(
-        hidden_states=h, labels=d["labels"], vocab_weight=w, vocab=VocabShard(0, V, V),
-        context=batch,
-    )  # fmt: skip
-    out = policy_loss(cfg, tile_rows=4, tile_cols=11)(ctx)
-    out["loss"].backward()
-    assert float(out["loss"].detach()) == 0.0 and not h.grad.any() and not w.grad.any()
+    out, h_grad, w_grad = _processor(d, cfg)
+    assert float(out["loss"].detach()) == 0.0 and not h_grad.any() and not w_grad.any()
     infinite = [k for k, v in out.items() if not bool(torch.isfinite(v))]
     assert not infinite, infinite
 

@@ -157,4 +157,24 @@ class ActorConfig(dict):  # type: ignore[type-arg]
             raise AttributeError(name) from error
 
 
-__all__ = ["VERSION", "ActorConfig", "importable", "load"]
+def rollout_kwargs(config: Any) -> dict[str, Any]:
+    """A ``torch_impl.processors.RolloutCorrection`` in the keywords of veRL's
+    ``compute_rollout_correction_and_rejection_mask`` (its ``rollout_rs_threshold`` string:
+    ``lower_upper`` for a k1 statistic, the upper bound for the others)."""
+    lower, upper = config.rollout_is_threshold_lower, config.rollout_is_threshold
+    rs = dict(config.rollout_rs)
+
+    def spec(name: str) -> str:
+        bounds = rs[name]
+        return f"{bounds.lower!r}_{bounds.upper!r}" if name.endswith("k1") else repr(bounds.upper)
+
+    return {
+        "rollout_is": None if config.rollout_is is None else str(config.rollout_is),
+        "rollout_is_threshold": upper if lower is None else f"{lower!r}_{upper!r}",
+        "rollout_is_batch_normalize": config.rollout_is_batch_normalize,
+        "rollout_rs": ",".join(rs) or None,
+        "rollout_rs_threshold": ",".join(spec(name) for name in rs) or None,
+    }
+
+
+__all__ = ["VERSION", "ActorConfig", "importable", "load", "rollout_kwargs"]
