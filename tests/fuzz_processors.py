@@ -456,6 +456,8 @@ def _policy_values(
         values["kl"] = (torch.where(nz, kl, 0.0) * weights).sum()
     values["entropy"] = masked_mean64(ent, m)
     values["clip_fraction"] = masked_mean64(clipped.double(), m)
+    # veRL's ppo_kl: the clamped token log ratio's negation (GSPO: the token's own, unclamped)
+    values["ppo_kl"] = masked_mean64(-(log_ratio if cfg.ratio == "token" else diff), m)
     if dual is not None:
         values["dual_clip_fraction"] = masked_mean64(dual.double(), m)
     margins.append(((old - lp).abs() - big).abs())

@@ -43,8 +43,11 @@ def test_requirements_pin_the_two_megatron_releases() -> None:
 
 def test_changelog_top_entry_is_the_version() -> None:
     """``CHANGELOG.md``'s first ``## <version>`` is ``pyproject.toml``'s version: a
-    version is not bumped without its entry, nor an entry written for another."""
+    version is not bumped without its entry, nor an entry written for another. Above it
+    may stand one ``## Unreleased`` entry, what the next version will hold."""
     heads = re.findall(r"^## (\S+)\s*$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    if heads[:1] == ["Unreleased"]:
+        heads = heads[1:]
     assert heads, "CHANGELOG.md has no '## <version>' entry"
     assert heads[0] == _project()["version"], (heads[0], _project()["version"])
     assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in heads), heads  # semantic versions

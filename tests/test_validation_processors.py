@@ -420,10 +420,15 @@ def test_policy_batch_given_as_a_mapping_is_refused_with_the_fix() -> None:
 )
 def test_direct_call_with_hidden_states_in_batch_major_order_raises(make: Any) -> None:
     """``hidden_states`` ``[b, s, h]`` instead of ``[s, b, h]``: b*s rows either way,
-    so only the shape check stops the tokens being paired with the wrong labels."""
+    so only the shape check stops the tokens being paired with the wrong labels; it names
+    the layout and the transpose that fixes it."""
     d = _data()
     hidden_bsh = d["h"].transpose(0, 1).contiguous()  # [b, s, h]
-    with pytest.raises(ContractError, match=r"^labels: expected shape \[b=9, s=3\], got \[3, 9\]"):
+    expected = (
+        r"^hidden_states: expected the sequence-first layout \[s, b, h\] \(Megatron's\): "
+        r"\[s=9, b=3, h=8\] for labels \[b=3, s=9\], got \[3, 9, 8\], batch-first"
+    )
+    with pytest.raises(ContractError, match=expected):
         make()(_ctx(hidden_bsh, d["w"], d["labels"], d["batch"]))
 
 

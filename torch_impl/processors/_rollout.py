@@ -371,8 +371,8 @@ def _sequence_weight_metrics(
     """The sequences' mean weights (every sequence, as veRL's rows): mean, std, max, min,
     largest deviation from 1, and the fractions whose raw mean is past the bounds."""
     per_sequence, raw_per_sequence = seqs.mean(weights), seqs.mean(raw)
-    several = per_sequence.numel() > 1
-    std = per_sequence.std() if several else torch.zeros((), dtype=weights.dtype)
+    several = per_sequence.shape[0] > 1
+    std = per_sequence.std() if several else weights.new_zeros(())
     return {
         "rollout_is_seq_mean": per_sequence.mean(),
         "rollout_is_seq_std": std,
@@ -451,7 +451,7 @@ def _statistic_metrics(
     out["min"] = seq_stats["seq_min"] if by_sequence else live_extreme(stat, live, top=False)
     if by_sequence:
         out["fraction_high"] = seq_stats["seq_fraction_high"]
-        out["fraction_low"] = seq_stats.get("seq_fraction_low", torch.zeros((), dtype=dtype))
+        out["fraction_low"] = seq_stats.get("seq_fraction_low", stat.new_zeros(()))
     else:
         out["fraction_high"] = masked_mean((stat > high).to(dtype), mask)
         below = (stat < low).to(dtype) if low is not None else torch.zeros_like(stat)
