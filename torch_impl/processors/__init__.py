@@ -30,6 +30,7 @@ from ._rollout import (
     WeightLevel,
     rollout_correction,
 )
+from ._sampling import SamplingSupport
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "RejectionBounds",
     "RolloutCorrection",
     "RolloutCorrectionResult",
+    "SamplingSupport",
     "SparseTeacher",
     "TILES_BY_DEVICE",
     "TILE_BYTES",
