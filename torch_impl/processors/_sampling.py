@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 _PARAMETERS = ("top_k", "top_p", "min_p")
-_DIGIT = 8  # bits of one radix digit: 256 buckets a pass
+_DIGITS = {32: (11, 11, 10), 64: (11, 11, 11, 11, 10, 10)}
+"""The radix select's digits of an fp32 or fp64 key, the top one first: a sweep each,
+2048 buckets a row at most."""
 _INF = float("inf")
 
 
@@ -494,15 +496,17 @@ def _histograms(
     m: torch.Tensor,
     tau1: torch.Tensor | None,
     prefix: torch.Tensor | None,
-    shift: int,
+    digit_at: tuple[int, int],
     *,
     with_t: bool,
 ) -> torch.Tensor:
     """One sweep (one GEMM): of each row's entries ``z >= tau1`` (``None``: every entry)
     whose key (:func:`_sortable`) has the digits ``prefix`` above ``shift`` (``None``: the
     top digit, signed), the sums of ``exp(z - m)`` (and, ``with_t``, of ``exp(z - m) (z -
-    m)``) by their digit at ``shift``: ``[2, n, 256]``, summed over the shards."""
-    buckets = 1 << _DIGIT
+    m)``) by their digit of ``width`` bits at ``shift`` (``digit_at``): ``[2, n, 2**width]``,
+    summed over the shards."""
+    shift, width = digit_at
+    buckets = 1 << width
     hist = torch.zeros(2, eng.n, buckets, dtype=eng.setup.acc_dtype, device=eng.hs.device)
     for rows, _, _, z in eng.vocab_tiles():
         z = eng.logits_of(z, rows, inplace=True)
@@ -511,7 +515,7 @@ def _histograms(
         if prefix is None:
             digit = (high + buckets // 2).long()
         else:
-            match = (high >> _DIGIT) == prefix[rows, None]
+            match = (high >> width) == prefix[rows, None]
             keep = match if keep is None else keep & match
             digit = (high & (buckets - 1)).long()
         d = z.sub_(m[rows, None])
@@ -519,7 +523,10 @@ def _histograms(
         hist[0, rows].scatter_add_(1, digit, w)
         if with_t:
             hist[1, rows].scatter_add_(1, digit, w.mul_(d))
-    return eng.setup.reduce_sum(hist)
+    if with_t:
+        return eng.setup.reduce_sum(hist)
+    hist[:1] = eng.setup.reduce_sum(hist[:1])  # the second stays 0: half the all-reduce
+    return hist
 
 
 def _descend(
@@ -551,28 +558,29 @@ def _radix(
 ) -> tuple[_Threshold, _Threshold]:
     """``(bounded, nucleus)`` of rows without a top-k bound: the kept set ``z >= tau1``
     (``bounded``: a min-p bound; else every entry) with its sums, and with ``descend`` its
-    top-p threshold, exact on the keys' bits: one sweep a digit (4 for fp32 logits, 8 for
-    fp64); ``with_t``: the entropy's sums too::
+    top-p threshold, exact on the keys' bits: one sweep a digit (:data:`_DIGITS`: 3 for
+    fp32 logits, 6 for fp64); ``with_t``: the entropy's sums too::
 
         tau = max{v : sum of exp(z - m) over z >= max(v, tau1)  >=  p * that over z >= tau1}
     """
     acc = eng.setup.acc_dtype
     bits, key = (64, torch.int64) if acc == torch.float64 else (32, torch.int32)
-    floor = tau1 if bounded else None
-    hist = _histograms(eng, m, floor, None, bits - _DIGIT, with_t=with_t)
+    floor, widths = (tau1 if bounded else None), _DIGITS[bits]
+    shifts = [bits - sum(widths[: i + 1]) for i in range(len(widths))]
+    hist = _histograms(eng, m, floor, None, (shifts[0], widths[0]), with_t=with_t)
     whole = hist.sum(2)
     kept = _Threshold(tau1, whole[0], whole[1])
     if not descend:
         return kept, kept
     target, above = p * whole[0], torch.zeros_like(whole)
     prefix = torch.zeros_like(m, dtype=torch.long)
-    for level in range(bits // _DIGIT):
+    for level, (shift, width) in enumerate(zip(shifts, widths, strict=True)):
         if level:
-            shift = bits - _DIGIT * (level + 1)
-            hist = _histograms(eng, m, floor, prefix.to(key), shift, with_t=with_t)
+            at_digit = (shift, width)
+            hist = _histograms(eng, m, floor, prefix.to(key), at_digit, with_t=with_t)
         digit, above = _descend(hist, above, target)
-        signed = digit[:, 0] - (1 << (_DIGIT - 1)) if level == 0 else digit[:, 0]
-        prefix = prefix * (1 << _DIGIT) + signed
+        signed = digit[:, 0] - (1 << (width - 1)) if level == 0 else digit[:, 0]
+        prefix = prefix * (1 << width) + signed
     at = hist.gather(2, digit.expand(2, -1, -1)).squeeze(2)
     tau = _from_sortable(prefix, acc)
     return kept, _Threshold(tau, above[0] + at[0], above[1] + at[1])
