@@ -171,6 +171,24 @@ that differ in exact arithmetic but round to the same value are a tie, and the
 smaller id wins; a reference checks an implementation's ids against its own
 values, not against a higher-precision ranking.
 
+Sampling support (sampling replay): a rollout engine that samples with top-k, top-p or
+min-p draws from the tempered distribution renormalised over the tokens its sampler
+kept, ``K``; the logprob and entropy of that distribution are::
+
+    logprob = z[y] / T - logsumexp(z[K] / T)       # -inf where y is not in K; 0 where ignored
+    q = softmax(z[K] / T);  entropy = -sum(q * log(q))          # 0 where K is empty
+
+``K`` is given as ids, or by vLLM's sampler's rule on ``u = z / T``, in its order::
+
+    K = {j : u_j >= max(u) + log(min_p)}                        # min-p (0: every token)
+    K = {j in K : u_j >= kth_largest(u[K], top_k)}              # top-k: ties at the k-th kept
+    above_j = sum(softmax(u[K])[i] for i in K if u_i > u_j)
+    K = {j in K : above_j < top_p}                              # top-p: a tie group kept whole
+
+The largest logit and its ties are always kept. vLLM removes each position of its
+ascending sort whose cumulative mass is ``<= 1 - top_p``; the rule above keeps a tie group
+wherever vLLM keeps any of its members (vLLM's unstable sort decides which it keeps).
+
 Distillation, per token, teacher ``p`` and student ``q = softmax(z / T)``, both
 at temperature ``T``; a divergence between distributions ``P`` and ``Q`` over
 the same outcomes, where a term whose weight (``P``, ``Q``) is 0 is 0::

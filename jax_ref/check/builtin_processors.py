@@ -36,6 +36,7 @@ from torch_impl.processors import (
     PreferenceBatch,
     PreferenceConfig,
     RolloutCorrection,
+    SamplingSupport,
     SparseTeacher,
     WeightLevel,
     cross_entropy_loss,
@@ -73,6 +74,7 @@ __all__ = [
     "LABEL_SMOOTHING",
     "LOGPROBS_CONTEXT_TEMPERATURE",
     "LOGPROBS_SOFTCAP",
+    "LOGPROBS_SUPPORT",
     "LOGPROBS_T07",
     "PPO",
     "PPO_CONFIG",
@@ -89,12 +91,14 @@ __all__ = [
     "SEQ_SUM_CONFIG",
     "TOPK",
     "CheckedDenseTeacher",
+    "SamplingContext",
     "TemperatureContext",
     "dense_teacher_context",
     "distillation_by_rows",
     "gspo_context",
     "policy_context",
     "rollout_context",
+    "sampling_context",
     "preference_context",
     "reference_free_context",
     "softcapped",
@@ -248,6 +252,32 @@ def gspo_context(ctx: OutputContext) -> PolicyBatch:
     old = batch.old_logprobs.clone()
     old[0, 2] = lp[0, 2].float()
     return dataclasses.replace(batch, old_logprobs=old)
+
+
+# ---------------------------------------------------------------- sampling replay
+
+LOGPROBS_SUPPORT = selected_logprobs(entropy=True, tile_rows=_ROWS, tile_cols=_COLS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingContext:
+    """A user context carrying a sampler's kept ids (``selected_logprobs`` reads its
+    ``sampling_support``)."""
+
+    sampling_support: SamplingSupport
+
+
+def sampling_context(ctx: OutputContext) -> SamplingContext:
+    """Eight kept ids per token in random order, every label among them (where it
+    appears twice, once), the last two padding (-1) at every third token."""
+    assert ctx.labels is not None and ctx.vocab is not None
+    b, s, v = ctx.batch_size, ctx.seq_len, ctx.vocab.size
+    g = torch.Generator().manual_seed(12)
+    ids = torch.rand(b, s, v, generator=g).argsort(-1)[..., :8].contiguous()
+    labels = typing.cast(torch.Tensor, ctx.labels).to("cpu", torch.long)
+    ids[..., 3] = torch.where(labels == ctx.ignore_index, ids[..., 3], labels)
+    ids[:, ::3, -2:] = -1
+    return SamplingContext(SamplingSupport(kept_ids=ids))
 
 
 # ---------------------------------------------------------------- top-k and distillation

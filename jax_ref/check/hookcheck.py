@@ -90,6 +90,15 @@ def _ref(name: str, **kwargs: Any) -> Callable[[], Any]:
     return make
 
 
+def _sampling_ref(**kwargs: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        from .. import sampling
+
+        return sampling.selected_logprobs(**kwargs)
+
+    return make
+
+
 def _distill_ref(config_spec: str | None = None, **topk: Any) -> Callable[[], Any]:
     """``jax_ref.distill``'s reference: ``distillation_loss`` of the config at
     ``config_spec``, else ``topk_logprobs(**topk)``."""
@@ -149,6 +158,12 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:LOGPROBS_CONTEXT_TEMPERATURE",
         _ref("selected_logprobs", entropy=True),
         f"{_B}:temperature_context",
+    ),
+    BuiltinCheck(
+        "selected_logprobs(entropy, kept ids)",
+        f"{_B}:LOGPROBS_SUPPORT",
+        _sampling_ref(entropy=True),
+        f"{_B}:sampling_context",
     ),
     BuiltinCheck("cross_entropy_loss", f"{_B}:CROSS_ENTROPY", _ref("cross_entropy_loss")),
     BuiltinCheck(

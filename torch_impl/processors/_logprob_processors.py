@@ -26,6 +26,7 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import weighted_sum, weights_of
+from ._sampling import SamplingSupport, context_support, factory_support
 
 Reduction = Literal["none", "sum", "mean"]
 REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
@@ -40,6 +41,7 @@ def selected_logprobs(
     *,
     temperature: float | None = None,
     entropy: bool = False,
+    support: SamplingSupport | None = None,
     tile_rows: int | None = None,
     tile_cols: int | None = None,
     **unexpected: Never,
@@ -52,9 +54,13 @@ def selected_logprobs(
 
     ``T``: ``temperature``, else the user context's ``temperature`` (a number or
     ``[b, s]``), else 1; both given raises. Tiles: :class:`LinearOptions`' names.
+    Sampling replay: ``support`` (a :class:`SamplingSupport` of numbers), else the user
+    context's ``sampling_support`` (``[b, s, K]`` kept ids or ``[b, s]`` parameters; both
+    given raises): logprobs and entropy of the kept distribution (``linear_logprobs``').
     """
     tile = factory_tiles("selected_logprobs", unexpected, temperature, tile_rows, tile_cols)
     check_bool("entropy", entropy)
+    support = factory_support(support)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
@@ -65,6 +71,7 @@ def selected_logprobs(
             x.token_labels,
             options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
             with_entropy=entropy,
+            support=context_support(support, ctx, x.b, x.s),
         )
         return x.per_token(logprobs=res.logprobs, entropy=res.entropy)
 

@@ -10,13 +10,11 @@ from typing import Any, Never
 
 import torch
 
-from hookspec import ContractError
-
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Recomputed, logit_grad_coefficients
 from ._options import LinearOptions, prologue
-from ._sampling import SamplingSupport, supported_logprobs
+from ._sampling import SamplingSupport, support_logprobs
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -26,12 +24,16 @@ class LogprobResult:
     """Per-token results of :func:`linear_logprobs` (its docstring's maths), ``[n]`` each,
     fp32 (fp64 for fp64 inputs), differentiable (``d lse / dz_j = softmax(z)_j``, ``d
     mean_logit / dz_j = 1 / V``: a z-loss and label smoothing are token losses);
-    ``entropy`` and ``mean_logit`` ``None`` unless requested."""
+    ``entropy`` and ``mean_logit`` ``None`` unless requested. With a ``support``:
+    ``logprobs`` and ``entropy`` of the kept distribution, ``lse`` still the whole
+    vocabulary's, and ``kept_logmass`` the log of the kept tokens' mass under it,
+    ``logsumexp(z[kept]) - lse`` (``<= 0``, detached; ``None`` without a support)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     lse: torch.Tensor
     mean_logit: torch.Tensor | None = None
+    kept_logmass: torch.Tensor | None = None
 
 
 def _run(with_entropy: bool, with_mean: bool, eng: Engine) -> tuple[Any, ...]:
@@ -85,10 +87,17 @@ def linear_logprobs(
     ``ignore_index``; ``bias`` ``[V_local]`` (``weight``'s dtype and device; ``None``: 0),
     differentiable; ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of
     a weighted ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights;
-    ``None``: each 1). ``support``: a :class:`SamplingSupport`, the tokens the rollout
-    sampler kept per row: ``logprobs``, ``entropy`` and ``lse`` are then of the softmax
-    renormalised over them (``z_y - logsumexp(z[kept])``; ``-inf`` for a label not kept),
-    the gradient at the kept columns only (:mod:`._sampling`).
+    ``None``: each 1).
+
+    ``support``: a :class:`SamplingSupport`, the tokens a rollout engine's sampler kept
+    (``kept_ids [n, K]``, or ``top_k``, ``top_p``, ``min_p`` applied to ``z``); then::
+
+        logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z[kept]))  # -inf: y not kept
+        entropy = -sum(q * log(q)),  q = softmax(z[kept])       # the kept distribution
+        kept_logmass = logsumexp(z[kept]) - logsumexp(z)         # lse: still the whole vocabulary
+
+    differentiable over the kept tokens (a label outside the support: zero gradient);
+    ``with_mean_logit`` is refused with it. Its cost: ``docs/processors.md``, "Sampling replay".
 
     Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
     ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``
@@ -99,15 +108,14 @@ def linear_logprobs(
     check_bool("with_entropy", with_entropy)
     check_bool("with_mean_logit", with_mean_logit)
     name, cw = "linear_logprobs", mean_logit_weights
+    if support is not None:  # the kept distribution: the _sampling module's sweeps
+        mean = with_mean_logit or cw is not None
+        outputs = support_logprobs(hidden, weight, labels, support, options, unexpected, bias=bias,
+                                   with_entropy=with_entropy, with_mean=mean)  # fmt: skip
+        return LogprobResult(*outputs[:3], kept_logmass=outputs[3])
     _, h, setup = prologue(
         name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
     )
-    if support is not None:  # the sampler's renormalised distribution (:mod:`._sampling`)
-        if with_mean_logit:
-            expected = "with_mean_logit=False with a sampling support"
-            raise ContractError("with_mean_logit", expected=expected, actual="True")
-        logprobs, entropy, lse = supported_logprobs(h, weight, setup, support, name)
-        return LogprobResult(logprobs, entropy if with_entropy else None, lse, None)
     run = functools.partial(_run, with_entropy, with_mean_logit)
     logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, name, setup, run)
     return LogprobResult(
