@@ -183,12 +183,17 @@ class _Calls:
         equals the sum of its calls on spans, to 64 ulp of the spans' magnitudes, else
         ``ContractError`` naming it."""
         assert self.sums is not None
-        fns = {"token_loss": self.fn, "lse_loss": self.lse_fn, "mean_logit_loss": self.mean_fn}
+        fns: dict[str, Callable[..., Any] | None] = {
+            "token_loss": self.fn,
+            "lse_loss": self.lse_fn,
+            "mean_logit_loss": self.mean_fn,
+        }
         for name, (total, size, calls) in self.sums.items():
-            args = tuple(v.detach() for v in vectors[name])
+            fn, args = fns[name], tuple(v.detach() for v in vectors[name])
+            assert fn is not None  # only a loss that was called has a sum
             whole = slice(0, int(args[0].shape[0]))
             with torch.no_grad():
-                one = float(_checked_loss(name, fns[name](*args, whole), args))  # type: ignore[operator]
+                one = float(_checked_loss(name, fn(*args, whole), args))
             if abs(one - total) > 64 * torch.finfo(args[0].dtype).eps * max(size, abs(one)):
                 raise ContractError(
                     name,
@@ -316,9 +321,8 @@ def fused_token_loss(
     )
     mean = mean if mean_logit_loss is not None else None
     if calls.sums is not None:
-        calls.check_sums(
-            {"token_loss": (lp, entropy), "lse_loss": (lse,), "mean_logit_loss": (mean,)}
-        )
+        vectors = {"token_loss": (lp, entropy), "lse_loss": (lse,)}
+        calls.check_sums(vectors if mean is None else vectors | {"mean_logit_loss": (mean,)})
     return FusedLossResult(
         loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
     )
