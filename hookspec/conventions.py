@@ -74,6 +74,12 @@ selected-token logprobs ``[b, s]``), with ``log_ratio = ref - logp``::
     k1 = logp - ref
     k2 = (logp - ref) ** 2 / 2
     k3 = exp(log_ratio) - log_ratio - 1                    # >= 0, unbiased
+    abs = |logp - ref|
+
+Optionally the value is clamped (veRL clamps k3 to ``[-10, 10]``), and the
+straight-through form (veRL's ``"k3+"``) keeps the value with k2's gradient::
+
+    kl = k2 - stop_gradient(k2) + stop_gradient(kl)
 
 PPO clipped objective with ``ratio = exp(logp - old)`` and advantages ``A``::
 
@@ -94,13 +100,65 @@ mean (not the "GSPO-token" stop-gradient form)::
 
     ratio_b = exp(clamp(sum_s((logp - old) * M) / sum_s(M), -C, C))   # [b], broadcast over s
 
+The policy-loss modes (veRL's ``loss_mode`` names), ``d = clamp(logp - old, -C, C)``,
+``r = exp(d)``, ``sg`` the stop-gradient, ``[lo, hi] = [1 - eps_low, 1 + eps_high]``::
+
+    gspo:     s = exp(sg(sum_s(d * M) / sum_s(M)) + logp - sg(logp));  max(-A s, -A clip(s))
+    dppo_tv:  -A * sg(min(r, c)) * logp * sg(valid)   # valid: p - p_old <= eps_high if A > 0
+                                                      #        p - p_old >= -eps_low  else
+    dppo_kl:  the same, valid: bkl <= eps_high or p <= p_old (A > 0); bkl <= eps_low or p >= p_old
+              bkl = p_old * (old - logp) + (1 - p_old) * log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    sapo:     -A * sigmoid(tau * (r - 1)) * 4 / tau   # tau = tau_pos if A > 0 else tau_neg
+    gpg:      -A * logp
+    clip_cov: where(top, 0, max(-A r, -A clip(r)))    # top: max(1, int(ratio * sum(M))) unclipped
+              # tokens with lb < cov < ub of largest cov = (A - mean_M(A)) * (logp - mean_M(logp))
+    kl_cov:   -A r + where(top, coef * |d|, 0)        # top: max(1, int(ratio * n)), largest cov
+    geo_mean: -mean_M(A)_b * exp(mean_M(sign(A) * min(sign(A) * d, sign(A) * clip(d, -eps_low,
+              eps_high)))_b)                          # per sequence b, at each of its tokens
+    dro:      -(A * logp - beta / 2 * (logp - old) ** 2)
+    cispo:    -sg(clip(r, lo, hi)) * A * logp
+
+Rollout correction, between the trainer's ``old`` logprobs and the rollout engine's
+``rollout`` (``bypass``: the current ``logp`` against ``rollout``, which is then ``old``)::
+
+    log_ratio = where(M > 0, old - rollout, 0)
+    w = exp(clamp(log_ratio, -20, 20))                               # token
+    w_b = exp(clamp(sum_s(log_ratio * M), -20, 20))                  # sequence, broadcast
+    w_b = exp(clamp(sum_s(log_ratio * M) / sum_s(M), -20, 20))       # geometric, broadcast
+    w = min(w, upper) * M              # truncated; with a lower bound: where(lo <= w <= up, w, 0)
+    r = clamp(log_ratio, -20, 20);  k1 = -r;  k2 = r ** 2 / 2;  k3 = exp(r) - 1 - r
+    keep = all(lower <= stat <= upper)   # per token, or a sequence's sum, mean or max of it
+    M = M * keep;  pg = w * pg           # a rejected token leaves the loss and its normaliser
+
+with k1's bounds ratios compared in log space. The weights are detached.
+
 Aggregations of a per-token loss ``L [b, s]`` under a mask ``M [b, s]``::
 
     token-mean:          sum(L * M) / sum(M)
     seq-mean-token-sum:  mean_b( sum_s(L * M) )            # over sequences with sum_s M > 0
     seq-mean-token-mean: mean_b( sum_s(L * M) / sum_s(M) ) # over sequences with sum_s M > 0
+    token-sum:           sum(L * M)
+    seq-mean-token-sum-norm: seq-mean-token-sum / F        # Dr. GRPO; F: a constant, default s
 
 An empty mask (``sum(M) == 0``) aggregates to ``0.0`` with a zero gradient.
+
+Preference losses of pairs of sequences, ``c`` chosen and ``r`` rejected. A sequence's
+logprob is ``S = sum_t(M * logprob)`` over its ``n = sum_t(M)`` counted tokens, the
+reference's ``S_ref`` over the same tokens; length-normalised, both are divided by ``n``
+(DPO: sums by default; IPO: means by default, as TRL, where the IPO paper writes sums;
+SimPO: always means; ``lp = 0`` where ``n == 0``)::
+
+    lp, ref = (S / n, S_ref / n) if length_normalized else (S, S_ref)
+    m = (lp_c - ref_c) - (lp_r - ref_r)                    # SimPO: ref = 0
+    dpo:    L = -(1 - eps) * logsigmoid(beta * m) - eps * logsigmoid(-beta * m)
+    ipo:    L = (m - 1 / (2 * beta)) ** 2
+    simpo:  L = -(1 - eps) * logsigmoid(beta * m - gamma) - eps * logsigmoid(gamma - beta * m)
+    reward = beta * (lp - ref)                             # each side; accuracy: r_c > r_r
+    loss = sum_i(w_i * L_i) / sum_i(w_i)                   # mean over the pairs, weights w >= 0
+
+``beta > 0``; ``eps`` (label smoothing, conservative DPO) in ``[0, 0.5]``, 0 for IPO;
+``gamma`` SimPO's target margin. A pair counts (``w_i > 0``) only with a counted token in
+each of its sequences.
 
 Top-k logprobs of one token: the ``k`` largest entries of ``lp = log_softmax(z /
 T)``, ordered by value descending and, among equal values, by id ascending (the
@@ -258,6 +316,7 @@ class KLEstimator(enum.StrEnum):
     K1 = "k1"
     K2 = "k2"
     K3 = "k3"
+    ABS = "abs"
 
 
 class Aggregation(enum.StrEnum):
@@ -266,6 +325,8 @@ class Aggregation(enum.StrEnum):
     TOKEN_MEAN = "token-mean"
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    TOKEN_SUM = "token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
 class DistillDivergence(enum.StrEnum):

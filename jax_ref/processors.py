@@ -23,14 +23,14 @@ from jax import lax
 from hookspec import ContractError
 
 from .inputs import ReferenceInputs
+from .policy_family import pg_terms
 from .references import (
     LinearLogprobs,
     aggregate,
-    clipped_objective,
-    gspo_ratio,
     kl_penalty,
     linear_logprobs,
 )
+from .rollout import rollout_correction
 
 __all__ = [
     "Reference",
@@ -193,26 +193,42 @@ def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return aggregate(lax.stop_gradient(x), mask, mode="token-mean")
 
 
+def _rollout_corrected(
+    config: Any, batch: Any, logp: jax.Array, mask: jax.Array, old: jax.Array
+) -> tuple[jax.Array, jax.Array, Any]:
+    """``(mask * keep, old, weights)`` under ``config.rollout_correction``: the decoupled
+    PPO compares ``old`` with the rollout's logprobs; bypass mode the current ``logp``
+    (detached), and the rollout's become ``old`` (weights applied by "reinforce" only)."""
+    correction = getattr(config, "rollout_correction", None)
+    if correction is None:
+        return mask, old, None
+    rollout = lax.stop_gradient(jnp.asarray(batch.rollout_logprobs, jnp.float64))
+    behaviour = lax.stop_gradient(logp) if correction.bypass_mode else old
+    weights, keep = rollout_correction(behaviour, rollout, mask, correction)
+    if correction.bypass_mode:
+        old = rollout
+        if correction.loss_type == "ppo_clip":
+            weights = None
+    return mask * keep, old, weights
+
+
 def policy_loss(config: Any) -> Reference:
     """The policy loss and its metrics, each a scalar; the user context holds
     ``old_logprobs``, ``advantages``, ``mask`` (or None: the loss mask),
     ``ref_logprobs`` and ``temperature``::
 
         M = where(labels == ignore_index, 0, mask)
-        r = exp(clip(logp - old))                    # ratio="token"
-        r = gspo_ratio(logp, old, M)                 # ratio="sequence"
-        pg = clipped_objective(r, A, eps_low=clip_low, eps_high=clip_high, dual_clip=dual_clip)
+        pg, indicators = policy_family.pg_terms(config, logp, old, A, M)  # per loss_mode
         L = pg + kl_coef * kl_penalty(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, M, aggregation)
 
     Metrics (no gradient): ``pg_loss`` and ``kl`` aggregated like the loss;
-    ``entropy``, ``clip_fraction`` (``-A clip(r) > -A r``), ``approx_kl`` (k3 of
-    ``old`` against ``logp``) and ``dual_clip_fraction`` as token means over ``M``.
+    ``entropy``, ``approx_kl`` (k3 of ``old`` against ``logp``) and the mode's indicators
+    (``clip_fraction``, ``ppo_kl``, ...) as token means over ``M``.
     """
-    eps_low = float(config.clip_low)
-    eps_high = eps_low if config.clip_high is None else float(config.clip_high)
     clamp = config.log_ratio_clamp
     mode = getattr(config.aggregation, "value", config.aggregation)
+    factor = getattr(config, "loss_scale_factor", None)
     estimator = getattr(config.kl_estimator, "value", config.kl_estimator)
 
     def policy_loss_reference(hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs) -> Any:
@@ -225,36 +241,34 @@ def policy_loss(config: Any) -> Reference:
         mask = jnp.where(inputs.labels == inputs.ignore_index, 0.0, mask)
         old = lax.stop_gradient(batch.old_logprobs)
         adv = lax.stop_gradient(batch.advantages)
-        if config.ratio == "sequence":
-            ratio = gspo_ratio(logp, old, mask, log_ratio_clamp=clamp)
-        else:
-            ratio = jnp.exp(logp - old if clamp is None else jnp.clip(logp - old, -clamp, clamp))
-        pg = clipped_objective(
-            ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=config.dual_clip
-        )
-        pg1, pg2 = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+        mask, old, weights = _rollout_corrected(config, batch, logp, mask, old)
+        pg, indicators = pg_terms(config, logp, old, adv, mask)
+        if weights is not None:
+            pg = pg * weights
         total = pg
         kl = None
         if batch.ref_logprobs is not None:
             kl = kl_penalty(
-                logp, lax.stop_gradient(batch.ref_logprobs), estimator=estimator, clamp=clamp
+                logp,
+                lax.stop_gradient(batch.ref_logprobs),
+                estimator=estimator,
+                clamp=clamp,
+                value_clamp=getattr(config, "kl_value_clamp", None),
+                straight_through=getattr(config, "kl_straight_through", False),
             )
             if config.kl_coef != 0.0:
                 total = total + config.kl_coef * kl
         if config.entropy_coef != 0.0:
             total = total - config.entropy_coef * ent
         out = {
-            "loss": aggregate(total, mask, mode=mode),
-            "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode),
+            "loss": aggregate(total, mask, mode=mode, loss_scale_factor=factor),
+            "pg_loss": aggregate(lax.stop_gradient(pg), mask, mode=mode, loss_scale_factor=factor),
             "entropy": _token_mean(ent, mask),
-            "clip_fraction": _token_mean((pg2 > pg1).astype(jnp.float64), mask),
             "approx_kl": _token_mean(kl_penalty(logp, old, estimator="k3", clamp=clamp), mask),
         }
+        out |= {name: _token_mean(value, mask) for name, value in indicators.items()}
         if kl is not None:
-            out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode)
-        if config.dual_clip is not None:
-            dual = (adv < 0) & (jnp.maximum(pg1, pg2) > -adv * config.dual_clip)
-            out["dual_clip_fraction"] = _token_mean(dual.astype(jnp.float64), mask)
+            out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode, loss_scale_factor=factor)
         return out
 
     return policy_loss_reference

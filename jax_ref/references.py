@@ -197,12 +197,21 @@ def linear_logprobs(
 
 
 def kl_penalty(
-    logp: jax.Array, ref: jax.Array, /, *, estimator: KLEstimator | str, clamp: float | None = None
+    logp: jax.Array,
+    ref: jax.Array,
+    /,
+    *,
+    estimator: KLEstimator | str,
+    clamp: float | None = None,
+    value_clamp: float | None = None,
+    straight_through: bool = False,
 ) -> jax.Array:
     """Per-token KL estimate, ``log_ratio = ref - logp`` (clipped to ``[-clamp,
-    clamp]`` when ``clamp`` is set)::
+    clamp]`` when ``clamp`` is set); the value clipped to ``[-value_clamp, value_clamp]``;
+    ``straight_through``: the value with k2's gradient::
 
     k1 = -log_ratio;  k2 = log_ratio ** 2 / 2;  k3 = exp(log_ratio) - log_ratio - 1
+    abs = |log_ratio|
     """
     try:
         kind = KLEstimator(estimator)
@@ -210,12 +219,21 @@ def kl_penalty(
         raise ContractError(
             "estimator", expected=[k.value for k in KLEstimator], actual=repr(estimator)
         ) from None
-    log_ratio = _clip(as_float64(ref) - as_float64(logp), clamp)
+    logp, ref = as_float64(logp), as_float64(ref)
+    log_ratio = _clip(ref - logp, clamp)
     if kind is KLEstimator.K1:
-        return -log_ratio
-    if kind is KLEstimator.K2:
-        return log_ratio**2 / 2
-    return jnp.exp(log_ratio) - log_ratio - 1
+        value = -log_ratio
+    elif kind is KLEstimator.K2:
+        value = log_ratio**2 / 2
+    elif kind is KLEstimator.ABS:
+        value = jnp.abs(log_ratio)
+    else:
+        value = jnp.exp(log_ratio) - log_ratio - 1
+    value = _clip(value, value_clamp)
+    if not straight_through or kind is KLEstimator.K2:
+        return value
+    k2 = (logp - ref) ** 2 / 2
+    return k2 - lax.stop_gradient(k2) + lax.stop_gradient(value)
 
 
 def _clip(x: jax.Array, bound: float | None) -> jax.Array:
@@ -305,12 +323,21 @@ def gspo_loss(
     return clipped_objective(ratio, a, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
 
 
-def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -> jax.Array:
+def aggregate(
+    loss: jax.Array,
+    mask: jax.Array,
+    /,
+    *,
+    mode: Aggregation | str,
+    loss_scale_factor: float | None = None,
+) -> jax.Array:
     """A per-token loss ``[b, s]`` under a mask ``[b, s]`` to a scalar::
 
     token-mean:          sum(L * M) / sum(M)
     seq-mean-token-sum:  mean over sequences with sum_s M > 0 of sum_s(L * M)
     seq-mean-token-mean: mean over sequences with sum_s M > 0 of sum_s(L * M) / sum_s(M)
+    token-sum:           sum(L * M)
+    seq-mean-token-sum-norm: seq-mean-token-sum / F      # F: loss_scale_factor, default s
 
     An empty mask gives ``0.0`` with a zero gradient.
     """
@@ -322,6 +349,8 @@ def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -
         ) from None
     lm = as_float64(loss) * as_float64(mask)
     m = as_float64(mask)
+    if kind is Aggregation.TOKEN_SUM:
+        return jnp.sum(lm)
     if kind is Aggregation.TOKEN_MEAN:
         total = jnp.sum(m)
         return jnp.where(total > 0, jnp.sum(lm) / jnp.maximum(total, 1.0), 0.0)
@@ -331,4 +360,7 @@ def aggregate(loss: jax.Array, mask: jax.Array, /, *, mode: Aggregation | str) -
         per_seq = per_seq / jnp.maximum(per_seq_count, 1.0)
     valid = per_seq_count > 0
     n = jnp.sum(valid)
-    return jnp.where(n > 0, jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n, 1), 0.0)
+    mean = jnp.where(n > 0, jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n, 1), 0.0)
+    if kind is Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        return mean / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return mean

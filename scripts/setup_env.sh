@@ -51,6 +51,14 @@ if [ ! -x "$env_dir/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
   pip_install -r "$req"
   echo "$want" > "$stamp"
 fi
+# py312 only: veRL without its dependencies, the oracle of the parity tests (its pure-Python
+# wheel; tests/verl_oracle.py loads the three modules it calls)
+if [ "$name" = py312 ]; then
+  oracle=$(sed -n 's/^verl==//p' "$root/requirements/verl-oracle.txt")
+  if [ "$("$env_dir/bin/python" -c 'import importlib.metadata as m; print(m.version("verl"))' 2>/dev/null)" != "$oracle" ]; then
+    pip_install --no-deps -r "$root/requirements/verl-oracle.txt"
+  fi
+fi
 # HOOKSPEC_DEPS_ONLY=1: the requirements only (scripts/test.sh builds the three environments
 # side by side that way, then installs the project into each, one after another)
 if [ "${HOOKSPEC_DEPS_ONLY:-0}" = 1 ]; then echo "== $name requirements ready: $env_dir"; exit 0; fi

@@ -42,7 +42,8 @@ from torch_impl.processors import (
 IGNORE = -100
 S, B, H, HT, V, K = 7, 3, 8, 6, 46, 5
 DIVS = list(DistillDivergence)
-AGGS = list(Aggregation)
+# every aggregation but the policy loss's Dr. GRPO norm, which DistillConfig refuses by name
+AGGS = [a for a in Aggregation if a != Aggregation.SEQ_MEAN_TOKEN_SUM_NORM]
 
 
 def _data(seed: int = 0) -> dict[str, Any]:
@@ -102,6 +103,10 @@ def _div(
 
 
 def _aggregate(loss: torch.Tensor, m: torch.Tensor, how: Aggregation) -> torch.Tensor:
+    if how == Aggregation.TOKEN_SUM:
+        return (loss * m).sum()
+    if how == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:  # the default factor: the padded length
+        return _aggregate(loss, m, Aggregation.SEQ_MEAN_TOKEN_SUM) / m.shape[-1]
     if how == Aggregation.TOKEN_MEAN:
         return (loss * m).sum() / m.sum() if m.sum() > 0 else loss.sum() * 0.0
     per = []
@@ -788,3 +793,8 @@ def test_tp2_equals_tp1() -> None:
         for name in ("dense jsd", "sparse jsd bucket")
     }
     run_distributed(_tp2, d, truths, d_sp, sp, tp=2)
+
+
+def test_the_dr_grpo_norm_is_refused_by_name() -> None:
+    with pytest.raises(ContractError, match="seq-mean-token-sum-norm"):
+        DistillConfig(aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM_NORM)

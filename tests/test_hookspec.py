@@ -203,14 +203,24 @@ def test_single_process_collectives_are_identities() -> None:
 
 
 def test_enum_values_match_the_documented_names() -> None:
-    assert [k.value for k in hookspec.KLEstimator] == ["k1", "k2", "k3"]
+    assert [k.value for k in hookspec.KLEstimator] == ["k1", "k2", "k3", "abs"]
     assert [a.value for a in hookspec.Aggregation] == [
         "token-mean",
         "seq-mean-token-sum",
         "seq-mean-token-mean",
+        "token-sum",
+        "seq-mean-token-sum-norm",
     ]
     doc = hookspec.conventions.__doc__ or ""
-    for formula in ("logsumexp(z / T)", "k3 = exp(log_ratio) - log_ratio - 1", "max(-A * ratio"):
+    formulas = (
+        "logsumexp(z / T)",
+        "k3 = exp(log_ratio) - log_ratio - 1",
+        "max(-A * ratio",
+        "abs = |logp - ref|",
+        "token-sum:           sum(L * M)",
+        "M = M * keep;  pg = w * pg",
+    )
+    for formula in formulas:
         assert formula in doc
 
 

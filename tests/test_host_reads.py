@@ -35,6 +35,7 @@ equal to the ``k``-th value by a second ``topk`` on their columns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -265,6 +266,22 @@ def _token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tenso
 
 Call = Callable[[dict[str, Any], str], Any]
 
+
+def _with_rollout(batch: Any) -> Any:
+    """The batch with rollout-engine logprobs a little off the old ones."""
+    return dataclasses.replace(batch, rollout_logprobs=batch.old_logprobs * 0.9)
+
+
+def _pairs(d: dict[str, Any]) -> Any:
+    """One pair of the batch's three sequences (0 chosen, 2 rejected) and its reference sums."""
+    device = d["h_leaf"].device
+    index = torch.tensor([0], device=device), torch.tensor([2], device=device)
+    zero = torch.zeros(1, device=device)
+    return P.PreferenceBatch(
+        ref_chosen=zero, ref_rejected=zero - 1.0, chosen=index[0], rejected=index[1]
+    )
+
+
 # name -> call(d, backend); backend is None for a processor (its device's "auto")
 PROCESSORS: dict[str, Call] = {
     "selected_logprobs": lambda d, b: P.selected_logprobs(entropy=True)(_ctx(d, d["batch"])),
@@ -297,6 +314,21 @@ PROCESSORS: dict[str, Call] = {
     "policy_loss(token ratio, sequence mean, dual clip)": lambda d, b: P.policy_loss(
         PolicyLossConfig(ratio=RatioLevel.TOKEN, dual_clip=3.0, aggregation="seq-mean-token-mean")
     )(_ctx(d, d["batch"])),
+    "policy_loss(GRPO, fused, rollout correction)": lambda d, b: P.policy_loss(
+        PolicyLossConfig.grpo(
+            rollout_correction=P.RolloutCorrection(
+                rollout_is="token", rollout_rs={"token_k1": 1.5, "seq_mean_k3": 0.1}
+            )
+        )
+    )(_ctx(d, _with_rollout(d["batch"]))),
+    "policy_loss(bypass, reinforce)": lambda d, b: P.policy_loss(
+        PolicyLossConfig(
+            rollout_correction=P.RolloutCorrection(
+                rollout_is="sequence", bypass_mode=True, loss_type="reinforce"
+            )
+        )
+    )(_ctx(d, _with_rollout(d["batch"]))),
+    "preference_loss(dpo, explicit pairs)": lambda d, b: P.preference_loss()(_ctx(d, _pairs(d))),
     "topk_logprobs": lambda d, b: P.topk_logprobs(K, entropy=True)(_ctx(d)),
     "distillation_loss(sparse, renormalize)": lambda d, b: P.distillation_loss(DistillConfig())(
         _ctx(d, d["sparse"])
@@ -446,6 +478,7 @@ def test_every_public_function_is_covered() -> None:
         "device_class",
         "aggregation_weights",
         "kl_penalty",
+        "rollout_correction",
     }  # no logits, no tiles
     functions = {n for n in P.__all__ if callable(getattr(P, n)) and n[0].islower()} - helpers
     assert functions <= covered, sorted(functions - covered)

@@ -166,9 +166,9 @@ def collectives_follow_the_contract() -> None:
         sp = JaxCollectives("tp", sequence_parallel=True)
 
         def gathered(h):  # sequence parallel: all-gather forward, reduce-scatter backward
-            body = lambda h_, w_: sp.all_reduce_sum(
-                jnp.sum((sp.gather_hidden_states(h_) @ w_.T) ** 2)
-            )  # noqa: E731
+            def body(h_, w_):
+                return sp.all_reduce_sum(jnp.sum((sp.gather_hidden_states(h_) @ w_.T) ** 2))
+
             return shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P())(h, w)
 
         h = jnp.arange(12.0).reshape(6, 2) / 10

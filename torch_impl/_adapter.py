@@ -79,8 +79,8 @@ class OutputHookAdapter:
         if (
             mtp_processor is None
             and has_mtp_layers(self)
-            and options_of(self).mtp.rolls_or_scales_itself
-        ):  # type: ignore[arg-type]
+            and options_of(self).mtp.rolls_or_scales_itself  # type: ignore[arg-type]
+        ):
             mtp_processor = (
                 default_mtp_loss  # these MTP options act where the adapter computes the losses
             )

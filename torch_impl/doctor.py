@@ -197,9 +197,15 @@ def environment() -> Environment:
 def adapter_path(facts: InstalledMegatron) -> str:
     """Which way the adapter runs a processor on this release, in words."""
     if facts.native_hook:
-        main = "native hook: the adapter hands Megatron's `output_processor=` a bridge to the typed context"
+        main = (
+            "native hook: the adapter hands Megatron's `output_processor=` a bridge to the "
+            "typed context"
+        )
     else:
-        main = "no native hook: the adapter's own `_postprocess` runs the processor in place of the output layer"
+        main = (
+            "no native hook: the adapter's own `_postprocess` runs the processor in place of "
+            "the output layer"
+        )
     return (
         main
         + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "

@@ -32,11 +32,17 @@ from torch_impl.processors import (
     LinearOptions,
     PolicyBatch,
     PolicyLossConfig,
+    PolicyLossMode,
+    PreferenceBatch,
+    PreferenceConfig,
+    RolloutCorrection,
     SparseTeacher,
+    WeightLevel,
     cross_entropy_loss,
     distillation_loss,
     linear_distillation_loss,
     policy_loss,
+    preference_loss,
     selected_logprobs,
     topk_logprobs,
 )
@@ -44,6 +50,10 @@ from torch_impl.processors import (
 from .examples import current_logprobs
 
 __all__ = [
+    "BYPASS",
+    "BYPASS_CONFIG",
+    "CORRECTED",
+    "CORRECTED_CONFIG",
     "CROSS_ENTROPY",
     "CROSS_ENTROPY_LABEL_SMOOTHING",
     "CROSS_ENTROPY_SOFTCAP",
@@ -66,6 +76,14 @@ __all__ = [
     "LOGPROBS_T07",
     "PPO",
     "PPO_CONFIG",
+    "CISPO",
+    "CISPO_CONFIG",
+    "GEO_MEAN",
+    "GEO_MEAN_CONFIG",
+    "PREFERENCE_DPO",
+    "PREFERENCE_DPO_CONFIG",
+    "PREFERENCE_SIMPO",
+    "PREFERENCE_SIMPO_CONFIG",
     "SOFTCAP",
     "SEQ_SUM",
     "SEQ_SUM_CONFIG",
@@ -76,6 +94,9 @@ __all__ = [
     "distillation_by_rows",
     "gspo_context",
     "policy_context",
+    "rollout_context",
+    "preference_context",
+    "reference_free_context",
     "softcapped",
     "softcapped_config",
     "sparse_teacher_context",
@@ -132,6 +153,47 @@ SEQ_SUM_CONFIG = PolicyLossConfig(
     aggregation=Aggregation.SEQ_MEAN_TOKEN_SUM, kl_coef=0.1, kl_estimator=KLEstimator.K2
 )
 SEQ_SUM = policy_loss(SEQ_SUM_CONFIG, tile_rows=3)
+CISPO_CONFIG = PolicyLossConfig(
+    loss_mode=PolicyLossMode.CISPO,
+    clip_low=0.1,
+    kl_coef=0.05,
+    kl_estimator=KLEstimator.K3,
+    kl_straight_through=True,  # veRL's "low_var_kl+"
+    kl_value_clamp=10.0,
+)
+CISPO = policy_loss(CISPO_CONFIG, tile_rows=3)  # fused: each token's own logprob
+GEO_MEAN_CONFIG = PolicyLossConfig(
+    loss_mode=PolicyLossMode.GEO_MEAN, aggregation=Aggregation.SEQ_MEAN_TOKEN_MEAN
+)
+GEO_MEAN = policy_loss(GEO_MEAN_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)  # autograd
+CORRECTED_CONFIG = PolicyLossConfig.grpo(
+    rollout_correction=RolloutCorrection(
+        rollout_is=WeightLevel.TOKEN,
+        rollout_is_threshold=1.2,
+        rollout_rs={"token_k1": 1.3, "seq_mean_k3": 0.05},
+    )
+)
+
+
+def loss_and_policy_metrics(proc: Processor, /) -> Processor:
+    """``proc``'s result without the ``rollout_corr/`` metrics: the JAX reference checks the
+    loss, its gradients and the policy metrics; the correction's metrics are checked
+    against veRL's own functions in the tests (``tests/test_rollout_correction.py``)."""
+
+    def fn(ctx: OutputContext) -> Any:
+        out = proc(ctx)
+        return {k: v for k, v in out.items() if not k.startswith("rollout_corr/")}
+
+    return processor(fn, name="policy_loss")
+
+
+CORRECTED = loss_and_policy_metrics(policy_loss(CORRECTED_CONFIG, tile_rows=3))  # fused
+BYPASS_CONFIG = PolicyLossConfig(
+    rollout_correction=RolloutCorrection(
+        rollout_is=WeightLevel.TOKEN, bypass_mode=True, loss_type="reinforce"
+    )
+)
+BYPASS = loss_and_policy_metrics(policy_loss(BYPASS_CONFIG, tile_rows=_ROWS, tile_cols=_COLS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +228,16 @@ def policy_context(ctx: OutputContext) -> PolicyBatch:
     """Old and reference logprobs near the current ones (log-ratio noise 0.2:
     some tokens clipped, some not), random advantages."""
     return _near_policy(ctx, 0.2, seed=5)
+
+
+def rollout_context(ctx: OutputContext) -> PolicyBatch:
+    """As :func:`policy_context`, with rollout-engine logprobs 0.2 (log ratio) from the old
+    ones: some weights truncated at 1.2, some tokens and sequences rejected."""
+    batch = _near_policy(ctx, 0.2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    noise = 0.2 * torch.randn(batch.old_logprobs.shape, generator=g, dtype=torch.float64)
+    rollout = (batch.old_logprobs.double() + noise).float()
+    return dataclasses.replace(batch, rollout_logprobs=rollout)
 
 
 def gspo_context(ctx: OutputContext) -> PolicyBatch:
@@ -303,3 +375,39 @@ def dense_teacher_context(ctx: OutputContext) -> CheckedDenseTeacher:
         vocab=ctx.vocab,
         full_weight=tw.float(),
     )
+
+
+# ---------------------------------------------------------------- preference losses
+
+PREFERENCE_DPO_CONFIG = PreferenceConfig.dpo(beta=0.5, label_smoothing=0.1)
+PREFERENCE_DPO = preference_loss(PREFERENCE_DPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
+PREFERENCE_SIMPO_CONFIG = PreferenceConfig.simpo(beta=2.0, gamma=0.5, label_smoothing=0.05)
+PREFERENCE_SIMPO = preference_loss(PREFERENCE_SIMPO_CONFIG, tile_rows=_ROWS, tile_cols=_COLS)
+
+
+def preference_context(ctx: OutputContext) -> PreferenceBatch:
+    """The pairs (0, 1) and (2, 0) of the cases' three rows, the second counted only
+    where rows 2 and 0 both count a token (the masked cases empty row 2); the reference's
+    sums 0.3 to 0.9 away from the policy's: the margins -1.5 and 1.2 (times beta), far
+    from a tie and from cancelling."""
+    lp = current_logprobs(ctx)  # [b, s] float64
+    labels = typing.cast(torch.Tensor, ctx.labels)
+    counted = labels != ctx.ignore_index
+    if ctx.loss_mask is not None:
+        counted = counted & (typing.cast(torch.Tensor, ctx.loss_mask).to(labels.device) > 0)
+    total = torch.where(counted, lp, 0.0).sum(-1)
+    tokens = counted.sum(-1)
+    chosen, rejected = torch.tensor([0, 2]), torch.tensor([1, 0])
+    both = bool(tokens[2] > 0 and tokens[0] > 0)
+    return PreferenceBatch(
+        ref_chosen=(total[chosen] + torch.tensor([0.8, -0.9], dtype=total.dtype)).float(),
+        ref_rejected=(total[rejected] + torch.tensor([-0.7, 0.3], dtype=total.dtype)).float(),
+        chosen=chosen,
+        rejected=rejected,
+        pair_mask=torch.tensor([True, both]),
+    )
+
+
+def reference_free_context(ctx: OutputContext) -> PreferenceBatch:
+    """:func:`preference_context` without the reference's sums (SimPO refuses them)."""
+    return dataclasses.replace(preference_context(ctx), ref_chosen=None, ref_rejected=None)

@@ -71,6 +71,16 @@ def _policy_reference(config_spec: str) -> Callable[[], Any]:
     return make
 
 
+def _preference_reference(config_spec: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from .. import preference
+        from ._spec import resolve
+
+        return preference.preference_loss(resolve(config_spec))
+
+    return make
+
+
 def _ref(name: str, **kwargs: Any) -> Callable[[], Any]:
     def make() -> Any:
         from .. import processors
@@ -184,6 +194,42 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:SEQ_SUM",
         _policy_reference(f"{_B}:SEQ_SUM_CONFIG"),
         f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(cispo, k3+, fused)",
+        f"{_B}:CISPO",
+        _policy_reference(f"{_B}:CISPO_CONFIG"),
+        f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(geo_mean)",
+        f"{_B}:GEO_MEAN",
+        _policy_reference(f"{_B}:GEO_MEAN_CONFIG"),
+        f"{_B}:policy_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(grpo, rollout correction)",
+        f"{_B}:CORRECTED",
+        _policy_reference(f"{_B}:CORRECTED_CONFIG"),
+        f"{_B}:rollout_context",
+    ),
+    BuiltinCheck(
+        "policy_loss(bypass reinforce)",
+        f"{_B}:BYPASS",
+        _policy_reference(f"{_B}:BYPASS_CONFIG"),
+        f"{_B}:rollout_context",
+    ),
+    BuiltinCheck(
+        "preference_loss(dpo, label smoothing)",
+        f"{_B}:PREFERENCE_DPO",
+        _preference_reference(f"{_B}:PREFERENCE_DPO_CONFIG"),
+        f"{_B}:preference_context",
+    ),
+    BuiltinCheck(
+        "preference_loss(simpo)",
+        f"{_B}:PREFERENCE_SIMPO",
+        _preference_reference(f"{_B}:PREFERENCE_SIMPO_CONFIG"),
+        f"{_B}:reference_free_context",
     ),
     BuiltinCheck("topk_logprobs(k=5, entropy)", f"{_B}:TOPK", _distill_ref(k=5, entropy=True)),
     BuiltinCheck(

@@ -19,9 +19,24 @@ from ._fused import FusedLossResult, LseLoss, MeanLogitLoss, TokenLoss, fused_to
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
 from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
-from ._loss_math import PolicyLossConfig, RatioLevel, aggregation_weights, kl_penalty
+from ._loss_math import (
+    PolicyLossConfig,
+    PolicyLossMode,
+    RatioLevel,
+    aggregation_weights,
+    kl_penalty,
+)
 from ._options import LinearOptions
 from ._policy import PolicyBatch, policy_loss
+from ._preference import PreferenceBatch, PreferenceConfig, PreferenceMethod, preference_loss
+from ._rollout import (
+    RejectionBounds,
+    RolloutCorrection,
+    RolloutCorrectionResult,
+    WeightLevel,
+    rollout_correction,
+)
+from ._sampling import SamplingSupport
 from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
@@ -38,12 +53,21 @@ __all__ = [
     "MEASURED_CHOICES",
     "PolicyBatch",
     "PolicyLossConfig",
+    "PolicyLossMode",
+    "PreferenceBatch",
+    "PreferenceConfig",
+    "PreferenceMethod",
     "RatioLevel",
+    "RejectionBounds",
+    "RolloutCorrection",
+    "RolloutCorrectionResult",
+    "SamplingSupport",
     "SparseTeacher",
     "TILES_BY_DEVICE",
     "TILE_BYTES",
     "TokenLoss",
     "TopkResult",
+    "WeightLevel",
     "aggregation_weights",
     "auto_choice",
     "cross_entropy_loss",
@@ -55,6 +79,8 @@ __all__ = [
     "linear_logprobs",
     "linear_topk_logprobs",
     "policy_loss",
+    "rollout_correction",
+    "preference_loss",
     "selected_logprobs",
     "topk_logprobs",
 ]

@@ -32,7 +32,14 @@ from ._checks import check_enum, check_finite_number, check_instance, check_int
 from ._engine import Engine, FormedInForward, TileSetup
 from ._gemm import gemm_into, no_autocast, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
-from ._loss_math import check_counts, global_counts, masked_mean, weighted_sum, weights_of
+from ._loss_math import (
+    check_counts,
+    count_read,
+    global_counts,
+    masked_mean,
+    weighted_sum,
+    weights_of,
+)
 from ._options import LinearOptions, prologue, refuse_unexpected
 from ._sink import GradSink
 from ._teachers import DenseTeacher, SparseTeacher, check_rows
@@ -72,6 +79,13 @@ class DistillConfig:
         put(self, "divergence", check_enum("divergence", DistillDivergence, self.divergence))
         put(self, "tail", check_enum("tail", TeacherTail, self.tail))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
+        if self.aggregation == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+            raise ContractError(
+                "aggregation",
+                expected="not 'seq-mean-token-sum-norm' (Dr. GRPO's constant divides the policy "
+                "loss, whose batch has a padded length; use 'seq-mean-token-sum')",
+                actual=repr(self.aggregation.value),
+            )
         beta = check_finite_number(
             "beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True
         )
@@ -342,8 +356,8 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
             expected="1 for seq-mean-token-mean (it needs whole sequences)",
             actual=cp,
         )
-    need = "global_tokens" if how == Aggregation.TOKEN_MEAN else "global_sequences"
-    if cp > 1 and getattr(teacher, need) is None:
+    need = count_read(how)
+    if cp > 1 and need is not None and getattr(teacher, need) is None:
         raise ContractError(
             f"context.{need}",
             expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",

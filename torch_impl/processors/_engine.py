@@ -370,70 +370,124 @@ class Engine(Tiles):
         sparse: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The logit gradient of the tile ``z`` in the GEMMs' form (``big_m``, ``coef``: the
-        tile's rows), fresh from :meth:`logits`, or ``shifted``: after :meth:`row_stats`
-        (the torch form's ``z - M`` in ``z``, ``exp(z - M)`` in the ``"e"`` buffer). The
-        torch form works in place; Triton writes the compute dtype (into ``out`` where
-        given). ``sparse``: ``(cols [n, k], g [n, k])`` of every row, more terms at those
-        columns of the shard (-1: elsewhere), added in the accumulation dtype (on Triton with
-        a narrower compute dtype the gradient is then in ``z``'s, rounded by the caller)."""
-        setup = self.setup
-        if self.triton:
-            from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
+        """The logit gradient of the tile ``z`` (``big_m``, ``coef``: the tile's rows) in the
+        GEMMs' form and the compute dtype, whatever the backend: in ``out`` (``[r, c]``,
+        compute dtype) where given, else in the tile's own memory or a fresh tensor.
 
-            assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
-            wide = sparse is not None and setup.compute_dtype != z.dtype
-            dtype, out = (z.dtype, None) if wide else (setup.compute_dtype, out)
-            labels, inv_t, col0 = (
-                setup.labels_local[rows],
-                setup.row_inv_t(rows, column=False),
-                cols.start,
-            )
-            abg, cfg, cap, cw = (
-                (coef.a, coef.b, coef.g),
-                setup.kernel,
-                setup.cap_k,
-                setup.mean_weights,
-            )
-            gz = logit_grad_(
-                z,
-                dtype,
-                labels,
-                inv_t,
-                big_m,
-                abg,
-                col0=col0,
-                cfg=cfg,
-                out=out,
-                cap_k=cap,
-                u=coef.u,
-                cw=cw,
-            )
+        ``z`` comes fresh from :meth:`logits`, or ``shifted``: after the torch form of
+        :meth:`row_stats` (``z - M`` in ``z``, ``exp(z - M)`` in the ``"e"`` buffer; the
+        Triton form of :meth:`row_stats` leaves ``z`` as it was, so its pass is the same).
+        ``sparse``: ``(cols [n, k], g [n, k])`` of every row, more terms at those columns of
+        the shard (-1: elsewhere), added in the accumulation dtype before the one rounding
+        to the compute dtype."""
+        setup = self.setup
+        # sparse terms are added before the rounding: the Triton form then writes z's dtype
+        wide = sparse is not None and setup.compute_dtype != setup.acc_dtype
+        if self.triton:
+            dtype = setup.acc_dtype if wide else setup.compute_dtype
+            grad = self._triton_grad(z, rows, cols, big_m, coef, dtype, None if wide else out)
+        elif shifted:  # whole rows: their label columns made once a call
+            hit, col, _ = self.label_columns(rows)
+            grad = self._torch_grad(z, self.like("e", z), hit, col, rows, cols, coef)
         else:
-            if shifted:  # whole rows: their label columns made once a call
-                e, (hit, col, _) = self.like("e", z), self.label_columns(rows)
-            else:
-                z.sub_(big_m[:, None])
-                e = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
-                hit, col = _target_in_tile(setup.labels_local[rows], cols.start, z.shape[1])
-            f = (
-                -coef.a[:, None]
-                if coef.b is None
-                else z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+            grad = self._torch_grad(
+                z, *self._shift_tile(z, rows, cols, big_m, coef), rows, cols, coef
             )
-            gz = e.mul_(f)  # as Coefficients' dz, in place in e
-            gz.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
-            if coef.u is not None:
-                cw = None if setup.mean_weights is None else setup.mean_weights[cols].to(gz.dtype)
-                gz.add_(coef.u[:, None]) if cw is None else gz.addr_(coef.u.to(gz.dtype), cw)
-            gz = self.cap_slope_(self.untempered_grad(gz, rows))
-        if sparse is not None:  # gz[i, where[i, j] - col0] += g[i, j] for the columns in this tile
-            where, g = sparse[0][rows], sparse[1][rows]
-            local = where - cols.start
-            hit = (where >= 0) & (local >= 0) & (local < gz.shape[1])
-            g = self.untempered_grad(torch.where(hit, g, 0.0), rows)
-            gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1), g.to(gz.dtype))
-        return gz
+        if sparse is not None:
+            self._add_sparse_(grad, rows, cols, sparse)
+        if grad is out:
+            return out
+        return grad.to(setup.compute_dtype) if out is None else out.copy_(grad)
+
+    def _triton_grad(
+        self,
+        z: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        big_m: torch.Tensor,
+        coef: Coefficients,
+        dtype: torch.dtype,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The Triton form of :meth:`grad_pass` (one kernel reads the untempered tile once
+        and writes the gradient of ``dtype``, into ``out`` or in place in ``z``'s memory):
+        it exists because the torch form makes a pass over the tile's memory per operation."""
+        from ._triton_kernels import logit_grad_  # on first use: TRITON_INTERPRET is read then
+
+        setup = self.setup
+        assert setup.kernel is not None  # fp32 [r] vectors throughout (no fp64 on this backend)
+        return logit_grad_(
+            z,
+            dtype,
+            setup.labels_local[rows],
+            setup.row_inv_t(rows, column=False),
+            big_m,
+            (coef.a, coef.b, coef.g),
+            col0=cols.start,
+            cfg=setup.kernel,
+            out=out,
+            cap_k=setup.cap_k,
+            u=coef.u,
+            cw=setup.mean_weights,
+        )
+
+    def _shift_tile(
+        self, z: torch.Tensor, rows: slice, cols: slice, big_m: torch.Tensor, coef: Coefficients
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(exps, hit, col)`` of a fresh tile for :meth:`_torch_grad`: ``z`` shifted to ``z -
+        M`` in place, its ``exp(z - M)`` (in ``z`` itself where ``coef.b`` is None: ``z - M``
+        is not read again) and the rows' label columns in this tile (:func:`_target_in_tile`).
+        It exists because a fresh tile, unlike :meth:`row_stats`' whole rows, has none of
+        these yet."""
+        z.sub_(big_m[:, None])
+        exps = z.exp_() if coef.b is None else torch.exp(z, out=self.like("e", z))
+        hit, col = _target_in_tile(self.setup.labels_local[rows], cols.start, z.shape[1])
+        return exps, hit, col
+
+    def _torch_grad(
+        self,
+        shifted_z: torch.Tensor,
+        exps: torch.Tensor,
+        hit: torch.Tensor,
+        col: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        coef: Coefficients,
+    ) -> torch.Tensor:
+        """The torch form of :meth:`grad_pass`, in the accumulation dtype and in place in
+        ``exps`` (``shifted_z = z - M`` overwritten where ``coef.b`` is given): :class:`Coefficients`'
+        ``dz``, then untempered and times the softcap's slope. It exists for the float64
+        inputs and the devices Triton does not run on, and as the reference of the kernel."""
+        setup = self.setup
+        if coef.b is None:
+            factor = -coef.a[:, None]
+        else:  # -(a + b (z - M)), in z's memory
+            factor = shifted_z.mul_(-coef.b[:, None]).sub_(coef.a[:, None])
+        grad = exps.mul_(factor)  # as Coefficients' dz, in place in exps
+        grad.scatter_add_(1, col, torch.where(hit, coef.g, 0.0).unsqueeze(1))
+        if coef.u is not None:
+            if setup.mean_weights is None:
+                grad.add_(coef.u[:, None])
+            else:
+                weights = setup.mean_weights[cols].to(grad.dtype)
+                grad.addr_(coef.u.to(grad.dtype), weights)
+        return self.cap_slope_(self.untempered_grad(grad, rows))
+
+    def _add_sparse_(
+        self,
+        grad: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        sparse: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """``grad[i, where[i, j] - col0] += g[i, j]`` (untempered, in ``grad``'s dtype) for the
+        sparse terms' columns that fall in this tile: top-k's and distillation's terms at a
+        few columns of a row, which neither form of the dense pass knows."""
+        where, values = sparse[0][rows], sparse[1][rows]
+        local = where - cols.start
+        hit = (where >= 0) & (local >= 0) & (local < grad.shape[1])
+        values = self.untempered_grad(torch.where(hit, values, 0.0), rows)
+        grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1), values.to(grad.dtype))
 
     def backward(
         self,
@@ -446,7 +500,7 @@ class Engine(Tiles):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The vocabulary sweep's backward, each tile recomputed (columns outer)::
 
-            gz = grad_pass(logits(rows, cols)).to(compute_dtype)
+            gz = grad_pass(logits(rows, cols))     # compute dtype
             dh[rows] (+)= gz @ W[cols];  dW[cols] (+)= gz.T @ h[rows]
 
         ``dh`` in the accumulation dtype, ``dW`` in ``W``'s (each ``dW`` tile one GEMM
@@ -476,9 +530,7 @@ class Engine(Tiles):
         )
         for rows, cols, wc, z in self.vocab_tiles():
             part = coef.of_rows(rows)
-            gz = self.grad_pass(
-                z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse
-            ).to(cdt)
+            gz = self.grad_pass(z, rows, cols, stats.max[rows], part, shifted=False, sparse=sparse)
             if dh is not None:
                 gemm_into(dh[rows], gz, wc, first=cols.start == 0)
             if dw is not None:
@@ -557,9 +609,11 @@ class Engine(Tiles):
     ) -> None:
         """The gradient of a whole-row tile after :meth:`row_stats` (``big_m``: its rows'
         ``M``) into ``sink``; ``sparse`` as :meth:`grad_pass`'s."""
-        out = (
-            sink.tile(rows) if self.triton else None
-        )  # Triton writes the GEMMs' form into the buffer
+        setup = self.setup
+        # the gradient goes straight into the sink's buffer, except a torch tile already in the
+        # compute dtype: the sink takes that tile itself as its buffer (no copy)
+        direct = self.triton or setup.compute_dtype != setup.acc_dtype
+        out = sink.tile(rows) if direct else None
         gz = self.grad_pass(
             z, rows, slice(0, self.local), big_m, coef, shifted=True, sparse=sparse, out=out
         )

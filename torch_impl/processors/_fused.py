@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Callable
 from typing import Any, Never
 
@@ -183,17 +184,13 @@ class _Calls:
         equals the sum of its calls on spans, to 64 ulp of the spans' magnitudes, else
         ``ContractError`` naming it."""
         assert self.sums is not None
-        fns: dict[str, Callable[..., Any] | None] = {
-            "token_loss": self.fn,
-            "lse_loss": self.lse_fn,
-            "mean_logit_loss": self.mean_fn,
-        }
+        fns = {"token_loss": self.fn, "lse_loss": self.lse_fn, "mean_logit_loss": self.mean_fn}
         for name, (total, size, calls) in self.sums.items():
-            fn, args = fns[name], tuple(v.detach() for v in vectors[name])
-            assert fn is not None  # only a loss that was called has a sum
+            args = tuple(v.detach() for v in vectors[name])
             whole = slice(0, int(args[0].shape[0]))
+            loss = typing.cast(Callable[..., Any], fns[name])
             with torch.no_grad():
-                one = float(_checked_loss(name, fn(*args, whole), args))
+                one = float(_checked_loss(name, loss(*args, whole), args))
             if abs(one - total) > 64 * torch.finfo(args[0].dtype).eps * max(size, abs(one)):
                 raise ContractError(
                     name,
@@ -322,7 +319,9 @@ def fused_token_loss(
     mean = mean if mean_logit_loss is not None else None
     if calls.sums is not None:
         vectors = {"token_loss": (lp, entropy), "lse_loss": (lse,)}
-        calls.check_sums(vectors if mean is None else vectors | {"mean_logit_loss": (mean,)})
+        if mean is not None:
+            vectors["mean_logit_loss"] = (mean,)
+        calls.check_sums(vectors)
     return FusedLossResult(
         loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
     )

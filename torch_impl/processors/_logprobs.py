@@ -10,10 +10,13 @@ from typing import Any, Never
 
 import torch
 
+from hookspec import ContractError
+
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Recomputed, logit_grad_coefficients
 from ._options import LinearOptions, prologue
+from ._sampling import SamplingSupport, supported_logprobs
 
 __all__ = ["LogprobResult", "linear_logprobs"]
 
@@ -62,6 +65,7 @@ def linear_logprobs(
     bias: torch.Tensor | None = None,
     with_mean_logit: bool = False,
     mean_logit_weights: torch.Tensor | None = None,
+    support: SamplingSupport | None = None,
     **unexpected: Never,
 ) -> LogprobResult:
     """Selected-token logprobs (and entropy) of ``hidden @ weight.T``, vocab-parallel,
@@ -81,7 +85,10 @@ def linear_logprobs(
     ``ignore_index``; ``bias`` ``[V_local]`` (``weight``'s dtype and device; ``None``: 0),
     differentiable; ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of
     a weighted ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights;
-    ``None``: each 1).
+    ``None``: each 1). ``support``: a :class:`SamplingSupport`, the tokens the rollout
+    sampler kept per row: ``logprobs``, ``entropy`` and ``lse`` are then of the softmax
+    renormalised over them (``z_y - logsumexp(z[kept])``; ``-inf`` for a label not kept),
+    the gradient at the kept columns only (:mod:`._sampling`).
 
     Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
     ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``
@@ -95,6 +102,12 @@ def linear_logprobs(
     _, h, setup = prologue(
         name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
     )
+    if support is not None:  # the sampler's renormalised distribution (:mod:`._sampling`)
+        if with_mean_logit:
+            expected = "with_mean_logit=False with a sampling support"
+            raise ContractError("with_mean_logit", expected=expected, actual="True")
+        logprobs, entropy, lse = supported_logprobs(h, weight, setup, support, name)
+        return LogprobResult(logprobs, entropy if with_entropy else None, lse, None)
     run = functools.partial(_run, with_entropy, with_mean_logit)
     logprobs, entropy, lse, mean = Recomputed.apply(h, weight, setup.bias, name, setup, run)
     return LogprobResult(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,10 +14,21 @@ from hookspec import Aggregation, ContractError, KLEstimator
 from hookspec.arrays import format_shape
 
 from ..value_checks import check_finite_deferred, check_indices_deferred
-from ._checks import check_bool, check_enum, check_finite_number, check_floating, check_int
+from ._checks import (
+    check_bool,
+    check_enum,
+    check_finite_number,
+    check_floating,
+    check_instance,
+    check_int,
+)
+
+if TYPE_CHECKING:
+    from ._rollout import RolloutCorrection
 
 __all__ = [
     "PolicyLossConfig",
+    "PolicyLossMode",
     "RatioLevel",
     "aggregation_weights",
     "check_counts",
@@ -41,6 +52,51 @@ class RatioLevel(enum.StrEnum):
     """``r_t = exp(mean_M(logp - old))`` over the masked tokens of ``t``'s sequence: GSPO."""
 
 
+class PolicyLossMode(enum.StrEnum):
+    """The policy-gradient term ``pg`` of :class:`PolicyLossConfig`, by veRL 0.9.1's
+    ``policy_loss.loss_mode`` names (``hookspec.conventions`` has each formula)."""
+
+    VANILLA = "vanilla"
+    """PPO clip, dual clip with ``dual_clip``; the token or sequence ratio of ``ratio``."""
+    GSPO = "gspo"
+    """GSPO-token: ``s = exp(sg(seq_mean(logp - old)) + logp - sg(logp))``, clipped."""
+    DPPO_TV = "dppo_tv"
+    """``-A * sg(min(r, c)) * logp`` where ``p - p_old`` stays inside the clip bounds."""
+    DPPO_KL = "dppo_kl"
+    """As ``dppo_tv``, the trust region a binary KL of ``p`` against ``p_old``."""
+    SAPO = "sapo"
+    """``-A * sigmoid(tau * (r - 1)) * 4 / tau``, ``tau``: ``tau_pos`` or ``tau_neg``."""
+    GPG = "gpg"
+    """``-A * logp``: no ratio."""
+    CLIP_COV = "clip_cov"
+    """PPO clip, the loss of the tokens of highest covariance of ``A`` and ``logp`` set to 0."""
+    KL_COV = "kl_cov"
+    """``-A * r``, plus ``ppo_kl_coef * |logp - old|`` at the tokens of highest covariance."""
+    GEO_MEAN = "geo_mean"
+    """GMPO: ``-mean(A) * exp(seq_mean(clipped log-ratio))`` per sequence."""
+    DRO = "dro"
+    """``-(A * logp - dro_beta / 2 * (logp - old) ** 2)``."""
+    CISPO = "cispo"
+    """``-sg(clip(r)) * A * logp``."""
+    BYPASS_MODE = "bypass_mode"
+    """``vanilla`` with ``old = rollout``: needs ``RolloutCorrection(bypass_mode=True)``."""
+
+
+TOKEN_LOCAL_MODES = frozenset(
+    {
+        PolicyLossMode.VANILLA,
+        PolicyLossMode.BYPASS_MODE,
+        PolicyLossMode.DPPO_TV,
+        PolicyLossMode.DPPO_KL,
+        PolicyLossMode.SAPO,
+        PolicyLossMode.GPG,
+        PolicyLossMode.DRO,
+        PolicyLossMode.CISPO,
+    }
+)
+"""The modes whose token term reads that token's own logprob alone: the fused path's."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """The policy loss, per token ``t`` (``hookspec.conventions``)::
@@ -53,9 +109,25 @@ class PolicyLossConfig:
         L = pg + kl_coef * kl(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, mask, aggregation)
 
+    ``loss_mode`` (a :class:`PolicyLossMode`, veRL's name as it is) replaces ``pg`` by its
+    mode's term (``hookspec.conventions``), with veRL's options and defaults: ``tau_pos``,
+    ``tau_neg`` (sapo); ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` (clip_cov);
+    ``kl_cov_ratio``, ``ppo_kl_coef`` (kl_cov); ``dro_beta`` (dro, required); the clip bounds
+    are dppo's trust-region bounds and ``dual_clip`` its ratio truncation (veRL's
+    ``clip_ratio_c``, default 20).
+
     ``kl`` is the ``kl_estimator`` (k1, k2, k3) of ``log_ratio = clamp(ref - logp)``.
     The clamp (default 20, as veRL; ``None``: off) keeps ``exp`` finite. ``fused``: form
     the gradients in the forward pass (``RatioLevel.TOKEN`` only; GSPO recomputes).
+
+    ``rollout_correction`` (a :class:`RolloutCorrection`; needs
+    ``PolicyBatch.rollout_logprobs``) corrects for the rollout engine: ``pg`` is multiplied
+    by the detached importance weight ``w`` and the mask by the rejection's ``keep``
+    (which the aggregation's normalisation then reads too)::
+
+        pg = w * pg;  M = M * keep        # decoupled: w, keep of old / rollout
+        old = rollout                     # bypass mode: w, keep of logp / rollout
+        pg = -A * w * logp                # bypass mode, loss_type "reinforce"
 
     Checked at construction (``ContractError``; NumPy numbers stored as ``float``):
     every number finite, ``0 <= clip_low <= 1``, ``clip_high >= 0`` (``None``:
@@ -75,6 +147,19 @@ class PolicyLossConfig:
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     log_ratio_clamp: float | None = 20.0
     fused: bool = True
+    rollout_correction: RolloutCorrection | None = None
+    kl_value_clamp: float | None = None
+    kl_straight_through: bool = False
+    loss_scale_factor: float | None = None
+    loss_mode: PolicyLossMode = PolicyLossMode.VANILLA
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -109,8 +194,80 @@ class PolicyLossConfig:
             )
             put(self, "log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
-        put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, self.kl_estimator))
+        if self.rollout_correction is not None:
+            from ._rollout import RolloutCorrection  # it builds on this module's segment_sum
+
+            expected = "None or a torch_impl.processors.RolloutCorrection"
+            check_instance(
+                "rollout_correction", self.rollout_correction, RolloutCorrection, expected
+            )
+        estimator, straight = _verl_estimator(self.kl_estimator)
+        put(self, "kl_estimator", check_enum("kl_estimator", KLEstimator, estimator))
+        check_bool("kl_straight_through", self.kl_straight_through)
+        put(self, "kl_straight_through", self.kl_straight_through or straight)
+        for name in ("kl_value_clamp", "loss_scale_factor"):
+            if (value := getattr(self, name)) is not None:
+                put(self, name, check_finite_number(name, value, low=0.0, low_open=True))
         put(self, "aggregation", check_enum("aggregation", Aggregation, self.aggregation))
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        """``loss_mode`` and the options of the modes (veRL's names and defaults)."""
+        put = object.__setattr__
+        mode = check_enum("loss_mode", PolicyLossMode, self.loss_mode)
+        put(self, "loss_mode", mode)
+        for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
+            put(self, name, check_finite_number(name, getattr(self, name), low=0.0, low_open=True))
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            put(self, name, check_finite_number(name, getattr(self, name)))
+        if self.dro_beta is not None:
+            beta = check_finite_number("dro_beta", self.dro_beta, low=0.0, low_open=True)
+            put(self, "dro_beta", beta)
+        elif mode == PolicyLossMode.DRO:
+            raise ContractError(
+                "dro_beta", expected="a number > 0 with loss_mode 'dro'", actual=None
+            )
+        if self.ratio == RatioLevel.SEQUENCE and mode != PolicyLossMode.VANILLA:
+            raise ContractError(
+                "ratio",
+                expected=f"RatioLevel.TOKEN with loss_mode {mode.value!r} (the sequence ratio is "
+                "vanilla's; loss_mode 'gspo' is GSPO-token)",
+                actual=repr(self.ratio),
+            )
+        correction = self.rollout_correction
+        if mode == PolicyLossMode.GEO_MEAN and correction is not None and correction.rollout_is:
+            raise ContractError(
+                "rollout_correction.rollout_is",
+                expected="None with loss_mode 'geo_mean' (its sequence ratio would take the "
+                "token weights' geometric mean; rejection applies)",
+                actual=repr(correction.rollout_is),
+            )
+        bypass = correction is not None and correction.bypass_mode
+        if mode == PolicyLossMode.BYPASS_MODE and not bypass:
+            raise ContractError(
+                "rollout_correction",
+                expected="a RolloutCorrection(bypass_mode=True) with loss_mode 'bypass_mode'",
+                actual=repr(self.rollout_correction),
+            )
+
+    @property
+    def is_token_local(self) -> bool:
+        """Whether each token's term reads its own logprob alone (the fused path's losses)."""
+        return self.loss_mode in TOKEN_LOCAL_MODES and self.ratio == RatioLevel.TOKEN
+
+    @property
+    def dppo_truncation(self) -> float:
+        """DPPO's truncation ``c`` of the detached ratio: ``dual_clip`` (veRL's
+        ``clip_ratio_c``), else 20 as veRL."""
+        return 20.0 if self.dual_clip is None else self.dual_clip
+
+    @property
+    def kl_options(self) -> KLOptions:
+        """The KL term's options: the estimator, the log-ratio clamp, the value clamp, the
+        straight-through form."""
+        return KLOptions(
+            self.kl_estimator, self.log_ratio_clamp, self.kl_value_clamp, self.kl_straight_through
+        )
 
     @property
     def effective_clip_high(self) -> float:
@@ -151,38 +308,83 @@ class PolicyLossConfig:
         return cls(clip_low=clip_low, clip_high=clip_high, ratio=RatioLevel.SEQUENCE, **kw)
 
 
+VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+"""veRL's ``kl_loss_type`` names that are other names of ours (``abs`` is ``abs``)."""
+
+
+def _verl_estimator(given: Any) -> tuple[Any, bool]:
+    """``(estimator, straight_through)`` of a ``kl_estimator`` given in veRL's words: a
+    trailing ``+`` is the straight-through form; ``kl``, ``mse``, ``low_var_kl`` are k1,
+    k2, k3 (veRL also clamps k3's value to 10: ``kl_value_clamp=10``)."""
+    if not isinstance(given, str) or isinstance(given, KLEstimator):
+        return given, False
+    straight = given.endswith("+")
+    name = given[:-1] if straight else given
+    return VERL_KL_NAMES.get(name, name), straight
+
+
 def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
     """``clamp(x, -bound, bound)``; ``x`` itself when ``bound`` is ``None``."""
     return x if bound is None else x.clamp(-bound, bound)
 
 
 def kl_penalty(
-    logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
+    logp: torch.Tensor,
+    ref: torch.Tensor,
+    estimator: KLEstimator,
+    *,
+    clamp: float | None,
+    value_clamp: float | None = None,
+    straight_through: bool = False,
 ) -> torch.Tensor:
-    """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``
-    with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``; ``clamp`` a finite
-    number > 0, or ``None``: no clamp). Elementwise, any shape."""
+    """``k1 = logp - ref``, ``k2 = (logp - ref)**2 / 2``, ``k3 = exp(r) - r - 1``,
+    ``abs = |logp - ref|`` with ``r = ref - logp`` (clamped to ``[-clamp, clamp]``;
+    ``clamp`` a finite number > 0, or ``None``: no clamp); the value clamped to
+    ``[-value_clamp, value_clamp]`` (veRL's k3: 10); ``straight_through``: the value with
+    k2's gradient (veRL's ``"k3+"``). Elementwise, any shape."""
     estimator = check_enum("estimator", KLEstimator, estimator)
     if clamp is not None:
         clamp = check_finite_number("clamp", clamp, low=0.0, low_open=True)
+    if value_clamp is not None:
+        value_clamp = check_finite_number("value_clamp", value_clamp, low=0.0, low_open=True)
+    check_bool("straight_through", straight_through)
     check_floating("logp", logp)
     check_floating("ref", ref)
     if ref.shape != logp.shape:
         expected = f"the shape of logp {format_shape(logp.shape)}"
         raise ContractError("ref", expected=expected, actual=format_shape(ref.shape))
-    return kl_terms(logp, ref, estimator, clamp=clamp)
+    options = KLOptions(estimator, clamp, value_clamp, straight_through)
+    return kl_terms(logp, ref, options)
 
 
-def kl_terms(
-    logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator, *, clamp: float | None
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class KLOptions:
+    """The KL term's options, checked: the estimator, the log-ratio clamp, the value
+    clamp and the straight-through form (:func:`kl_penalty`)."""
+
+    estimator: KLEstimator
+    clamp: float | None = None
+    value_clamp: float | None = None
+    straight_through: bool = False
+
+
+def kl_terms(logp: torch.Tensor, ref: torch.Tensor, options: KLOptions) -> torch.Tensor:
     """:func:`kl_penalty` on options already checked."""
-    log_ratio = symmetric_clamp(ref - logp, clamp)
+    log_ratio = symmetric_clamp(ref - logp, options.clamp)
+    estimator = options.estimator
     if estimator == KLEstimator.K1:
-        return -log_ratio
-    if estimator == KLEstimator.K2:
-        return 0.5 * log_ratio * log_ratio
-    return torch.expm1(log_ratio) - log_ratio
+        value = -log_ratio
+    elif estimator == KLEstimator.K2:
+        value = 0.5 * log_ratio * log_ratio
+    elif estimator == KLEstimator.ABS:
+        value = log_ratio.abs()
+    else:
+        value = torch.expm1(log_ratio) - log_ratio
+    value = symmetric_clamp(value, options.value_clamp)
+    if not options.straight_through or estimator == KLEstimator.K2:
+        return value
+    k2 = 0.5 * (logp - ref).square()  # k2's gradient, the value's value
+    return k2 - k2.detach() + value.detach()
 
 
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, count: int) -> torch.Tensor:
@@ -209,15 +411,24 @@ def check_counts(
             check_finite_number(f"{prefix}{name}", count, low=0.0, low_open=True)
     if how is None:
         return
-    used, unused = "global_tokens", "global_sequences"
-    if how != Aggregation.TOKEN_MEAN:
-        used, unused = unused, used
-    if counts[unused] is not None:
-        raise ContractError(
-            f"{prefix}{unused}",
-            expected=f"None with aggregation {how.value!r}, which divides by {used} and never reads it",
-            actual=repr(counts[unused]),
-        )
+    used = count_read(how)
+    for unused in (name for name in counts if name != used):
+        if counts[unused] is not None:
+            divides = f"divides by {used}" if used else "divides by no count"
+            raise ContractError(
+                f"{prefix}{unused}",
+                expected=f"None with aggregation {how.value!r}, which {divides} and never "
+                f"reads {unused}",
+                actual=repr(counts[unused]),
+            )
+
+
+def count_read(how: Aggregation) -> str | None:
+    """The global count an aggregation divides by: ``global_tokens`` (token-mean),
+    ``global_sequences`` (the sequence means), none (token-sum)."""
+    if how == Aggregation.TOKEN_MEAN:
+        return "global_tokens"
+    return None if how == Aggregation.TOKEN_SUM else "global_sequences"
 
 
 def aggregation_weights(
@@ -228,12 +439,15 @@ def aggregation_weights(
     *,
     global_tokens: float | None = None,
     global_sequences: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Weights ``w`` (shape of ``mask``) with ``aggregate(L) = sum(w * L)``::
 
         token-mean:           w = M / sum(M)
         seq-mean-token-sum:   w = M / K
         seq-mean-token-mean:  w = M / (n_k * K)
+        token-sum:            w = M
+        seq-mean-token-sum-norm:  w = M / (K * F)       # F: loss_scale_factor, default s
 
     ``n_k``: the mask's sum over sequence ``k`` (``segments`` gives each token's
     sequence, ``count`` sequences); ``K``: the sequences with ``n_k != 0``.
@@ -260,8 +474,17 @@ def aggregation_weights(
     check_finite_deferred(mask, field="mask", nonnegative=True)
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     m = torch.where(torch.isfinite(m) & (m >= 0), m, float("nan"))
+    if loss_scale_factor is not None:
+        factor = check_finite_number("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+        loss_scale_factor = factor
     return weights_of(
-        m, segments, count, how, global_tokens=global_tokens, global_sequences=global_sequences
+        m,
+        segments,
+        count,
+        how,
+        global_tokens=global_tokens,
+        global_sequences=global_sequences,
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -274,10 +497,14 @@ def weights_of(
     global_tokens: float | None,
     global_sequences: float | None,
     totals: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """:func:`aggregation_weights` on inputs already checked (``m`` floating, bad
     entries NaN). ``totals``: ``n_k`` ``[count]`` summed over the context-parallel
-    group, which ``sum(M)`` and ``K`` then come from too."""
+    group, which ``sum(M)`` and ``K`` then come from too. ``loss_scale_factor``:
+    seq-mean-token-sum-norm's ``F`` (``None``: ``m``'s last dimension, the padded length)."""
+    if how == Aggregation.TOKEN_SUM:
+        return m
     if how == Aggregation.TOKEN_MEAN:
         if global_tokens is not None:
             total = torch.tensor(float(global_tokens), dtype=m.dtype, device=m.device)
@@ -291,6 +518,9 @@ def weights_of(
         k = torch.tensor(float(global_sequences), dtype=m.dtype, device=m.device)
     if how == Aggregation.SEQ_MEAN_TOKEN_SUM:
         return m / k
+    if how == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        factor = float(m.shape[-1]) if loss_scale_factor is None else loss_scale_factor
+        return m / (k * factor)
     per_tok = n_k[segments]
     return m / (torch.where(per_tok == 0, 1.0, per_tok) * k)
 

@@ -196,7 +196,57 @@ def prologue(
     gathered to the rows every vocab shard needs (``gather_hidden_states``); ``setup``
     the call's :class:`TileSetup` from the checked ``weight``, ``labels``, ``bias`` and
     mean-logit column weights (each ``None`` where absent). ``fold``: the torch backend
-    may scale the rows by ``1 / T``, not each tile (not where equal logits must stay equal)."""
+    may scale the rows by ``1 / T``, not each tile (not where equal logits must stay equal).
+
+    The numbered steps run in this order, each raising for the field it checks: a call
+    with several faults names the same one every time."""
+    # 1. the options, with the collectives' results checked where they return
+    options = _checked_options(function, options, unexpected)
+    # 2. the hidden rows gathered; the weight floating; no torch.func transform around them
+    h = _gathered_rows(hidden, weight, labels, options)
+    # 3. the weight: the shard's rows, as wide as h, on h's device
+    start, size, local = _checked_weight(weight, h, options)
+    n = int(h.shape[0])
+    # 4. the backend, then the labels and the temperature of every row
+    triton = _backend(options.backend, h, weight)
+    y = _checked_labels(labels, n, size, options, h.device)
+    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    # 5. the compute and accumulation dtypes, and logit_scale / T in the latter
+    cdtype, acc = _dtypes(h, weight, options, triton)
+    inv_t = _inverse_temperature(t, options.logit_scale, h.device, acc)
+    # 6. the optional columns: the bias and the mean logit's column weights
+    bias = None if bias is None else check_bias(bias, weight, options.check_values)
+    mean_weights = _checked_mean_weights(mean_weights, local, h.device, acc)
+    # 7. (the place to record the version of every tensor the backward reads, all known here)
+    # 8. the setup: the labels as this shard's columns, the tiles, the kernels' shape; a
+    #    softcap's tanh sits between u and 1 / T: nothing to fold into the rows
+    labels_local, ignored = _shard_columns(y, options.ignore_index, start, local)
+    full_width = cdtype in (torch.float32, torch.float64)
+    setup = TileSetup(
+        labels_local=labels_local,
+        ignored=ignored,
+        inv_t=inv_t,
+        fold=fold and not triton and full_width and options.softcap is None,
+        compute_dtype=cdtype,
+        acc_dtype=acc,
+        vocab_start=start,
+        vocab_size=size,
+        collectives=options.collectives,
+        kernel=kernel_config(h.device) if triton else None,
+        bias=bias,
+        cap_k=cap_factor(options.logit_scale, options.softcap, acc),
+        mean_weights=mean_weights,
+        **_tile_shape(n, local, h.device, options, triton=triton, dtype=cdtype),
+    )
+    return options, h, setup
+
+
+def _checked_options(
+    function: str, options: LinearOptions | None, unexpected: dict[str, Any]
+) -> LinearOptions:
+    """Step 1: no keyword the signature lost, ``options`` a :class:`LinearOptions` (default
+    ``LinearOptions()``), its collectives wrapped so that each result is checked where it
+    returns (for the tensor-parallel size its vocabulary shard implies)."""
     refuse_unexpected(function, unexpected, options=True)
     options = LinearOptions() if options is None else options
     if not isinstance(options, LinearOptions):
@@ -207,19 +257,34 @@ def prologue(
         )
     vocab = options.vocab
     tp = 1 if vocab is None else max(1, vocab.size // (vocab.end - vocab.start))
-    checked = checked_collectives(
-        options.collectives, tp_size=tp
-    )  # each result checked where it returns
+    checked = checked_collectives(options.collectives, tp_size=tp)
     if checked is not options.collectives:
         options = dataclasses.replace(options, collectives=checked)
+    return options
+
+
+def _gathered_rows(hidden: Any, weight: Any, labels: Any, options: LinearOptions) -> torch.Tensor:
+    """Step 2: ``hidden`` floating ``[n, h]``, gathered over the vocab-parallel group
+    (``gather_hidden_states``) where there is one; ``weight`` floating; no tensor of the
+    call wrapped by a ``torch.func`` transform."""
     if check_floating("hidden", hidden).dim() != 2:
         raise ContractError("hidden", expected="2 dims [n, h]", actual=format_shape(hidden.shape))
-    h = hidden if checked is None else checked.gather_hidden_states(hidden)
+    collectives = options.collectives
+    h = hidden if collectives is None else collectives.gather_hidden_states(hidden)
     check_floating("weight", weight)
     refuse_function_transforms(
         hidden=h, weight=weight, labels=labels, temperature=options.temperature
     )
-    n, width = h.shape
+    return h
+
+
+def _checked_weight(
+    weight: torch.Tensor, h: torch.Tensor, options: LinearOptions
+) -> tuple[int, int, int]:
+    """Step 3: ``weight`` (floating: step 2) ``[V_local, h]`` on ``h``'s device, and the
+    shard it holds: ``(start, size, V_local)`` of the vocabulary (``(0, V_local, V_local)``
+    without ``options.vocab``)."""
+    width = h.shape[1]
     if weight.dim() != 2 or weight.shape[1] != width:
         raise ContractError(
             "weight", expected=f"shape [V_local, h={width}]", actual=format_shape(weight.shape)
@@ -227,20 +292,34 @@ def prologue(
     if weight.device != h.device:
         raise ContractError("weight", expected=f"on {h.device}", actual=str(weight.device))
     local = int(weight.shape[0])
-    if vocab is not None:
-        _check_shard(vocab, local, options.collectives)
-    start, size = (vocab.start, vocab.size) if vocab is not None else (0, local)
-    triton = _backend(options.backend, h, weight)
+    vocab = options.vocab
+    if vocab is None:
+        return 0, local, local
+    _check_shard(vocab, local, options.collectives)
+    return vocab.start, vocab.size, local
+
+
+def _checked_labels(
+    labels: Any, n: int, size: int, options: LinearOptions, device: torch.device
+) -> torch.Tensor:
+    """Step 4: the rows' labels, long on ``device``, each in ``[0, size)`` or
+    ``options.ignore_index`` (values read where ``check_values``); ``None``: every row
+    ignored (the tensor functions that read no label)."""
     if labels is None:
-        y = torch.full((n,), options.ignore_index, dtype=torch.long, device=h.device)
-    else:
-        y = check_token_labels(
-            labels, n, size, options.ignore_index, check_values=options.check_values
-        )
-        y = y.to(device=h.device, dtype=torch.long)
-    t = check_temperature(options.temperature, n, check_values=options.check_values)
-    # float64 if either operand is, as torch would promote (Triton refused float64 above);
-    # Triton's default is the input dtype on a CPU too
+        return torch.full((n,), options.ignore_index, dtype=torch.long, device=device)
+    checked = check_token_labels(
+        labels, n, size, options.ignore_index, check_values=options.check_values
+    )
+    return checked.to(device=device, dtype=torch.long)
+
+
+def _dtypes(
+    h: torch.Tensor, weight: torch.Tensor, options: LinearOptions, triton: bool
+) -> tuple[torch.dtype, torch.dtype]:
+    """Step 5: ``(compute, accumulation)`` dtypes: the compute dtype as
+    :func:`~._checks.resolve_compute_dtype` resolves it (float64 if either operand is, as
+    torch would promote; Triton's default is the input dtype, on a CPU too); the
+    accumulation dtype float64 for float64 compute, else float32."""
     wide = torch.float64 if torch.float64 in (h.dtype, weight.dtype) else h.dtype
     cdtype = resolve_compute_dtype(
         h.device, wide, options.compute_dtype or (h.dtype if triton else None)
@@ -249,51 +328,67 @@ def prologue(
         raise ContractError(
             "compute_dtype", expected="not float64 with backend 'triton'", actual="float64"
         )
-    acc = torch.float64 if cdtype == torch.float64 else torch.float32
-    # 1 / T in the accumulation dtype: exact to float64 for a float32 T with float64 inputs
-    scale = options.logit_scale
-    inv_t: torch.Tensor | float = (
-        (scale / t.to(device=h.device, dtype=acc)).contiguous()
-        if isinstance(t, torch.Tensor)
-        else scale / t
-    )
-    bias = None if bias is None else check_bias(bias, weight, options.check_values)
-    if (c := mean_weights) is not None:  # c [V_local]: mean_logit = sum_j c_j z_j / V
-        if not (isinstance(c, torch.Tensor) and c.dtype.is_floating_point and c.shape == (local,)):
-            expected = f"None or a floating tensor [V_local={local}]"
-            raise ContractError("mean_logit_weights", expected=expected, actual=describe_tensor(c))
-        mean_weights = c.detach().to(device=h.device, dtype=acc).contiguous()
-    rows = row_tile(n, local, h.device, rows=options.tile_rows)
-    ignored = y == options.ignore_index
-    local_row = y - start
+    return cdtype, (torch.float64 if cdtype == torch.float64 else torch.float32)
+
+
+def _inverse_temperature(
+    t: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
+) -> torch.Tensor | float:
+    """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype (exact to
+    float64 for a float32 ``T`` with float64 inputs) or a number."""
+    if isinstance(t, torch.Tensor):
+        return (scale / t.to(device=device, dtype=acc)).contiguous()
+    return scale / t
+
+
+def _checked_mean_weights(
+    weights: Any, local: int, device: torch.device, acc: torch.dtype
+) -> torch.Tensor | None:
+    """Step 6: the mean logit's column weights ``c [V_local]`` (``mean_logit = sum_j c_j z_j /
+    V``), detached, contiguous in the accumulation dtype; ``None`` stays ``None``."""
+    if weights is None:
+        return None
+    shape_ok = isinstance(weights, torch.Tensor) and weights.shape == (local,)
+    if not (shape_ok and weights.dtype.is_floating_point):
+        raise ContractError(
+            "mean_logit_weights",
+            expected=f"None or a floating tensor [V_local={local}]",
+            actual=describe_tensor(weights),
+        )
+    return weights.detach().to(device=device, dtype=acc).contiguous()
+
+
+def _shard_columns(
+    labels: torch.Tensor, ignore_index: int, start: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 8: ``(labels_local, ignored)`` ``[n]``: each label's column in this shard (-1
+    where it is in another shard or ignored) and the ignored rows."""
+    ignored = labels == ignore_index
+    local_row = labels - start
     in_shard = (local_row >= 0) & (local_row < local) & ~ignored
-    setup = TileSetup(
-        labels_local=torch.where(in_shard, local_row, -1),
-        ignored=ignored,
-        inv_t=inv_t,
-        # a softcap's tanh sits between u and 1 / T: nothing to fold into the rows
-        fold=fold
-        and not triton
-        and cdtype in (torch.float32, torch.float64)
-        and options.softcap is None,
-        compute_dtype=cdtype,
-        acc_dtype=acc,
-        vocab_start=start,
-        vocab_size=size,
-        tile=sweep_tile(
-            n, local, h.device, triton=triton, rows=options.tile_rows, cols=options.tile_cols
-        ),
-        row_tile=rows,
-        grad_capacity=grad_capacity(
-            n, local, rows, torch.empty((), dtype=cdtype).element_size(), h.device
-        ),
-        collectives=options.collectives,
-        kernel=kernel_config(h.device) if triton else None,
-        bias=bias,
-        cap_k=cap_factor(scale, options.softcap, acc),
-        mean_weights=mean_weights,
+    return torch.where(in_shard, local_row, -1), ignored
+
+
+def _tile_shape(
+    n: int,
+    local: int,
+    device: torch.device,
+    options: LinearOptions,
+    *,
+    triton: bool,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Step 8: :class:`TileSetup`'s ``tile``, ``row_tile`` and ``grad_capacity`` for ``n``
+    rows of ``local`` columns: the vocabulary sweep's tile, the row sweep's rows and its
+    gradient buffer's rows (of ``dtype``, the compute dtype), each the device's default
+    unless ``options.tile_rows`` / ``tile_cols`` set it (:mod:`._geometry`)."""
+    rows = row_tile(n, local, device, rows=options.tile_rows)
+    tile = sweep_tile(
+        n, local, device, triton=triton, rows=options.tile_rows, cols=options.tile_cols
     )
-    return options, h, setup
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    capacity = grad_capacity(n, local, rows, itemsize, device)
+    return {"tile": tile, "row_tile": rows, "grad_capacity": capacity}
 
 
 def check_bias(bias: Any, weight: torch.Tensor, check_values: bool) -> torch.Tensor:

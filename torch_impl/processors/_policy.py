@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Never
 
 import torch
@@ -24,8 +24,10 @@ from ..value_checks import check_finite_deferred, checked_call
 from ._checks import check_floating, check_instance, check_shape
 from ._fused import fused_token_loss
 from ._inputs import (
+    HookInputs,
     counted_mask,
     factory_tiles,
+    from_tokens,
     hook_inputs,
     resolve_temperature,
     sequence_ids,
@@ -33,9 +35,11 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import (
+    KLOptions,
     PolicyLossConfig,
     RatioLevel,
     check_counts,
+    count_read,
     global_counts,
     kl_terms,
     masked_mean,
@@ -44,6 +48,9 @@ from ._loss_math import (
     weighted_sum,
     weights_of,
 )
+from ._options import LinearOptions
+from ._policy_terms import Batchwide, CpSum, TokenRows, pg_terms
+from ._rollout import RolloutCorrection, WeightLevel, rollout_correction
 
 __all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
 
@@ -67,7 +74,12 @@ class PolicyBatch:
       the global loss. Give the one the aggregation reads (the other is refused);
       optional under context parallel (give them for the data-parallel ranks).
 
-    ``old_logprobs``, ``advantages`` and ``ref_logprobs`` are read at counted tokens only.
+    - ``rollout_logprobs``: the rollout engine's logprobs of the sampled tokens (vLLM,
+      SGLang), needed by ``PolicyLossConfig.rollout_correction``; in its bypass mode they
+      are the ratio's denominator and ``old_logprobs`` is not read (pass them twice).
+
+    ``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``rollout_logprobs`` are read at
+    counted tokens only.
     """
 
     old_logprobs: torch.Tensor
@@ -77,15 +89,22 @@ class PolicyBatch:
     temperature: float | torch.Tensor | None = None
     global_tokens: float | None = None
     global_sequences: float | None = None
+    rollout_logprobs: torch.Tensor | None = None
 
-    def validate(self, b: int, s: int, *, need_ref: bool) -> None:
+    def validate(self, b: int, s: int, *, need_ref: bool, need_rollout: bool = False) -> None:
         """Shapes ``[b, s]``, floating dtypes; ``ref_logprobs`` when ``need_ref``;
         the counts finite and ``> 0``. Reads no tensor values (the mask is checked where read)."""
         if need_ref and self.ref_logprobs is None:
             raise ContractError(
                 "context.ref_logprobs", expected="a tensor [b, s] (kl_coef != 0)", actual="None"
             )
-        for name in ("old_logprobs", "advantages", "ref_logprobs"):
+        if need_rollout and self.rollout_logprobs is None:
+            raise ContractError(
+                "context.rollout_logprobs",
+                expected="a tensor [b, s] (the config has a rollout_correction)",
+                actual="None",
+            )
+        for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 check_floating(f"context.{name}", value)
@@ -102,12 +121,10 @@ def _policy_batch(ctx: OutputContext, b: int, s: int, config: PolicyLossConfig) 
         else ""
     )
     check_instance("context", batch, PolicyBatch, expected, hint)
-    batch.validate(b, s, need_ref=config.kl_coef != 0.0)
+    need_rollout = config.rollout_correction is not None
+    batch.validate(b, s, need_ref=config.kl_coef != 0.0, need_rollout=need_rollout)
     check_counts(config.aggregation, **global_counts(batch), prefix="context.")
     return batch
-
-
-CpSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def context_parallel_sum(
@@ -125,13 +142,13 @@ def context_parallel_sum(
     one_rank = isinstance(coll, SingleProcessCollectives) or getattr(coll, "cp_size", None) == 1
     if callable(method) and not one_rank:
         return typing.cast(CpSum, method)
-    need = "global_tokens" if config.aggregation == Aggregation.TOKEN_MEAN else "global_sequences"
+    need = count_read(config.aggregation)
     hint = "torch_impl builds it from Megatron's context-parallel group"
     if config.ratio == RatioLevel.SEQUENCE:
         what = "GSPO's sequence ratio (each sequence's mean log-ratio spans the ranks)"
     elif config.aggregation == Aggregation.SEQ_MEAN_TOKEN_MEAN:
         what = "seq-mean-token-mean (each sequence's token count spans the ranks)"
-    elif getattr(batch, need) is None:
+    elif need is not None and getattr(batch, need) is None:
         what = f"{config.aggregation.value} without context.{need}"
         hint += f"; or give context.{need}"
     else:
@@ -145,33 +162,23 @@ def context_parallel_sum(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenRows:
-    """The batch as hidden-state rows ``[n]`` (``s``-major), checked and detached:
-    ``mask`` ``M`` (NaN where an entry is bad), ``weights`` ``w`` (``loss = sum(w * L)``),
-    ``old``, ``adv`` (0 where ``M == 0``), ``ref``."""
-
-    mask: torch.Tensor
-    weights: torch.Tensor
-    old: torch.Tensor
-    adv: torch.Tensor
-    ref: torch.Tensor | None
-
-    def take(self, rows: slice) -> TokenRows:
-        """The rows ``rows`` of every field."""
-        fields: dict[str, typing.Any] = {
-            k: None if v is None else v[rows] for k, v in vars(self).items()
-        }
-        return TokenRows(**fields)
-
-
-def _rows(mask: torch.Tensor, weights: torch.Tensor, batch: PolicyBatch) -> TokenRows:
+def _rows(
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    batch: PolicyBatch,
+    *,
+    old: torch.Tensor,
+    is_weights: torch.Tensor | None,
+) -> TokenRows:
+    """The rows of ``mask``, ``weights``, the batch's tensors, the ratio's denominator
+    ``old`` and the rollout correction's weights (each ``[b, s]``)."""
     device = mask.device
     mask_t = to_tokens(mask)
     return TokenRows(
         mask=mask_t,
         weights=to_tokens(weights),
-        old=to_tokens(batch.old_logprobs).detach().to(device),
+        old=to_tokens(old).detach().to(device),
+        is_weights=None if is_weights is None else to_tokens(is_weights).to(device),
         adv=torch.where(mask_t > 0, to_tokens(batch.advantages).detach().to(device), 0.0),
         ref=None
         if batch.ref_logprobs is None
@@ -183,14 +190,13 @@ def _rows(mask: torch.Tensor, weights: torch.Tensor, batch: PolicyBatch) -> Toke
 class TokenTerms:
     """The terms ``[r]`` of ``L = pg + kl_coef * kl - entropy_coef * entropy``, the
     ``logp`` and ``entropy`` they are of, and ``loss = sum(w * L)``. ``kl``: ``None``
-    without ``ref_logprobs``; ``clipped``: the clip branch taken (``-A clip(r) > -A r``);
-    ``dual``: ``A < 0`` and the bound ``-A dual_clip`` taken (``None`` without it)."""
+    without ``ref_logprobs``; ``indicators``: the mode's per-token metric values
+    (:class:`~._policy_terms.PgTerms`)."""
 
     loss: torch.Tensor
     pg: torch.Tensor
     kl: torch.Tensor | None
-    clipped: torch.Tensor
-    dual: torch.Tensor | None
+    indicators: dict[str, torch.Tensor]
     logp: torch.Tensor
     entropy: torch.Tensor
 
@@ -200,37 +206,26 @@ def token_terms(
     entropy: torch.Tensor,
     rows: TokenRows,
     config: PolicyLossConfig,
-    log_ratio: torch.Tensor | None = None,
+    whole: Batchwide | None = None,
 ) -> TokenTerms:
-    """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by :class:`PolicyLossConfig`'s
-    formula; ``log_ratio``: GSPO's (default the token one, 0 where ``M == 0``)."""
-    live = rows.mask > 0
-    if log_ratio is None:
-        log_ratio = torch.where(live, logp - rows.old.to(logp.dtype), 0.0)
-        log_ratio = symmetric_clamp(log_ratio, config.log_ratio_clamp)
-    adv = rows.adv.to(logp.dtype)
-    ratio = torch.exp(log_ratio)
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.effective_clip_high)
-    pg = torch.maximum(pg1, pg2)
-    dual = None
-    if config.dual_clip is not None:
-        pg3 = -adv * config.dual_clip
-        dual = (adv < 0) & (pg > pg3)
-        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by
+    :class:`PolicyLossConfig`'s formula; ``whole``: what the modes reading other rows read
+    (``None`` for the token-local modes, tile by tile)."""
+    terms = pg_terms(logp, rows, config, whole)
+    pg = terms.pg
+    if rows.is_weights is not None:  # the rollout correction's weights, detached
+        pg = pg * rows.is_weights.to(logp.dtype)
     total = pg
     kl = None
     if rows.ref is not None:
-        ref = torch.where(live, rows.ref.to(logp.dtype), logp.detach())
-        kl = kl_terms(logp, ref, config.kl_estimator, clamp=config.log_ratio_clamp)
+        ref = torch.where(rows.mask > 0, rows.ref.to(logp.dtype), logp.detach())
+        kl = kl_terms(logp, ref, config.kl_options)
         if config.kl_coef != 0.0:
             total = total + config.kl_coef * kl
     if config.entropy_coef != 0.0:
         total = total - config.entropy_coef * entropy
     loss = (total * rows.weights.to(logp.dtype)).sum()
-    return TokenTerms(
-        loss=loss, pg=pg, kl=kl, clipped=pg2 > pg1, dual=dual, logp=logp, entropy=entropy
-    )
+    return TokenTerms(loss, pg, kl, terms.indicators, logp, entropy)
 
 
 def _sequence_log_ratio(
@@ -270,19 +265,18 @@ def _metrics(
     w, m = rows.weights.to(t.logp.dtype), rows.mask.to(t.logp.dtype)
     total = None if totals is None else totals.sum().to(m.dtype)
     logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
-    approx_kl = kl_terms(logp, old, KLEstimator.K3, clamp=config.log_ratio_clamp)
+    approx_kl = kl_terms(logp, old, KLOptions(KLEstimator.K3, config.log_ratio_clamp))
     out = {
         # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf, even uncounted
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),
-        "clip_fraction": masked_mean(t.clipped, m, total),
         "approx_kl": masked_mean(approx_kl, m, total),
     }
+    for name, values in t.indicators.items():
+        out[name] = masked_mean(values.detach(), m, total)
     if t.kl is not None:
         out["kl"] = weighted_sum(t.kl.detach(), w)
-    if t.dual is not None:
-        out["dual_clip_fraction"] = masked_mean(t.dual, m, total)
     return out
 
 
@@ -296,17 +290,19 @@ def policy_loss(
 ) -> Processor:
     """A processor returning the policy loss and its metrics, each a scalar::
 
-        {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "dual_clip_fraction",
-         "approx_kl"}
+        {"loss", "pg_loss", "kl", "entropy", "approx_kl", "ppo_kl", "clip_fraction",
+         "dual_clip_fraction", "clip_fraction_lower"}
 
     ``loss`` is :class:`PolicyLossConfig`'s formula aggregated with its
     ``aggregation`` over the tokens of ``PolicyBatch.mask`` (the user context) whose
     label is not the ignore index; ``pg_loss`` and ``kl`` (with ``ref_logprobs``) are
     its terms aggregated alike. The rest are detached token means over the mask:
-    ``entropy``, ``clip_fraction``, ``dual_clip_fraction`` (with ``dual_clip``),
-    ``approx_kl`` = ``exp(old - logp) - (old - logp) - 1``.
+    ``entropy``, ``approx_kl`` = ``exp(old - logp) - (old - logp) - 1`` and the metrics veRL
+    logs for the mode, where it has them: ``ppo_kl`` (``old - logp``; kl_cov ``|logp - old|``),
+    ``clip_fraction`` (veRL's ``pg_clipfrac``), ``dual_clip_fraction`` (vanilla with
+    ``dual_clip``) or ``clip_fraction_lower`` (dppo, geo_mean: veRL's ``pg_clipfrac_lower``).
 
-    With ``config.fused`` and a token ratio, the gradients are formed in the forward
+    With ``config.fused`` and a token-local mode, the gradients are formed in the forward
     pass (tiles of ``tile_rows`` whole rows, by default ``TILE_BYTES`` of fp32 logits,
     32 MiB on a CPU and 256 MiB on CUDA); otherwise autograd goes through
     :func:`linear_logprobs` (tiles of ``tile_rows`` x ``tile_cols``). ``None``: the
@@ -315,58 +311,204 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     check_instance("config", config, PolicyLossConfig, "a PolicyLossConfig")
     tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
-    fused = config.fused and config.ratio == RatioLevel.TOKEN
+    loss_path = _fused_loss if takes_fused_path(config) else _autograd_loss
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "policy_loss")
-        batch = _policy_batch(ctx, x.b, x.s, config)
-        cp_sum = context_parallel_sum(config, batch, ctx)
-        given, field = (
-            (ctx.loss_mask, "loss_mask") if batch.mask is None else (batch.mask, "context.mask")
-        )
-        mask = counted_mask(ctx, x, given, field)
-        if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
-            for name in ("old_logprobs", "advantages", "ref_logprobs"):
-                if (value := getattr(batch, name)) is not None:
-                    check_finite_deferred(value, field=f"context.{name}", where=mask > 0)
-        segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
-        log_ratio: torch.Tensor | None = None
-        totals: torch.Tensor | None = None
-        if not fused:  # autograd through linear_logprobs (logits recomputed in backward)
-            lr = linear_logprobs(
-                x.hidden, x.weight, x.token_labels, options=options, with_entropy=True
-            )
-            logp, entropy = lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
-        if config.ratio == RatioLevel.SEQUENCE:
-            log_ratio, totals = _sequence_log_ratio(
-                logp, batch.old_logprobs, mask, segments, count, cp_sum, config.log_ratio_clamp
-            )
-        elif cp_sum is not None:  # one collective: each sequence's token count over the group
-            totals = cp_sum(segment_sum(mask, segments, count))
-        weights = weights_of(
-            mask, segments, count, config.aggregation, **global_counts(batch), totals=totals
-        )
-        rows = _rows(mask, weights, batch)
-        if fused:  # gradients formed in the forward pass, tile by tile
-
-            def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
-                return token_terms(lp, ent, rows.take(sl), config).loss
-
-            entropy_grad = config.entropy_coef != 0.0
-            res = fused_token_loss(
-                x.hidden,
-                x.weight,
-                x.token_labels,
-                tile_loss,
-                options=options,
-                entropy_grad=entropy_grad,
-            )
-            terms = dataclasses.replace(
-                token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss
-            )
-            return _metrics(terms, rows, config, totals)
-        return _metrics(token_terms(logp, entropy, rows, config, log_ratio), rows, config, totals)
+        return loss_path(_policy_call(ctx, config, tile), config)
 
     return processor(fn, name="policy_loss")
+
+
+def takes_fused_path(config: PolicyLossConfig) -> bool:
+    """Whether the gradients are formed in the forward pass: ``config.fused``, a mode whose
+    token term reads the token's own logprob alone (:attr:`PolicyLossConfig.is_token_local`:
+    not GSPO's sequence ratio, Clip-Cov, KL-Cov, GMPO) and no bypass-mode correction (its
+    weights and rejection read the current logprobs, which the fused pass forms tile by tile)."""
+    bypass = config.rollout_correction is not None and config.rollout_correction.bypass_mode
+    return config.fused and config.is_token_local and not bypass
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCall:
+    """One call's checked inputs, built once by :func:`_policy_call` for either path:
+    the hook's tensors ``x``, the user context ``batch``, the context-parallel sum (or
+    ``None``), the counted mask ``M`` ``[b, s]``, each token's sequence and their count,
+    and the tensor functions' options."""
+
+    x: HookInputs
+    batch: PolicyBatch
+    cp_sum: CpSum | None
+    mask: torch.Tensor
+    segments: torch.Tensor
+    count: int
+    options: LinearOptions
+
+
+def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptions) -> PolicyCall:
+    """1. the hook's tensors; 2. the user context, validated for ``config``; 3. the
+    context-parallel sum the aggregation needs; 4. the counted mask (the context's, else
+    the model's ``loss_mask``), the batch's values checked where counted; 5. the sequences;
+    6. the options (temperature from the context)."""
+    x = hook_inputs(ctx, "policy_loss")
+    batch = _policy_batch(ctx, x.b, x.s, config)
+    cp_sum = context_parallel_sum(config, batch, ctx)
+    if batch.mask is None:
+        given, field = ctx.loss_mask, "loss_mask"
+    else:
+        given, field = batch.mask, "context.mask"
+    mask = counted_mask(ctx, x, given, field)
+    if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
+        for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
+            if (value := getattr(batch, name)) is not None:
+                check_finite_deferred(value, field=f"context.{name}", where=mask > 0)
+    segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
+    options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
+    return PolicyCall(x, batch, cp_sum, mask, segments, count, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrected:
+    """The mask after the rollout correction's rejection (``[b, s]``), the importance
+    weights (``[b, s]``, detached; ``None``: none), the correction's metrics."""
+
+    mask: torch.Tensor
+    is_weights: torch.Tensor | None
+    metrics: dict[str, torch.Tensor]
+
+
+def _corrected(
+    call: PolicyCall, config: PolicyLossConfig, current: torch.Tensor | None = None
+) -> Corrected:
+    """The rollout correction of ``config`` (none: the mask as it is). The decoupled PPO
+    compares ``old_logprobs`` with ``rollout_logprobs``; bypass mode the ``current``
+    logprobs ``[b, s]`` (detached) with ``rollout_logprobs``."""
+    correction = config.rollout_correction
+    if correction is None:
+        return Corrected(call.mask, None, {})
+    if call.cp_sum is not None and spans_sequences(correction):
+        raise ContractError(
+            "rollout_correction",
+            expected="token-level weights and rejection under context parallel (a sequence's "
+            "tokens are split over the ranks)",
+            actual=f"rollout_is={correction.rollout_is}, rollout_rs={sorted(correction.rollout_rs)}",
+        )
+    rollout = typing.cast(torch.Tensor, call.batch.rollout_logprobs).to(call.mask.device)
+    behaviour = current if correction.bypass_mode else call.batch.old_logprobs
+    behaviour = typing.cast(torch.Tensor, behaviour).detach().to(call.mask.device)
+    result = rollout_correction(
+        behaviour, rollout, call.mask, call.segments, call.count, correction
+    )
+    mask = call.mask * result.keep.to(call.mask.dtype)
+    metrics = {f"rollout_corr/{k}": v.detach() for k, v in result.metrics.items()}
+    # bypass PPO-clip: the ratio is already pi / pi_rollout; weights would count it twice
+    clip_only = correction.bypass_mode and correction.loss_type == "ppo_clip"
+    return Corrected(mask, None if clip_only else result.weights, metrics)
+
+
+def spans_sequences(correction: RolloutCorrection) -> bool:
+    """Whether a weight or a rejection statistic reads a whole sequence."""
+    level = correction.rollout_is
+    by_sequence = level is not None and level != WeightLevel.TOKEN
+    return by_sequence or any(not name.startswith("token") for name in correction.rollout_rs)
+
+
+def _token_rows(
+    call: PolicyCall,
+    config: PolicyLossConfig,
+    corrected: Corrected,
+    totals: torch.Tensor | None,
+) -> TokenRows:
+    """The aggregation's weights over the corrected mask, and the batch as rows."""
+    mask, batch = corrected.mask, call.batch
+    weights = weights_of(
+        mask,
+        call.segments,
+        call.count,
+        config.aggregation,
+        **global_counts(batch),
+        totals=totals,
+        loss_scale_factor=config.loss_scale_factor,
+    )
+    return _rows(
+        mask, weights, batch, old=behaviour_logprobs(batch, config), is_weights=corrected.is_weights
+    )
+
+
+def behaviour_logprobs(batch: PolicyBatch, config: PolicyLossConfig) -> torch.Tensor:
+    """The ratio's denominator: ``old_logprobs``, or ``rollout_logprobs`` in bypass mode."""
+    correction = config.rollout_correction
+    if correction is not None and correction.bypass_mode:
+        return typing.cast(torch.Tensor, batch.rollout_logprobs)
+    return typing.cast(torch.Tensor, batch.old_logprobs)
+
+
+def _token_totals(call: PolicyCall, mask: torch.Tensor) -> torch.Tensor | None:
+    """Under context parallel, each sequence's token count over the group (one collective)."""
+    if call.cp_sum is None:
+        return None
+    return call.cp_sum(segment_sum(mask, call.segments, call.count))
+
+
+def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The fused path: a token ratio, the correction read from the batch alone, the
+    gradients formed in the forward pass tile by tile (three GEMM-equivalents)."""
+    corrected = _corrected(call, config)
+    totals = _token_totals(call, corrected.mask)
+    rows = _token_rows(call, config, corrected, totals)
+
+    def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
+        return token_terms(lp, ent, rows.take(sl), config).loss
+
+    x = call.x
+    res = fused_token_loss(
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        tile_loss,
+        options=call.options,
+        entropy_grad=config.entropy_coef != 0.0,
+    )
+    terms = dataclasses.replace(token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss)
+    return _metrics(terms, rows, config, totals) | corrected.metrics
+
+
+def _current_logprobs(call: PolicyCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current policy's logprobs and entropies ``[n]``, differentiable (the logits
+    recomputed in backward): the one place the autograd path forms them."""
+    x = call.x
+    lr = linear_logprobs(
+        x.hidden, x.weight, x.token_labels, options=call.options, with_entropy=True
+    )
+    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
+
+
+def _batchwide(
+    call: PolicyCall, config: PolicyLossConfig, logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[Batchwide, torch.Tensor | None]:
+    """What the modes reading other rows read, and each sequence's token count over the
+    context-parallel group (``None`` at cp 1): for GSPO's sequence ratio, both from one
+    collective (:func:`_sequence_log_ratio`)."""
+    segments = to_tokens(call.segments)
+    if config.ratio != RatioLevel.SEQUENCE:
+        totals = _token_totals(call, mask)
+        return Batchwide(segments, call.count, call.cp_sum), totals
+    old = behaviour_logprobs(call.batch, config)
+    log_ratio, totals = _sequence_log_ratio(
+        logp, old, mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
+    )
+    return Batchwide(segments, call.count, call.cp_sum, log_ratio), totals
+
+
+def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
+    logits recomputed in backward): the modes reading other tokens (GSPO's sequence ratio,
+    ``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), a bypass-mode correction (which
+    reads the current logprobs), or ``fused=False``."""
+    logp, entropy = _current_logprobs(call)
+    x = call.x
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
+    whole, totals = _batchwide(call, config, logp, corrected.mask)
+    rows = _token_rows(call, config, corrected, totals)
+    terms = token_terms(logp, entropy, rows, config, whole)
+    return _metrics(terms, rows, config, totals) | corrected.metrics
