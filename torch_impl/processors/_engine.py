@@ -253,6 +253,7 @@ class Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
         refuse_double_backward(ctx.name)
+        ctx.setup.check_versions(ctx.name)
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):
