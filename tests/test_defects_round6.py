@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import hookspec.conventions as hookspec_conventions
 from hookspec import ContractError, OutputContext, VocabShard, processor
 from jax_ref.check.comparison import cross_check
 from jax_ref.check.examples import logprobs_entropy_reference, vocab_parallel_logprobs
@@ -474,3 +475,55 @@ def test_other_inputs_changed_before_backward_change_nothing(changed: str) -> No
         return h.grad
 
     assert torch.equal(grad(True), grad(False))
+
+
+# ---------------------------------------------------------------- a weighted mean of weight 0
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 0.1])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_a_class_weighted_mean_of_weight_zero(
+    z_loss: float, backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cross_entropy_loss(reduction="mean", label_smoothing=0.1, class_weights=cw)`` with
+    every counted label of weight 0 (PyTorch: NaN): the cross-entropy term, smoothing
+    included, is 0 with a zero gradient, the z-loss keeps its mean over the counted
+    tokens (``hookspec.conventions``), against float64 materialised logits."""
+    from tests.backend_support import force_backend
+
+    force_backend(monkeypatch, backend_name)
+    g = torch.Generator().manual_seed(11)
+    b, s = 2, 4
+    y = torch.randint(0, 3, (b, s), generator=g)
+    y[0, 1] = IGNORE
+    cw = torch.rand(V, generator=g, dtype=torch.float64) + 0.5
+    cw[:3] = 0.0  # every label's class
+    h = torch.randn(s, b, H, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    dtype = torch.float64 if backend_name == "torch" else torch.float32
+    hh = h.to(dtype).requires_grad_()
+    ctx = OutputContext(
+        hidden_states=hh, labels=y, vocab_weight=w.to(dtype), vocab=VocabShard(0, V, V)
+    )
+    out = cross_entropy_loss(
+        reduction="mean", label_smoothing=0.1, class_weights=cw.to(dtype), z_loss=z_loss
+    )(ctx)
+    (got,) = torch.autograd.grad(out["loss"], hh)
+    h64 = h.to(dtype).double().requires_grad_()
+    lse = torch.logsumexp(torch.einsum("sbh,vh->bsv", h64, w.to(dtype).double()), -1)
+    m = (y != IGNORE).double()
+    want = z_loss * (m * lse**2).sum() / m.sum()  # the cross-entropy term: 0
+    torch.testing.assert_close(out["loss"].double(), want.detach(), rtol=1e-5, atol=1e-6)
+    if z_loss == 0.0:
+        assert torch.equal(got, torch.zeros_like(got))
+    else:
+        (want_grad,) = torch.autograd.grad(want, h64)
+        close_to_float64(got, want_grad, dtype)
+    # the peer's 0 / 0: NaN, the case defined here
+    z = torch.einsum("sbh,vh->bsv", h, w)
+    peer = torch.nn.functional.cross_entropy(
+        z.reshape(-1, V), y.reshape(-1), weight=cw, label_smoothing=0.1
+    )
+    assert torch.isnan(peer)
+    doc = " ".join(hookspec_conventions.__doc__.split())
+    assert "A weighted mean whose weight is 0 (``sum(M * cw[y]) == 0``" in doc
