@@ -63,6 +63,14 @@ by ``sum(M * cw[y])``::
                = (1 - eps) * cw[y] * -logprob + eps * (mean(cw) * lse - sum_j cw[j] * z_j / T / V)
     mean:        sum(M * token loss) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
 
+A weighted mean whose weight is 0 (``sum(M * cw[y]) == 0``: every counted label has class
+weight 0, where PyTorch's ``0 / 0`` gives NaN) has a cross-entropy term of ``0.0`` with a
+zero gradient, its label smoothing included, as an empty mask aggregates (below); the
+z-loss term keeps its mean over ``sum(M)``::
+
+    mean:        where(sum(M * cw[y]) > 0, sum(M * token loss) / sum(M * cw[y]), 0)
+                 + z_loss * sum(M * lse ** 2) / sum(M)
+
 Ignore index: a label equal to ``IGNORE_INDEX`` (or the context's
 ``ignore_index``) selects no token: its logprob is defined as ``0.0``, its
 gradient is zero, and it counts in no aggregation. Any other label outside

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import hookspec.conventions as hookspec_conventions
 from hookspec import ContractError, OutputContext, VocabShard, processor
 from jax_ref.check.comparison import cross_check
 from jax_ref.check.examples import logprobs_entropy_reference, vocab_parallel_logprobs
@@ -22,6 +23,8 @@ from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
     LinearOptions,
+    SamplingSupport,
+    cross_entropy_loss,
     distillation_loss,
     fused_token_loss,
     linear_distillation_loss,
@@ -408,3 +411,119 @@ def test_with_a_mean_logit_loss_the_token_loss_is_called_once_a_tile() -> None:
         assert len(spans) == want, spans
     doc = " ".join((ROOT / "docs" / "processors.md").read_text().split())
     assert "except with a `mean_logit_loss`, which takes two passes a tile and calls it" in doc
+
+
+# ---------------------------------------------------------------- inputs changed before backward
+
+
+def test_mean_logit_weights_changed_before_backward_raise() -> None:
+    """float64 contiguous ``mean_logit_weights`` were aliased by the prologue: changed in
+    place after the call, the backward used the new values (``dh`` 0). Now it raises as
+    autograd does for a saved tensor, naming them; a clone, or a change after backward,
+    is fine."""
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w, c = torch.randn(V, H, generator=g, dtype=torch.float64), torch.rand(V, generator=g).double()
+    y = torch.randint(0, V, (N,), generator=g)
+    r = linear_logprobs(h, w, y, with_mean_logit=True, mean_logit_weights=c)
+    c.mul_(0)
+    with pytest.raises(RuntimeError, match=r"^linear_logprobs: mean_logit_weights, which the "):
+        r.mean_logit.sum().backward()
+    c2 = torch.rand(V, generator=g)  # float32: converted, so the call reads a copy
+    kept = c2.double()
+    r = linear_logprobs(h, w, y, with_mean_logit=True, mean_logit_weights=c2)
+    c2.mul_(0)
+    r.mean_logit.sum().backward()
+    # d sum(mean_logit) / dh = sum_j c_j w_j / V per row: of the weights the call read
+    want = ((kept @ w) / V).expand(N, H)
+    assert h.grad is not None
+    torch.testing.assert_close(h.grad, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("changed", ["temperature", "labels", "kept_ids", "class_weights"])
+def test_other_inputs_changed_before_backward_change_nothing(changed: str) -> None:
+    """The sweep of what the backward reads: a per-token temperature (read as ``1 / T``,
+    a new tensor), the labels (their shard columns, new), the kept ids of a sampling
+    support (their columns, new) and the class weights (read in the forward pass): each
+    changed in place after the call leaves the gradient the unchanged call's, bitwise."""
+    g = torch.Generator().manual_seed(10)
+    h0, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    y0, t0 = torch.randint(0, V, (N,), generator=g), torch.rand(N, generator=g) + 0.5
+    ids0 = torch.randint(0, V, (N, 5), generator=g)
+    ids0[:, 0] = y0
+    cw0 = torch.rand(V, generator=g)
+
+    def grad(mutate: bool) -> torch.Tensor:
+        h, y, t, ids, cw = (x.clone() for x in (h0, y0, t0, ids0, cw0))
+        h.requires_grad_()
+        if changed == "class_weights":
+            ctx = OutputContext(
+                hidden_states=h.view(N, 1, H), labels=y.view(1, N), vocab_weight=w,
+                vocab=VocabShard(0, V, V),
+            )  # fmt: skip
+            loss = cross_entropy_loss(reduction="sum", class_weights=cw, label_smoothing=0.1)(ctx)[
+                "loss"
+            ]
+        else:
+            opts = LinearOptions(temperature=t)
+            support = SamplingSupport(kept_ids=ids) if changed == "kept_ids" else None
+            loss = linear_logprobs(h, w, y, options=opts, support=support).logprobs.sum()
+        if mutate:
+            {"temperature": t, "labels": y, "kept_ids": ids, "class_weights": cw}[changed].zero_()
+        loss.backward()
+        assert h.grad is not None
+        return h.grad
+
+    assert torch.equal(grad(True), grad(False))
+
+
+# ---------------------------------------------------------------- a weighted mean of weight 0
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 0.1])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_a_class_weighted_mean_of_weight_zero(
+    z_loss: float, backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cross_entropy_loss(reduction="mean", label_smoothing=0.1, class_weights=cw)`` with
+    every counted label of weight 0 (PyTorch: NaN): the cross-entropy term, smoothing
+    included, is 0 with a zero gradient, the z-loss keeps its mean over the counted
+    tokens (``hookspec.conventions``), against float64 materialised logits."""
+    from tests.backend_support import force_backend
+
+    force_backend(monkeypatch, backend_name)
+    g = torch.Generator().manual_seed(11)
+    b, s = 2, 4
+    y = torch.randint(0, 3, (b, s), generator=g)
+    y[0, 1] = IGNORE
+    cw = torch.rand(V, generator=g, dtype=torch.float64) + 0.5
+    cw[:3] = 0.0  # every label's class
+    h = torch.randn(s, b, H, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    dtype = torch.float64 if backend_name == "torch" else torch.float32
+    hh = h.to(dtype).requires_grad_()
+    ctx = OutputContext(
+        hidden_states=hh, labels=y, vocab_weight=w.to(dtype), vocab=VocabShard(0, V, V)
+    )
+    out = cross_entropy_loss(
+        reduction="mean", label_smoothing=0.1, class_weights=cw.to(dtype), z_loss=z_loss
+    )(ctx)
+    (got,) = torch.autograd.grad(out["loss"], hh)
+    h64 = h.to(dtype).double().requires_grad_()
+    lse = torch.logsumexp(torch.einsum("sbh,vh->bsv", h64, w.to(dtype).double()), -1)
+    m = (y != IGNORE).double()
+    want = z_loss * (m * lse**2).sum() / m.sum()  # the cross-entropy term: 0
+    torch.testing.assert_close(out["loss"].double(), want.detach(), rtol=1e-5, atol=1e-6)
+    if z_loss == 0.0:
+        assert torch.equal(got, torch.zeros_like(got))
+    else:
+        (want_grad,) = torch.autograd.grad(want, h64)
+        close_to_float64(got, want_grad, dtype)
+    # the peer's 0 / 0: NaN, the case defined here
+    z = torch.einsum("sbh,vh->bsv", h, w)
+    peer = torch.nn.functional.cross_entropy(
+        z.reshape(-1, V), y.reshape(-1), weight=cw, label_smoothing=0.1
+    )
+    assert torch.isnan(peer)
+    doc = " ".join(hookspec_conventions.__doc__.split())
+    assert "A weighted mean whose weight is 0 (``sum(M * cw[y]) == 0``" in doc

@@ -30,7 +30,7 @@ from hookspec import (
 from ..value_checks import check_finite_deferred, check_indices_deferred, checked_call
 from ._checks import check_enum, check_finite_number, check_instance, check_int
 from ._engine import Engine, FormedInForward, TileSetup
-from ._gemm import gemm_into, no_autocast, scaled_
+from ._gemm import gemm_into, no_autocast, not_traced, scaled_
 from ._inputs import counted_mask, hook_inputs, sequence_ids, to_tokens
 from ._loss_math import (
     check_counts,
@@ -441,6 +441,7 @@ def _row_weights(
     return weights_of(m, segments, count, config.aggregation, **global_counts(teacher))
 
 
+@not_traced
 @checked_call()
 def linear_distillation_loss(
     hidden: torch.Tensor,

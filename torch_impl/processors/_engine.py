@@ -253,6 +253,10 @@ class Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
         refuse_double_backward(ctx.name)
+        ctx.setup.check_versions(ctx.name)
+        # an empty cotangent (of an output left empty: the mean logit not asked for) is
+        # none: traced, autograd materialises one where eager passes None
+        cotangents = tuple(None if g is None or g.numel() == 0 else g for g in cotangents)
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):

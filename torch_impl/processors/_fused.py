@@ -34,7 +34,7 @@ from ._engine import (
     TileSetup,
     logit_grad_coefficients,
 )
-from ._gemm import no_autocast
+from ._gemm import no_autocast, not_traced
 from ._options import LinearOptions, prologue
 from ._single_pass import single_pass
 from ._sink import GradSink
@@ -256,6 +256,7 @@ def _sweep(
     return (total, *lp_ent[:3], lp_ent[3] if mean else lp_ent.new_empty(0)), dh, dw, eng.db
 
 
+@not_traced
 @checked_call()
 def fused_token_loss(
     hidden: torch.Tensor,

@@ -3,9 +3,22 @@ operands into an fp32 output, written by the first product and accumulated after
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
 import torch
 
-__all__ = ["gemm_into", "no_autocast", "rowdot", "scaled_"]
+__all__ = ["gemm_into", "no_autocast", "not_traced", "rowdot", "scaled_"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def not_traced(fn: _F) -> _F:
+    """``fn`` run eagerly inside ``torch.compile``: Dynamo breaks the graph at its call and
+    never traces into it. The engine's sweeps (Python loops over tiles, host-side choices,
+    autograd Functions whose backward recomputes) are not traceable as a graph; a caller's
+    compiled code around them still is (``fullgraph=False``), eager or inductor."""
+    return cast(_F, torch.compiler.disable(fn, recursive=True))
 
 
 def scaled_(x: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:

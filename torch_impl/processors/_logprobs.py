@@ -13,6 +13,7 @@ import torch
 from ..value_checks import checked_call
 from ._checks import check_bool
 from ._engine import Engine, Recomputed, logit_grad_coefficients
+from ._gemm import not_traced
 from ._options import LinearOptions, prologue
 from ._sampling import SamplingSupport, support_logprobs
 
@@ -55,6 +56,7 @@ def _run(with_entropy: bool, with_mean: bool, eng: Engine) -> tuple[Any, ...]:
     return (stats.logprobs, entropy, stats.lse, mean), frozen, grad_of
 
 
+@not_traced
 @checked_call()
 def linear_logprobs(
     hidden: torch.Tensor,

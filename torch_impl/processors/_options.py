@@ -37,7 +37,7 @@ from ._geometry import (
     sweep_tile,
     triton_mode_mismatch,
 )
-from ._tiles import cap_factor
+from ._tiles import cap_factor, read_in_backward
 
 __all__ = [
     "LinearOptions",
@@ -217,7 +217,9 @@ def prologue(
     # 6. the optional columns: the bias and the mean logit's column weights
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
     mean_weights = _checked_mean_weights(mean_weights, local, h.device, acc)
-    # 7. (the place to record the version of every tensor the backward reads, all known here)
+    # 7. the versions of the tensors the backward reads that may be the caller's (the bias is
+    #    saved for backward: autograd checks it; the labels and 1 / T are new tensors)
+    versions = read_in_backward(mean_logit_weights=mean_weights)
     # 8. the setup: the labels as this shard's columns, the tiles, the kernels' shape; a
     #    softcap's tanh sits between u and 1 / T: nothing to fold into the rows
     labels_local, ignored = _shard_columns(y, options.ignore_index, start, local)
@@ -236,6 +238,7 @@ def prologue(
         bias=bias,
         cap_k=cap_factor(options.logit_scale, options.softcap, acc),
         mean_weights=mean_weights,
+        versions=versions,
         **_tile_shape(n, local, h.device, options, triton=triton, dtype=cdtype),
     )
     return options, h, setup

@@ -19,7 +19,7 @@ from hookspec import Collectives
 from ._gemm import gemm_into, scaled_
 from ._geometry import KernelConfig
 
-__all__ = ["TileSetup", "Tiles", "cap_factor", "soft_cap_"]
+__all__ = ["TileSetup", "Tiles", "cap_factor", "read_in_backward", "soft_cap_"]
 
 
 def _tiny_x(dtype: torch.dtype) -> float:
@@ -46,6 +46,16 @@ def cap_factor(logit_scale: float, softcap: float | None, dtype: torch.dtype) ->
     if k * float(info.max) < _tiny_x(dtype):
         return None
     return min(k, math.sqrt(float(info.max)))
+
+
+def read_in_backward(**tensors: torch.Tensor | None) -> tuple[tuple[str, torch.Tensor, int], ...]:
+    """:attr:`TileSetup.versions` of the given tensors (by their fields' names; ``None``
+    and inference tensors, which cannot change under autograd, left out)."""
+    return tuple(
+        (field, x, x._version)
+        for field, x in tensors.items()
+        if x is not None and not x.is_inference()
+    )
 
 
 def soft_cap_(u: torch.Tensor, cap_k: float, th: torch.Tensor) -> torch.Tensor:
@@ -84,6 +94,21 @@ class TileSetup:
     bias: torch.Tensor | None = None  # [V_local] as given (the caller's, with its graph), or None
     cap_k: float | None = None  # logit_scale / softcap; None: no softcap
     mean_weights: torch.Tensor | None = None  # [V_local] acc dtype: mean_logit = sum_j c_j z_j / V
+    # (field, tensor, version at the call) of each tensor the backward reads that may be a
+    # caller's (aliased by .to() where its dtype and layout already fit): check_versions
+    versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+
+    def check_versions(self, function: str) -> None:
+        """``RuntimeError`` where a tensor the backward reads was changed in place since the
+        call, as autograd raises for a tensor it saved: its gradient would be of the new
+        values (a caller's ``w.mul_(0)`` between forward and backward)."""
+        for field, x, version in self.versions:
+            if x._version != version:
+                raise RuntimeError(
+                    f"{function}: {field}, which the backward reads, has been modified by an "
+                    f"inplace operation: it is at version {x._version}, expected version "
+                    f"{version} (the call's). Change it after backward, or pass a clone"
+                )
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_max(x) if self.collectives is not None else x

@@ -15,6 +15,7 @@ from hookspec import ContractError, OutputContext, Processor, processor
 from ..value_checks import checked_call
 from ._checks import check_bool, check_int
 from ._engine import Coefficients, Engine, Recomputed, logit_grad_coefficients
+from ._gemm import not_traced
 from ._inputs import factory_tiles, hook_inputs, resolve_temperature
 from ._options import LinearOptions, prologue
 
@@ -131,6 +132,7 @@ def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...
     return (values, ids, stats.logprobs, entropy), (ids,), grad_of
 
 
+@not_traced
 @checked_call()
 def linear_topk_logprobs(
     hidden: torch.Tensor,
