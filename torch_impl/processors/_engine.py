@@ -254,10 +254,11 @@ class Recomputed(torch.autograd.Function):
     def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
         refuse_double_backward(ctx.name)
         ctx.setup.check_versions(ctx.name)
-        # an empty cotangent (of an output left empty: the mean logit not asked for) is
-        # none: traced, autograd materialises one where eager passes None
-        cotangents = tuple(None if g is None or g.numel() == 0 else g for g in cotangents)
         h, w, b = ctx.saved_tensors
+        # the cotangent of an output left empty (the mean logit not asked for) is none:
+        # traced, autograd materialises one where eager passes None (no rows: all empty)
+        n = h.shape[0]
+        cotangents = tuple(None if g is None or (n and g.numel() == 0) else g for g in cotangents)
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):
             if not (need_dh or need_dw or need_db) or (terms := ctx.grad_of(*cotangents)) is None:
