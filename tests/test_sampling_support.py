@@ -234,6 +234,47 @@ def test_parameters_against_float64(name: str) -> None:
     assert alone.entropy is None and torch.equal(alone.logprobs, got["lp"])
 
 
+@pytest.mark.parametrize("form", ["kept ids", "top_k+top_p", "top_p", "min_p"])
+def test_the_whole_vocabulary_beside_the_support(form: str, backend: str) -> None:
+    """``vocab_logprobs`` (``z_y - lse``, finite where the label is outside the support)
+    and ``lse`` are the whole vocabulary's, and their gradients join the kept
+    distribution's: ``sum(g_lp * logprobs + g_v * vocab_logprobs + g_l * lse)`` against
+    float64 autograd through the materialised logits, fp32 compute, several tiles."""
+    p = problem(7)
+    kw = {"top_k": 9, "top_p": 0.7} if form == "top_k+top_p" else dict(PARAMETERS.get(form, {}))
+    mask = random_support(5) if form == "kept ids" else vllm_rule(logits(p), **kw)
+    p = with_labels(p, mask, seed=8)
+    support = SamplingSupport(kept_ids=kept_ids_of(mask, 9)) if form == "kept ids" else (
+        SamplingSupport(**kw))  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    g_v, g_l = (torch.randn(N, generator=g, dtype=F64) for _ in range(2))
+
+    def loss(lp: torch.Tensor, vocab: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        lp = torch.where(torch.isfinite(lp), lp, 0.0)
+        return (lp * p["g_lp"]).sum() + (vocab * g_v).sum() + (lse * g_l).sum()
+
+    h, w = (p[k].clone().requires_grad_() for k in ("h", "w"))
+    z = (h @ w.T) / p["t"][:, None]
+    kept_lp = torch.log_softmax(torch.where(mask, z, z.detach().min() - 1e4), 1)
+    y, ignored = p["y"].clamp(min=0)[:, None], p["y"] == IGNORE
+    in_support = mask.gather(1, y).squeeze(1) & ~ignored
+    lp = torch.where(in_support, kept_lp.gather(1, y).squeeze(1), -torch.inf)
+    lp = torch.where(ignored, 0.0, lp)
+    vocab = torch.where(ignored, 0.0, torch.log_softmax(z, 1).gather(1, y).squeeze(1))
+    lse = torch.logsumexp(z, 1)
+    want = [vocab.detach(), *torch.autograd.grad(loss(lp, vocab, lse), (h, w))]
+
+    h32, w32 = (p[k].float().requires_grad_() for k in ("h", "w"))
+    opts = LinearOptions(temperature=p["t"].float(), tile_rows=8, tile_cols=29, backend=backend)
+    r = linear_logprobs(h32, w32, p["y"], options=opts, support=support)
+    assert r.vocab_logprobs is not None
+    got = [r.vocab_logprobs, *torch.autograd.grad(loss(r.logprobs, r.vocab_logprobs, r.lse),
+                                                  (h32, w32))]  # fmt: skip
+    assert bool(torch.isfinite(r.vocab_logprobs).all()) and bool(torch.isinf(r.logprobs).any())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("name", ["top_p", "all"])
 def test_parameters_on_triton(name: str, backend: str) -> None:
     """The same at fp32 on both backends: with a top-k bound (the candidates) and without

@@ -27,14 +27,17 @@ class LogprobResult:
     mean_logit / dz_j = 1 / V``: a z-loss and label smoothing are token losses);
     ``entropy`` and ``mean_logit`` ``None`` unless requested. With a ``support``:
     ``logprobs`` and ``entropy`` of the kept distribution, ``lse`` still the whole
-    vocabulary's, and ``kept_logmass`` the log of the kept tokens' mass under it,
-    ``logsumexp(z[kept]) - lse`` (``<= 0``, detached; ``None`` without a support)."""
+    vocabulary's, ``kept_logmass`` the log of the kept tokens' mass under it,
+    ``logsumexp(z[kept]) - lse`` (``<= 0``, detached), and ``vocab_logprobs`` the label's
+    logprob over the whole vocabulary, ``z_y - lse``, differentiable (what a reference
+    policy taken without the support is compared with); both ``None`` without a support."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     lse: torch.Tensor
     mean_logit: torch.Tensor | None = None
     kept_logmass: torch.Tensor | None = None
+    vocab_logprobs: torch.Tensor | None = None
 
 
 def _run(with_entropy: bool, with_mean: bool, eng: Engine) -> tuple[Any, ...]:
@@ -97,6 +100,7 @@ def linear_logprobs(
         logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z[kept]))  # -inf: y not kept
         entropy = -sum(q * log(q)),  q = softmax(z[kept])       # the kept distribution
         kept_logmass = logsumexp(z[kept]) - logsumexp(z)         # lse: still the whole vocabulary
+        vocab_logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z))
 
     differentiable over the kept tokens (a label outside the support: zero gradient);
     ``with_mean_logit`` is refused with it. Its cost: ``docs/processors.md``, "Sampling replay".
@@ -114,7 +118,7 @@ def linear_logprobs(
         mean = with_mean_logit or cw is not None
         outputs = support_logprobs(hidden, weight, labels, support, options, unexpected, bias=bias,
                                    with_entropy=with_entropy, with_mean=mean)  # fmt: skip
-        return LogprobResult(*outputs[:3], kept_logmass=outputs[3])
+        return LogprobResult(*outputs[:3], kept_logmass=outputs[3], vocab_logprobs=outputs[4])
     _, h, setup = prologue(
         name, hidden, weight, labels, options, unexpected, bias=bias, mean_weights=cw
     )

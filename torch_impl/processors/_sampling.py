@@ -319,7 +319,7 @@ def _kept_run(
     gathered into ``[n, K]``, then the outputs and their gradient's sparse terms::
 
         d logprob / dz_j = [j == y] - q_j;   d entropy / dz_j = -q_j (log q_j + H)   # j kept
-        d lse / dz_j = p_j                   # the whole vocabulary: the engine's dense term
+        d lse / dz_j = p_j;   d vocab_logprob / dz_j = [j == y] - p_j   # the engine's dense term
     """
     setup, acc = eng.setup, eng.setup.acc_dtype
     local = ids - setup.vocab_start
@@ -340,19 +340,19 @@ def _kept_run(
     slope = eng.cap_slope_of(torch.where(u > -_INF, u, 0.0), slice(None))
     full = stats.detached()
 
-    def grad_of(g_lp: Any, g_h: Any, g_lse: Any, _g_mass: Any) -> Any:
+    def grad_of(g_lp: Any, g_h: Any, g_lse: Any, _g_mass: Any, g_vocab: Any) -> Any:
         g_h = g_h if with_entropy else None
-        if g_lp is None and g_h is None and g_lse is None:
+        if g_lp is None and g_h is None and g_lse is None and g_vocab is None:
             return None
         g = torch.zeros_like(m) if g_lp is None else torch.where(in_support, g_lp.to(acc), 0.0)
         terms = g[:, None] * (at_label.to(acc) - q)
         if g_h is not None:
             terms = terms - g_h.to(acc)[:, None] * q * (log_q + ent[:, None])
-        a = torch.zeros_like(m) if g_lse is None else -g_lse.to(acc) / full.sumexp
-        return full, Coefficients(a, None, torch.zeros_like(m)), (cols, terms * slope)
+        whole = logit_grad_coefficients(full, g_vocab, None, setup.ignored, acc, g_lse=g_lse)
+        return full, whole, (cols, terms * slope)
 
     empty = lp.new_empty(0)
-    outputs = (lp, ent if with_entropy else empty, stats.lse, kept_logmass)
+    outputs = (lp, ent if with_entropy else empty, stats.lse, kept_logmass, stats.logprobs)
     return outputs, (outputs[3],) + (() if with_entropy else (outputs[1],)), grad_of
 
 
@@ -623,22 +623,25 @@ def _select(
 class _MaskedGrad:
     """The logit gradient of the parametric form, per tile::
 
-    dz_j = [z_j >= tau] * -e_j (a + b (z_j - m)) + g [j == y] + lse * e_j,   e_j = exp(z_j - m)
+    dz_j = [z_j >= tau] * -e_j (a + b (z_j - m)) - e_j a_w + (g + g_w) [j == y]
+    e_j = exp(z_j - m)
 
     (``a, b, g``: :func:`~._engine.logit_grad_coefficients` of the kept distribution;
-    ``lse``: ``g_lse`` over the whole vocabulary's sum in ``m``'s frame, or None)."""
+    ``a_w, g_w``: of the whole vocabulary in ``m``'s frame, the terms of ``lse`` and of the
+    whole vocabulary's logprob; ``whole`` None: none)."""
 
     m: torch.Tensor
     tau: torch.Tensor
     coef: Coefficients
-    lse: torch.Tensor | None
+    whole: Coefficients | None
 
     def tile(self, eng: Engine, z: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
         """The gradient of the tempered tile ``z`` (a softcap's slope applied), in place::
 
-        gz = exp(z - m) * (lse - [z >= tau] (a + b (z - m)));  gz[y] += g
+        gz = exp(z - m) * -([z >= tau] (a + b (z - m)) + a_w);  gz[y] += g + g_w
         """
         c = self.coef.of_rows(rows)
+        w = None if self.whole is None else self.whole.of_rows(rows)
         slope = eng.cap_slope_of(z, rows)  # of the capped values, before z is shifted
         keep = z >= self.tau[rows, None]
         d = z.sub_(self.m[rows, None])
@@ -646,14 +649,13 @@ class _MaskedGrad:
             f = torch.where(keep, c.a[:, None], 0.0)
         else:
             f = torch.mul(d, c.b[:, None], out=eng.like("e", d)).add_(c.a[:, None]).mul_(keep)
-        f = f.neg_() if self.lse is None else f.neg_().add_(self.lse[rows, None])
-        gz = d.exp_().mul_(f)
+        f = f if w is None else f.add_(w.a[:, None])
+        gz = d.exp_().mul_(f.neg_())
+        g = c.g if w is None else c.g + w.g
         labels = eng.setup.labels_local[rows]
         at = labels - cols.start
         hit = (at >= 0) & (at < gz.shape[1])  # -1 (elsewhere) is negative
-        gz.scatter_add_(
-            1, at.clamp(0, gz.shape[1] - 1)[:, None], torch.where(hit, c.g, 0.0)[:, None]
-        )
+        gz.scatter_add_(1, at.clamp(0, gz.shape[1] - 1)[:, None], torch.where(hit, g, 0.0)[:, None])
         return gz if isinstance(slope, float) else gz.mul_(slope)
 
 
@@ -688,8 +690,12 @@ class _Thresholded(Recomputed):
     @staticmethod
     def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
         refuse_double_backward(ctx.name)
+        ctx.setup.check_versions(ctx.name)
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        # the cotangent of an output left empty (the entropy not asked for) is none
+        n = h.shape[0]
+        cotangents = tuple(None if g is None or (n and g.numel() == 0) else g for g in cotangents)
         if not (need_dh or need_dw or need_db) or (grad := ctx.grad_of(*cotangents)) is None:
             return None, None, None, None, None, None
         with no_autocast(h):
@@ -725,18 +731,21 @@ def _threshold_run(
     kept_logmass = m + log_s - stats.lse
     lse_frame = torch.exp(stats.lse - m)  # the whole vocabulary's sum of exp(z - m)
 
-    def grad_of(g_lp: Any, g_h: Any, g_lse: Any, _g_mass: Any) -> Any:
+    def grad_of(g_lp: Any, g_h: Any, g_lse: Any, _g_mass: Any, g_vocab: Any) -> Any:
         g_h = g_h if with_entropy else None
-        if g_lp is None and g_h is None and g_lse is None:
+        if g_lp is None and g_h is None and g_lse is None and g_vocab is None:
             return None
         g = torch.zeros_like(m) if g_lp is None else torch.where(in_support, g_lp.to(acc), 0.0)
         kept = Stats(max=m, sumexp=sel.s, logprobs=lp, entropy=None if g_h is None else ent)
         coef = logit_grad_coefficients(kept, g, g_h, ignored, acc)
-        lse = None if g_lse is None else g_lse.to(acc) / lse_frame
-        return _MaskedGrad(m, sel.tau, coef, lse)
+        whole = None
+        if g_lse is not None or g_vocab is not None:
+            frame = Stats(max=m, sumexp=lse_frame, logprobs=stats.logprobs, entropy=None)
+            whole = logit_grad_coefficients(frame, g_vocab, None, ignored, acc, g_lse=g_lse)
+        return _MaskedGrad(m, sel.tau, coef, whole)
 
     empty = lp.new_empty(0)
-    outputs = (lp, ent if with_entropy else empty, stats.lse, kept_logmass)
+    outputs = (lp, ent if with_entropy else empty, stats.lse, kept_logmass, stats.logprobs)
     return outputs, (outputs[3],) + (() if with_entropy else (outputs[1],)), grad_of
 
 
@@ -770,9 +779,10 @@ def support_logprobs(
     bias: Any,
     with_entropy: bool,
     with_mean: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``linear_logprobs(..., support=)``: ``(logprobs, entropy, lse, kept_logmass)``
-    ``[n]`` (``entropy`` None unless ``with_entropy``; ``kept_logmass`` detached), after
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_logprobs(..., support=)``: ``(logprobs, entropy, lse, kept_logmass,
+    vocab_logprobs)`` ``[n]`` (``entropy`` None unless ``with_entropy``; ``kept_logmass``
+    detached), after
     the prologue (not folded for the parametric form: its threshold compares the tempered
     logits, equal logits stay equal). A mean logit (``with_mean``) is refused."""
     check_instance_support(support)
@@ -800,8 +810,8 @@ def support_logprobs(
             return _threshold_run(params, gather, with_entropy, eng)
 
         function = _Thresholded
-    lp, ent, lse, mass = function.apply(h, weight, setup.bias, name, setup, run)
-    return lp, ent if with_entropy else None, lse, mass
+    lp, ent, lse, mass, vocab = function.apply(h, weight, setup.bias, name, setup, run)
+    return lp, ent if with_entropy else None, lse, mass, vocab
 
 
 def check_instance_support(support: Any) -> SamplingSupport:
