@@ -129,6 +129,13 @@ class PolicyLossConfig:
         old = rollout                     # bypass mode: w, keep of logp / rollout
         pg = -A * w * logp                # bypass mode, loss_type "reinforce"
 
+    With ``PolicyBatch.sampling_support`` (sampling replay), ``logp`` and the entropy are of
+    the sampler's distribution renormalised over the kept tokens; ``kl`` reads the current
+    policy over the whole vocabulary, as the reference is taken (NeMo RL's choice), unless
+    ``reference_on_support`` (the reference's logprobs taken on the support too)::
+
+        kl = kl(logp if reference_on_support else z_y - logsumexp(z), ref)
+
     Checked at construction (``ContractError``; NumPy numbers stored as ``float``):
     every number finite, ``0 <= clip_low <= 1``, ``clip_high >= 0`` (``None``:
     ``clip_low``), ``dual_clip > 1``, ``kl_coef >= 0``, ``log_ratio_clamp > 0``.
@@ -160,6 +167,7 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     dro_beta: float | None = None
+    reference_on_support: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -194,6 +202,7 @@ class PolicyLossConfig:
             )
             put(self, "log_ratio_clamp", clamp)
         check_bool("fused", self.fused)
+        check_bool("reference_on_support", self.reference_on_support)
         if self.rollout_correction is not None:
             from ._rollout import RolloutCorrection  # it builds on this module's segment_sum
 

@@ -51,6 +51,7 @@ from ._loss_math import (
 from ._options import LinearOptions
 from ._policy_terms import Batchwide, CpSum, TokenRows, pg_terms
 from ._rollout import RolloutCorrection, WeightLevel, rollout_correction
+from ._sampling import SamplingSupport, context_support
 
 __all__ = ["PolicyBatch", "TokenTerms", "context_parallel_sum", "policy_loss"]
 
@@ -78,6 +79,16 @@ class PolicyBatch:
       SGLang), needed by ``PolicyLossConfig.rollout_correction``; in its bypass mode they
       are the ratio's denominator and ``old_logprobs`` is not read (pass them twice).
 
+    - ``sampling_support``: the tokens the rollout's sampler kept (sampling replay), a
+      :class:`SamplingSupport` of ``[b, s, K]`` kept ids or of vLLM's parameters (numbers
+      or ``[b, s]``): the current policy's logprob and entropy are then of the sampler's
+      distribution renormalised over them (``old_logprobs`` and ``rollout_logprobs`` taken
+      on the same support), the reference compared over the whole vocabulary
+      (:class:`PolicyLossConfig`'s ``reference_on_support``). A counted token whose label
+      is outside the support (the current logprob ``-inf``; or ``old_logprobs`` or
+      ``rollout_logprobs`` ``-inf`` there, which a support allows) leaves the loss and its
+      normalisation, as a rejected token; ``support/outside_fraction`` is their share.
+
     ``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``rollout_logprobs`` are read at
     counted tokens only.
     """
@@ -90,6 +101,7 @@ class PolicyBatch:
     global_tokens: float | None = None
     global_sequences: float | None = None
     rollout_logprobs: torch.Tensor | None = None
+    sampling_support: SamplingSupport | None = None
 
     def validate(self, b: int, s: int, *, need_ref: bool, need_rollout: bool = False) -> None:
         """Shapes ``[b, s]``, floating dtypes; ``ref_logprobs`` when ``need_ref``;
@@ -207,10 +219,12 @@ def token_terms(
     rows: TokenRows,
     config: PolicyLossConfig,
     whole: Batchwide | None = None,
+    kl_logp: torch.Tensor | None = None,
 ) -> TokenTerms:
     """:class:`TokenTerms` of ``logp``, ``entropy`` ``[r]`` against ``rows`` by
     :class:`PolicyLossConfig`'s formula; ``whole``: what the modes reading other rows read
-    (``None`` for the token-local modes, tile by tile)."""
+    (``None`` for the token-local modes, tile by tile); ``kl_logp``: the current logprob
+    the KL reads (``None``: ``logp``; with a sampling support, the whole vocabulary's)."""
     terms = pg_terms(logp, rows, config, whole)
     pg = terms.pg
     if rows.is_weights is not None:  # the rollout correction's weights, detached
@@ -218,8 +232,9 @@ def token_terms(
     total = pg
     kl = None
     if rows.ref is not None:
-        ref = torch.where(rows.mask > 0, rows.ref.to(logp.dtype), logp.detach())
-        kl = kl_terms(logp, ref, config.kl_options)
+        current = logp if kl_logp is None else kl_logp
+        ref = torch.where(rows.mask > 0, rows.ref.to(logp.dtype), current.detach())
+        kl = kl_terms(current, ref, config.kl_options)
         if config.kl_coef != 0.0:
             total = total + config.kl_coef * kl
     if config.entropy_coef != 0.0:
@@ -302,7 +317,8 @@ def policy_loss(
     ``clip_fraction`` (veRL's ``pg_clipfrac``), ``dual_clip_fraction`` (vanilla with
     ``dual_clip``) or ``clip_fraction_lower`` (dppo, geo_mean: veRL's ``pg_clipfrac_lower``).
 
-    With ``config.fused`` and a token-local mode, the gradients are formed in the forward
+    With ``config.fused``, a token-local mode and no sampling support (whose
+    renormalisation needs the whole sweep first), the gradients are formed in the forward
     pass (tiles of ``tile_rows`` whole rows, by default ``TILE_BYTES`` of fp32 logits,
     32 MiB on a CPU and 256 MiB on CUDA); otherwise autograd goes through
     :func:`linear_logprobs` (tiles of ``tile_rows`` x ``tile_cols``). ``None``: the
@@ -311,11 +327,13 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     check_instance("config", config, PolicyLossConfig, "a PolicyLossConfig")
     tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
-    loss_path = _fused_loss if takes_fused_path(config) else _autograd_loss
+    fused = takes_fused_path(config)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        return loss_path(_policy_call(ctx, config, tile), config)
+        call = _policy_call(ctx, config, tile)
+        loss_path = _fused_loss if fused and call.support is None else _autograd_loss
+        return loss_path(call, config)
 
     return processor(fn, name="policy_loss")
 
@@ -334,7 +352,7 @@ class PolicyCall:
     """One call's checked inputs, built once by :func:`_policy_call` for either path:
     the hook's tensors ``x``, the user context ``batch``, the context-parallel sum (or
     ``None``), the counted mask ``M`` ``[b, s]``, each token's sequence and their count,
-    and the tensor functions' options."""
+    the tensor functions' options and the sampling support as rows (or ``None``)."""
 
     x: HookInputs
     batch: PolicyBatch
@@ -343,13 +361,15 @@ class PolicyCall:
     segments: torch.Tensor
     count: int
     options: LinearOptions
+    support: SamplingSupport | None = None
 
 
 def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptions) -> PolicyCall:
     """1. the hook's tensors; 2. the user context, validated for ``config``; 3. the
     context-parallel sum the aggregation needs; 4. the counted mask (the context's, else
-    the model's ``loss_mask``), the batch's values checked where counted; 5. the sequences;
-    6. the options (temperature from the context)."""
+    the model's ``loss_mask``), the batch's values checked where counted (with a sampling
+    support, ``old_logprobs`` and ``rollout_logprobs`` may be ``-inf``: outside it); 5. the
+    sequences; 6. the options (temperature from the context); 7. the support as rows."""
     x = hook_inputs(ctx, "policy_loss")
     batch = _policy_batch(ctx, x.b, x.s, config)
     cp_sum = context_parallel_sum(config, batch, ctx)
@@ -358,13 +378,18 @@ def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptio
     else:
         given, field = batch.mask, "context.mask"
     mask = counted_mask(ctx, x, given, field)
+    replay = batch.sampling_support is not None
     if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
         for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
             if (value := getattr(batch, name)) is not None:
-                check_finite_deferred(value, field=f"context.{name}", where=mask > 0)
+                read = mask > 0
+                if replay and name in ("old_logprobs", "rollout_logprobs"):
+                    read = read & ~torch.isneginf(value.detach().to(read.device))
+                check_finite_deferred(value, field=f"context.{name}", where=read)
     segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
     options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
-    return PolicyCall(x, batch, cp_sum, mask, segments, count, options)
+    support = context_support(None, ctx, x.b, x.s)
+    return PolicyCall(x, batch, cp_sum, mask, segments, count, options, support)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,14 +498,56 @@ def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.T
     return _metrics(terms, rows, config, totals) | corrected.metrics
 
 
-def _current_logprobs(call: PolicyCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The current policy's logprobs and entropies ``[n]``, differentiable (the logits
-    recomputed in backward): the one place the autograd path forms them."""
+@dataclasses.dataclass(frozen=True)
+class Current:
+    """The current policy's logprobs and entropies ``[n]``, differentiable (on the sampling
+    support where there is one), and the logprobs the KL reads (``None``: the same)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    kl_logp: torch.Tensor | None = None
+
+
+def _current_logprobs(call: PolicyCall, config: PolicyLossConfig) -> Current:
+    """The current policy, the logits recomputed in backward: the one place the autograd
+    path forms it (with a support, the whole vocabulary's logprob from the same sweep)."""
     x = call.x
     lr = linear_logprobs(
-        x.hidden, x.weight, x.token_labels, options=call.options, with_entropy=True
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        options=call.options,
+        with_entropy=True,
+        support=call.support,
     )
-    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
+    entropy = typing.cast(torch.Tensor, lr.entropy)
+    if call.support is None or config.reference_on_support:
+        return Current(lr.logprobs, entropy)
+    return Current(lr.logprobs, entropy, lr.vocab_logprobs)
+
+
+def _inside_support(
+    call: PolicyCall, current: Current
+) -> tuple[PolicyCall, Current, dict[str, torch.Tensor]]:
+    """With a sampling support: the call whose mask leaves out the counted tokens outside
+    it (the current logprob ``-inf``, or ``old_logprobs`` or ``rollout_logprobs``), the
+    current policy with 0 for its ``-inf`` (no longer read; no gradient there), and their
+    share of the counted tokens, ``support/outside_fraction``. Without one, as they are."""
+    if call.support is None:
+        return call, current, {}
+    x, batch, counted = call.x, call.batch, call.mask > 0
+    missing = torch.isneginf(current.logp.detach())
+    outside = from_tokens(missing, x.b, x.s).to(counted.device)
+    for given in (batch.old_logprobs, batch.rollout_logprobs):
+        if given is not None:
+            outside = outside | torch.isneginf(given.detach().to(counted.device))
+    outside = outside & counted
+    fraction = masked_mean(outside.to(current.logp.dtype), call.mask.to(current.logp.dtype))
+    call = dataclasses.replace(call, mask=torch.where(outside, 0.0, call.mask))
+    logp = torch.where(missing, 0.0, current.logp)
+    kl_logp = None if current.kl_logp is None else torch.where(missing, 0.0, current.kl_logp)
+    current = Current(logp, current.entropy, kl_logp)
+    return call, current, {"support/outside_fraction": fraction}
 
 
 def _batchwide(
@@ -504,11 +571,11 @@ def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torc
     """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
     logits recomputed in backward): the modes reading other tokens (GSPO's sequence ratio,
     ``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), a bypass-mode correction (which
-    reads the current logprobs), or ``fused=False``."""
-    logp, entropy = _current_logprobs(call)
-    x = call.x
+    reads the current logprobs), a sampling support, or ``fused=False``."""
+    call, current, outside = _inside_support(call, _current_logprobs(call, config))
+    logp, x = current.logp, call.x
     corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
     whole, totals = _batchwide(call, config, logp, corrected.mask)
     rows = _token_rows(call, config, corrected, totals)
-    terms = token_terms(logp, entropy, rows, config, whole)
-    return _metrics(terms, rows, config, totals) | corrected.metrics
+    terms = token_terms(logp, current.entropy, rows, config, whole, current.kl_logp)
+    return _metrics(terms, rows, config, totals) | corrected.metrics | outside
