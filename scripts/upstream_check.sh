@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# The patch series of upstream/ (see upstream/README.md), checked as a Megatron maintainer
-# would check it, on the released wheels:
+# The patch series of upstream/ (see upstream/README.md), checked on a CPU as a Megatron
+# maintainer would check it:
 #
 #   1. megatron-core 0.19.2, the release of the py312 environment: its installed
 #      megatron/core and metadata are copied to a scratch folder and the patches of
-#      upstream/series applied there one by one (git apply). Before each patch, its unit
-#      tests run on the copy without it (the series before it, plus its tests): exactly
-#      the tests its description lists under "Fails without the fix" must fail, the others
-#      pass. With the whole series, every patch's tests pass. Then the project's hook,
+#      upstream/series applied there one by one (git apply: the megatron/ part, and the
+#      test files a patch creates; the wheel has no tests/). Before each patch, the tests
+#      upstream/checks.toml names for it run on the copy without it (the series before
+#      it): exactly the tests it lists under "fails" must fail, the others pass. With the
+#      whole series they all pass. They run through upstream/cpu_harness.py: Megatron's
+#      own unit tests that need neither CUDA nor Transformer Engine, with Utils over gloo
+#      (two processes under torchrun where they need two ranks), and this project's CPU
+#      checks of the patches whose Megatron tests need GPUs. Then the project's hook,
 #      MTP, HybridModel and plan tests run with the patched copy first on PYTHONPATH and
 #      tests.stand_aside loaded: the adapter finds Megatron's native hooks in the
-#      installed code and stands aside (a test fails if the adapter's own
-#      post-processing, MTP loop or plan norm ran where Megatron has the hook).
-#   2. black and isort, at the versions Megatron pins (.pre-commit-config.yaml) with
-#      Megatron's settings (upstream/megatron-format.toml), on every file the series
-#      touches: a file the series adds whole, a file it changes on the lines it adds
-#      (black --line-ranges; Megatron's own files are not all black-clean) and isort on
-#      the whole file. Both run from a small virtual environment this script creates
-#      once (UPSTREAM_FMT_VENV, default $HOOKSPEC_VENVS/upstream-fmt), from PyPI.
-#   3. megatron-core 0.18.2 (its wheel fetched once into the cache scripts/matrix.sh
-#      uses): the patches of upstream/series-0.18.2, the ones that apply there, and
-#      their unit tests.
+#      installed code and stands aside.
+#   2. black and isort as Megatron's pre-commit runs them (its pinned versions, its
+#      settings in upstream/megatron-format.toml): black on the lines the series adds to
+#      megatron/core and tests/unit_tests (a file it creates, whole), isort on the
+#      megatron/core files it touches. They run from a small virtual environment this
+#      script creates once (UPSTREAM_FMT_VENV, default $HOOKSPEC_VENVS/upstream-fmt).
+#   3. The sign-off: each patch applied with `git am --signoff` and its author reset,
+#      as upstream/README.md tells the submitter, carries exactly one Signed-off-by, the
+#      submitter's, who is also its author.
+#   4. megatron-core 0.18.2 (its wheel fetched once into the cache scripts/matrix.sh
+#      uses): the patches of upstream/series-0.18.2 and their tests.
 #
-#   bash scripts/upstream_check.sh                 # all three (scripts/test.sh runs this)
-#   bash scripts/upstream_check.sh --full          # also test_mtp_tp.py, test_schedule_plan.py
-#                                                  # and the reproductions on the patched copy
-#   bash scripts/upstream_check.sh --main DIR      # instead: upstream/series-main on the
-#                                                  # megatron/core of a Megatron-LM checkout
-#                                                  # at the snapshot series-main records,
-#                                                  # steps 1 and 2 there (by hand: CI has no
-#                                                  # network but PyPI)
+#   bash scripts/upstream_check.sh              # all of it on 0.19.2 and 0.18.2 (CI)
+#   bash scripts/upstream_check.sh --full       # also test_mtp_tp.py, test_schedule_plan.py
+#                                               # and the reproductions on the patched copy
+#   bash scripts/upstream_check.sh --main DIR   # instead: upstream/series-main on a
+#   bash scripts/upstream_check.sh --dev DIR    # Megatron-LM checkout (main or dev) at the
+#                                               # snapshot the series file records: the
+#                                               # whole patches with git am, steps 1 to 3
+#                                               # there (by hand: CI has no network but PyPI)
 #
 # PYTHON: the interpreter (default $HOOKSPEC_VENVS/py312/bin/python). Nothing is
 # installed into its environment; the scratch folders are removed on exit.
@@ -43,56 +47,100 @@ fmt_venv=${UPSTREAM_FMT_VENV:-$venvs/upstream-fmt}
 black_version=26.3.0 # Megatron-LM's .pre-commit-config.yaml
 isort_version=5.13.2
 full=0
-main_dir=
+checkout=
+series_file=upstream/series
 while [ $# -gt 0 ]; do
   case $1 in
     --full) full=1 ;;
-    --main) main_dir=$2; shift ;;
-    *) echo "usage: $0 [--full] [--main MEGATRON_LM_CHECKOUT]" >&2; exit 2 ;;
+    --main) checkout=$2; series_file=upstream/series-main; shift ;;
+    --dev) checkout=$2; series_file=upstream/series-dev; shift ;;
+    *) echo "usage: $0 [--full] [--main|--dev MEGATRON_LM_CHECKOUT]" >&2; exit 2 ;;
   esac
   shift
 done
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 status=0
+started=$SECONDS
 step() { echo; echo "== upstream: $*"; }
-plugins= # a folder on PYTHONPATH holding check_plugin (main only)
 
 series_patches() {  # $1 series file: its patches, in order
   sed -e 's/#.*//' -e '/^[[:space:]]*$/d' "$1"
 }
 
-patch_tests() {  # $1 patch: the test files it adds or changes
-  sed -n 's|^diff --git a/\(tests/[^ ]*\) b/.*|\1|p' "$1"
+patch_files() {  # $1 patch: the files it touches
+  sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$1"
 }
 
-description_of() {  # $1 patch path under upstream/: its description
-  local name
-  name=$(basename "$1" .patch)
-  echo "$root/upstream/$name.md"
+created_files() {  # $1 patch: the files it creates
+  awk '/^diff --git a\//{path=substr($3, 3)} /^new file mode/{print path}' "$1"
 }
 
-fails_as_described() {  # $1 pytest -rA log, $2 description: the failures are those it lists
-  "$python" - "$1" "$2" "${main_dir:+main}" <<'EOF'
-import re, sys
+checks() {  # $1 patch name, $2 key of upstream/checks.toml: its entries, one a line
+  "$python" - "$1" "$2" <<'EOF'
+import sys, tomllib
+with open("upstream/checks.toml", "rb") as f:
+    sys.stdout.write("".join(f"{x}\n" for x in tomllib.load(f).get(sys.argv[1], {}).get(sys.argv[2], [])))
+EOF
+}
 
-log, description, where = sys.argv[1:]
-# "### Fails without the fix" then a fenced block of node ids; an id without parameters
-# stands for every parametrization of that test. On main, the block under
-# "### Fails without the fix on main" too, where the description has one.
-text = open(description).read()
-headings = ["### Fails without the fix\n"] + (["### Fails without the fix on main"] if where else [])
-expected = []
-for heading in headings:
-    if heading in text:
-        block = text.split(heading, 1)[1].split("```")[1]
-        expected += [line.strip() for line in block.splitlines()[1:] if line.strip()]
+include_args() {  # $1 patch, $2 target, $3 "tests" or "code" for one part only: git apply
+  local patch=$1 target=$2 file  # --include for what applies there (test files there or created)
+  [ "${3:-}" = tests ] || echo "--include=megatron/*"
+  [ "${3:-}" = code ] && return
+  while read -r file; do
+    if [ -f "$target/$file" ] || grep -qxF "$file" <(created_files "$patch"); then
+      echo "--include=$file"
+    fi
+  done < <(patch_files "$patch" | grep '^tests/')
+}
+
+apply_one() {  # $1 patch (relative to upstream/), $2 target, $3 "tests" or "code" only
+  local patch=$root/upstream/$1 target=$2 includes
+  mapfile -t includes < <(include_args "$patch" "$target" "${3:-}")
+  [ ${#includes[@]} -gt 0 ] || return 0
+  (cd "$target" && git apply -p1 "${includes[@]}" "$patch")
+}
+
+run_checks() {  # $1 folder, $2.. patch names: their tests there, pytest -rA, one log
+  local target=$1 name file rc=0
+  shift
+  local cpu=() unit=() unit2=()
+  for name in "$@"; do
+    mapfile -t -O ${#cpu[@]} cpu < <(checks "$name" cpu | grep .)
+    mapfile -t -O ${#unit[@]} unit < <(checks "$name" unit | grep .)
+    mapfile -t -O ${#unit2[@]} unit2 < <(checks "$name" unit2 | grep .)
+  done
+  local pytest=(-m pytest -q -rA -p no:cacheprovider -p cpu_harness)
+  local path="$target:$root/upstream"
+  if [ ${#cpu[@]} -gt 0 ]; then
+    PYTHONPATH="$path" "$python" "${pytest[@]}" "${cpu[@]}" || rc=1
+  fi
+  if [ ${#unit[@]} -gt 0 ]; then
+    (cd "$target" && PYTHONPATH="$path" "$python" "${pytest[@]}" --noconftest "${unit[@]}") || rc=1
+  fi
+  if [ ${#unit2[@]} -gt 0 ]; then
+    (cd "$target" && PYTHONPATH="$path" "$python" -m torch.distributed.run --nproc-per-node 2 \
+      --master-port "$((29500 + RANDOM % 1000))" "${pytest[@]}" --noconftest "${unit2[@]}") || rc=1
+  fi
+  return $rc
+}
+
+fails_as_listed() {  # $1 pytest -rA log, $2 patch name: the failures are those listed
+  "$python" - "$1" "$2" "${checkout:+main}" <<'EOF'
+import re, sys, tomllib
+
+log, name, where = sys.argv[1:]
+with open("upstream/checks.toml", "rb") as f:
+    entry = tomllib.load(f)[name]
+expected = entry.get("fails", []) + (entry.get("fails_main", []) if where else [])
 outcome = {}
 for line in open(log):
     found = re.match(r"^(PASSED|FAILED|ERROR) (\S+)", line)
-    if found:
-        outcome[found.group(2)] = found.group(1)
+    if found:  # two ranks print a line each: any failure fails the test
+        node, result = found.group(2), found.group(1)
+        outcome[node] = result if outcome.get(node, "PASSED") == "PASSED" else outcome[node]
 failed = {node for node, result in outcome.items() if result != "PASSED"}
 wrong, covered = [], set()
 for entry in expected:
@@ -104,54 +152,41 @@ wrong += [f"failed, but not listed: {node}" for node in sorted(failed - covered)
 for line in wrong:
     print("  " + line, file=sys.stderr)
 print(f"{len(failed)} failed, {len(outcome) - len(failed)} passed")
-sys.exit(1 if wrong else 0)
+sys.exit(1 if wrong or not outcome else 0)
 EOF
 }
 
-run_tests() {  # $1 folder, $2.. pytest arguments (test files): pytest there
-  local target=$1
-  shift
-  local plugin_args=()
-  [ -n "$plugins" ] && plugin_args=(-p check_plugin)
-  (cd "$target" && PYTHONPATH="$target${plugins:+:$plugins}" "$python" -m pytest -q \
-    -p no:cacheprovider "${plugin_args[@]}" "$@")
-}
-
-apply_one() {  # $1 patch (relative to upstream/), $2 target folder, $3.. git apply options
-  local patch=$1 target=$2
-  shift 2
-  (cd "$target" && git apply -p1 "$@" "$root/upstream/$patch")
-}
-
 check_series() {  # $1 series file, $2 target folder holding the unpatched megatron/core
-  local series=$1 target=$2 patch tests summary log
-  local all_tests=()
+  local series=$1 target=$2 patch name summary log
+  local names=()
   while read -r patch; do
-    mapfile -t tests < <(patch_tests "$root/upstream/$patch")
-    rm -rf "$scratch/before" && cp -r "$target" "$scratch/before"
-    if ! apply_one "$patch" "$scratch/before" --include='tests/*'; then
+    # without the fix: the series before it and the patch's tests, in the target itself
+    # (its compiled modules are reused from one run to the next)
+    name=$(basename "$patch")
+    if ! apply_one "$patch" "$target" tests; then
       echo "$patch: its tests do not apply to $target" >&2
       return 1
     fi
-    log=$scratch/before.log
-    run_tests "$scratch/before" -rA "${tests[@]}" >"$log" 2>&1
-    if summary=$(fails_as_described "$log" "$(description_of "$patch")"); then
-      echo "$patch without its fix: $summary, as its description says"
+    log=$scratch/$name.log
+    run_checks "$target" "$name" >"$log" 2>&1
+    if summary=$(fails_as_listed "$log" "$name"); then
+      echo "$patch without its fix: $summary, as upstream/checks.toml lists"
     else
-      echo "$patch without its fix: $summary, not as its description says" >&2
+      echo "$patch without its fix: $summary, not as upstream/checks.toml lists" >&2
       tail -n 5 "$log" >&2
       status=1
     fi
-    if ! apply_one "$patch" "$target"; then
+    if ! apply_one "$patch" "$target" code; then
       echo "$patch does not apply to $target" >&2
       return 1
     fi
     echo "applied $patch"
-    all_tests+=("${tests[@]}")
+    names+=("$name")
   done < <(series_patches "$series")
-  rm -rf "$scratch/before"
-  step "the series' unit tests with the whole series"
-  run_tests "$target" "${all_tests[@]}" || status=1
+  step "the series' tests with the whole series"
+  run_checks "$target" "${names[@]}" >"$scratch/after.log" 2>&1 || status=1
+  grep -E '^(FAILED|ERROR) ' "$scratch/after.log" | sort -u >&2
+  grep -E '^[0-9]+ (passed|failed)' "$scratch/after.log"
 }
 
 format_check() {  # $1 unpatched folder, $2 patched folder, $3 series file
@@ -167,6 +202,7 @@ format_check() {  # $1 unpatched folder, $2 patched folder, $3 series file
   fi
   local config=$root/upstream/megatron-format.toml
   while read -r file; do
+    [ -f "$patched/$file" ] || continue  # a test file the wheel does not carry
     if [ -f "$orig/$file" ]; then
       # the lines the series adds, as black --line-ranges START-END arguments
       mapfile -t ranges < <(diff -U0 "$orig/$file" "$patched/$file" |
@@ -181,20 +217,44 @@ format_check() {  # $1 unpatched folder, $2 patched folder, $3 series file
       (cd "$patched" && "$fmt_venv/bin/black" -q --config "$config" --diff "${ranges[@]}" "$file" 2>/dev/null) | head -n 30 >&2
       bad=1
     fi
-    if ! (cd "$patched" && "$fmt_venv/bin/isort" -q --settings-path "$config" --check-only "$file"); then
+    if [[ $file == megatron/core/* ]] &&
+      ! (cd "$patched" && "$fmt_venv/bin/isort" -q --settings-path "$config" --check-only "$file"); then
       echo "isort: $file" >&2
       bad=1
     fi
-  done < <(while read -r patch; do
-             sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$root/upstream/$patch"
-           done < <(series_patches "$series") | sort -u)
+  done < <(while read -r patch; do patch_files "$root/upstream/$patch"; done < <(series_patches "$series") |
+             grep -E '^(megatron/core|tests/unit_tests)/' | sort -u)
   if [ $bad -eq 0 ]; then
-    echo "black $black_version and isort $isort_version: clean with Megatron's settings on every file the series touches"
+    echo "black $black_version and isort $isort_version: clean as Megatron's pre-commit runs them"
   fi
   return $bad
 }
 
-imports_from() {  # $1 folder: megatron.core imports from it, with the metadata of its release
+signoff_check() {  # $1 git work tree at the series' base, $2 series file
+  local repo=$1 series=$2 patch name author trailers bad=0
+  local who=(-c user.name="Maintainer Check" -c user.email="check@example.invalid")
+  while read -r patch; do
+    name=$(basename "$patch")
+    local includes=()
+    [ -n "$checkout" ] || mapfile -t includes < <(include_args "$root/upstream/$patch" "$repo")
+    if ! git -C "$repo" "${who[@]}" am -q --signoff "${includes[@]}" "$root/upstream/$patch" ||
+      ! git -C "$repo" "${who[@]}" commit -q --amend --no-edit --reset-author; then
+      echo "$name: git am does not apply it" >&2
+      git -C "$repo" am --abort 2>/dev/null
+      return 1
+    fi
+    author=$(git -C "$repo" log -1 --format='%an <%ae>')
+    trailers=$(git -C "$repo" log -1 --format=%B | git interpret-trailers --parse | grep '^Signed-off-by:')
+    if [ "$trailers" != "Signed-off-by: $author" ] || [ "$author" != "Maintainer Check <check@example.invalid>" ]; then
+      echo "$name: author $author, sign-off [$trailers]" >&2
+      bad=1
+    fi
+  done < <(series_patches "$series")
+  [ $bad -eq 0 ] && echo "every commit signed off by its submitter, who is its author"
+  return $bad
+}
+
+imports_from() {  # $1 folder: megatron.core imports from it
   PYTHONPATH="$1" "$python" - "$1" <<'EOF'
 import importlib.metadata as md, os, sys
 import megatron.core
@@ -204,25 +264,43 @@ sys.exit(0 if where.startswith(os.path.realpath(sys.argv[1]) + os.sep) else 1)
 EOF
 }
 
-if [ -n "$main_dir" ]; then
-  recorded=$(sed -n 's/^# snapshot: //p' upstream/series-main)
-  here=$(git -C "$main_dir" log -1 --format='%H %cs' 2>/dev/null || echo 'not a git checkout')
-  step "Megatron-LM main at $main_dir ($here; upstream/series-main records $recorded)"
+finish() {
+  echo
+  if [ $status -eq 0 ]; then
+    echo "== upstream: the series applies and its checks pass ($((SECONDS - started)) s)"
+  else
+    echo "== upstream: SOME CHECKS FAILED ($((SECONDS - started)) s)"
+  fi
+  exit $status
+}
+
+if [ -n "$checkout" ]; then
+  recorded=$(sed -n 's/^# snapshot: //p' "$series_file")
+  here=$(git -C "$checkout" log -1 --format='%H %cs' 2>/dev/null || echo 'not a git checkout')
+  step "Megatron-LM at $checkout ($here; $series_file records $recorded)"
   if [ "${here%% *}" != "${recorded%% *}" ]; then
-    echo "upstream/series-main is checked at ${recorded%% *}; check out that commit, or" >&2
+    echo "$series_file is checked at ${recorded%% *}; check out that commit, or" >&2
     echo "rebase the series and record the new snapshot and its date there" >&2
     exit 1
   fi
-  mkdir -p "$scratch/main/megatron" "$scratch/orig/megatron"
-  cp -r "$main_dir/megatron/core" "$scratch/main/megatron/core"
-  cp -r "$main_dir/megatron/core" "$scratch/orig/megatron/core"
-  # Without patch 0006 no MTP layer builds on a CPU without Transformer Engine (report 6):
-  # upstream/check_plugin.py answers that one check where the fix is absent.
-  plugins="$root/upstream"
-  check_series upstream/series-main "$scratch/main" || exit 1
-  step "black and isort on the files upstream/series-main touches"
-  format_check "$scratch/orig" "$scratch/main" upstream/series-main || status=1
-  exit $status
+  # megatron/core and the test files the series touches, as the checkout has them
+  for copy in target orig; do
+    mkdir -p "$scratch/$copy/megatron"
+    cp -r "$checkout/megatron/core" "$scratch/$copy/megatron/core"
+    while read -r file; do
+      if [ -f "$checkout/$file" ]; then
+        mkdir -p "$scratch/$copy/$(dirname "$file")" && cp "$checkout/$file" "$scratch/$copy/$file"
+      fi
+    done < <(while read -r patch; do patch_files "$root/upstream/$patch"; done < <(series_patches "$series_file") | grep '^tests/' | sort -u)
+  done
+  check_series "$series_file" "$scratch/target" || exit 1
+  step "black and isort on the files $series_file touches"
+  format_check "$scratch/orig" "$scratch/target" "$series_file" || status=1
+  step "git am and the sign-off, on a clone at ${recorded%% *}"
+  git clone -q --shared --no-checkout "$checkout" "$scratch/am" &&
+    git -C "$scratch/am" checkout -q "${recorded%% *}" &&
+    signoff_check "$scratch/am" "$series_file" || status=1
+  finish
 fi
 
 step "megatron-core 0.19.2 (py312's), each patch of upstream/series without and with its fix"
@@ -233,16 +311,21 @@ if [ "$release" != 0.19.2 ]; then
   echo "upstream/series is for megatron-core 0.19.2; $python has $release" >&2
   exit 1
 fi
-mkdir -p "$scratch/v0192/megatron" "$scratch/orig/megatron"
+mkdir -p "$scratch/v0192/megatron"
 cp -r "$site/core" "$scratch/v0192/megatron/core"
 cp -r "$dist" "$scratch/v0192/"
 find "$scratch/v0192" -name __pycache__ -prune -exec rm -rf {} +
-cp -r "$scratch/v0192/megatron/core" "$scratch/orig/megatron/core"
+cp -r "$scratch/v0192" "$scratch/orig"
 imports_from "$scratch/v0192" || status=1
 check_series upstream/series "$scratch/v0192" || exit 1
 
 step "black and isort on the files upstream/series touches"
 format_check "$scratch/orig" "$scratch/v0192" upstream/series || status=1
+
+step "git am and the sign-off (the megatron/ part, on a copy of 0.19.2)"
+(cd "$scratch/orig" && git init -q && git add -A &&
+  git -c user.name=base -c user.email=base@example.invalid commit -q -m base) &&
+  signoff_check "$scratch/orig" upstream/series || status=1
 
 step "the project's hook, MTP, HybridModel and plan tests on the patched 0.19.2 (the adapter stands aside)"
 project_tests=(tests/test_upstream_series.py tests/test_enable.py tests/test_mtp.py tests/test_hybrid.py tests/test_plan_whole.py)
@@ -268,14 +351,13 @@ if [ -z "$wheel" ]; then
 fi
 "$python" -m pip install -q --no-deps --no-index --target "$scratch/v0182" "$wheel" || exit 1
 imports_from "$scratch/v0182" || status=1
-tests=()
+names=()
 while read -r patch; do
   apply_one "$patch" "$scratch/v0182" || { echo "$patch does not apply to 0.18.2" >&2; exit 1; }
   echo "applied $patch"
-  mapfile -t -O ${#tests[@]} tests < <(patch_tests "$root/upstream/$patch")
+  names+=("$(basename "$patch")")
 done < <(series_patches upstream/series-0.18.2)
-run_tests "$scratch/v0182" "${tests[@]}" || status=1
-
-echo
-if [ $status -eq 0 ]; then echo "== upstream: the series applies and its checks pass"; else echo "== upstream: SOME CHECKS FAILED"; fi
-exit $status
+run_checks "$scratch/v0182" "${names[@]}" >"$scratch/v0182.log" 2>&1 || status=1
+grep -E '^(FAILED|ERROR) ' "$scratch/v0182.log" | sort -u >&2
+grep -E '^[0-9]+ (passed|failed)' "$scratch/v0182.log"
+finish

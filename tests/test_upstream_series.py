@@ -13,6 +13,7 @@ bridging its MTP processor, with the same result.
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,45 @@ from torch_impl.mtp import default_mtp_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "upstream"
-SERIES = ("series", "series-main", "series-0.18.2")
-# The newest Megatron-LM main the series was checked on (series-main's "# snapshot:").
-MAIN_SNAPSHOT = ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "2026-08-22")
-# The upstream threads each description must name (with what the patch takes from them).
-THREADS = ("#7008", "#4942", "#4943", "#5471", "#5271", "#7000", "#5911", "#4590")
+SERIES = ("series", "series-main", "series-0.18.2", "series-dev")
+# The newest Megatron-LM main and dev the series was checked on ("# snapshot:").
+SNAPSHOTS = {
+    "series-main": ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "2026-08-22"),
+    "series-dev": ("d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1", "2026-08-21"),
+}
 # Patches of series-main only: the defect they fix is newer than 0.19.2.
 MAIN_ONLY = ("0006-inference-linears-without-te.patch",)
-SECTIONS = ("## Problem", "## Design", "## What stays Megatron's", "## Compatibility", "## Tests")
+# The line each patch's message and description link the upstream threads with.
+LINKS = {
+    "0006": "Fixes #ISSUE_B",
+    "0002": "Fixes #ISSUE_A",
+    "0004": "#5471",
+    "0005": "Fixes #1450",
+    "0001": "Refs #7008",
+    "0003": "Closes #ISSUE_C",
+}
+# Megatron's pull-request template, and what the description adds to it.
+SECTIONS = (
+    "# What does this PR do?",
+    "## Issue tracking",
+    "## Problem",
+    "## Change",
+    "## Tests",
+    "How they were run:",
+    "### Pre-checks",
+)
+# Words that point outside Megatron: the descriptions and messages stand alone.
+OUTSIDE = (
+    "upstream/",
+    "scripts/",
+    "report ",
+    "hookspec",
+    "this project",
+    "adapter",
+    "Pull-request",
+)
+IMPERATIVE = ("Add", "Apply", "Keep", "Post", "Return")
+PLACEHOLDER_AUTHOR = "From: Submitter <submitter@example.invalid>"
 FACTS = installed_megatron()
 PATCHED = FACTS.native_mtp_hook
 
@@ -45,79 +77,137 @@ def _series(name: str) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
+def _names(name: str) -> list[str]:
+    return [Path(p).name for p in _series(name)]
+
+
 def _touched(patch: Path) -> list[str]:
     return re.findall(r"^diff --git a/(\S+) b/\S+$", patch.read_text(), flags=re.M)
 
 
-def test_every_series_lists_patches_that_exist_in_order() -> None:
+def _message(patch: Path) -> str:
+    """The commit message: the subject (unfolded) and the body, up to the diffstat."""
+    head = patch.read_text().split("\n---\n", 1)[0]
+    subject, body = head.split("Subject: ", 1)[1].split("\n\n", 1)
+    return subject.replace("\n ", " ") + "\n\n" + body
+
+
+def _all_patches() -> list[Path]:
+    return sorted({UPSTREAM / p for name in SERIES for p in _series(name)})
+
+
+def test_every_series_lists_patches_that_exist() -> None:
     for name in SERIES:
-        patches = _series(name)
-        assert patches, name
-        for patch in patches:
-            assert (UPSTREAM / patch).is_file(), (name, patch)
-        numbers = [Path(p).name[:4] for p in patches]
-        assert numbers == sorted(numbers), name
-    main = [Path(p).name for p in _series("series-main")]
-    assert [name for name in main if name not in MAIN_ONLY] == [
-        Path(p).name for p in _series("series")
-    ]
-    assert set(_series("series-0.18.2")) <= set(_series("series"))
-
-
-def test_series_main_records_its_snapshot_and_date() -> None:
-    recorded = re.findall(
-        r"^# snapshot: (\S+) (\S+)$", (UPSTREAM / "series-main").read_text(), flags=re.M
-    )
-    assert recorded == [MAIN_SNAPSHOT]
-    for doc in (UPSTREAM / "README.md", ROOT / "docs" / "upstream.md"):
-        text = doc.read_text()
-        assert MAIN_SNAPSHOT[0] in text and MAIN_SNAPSHOT[1] in text, doc.name
-
-
-def _descriptions() -> list[tuple[str, str]]:
-    names = dict.fromkeys(Path(p).name for name in SERIES for p in _series(name))
-    return [(name, (UPSTREAM / name).with_suffix(".md").read_text()) for name in names]
-
-
-def test_each_patch_has_a_pull_request_description() -> None:
-    for name in SERIES:
+        assert _series(name), name
         for patch in _series(name):
-            text = (UPSTREAM / Path(patch).name).with_suffix(".md").read_text()
-            for section in SECTIONS:
-                assert section in text, (patch, section)
-            tests = [path for path in _touched(UPSTREAM / patch) if path.startswith("tests/")]
-            assert tests, patch
-            for path in tests:  # the description names the patch's own tests
-                assert Path(path).name in text, (patch, path)
+            assert (UPSTREAM / patch).is_file(), (name, patch)
+    main = _names("series-main")
+    assert [p for p in main if p not in MAIN_ONLY] == _names("series")
+    assert set(_series("series-0.18.2")) <= set(_series("series"))
+    assert set(_names("series-dev")) <= set(main)
 
 
-def test_each_description_names_the_upstream_threads_and_its_failures() -> None:
-    """Every thread named, with what the patch takes from it; and the tests that fail
-    without the fix listed for scripts/upstream_check.sh to require."""
-    for name, text in _descriptions():
-        section = text.split("## Upstream threads", 1)[-1].split("\n## ", 1)[0]
-        assert "## Upstream threads" in text, name
-        for thread in THREADS:
-            assert thread in section, (name, thread)
-        failing = text.split("### Fails without the fix", 1)
-        assert len(failing) == 2, name
-        block = failing[1].split("```")[1]
-        ids = [line for line in block.splitlines()[1:] if line.strip()]
-        assert ids and all(line.startswith("tests/unit_tests/") and "::" in line for line in ids), (
-            name
+def test_the_submission_order_is_the_readme_s() -> None:
+    """series-main is the order the patches are filed in, the one upstream/README.md
+    gives: 0006, 0002 (with its dev counterpart), 0004, 0005, 0001 (into #7008), 0003."""
+    readme = (UPSTREAM / "README.md").read_text().split("## Submission order", 1)[1]
+    table = readme.split("\n## ", 1)[0]
+    order = re.findall(r"^\| \d \| \[(\d{4})\]", table, flags=re.M)
+    assert order == ["0006", "0002", "0004", "0005", "0001", "0003"]
+    assert [p[:4] for p in _names("series-main")] == order
+
+
+def test_the_checkout_series_record_their_snapshot_and_date() -> None:
+    for name, snapshot in SNAPSHOTS.items():
+        recorded = re.findall(
+            r"^# snapshot: (\S+) (\S+)$", (UPSTREAM / name).read_text(), flags=re.M
         )
+        assert recorded == [snapshot], name
+        for doc in (UPSTREAM / "README.md", ROOT / "docs" / "upstream.md"):
+            text = doc.read_text()
+            assert snapshot[0] in text and snapshot[1] in text, (doc.name, name)
+
+
+def test_each_commit_is_one_signed_off_by_its_submitter() -> None:
+    """One commit per patch, the placeholder author that --reset-author replaces, no
+    sign-off (the submitter's git am --signoff adds theirs), an imperative subject, no
+    pointer outside Megatron."""
+    for patch in _all_patches():
+        text = patch.read_text()
+        assert text.count("\nSubject: [PATCH] ") == 1, patch.name
+        assert PLACEHOLDER_AUTHOR in text.splitlines()[:3], patch.name
+        message = _message(patch)
+        assert "Signed-off-by" not in message, patch.name
+        subject = message.split("\n", 1)[0].removeprefix("[PATCH] ").removeprefix("[dev] ")
+        assert subject.split()[0] in IMPERATIVE and len(subject) <= 72, subject
+        for word in OUTSIDE:
+            assert word not in message, (patch.name, word)
+        assert LINKS[patch.name[:4]] in message, patch.name
+
+
+def test_each_patch_has_a_description_that_stands_alone() -> None:
+    for name in _names("series-main"):
+        text = (UPSTREAM / name).with_suffix(".md").read_text()
+        for section in SECTIONS:
+            assert section in text, (name, section)
+        for word in OUTSIDE:
+            assert word not in text, (name, word)
+        assert LINKS[name[:4]] in text, name
+        tests = [p for p in _touched(UPSTREAM / name) if p.startswith("tests/")]
+        assert tests, name
+        for path in tests:  # the description names the patch's own tests
+            assert Path(path).name in text, (name, path)
+
+
+def test_every_issue_placeholder_has_its_draft() -> None:
+    doc = (ROOT / "docs" / "upstream.md").read_text()
+    used = set()
+    for patch in _all_patches():
+        used |= set(re.findall(r"#ISSUE_([A-Z])", patch.read_text()))
+    assert used == {"A", "B", "C"}
+    for letter in used:
+        assert f"#### Draft {letter} " in doc, letter
+
+
+def test_every_patch_has_its_cpu_checks() -> None:
+    """upstream/checks.toml names, for every patch, tests that exist and the failures
+    scripts/upstream_check.sh requires without it."""
+    checks = tomllib.loads((UPSTREAM / "checks.toml").read_text())
+    for patch in _all_patches():
+        entry = checks[patch.name]
+        own = [p for p in _touched(patch) if p.startswith("tests/")]
+        files = entry.get("cpu", []) + entry.get("unit", []) + entry.get("unit2", [])
+        assert files and entry["fails"], patch.name
+        for path in entry.get("cpu", []):
+            assert path.startswith("upstream/cpu_tests/") and (ROOT / path).is_file(), path
+        for path in entry.get("unit", []) + entry.get("unit2", []):
+            assert path in own, (patch.name, path)
+        for node in entry["fails"] + entry.get("fails_main", []):
+            assert node.split("::", 1)[0] in files, (patch.name, node)
+
+
+def test_the_cpu_checks_share_one_harness() -> None:
+    """No CPU check carries its own core attention or process group, and no Megatron test
+    of the series mocks CUDA: cpu_harness.py stands in for both."""
+    for path in sorted((UPSTREAM / "cpu_tests").glob("test_*.py")):
+        text = path.read_text()
+        assert "from cpu_harness import" in text, path.name
+        for own in ("CoreAttention(", "init_process_group", "mock.patch"):
+            assert own not in text, (path.name, own)
+    for patch in _all_patches():
+        added = [line for line in patch.read_text().splitlines() if line.startswith("+")]
+        assert not any("torch.cuda" in line and "patch" in line for line in added), patch.name
 
 
 def test_patches_touch_only_megatron_core_and_its_unit_tests() -> None:
-    for name in SERIES:
-        for patch in _series(name):
-            for path in _touched(UPSTREAM / patch):
-                assert path.startswith(("megatron/core/", "tests/unit_tests/")), (patch, path)
+    for patch in _all_patches():
+        for path in _touched(patch):
+            assert path.startswith(("megatron/core/", "tests/unit_tests/")), (patch.name, path)
 
 
 def test_the_docs_name_every_patch() -> None:
     doc = (ROOT / "docs" / "upstream.md").read_text()
-    for patch in _series("series"):
+    for patch in _series("series-main") + _series("series-dev"):
         assert f"upstream/{patch}" in doc, patch
     assert "upstream/" in (ROOT / "README.md").read_text()
 
