@@ -5,6 +5,7 @@ computed from the hidden states and the vocab shard (layout: :mod:`._inputs`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Never
 
 import torch
@@ -26,6 +27,7 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import weighted_sum, weights_of
+from ._options import LinearOptions
 
 Reduction = Literal["none", "sum", "mean"]
 REDUCTIONS: tuple[Reduction, ...] = ("none", "sum", "mean")
@@ -187,80 +189,118 @@ def cross_entropy_loss(
         )
     z_loss = check_finite_number("z_loss", z_loss, low=0.0)
     eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    cw = class_weights
-    if cw is not None and not (
-        isinstance(cw, torch.Tensor) and cw.dim() == 1 and cw.dtype.is_floating_point
+    if class_weights is not None and not (
+        isinstance(class_weights, torch.Tensor)
+        and class_weights.dim() == 1
+        and class_weights.dtype.is_floating_point
     ):
         raise ContractError(
-            "class_weights", expected="None or a floating tensor [V]", actual=describe_tensor(cw)
+            "class_weights",
+            expected="None or a floating tensor [V]",
+            actual=describe_tensor(class_weights),
         )
+    loss = _CrossEntropy(reduction, temperature, z_loss, eps, class_weights, tile)
+    path = _per_token_cross_entropy if reduction == "none" else _reduced_cross_entropy
 
     @checked_call()
-    def fn(ctx: OutputContext) -> torch.Tensor:
-        x = hook_inputs(ctx, "cross_entropy_loss")
-        for name in (
-            "temperature",
-            "global_tokens",
-        ):  # read by a reduction only: refused, not ignored
-            value = context_field(ctx.context, name)
-            if value is not None:
-                raise ContractError(
-                    f"context.{name}",
-                    expected="none: cross_entropy_loss() is Megatron's per-token loss, which takes no "
-                    f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
-                    actual=f"a {type(value).__name__}",
-                )
-        cwy, c, cw_mean = _class_weights_of(ctx, x, class_weights)
-        res = linear_logprobs(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
-            with_mean_logit=eps != 0.0,
-            mean_logit_weights=c if eps != 0.0 else None,
-        )
-        loss = -res.logprobs if cwy is None else -res.logprobs * cwy
-        if res.mean_logit is not None:
-            smooth = torch.where(
-                x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit
+    def fn(ctx: OutputContext) -> torch.Tensor | dict[str, torch.Tensor]:
+        return path(ctx, loss)
+
+    return processor(fn, name="cross_entropy_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CrossEntropy:
+    """The checked options of one :func:`cross_entropy_loss` processor (``eps``: the label
+    smoothing; ``tile``: the factory's tiles)."""
+
+    reduction: Reduction
+    temperature: float | None
+    z_loss: float
+    eps: float
+    class_weights: torch.Tensor | None
+    tile: LinearOptions
+
+
+def _per_token_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> torch.Tensor:
+    """``reduction="none"``: ``ce + z_loss * lse ** 2`` ``[b, s]`` (0 where the label is
+    ignored) through :func:`linear_logprobs`, the logits recomputed in backward. It exists
+    beside :func:`_reduced_cross_entropy` because a per-token loss has no scalar whose
+    gradient could be formed in the forward pass."""
+    x = hook_inputs(ctx, "cross_entropy_loss")
+    _refuse_reduction_fields(ctx)
+    eps = loss.eps
+    cwy, c, cw_mean = _class_weights_of(ctx, x, loss.class_weights)
+    temperature = 1.0 if loss.temperature is None else loss.temperature
+    result = linear_logprobs(
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        options=x.tensor_options(loss.tile, temperature),
+        with_mean_logit=eps != 0.0,
+        mean_logit_weights=c if eps != 0.0 else None,
+    )
+    ignored = x.token_labels == ctx.ignore_index
+    ce = -result.logprobs if cwy is None else -result.logprobs * cwy
+    if result.mean_logit is not None:
+        smooth = torch.where(ignored, 0.0, cw_mean * result.lse - result.mean_logit)
+        ce = (1.0 - eps) * ce + eps * smooth
+    if loss.z_loss != 0.0:
+        ce = ce + loss.z_loss * torch.where(ignored, 0.0, result.lse.square())
+    return from_tokens(ce, x.b, x.s)
+
+
+def _refuse_reduction_fields(ctx: OutputContext) -> None:
+    """The per-token loss reads neither a ``temperature`` nor ``global_tokens`` of the user
+    context (a reduction reads them): refused, not ignored."""
+    for name in ("temperature", "global_tokens"):
+        value = context_field(ctx.context, name)
+        if value is not None:
+            raise ContractError(
+                f"context.{name}",
+                expected="none: cross_entropy_loss() is Megatron's per-token loss, which takes "
+                f"no {name} (a reduction reads it; selected_logprobs takes a temperature)",
+                actual=f"a {type(value).__name__}",
             )
-            loss = (1.0 - eps) * loss + eps * smooth
-        if z_loss != 0.0:
-            loss = loss + z_loss * torch.where(
-                x.token_labels == ctx.ignore_index, 0.0, res.lse.square()
-            )
-        return from_tokens(loss, x.b, x.s)
 
-    @checked_call()
-    def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "cross_entropy_loss")
-        temp = resolve_temperature(temperature, ctx, x.b, x.s)
-        cwy, c, cw_mean = _class_weights_of(ctx, x, class_weights)
-        w, wz, ws, m = _token_weights(ctx, x, reduction, cwy)
 
-        def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
-            return -(1.0 - eps) * weighted_sum(lp, w[rows].to(lp.dtype))
+def _reduced_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> dict[str, torch.Tensor]:
+    """``reduction="sum"`` or ``"mean"``: ``{"loss", "tokens"}`` through
+    :func:`fused_token_loss`, the gradient formed in the forward pass (three
+    GEMM-equivalents); the loss's three parts, each a weighted sum of a row vector
+    (:func:`_token_weights`)::
 
-        def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
-            zl = weighted_sum(lse.square(), wz[rows].to(lse.dtype))
-            return z_loss * zl + eps * weighted_sum(lse, ws[rows].to(lse.dtype)) * cw_mean
+        loss = -(1 - eps) sum(w * logprobs) + z_loss sum(wz * lse**2)
+               + eps sum(ws * (mean(cw) * lse - mean_logit))
+    """
+    x = hook_inputs(ctx, "cross_entropy_loss")
+    temperature = resolve_temperature(loss.temperature, ctx, x.b, x.s)
+    cwy, c, cw_mean = _class_weights_of(ctx, x, loss.class_weights)
+    w, wz, ws, counted = _token_weights(ctx, x, loss.reduction, cwy)
+    eps, z_loss = loss.eps, loss.z_loss
 
-        def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
-            return -eps * weighted_sum(mean, ws[rows].to(mean.dtype))
+    def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> torch.Tensor:
+        return -(1.0 - eps) * weighted_sum(logp, w[rows].to(logp.dtype))
 
-        res = fused_token_loss(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            tile_loss,
-            options=x.tensor_options(tile, temp),
-            entropy_grad=False,
-            lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
-            mean_logit_loss=mean_loss if eps != 0.0 else None,
-            mean_logit_weights=c if eps != 0.0 else None,
-        )
-        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
-        # even at an uncounted token (its gradient would be NaN anyway)
-        return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
+    def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
+        squares = weighted_sum(lse.square(), wz[rows].to(lse.dtype))
+        return z_loss * squares + eps * weighted_sum(lse, ws[rows].to(lse.dtype)) * cw_mean
 
-    return processor(fn if reduction == "none" else reduced, name="cross_entropy_loss")
+    def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
+        return -eps * weighted_sum(mean, ws[rows].to(mean.dtype))
+
+    result = fused_token_loss(
+        x.hidden,
+        x.weight,
+        x.token_labels,
+        tile_loss,
+        options=x.tensor_options(loss.tile, temperature),
+        entropy_grad=False,
+        lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
+        mean_logit_loss=mean_loss if eps != 0.0 else None,
+        mean_logit_weights=c if eps != 0.0 else None,
+    )
+    # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
+    # even at an uncounted token (its gradient would be NaN anyway)
+    total = result.loss + 0.0 * result.entropy.sum()
+    return {"loss": total, "tokens": counted.sum().to(torch.float32)}
