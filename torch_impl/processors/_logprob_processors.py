@@ -183,23 +183,9 @@ def cross_entropy_loss(
     NaN or inf in the hidden states or weight makes the loss NaN.
     """
     tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ContractError(
-            "reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction)
-        )
-    z_loss = check_finite_number("z_loss", z_loss, low=0.0)
-    eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    if class_weights is not None and not (
-        isinstance(class_weights, torch.Tensor)
-        and class_weights.dim() == 1
-        and class_weights.dtype.is_floating_point
-    ):
-        raise ContractError(
-            "class_weights",
-            expected="None or a floating tensor [V]",
-            actual=describe_tensor(class_weights),
-        )
-    loss = _CrossEntropy(reduction, temperature, z_loss, eps, class_weights, tile)
+    loss = _CrossEntropy.checked(
+        reduction, temperature, z_loss, label_smoothing, class_weights, tile
+    )
     path = _per_token_cross_entropy if reduction == "none" else _reduced_cross_entropy
 
     @checked_call()
@@ -220,6 +206,35 @@ class _CrossEntropy:
     eps: float
     class_weights: torch.Tensor | None
     tile: LinearOptions
+
+    @classmethod
+    def checked(
+        cls,
+        reduction: Reduction,
+        temperature: float | None,
+        z_loss: float,
+        label_smoothing: float,
+        class_weights: torch.Tensor | None,
+        tile: LinearOptions,
+    ) -> _CrossEntropy:
+        """The factory's arguments checked (``ContractError`` naming the argument)."""
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ContractError(
+                "reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction)
+            )
+        z_loss = check_finite_number("z_loss", z_loss, low=0.0)
+        eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+        if class_weights is not None and not (
+            isinstance(class_weights, torch.Tensor)
+            and class_weights.dim() == 1
+            and class_weights.dtype.is_floating_point
+        ):
+            raise ContractError(
+                "class_weights",
+                expected="None or a floating tensor [V]",
+                actual=describe_tensor(class_weights),
+            )
+        return cls(reduction, temperature, z_loss, eps, class_weights, tile)
 
 
 def _per_token_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> torch.Tensor:
