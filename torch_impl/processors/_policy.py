@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Never
 
 import torch
@@ -311,13 +311,24 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     check_instance("config", config, PolicyLossConfig, "a PolicyLossConfig")
     tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
-    loss_path = _fused_loss if takes_fused_path(config) else _autograd_loss
+    loss_path = _loss_path(config)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         return loss_path(_policy_call(ctx, config, tile), config)
 
     return processor(fn, name="policy_loss")
+
+
+LossPath = Callable[["PolicyCall", PolicyLossConfig], dict[str, torch.Tensor]]
+
+
+def _loss_path(config: PolicyLossConfig) -> LossPath:
+    """The path a config takes: GSPO's sequence ratio (it reads whole sequences, through
+    autograd); else the fused pass where :func:`takes_fused_path`, else autograd."""
+    if config.ratio == RatioLevel.SEQUENCE:
+        return _sequence_ratio_loss
+    return _fused_loss if takes_fused_path(config) else _autograd_loss
 
 
 def takes_fused_path(config: PolicyLossConfig) -> bool:
@@ -451,17 +462,18 @@ def _token_totals(call: PolicyCall, mask: torch.Tensor) -> torch.Tensor | None:
 
 
 def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
-    """The fused path: a token ratio, the correction read from the batch alone, the
-    gradients formed in the forward pass tile by tile (three GEMM-equivalents)."""
+    """The fused path: a token-local mode, the correction read from the batch alone, the
+    gradients formed in the forward pass tile by tile (three GEMM-equivalents). It exists
+    because it saves the fourth GEMM, the logits' recomputation in backward."""
     corrected = _corrected(call, config)
     totals = _token_totals(call, corrected.mask)
     rows = _token_rows(call, config, corrected, totals)
 
-    def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
-        return token_terms(lp, ent, rows.take(sl), config).loss
+    def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, tile: slice) -> torch.Tensor:
+        return token_terms(logp, entropy, rows.take(tile), config).loss
 
     x = call.x
-    res = fused_token_loss(
+    result = fused_token_loss(
         x.hidden,
         x.weight,
         x.token_labels,
@@ -469,46 +481,51 @@ def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.T
         options=call.options,
         entropy_grad=config.entropy_coef != 0.0,
     )
-    terms = dataclasses.replace(token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss)
+    terms = token_terms(result.logprobs, result.entropy, rows, config)
+    terms = dataclasses.replace(terms, loss=result.loss)  # the loss with the fused gradients
+    return _metrics(terms, rows, config, totals) | corrected.metrics
+
+
+def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The autograd path of a token ratio through :func:`linear_logprobs` (four
+    GEMM-equivalents, the logits recomputed in backward). It exists for the modes reading
+    other tokens (``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), for a bypass-mode correction
+    (its weights and rejection read the current logprobs before the loss) and for
+    ``fused=False``."""
+    logp, entropy = _current_logprobs(call)
+    x = call.x
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
+    totals = _token_totals(call, corrected.mask)
+    whole = Batchwide(to_tokens(call.segments), call.count, call.cp_sum)
+    rows = _token_rows(call, config, corrected, totals)
+    terms = token_terms(logp, entropy, rows, config, whole)
+    return _metrics(terms, rows, config, totals) | corrected.metrics
+
+
+def _sequence_ratio_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """GSPO's path (``RatioLevel.SEQUENCE``), through :func:`linear_logprobs` as
+    :func:`_autograd_loss`. It exists because the sequence ratio reads every token of a
+    sequence: under context parallel one collective makes each sequence's log-ratio sum
+    and token count whole (:func:`_sequence_log_ratio`), and the counts then weigh the
+    aggregation."""
+    logp, entropy = _current_logprobs(call)
+    x = call.x
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
+    old = behaviour_logprobs(call.batch, config)
+    log_ratio, totals = _sequence_log_ratio(
+        logp, old, corrected.mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
+    )
+    whole = Batchwide(to_tokens(call.segments), call.count, call.cp_sum, log_ratio)
+    rows = _token_rows(call, config, corrected, totals)
+    terms = token_terms(logp, entropy, rows, config, whole)
     return _metrics(terms, rows, config, totals) | corrected.metrics
 
 
 def _current_logprobs(call: PolicyCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The current policy's logprobs and entropies ``[n]``, differentiable (the logits
-    recomputed in backward): the one place the autograd path forms them."""
+    recomputed in backward): the one place the autograd paths form them."""
     x = call.x
-    lr = linear_logprobs(
+    result = linear_logprobs(
         x.hidden, x.weight, x.token_labels, options=call.options, with_entropy=True
     )
-    return lr.logprobs, typing.cast(torch.Tensor, lr.entropy)
-
-
-def _batchwide(
-    call: PolicyCall, config: PolicyLossConfig, logp: torch.Tensor, mask: torch.Tensor
-) -> tuple[Batchwide, torch.Tensor | None]:
-    """What the modes reading other rows read, and each sequence's token count over the
-    context-parallel group (``None`` at cp 1): for GSPO's sequence ratio, both from one
-    collective (:func:`_sequence_log_ratio`)."""
-    segments = to_tokens(call.segments)
-    if config.ratio != RatioLevel.SEQUENCE:
-        totals = _token_totals(call, mask)
-        return Batchwide(segments, call.count, call.cp_sum), totals
-    old = behaviour_logprobs(call.batch, config)
-    log_ratio, totals = _sequence_log_ratio(
-        logp, old, mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
-    )
-    return Batchwide(segments, call.count, call.cp_sum, log_ratio), totals
-
-
-def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
-    """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
-    logits recomputed in backward): the modes reading other tokens (GSPO's sequence ratio,
-    ``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), a bypass-mode correction (which
-    reads the current logprobs), or ``fused=False``."""
-    logp, entropy = _current_logprobs(call)
-    x = call.x
-    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
-    whole, totals = _batchwide(call, config, logp, corrected.mask)
-    rows = _token_rows(call, config, corrected, totals)
-    terms = token_terms(logp, entropy, rows, config, whole)
-    return _metrics(terms, rows, config, totals) | corrected.metrics
+    return result.logprobs, typing.cast(torch.Tensor, result.entropy)
