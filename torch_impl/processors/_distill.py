@@ -441,6 +441,22 @@ def _row_weights(
     return weights_of(m, segments, count, config.aggregation, **global_counts(teacher))
 
 
+def _with_config_temperature(options: Any, config: DistillConfig) -> Any:
+    """``options`` (default ``LinearOptions()``) with ``config.temperature``, whose own
+    ``temperature`` must be 1 (``ContractError`` else); anything but a
+    :class:`LinearOptions` passes on to the prologue's type check."""
+    options = LinearOptions() if options is None else options
+    if not isinstance(options, LinearOptions):
+        return options
+    if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
+        raise ContractError(
+            "options.temperature",
+            expected="1.0: the distillation temperature is config.temperature",
+            actual=repr(options.temperature),
+        )
+    return dataclasses.replace(options, temperature=config.temperature)
+
+
 @checked_call()
 def linear_distillation_loss(
     hidden: torch.Tensor,
@@ -476,15 +492,8 @@ def linear_distillation_loss(
     ``None``, as :func:`~torch_impl.processors.linear_logprobs`'. No gradient reaches
     the teacher; differentiable once (``create_graph=True`` raises).
     """
-    config, options = _checked_config(config), LinearOptions() if options is None else options
-    if isinstance(options, LinearOptions):  # config.temperature, with options=None too
-        if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
-            raise ContractError(
-                "options.temperature",
-                expected="1.0: the distillation temperature is config.temperature",
-                actual=repr(options.temperature),
-            )
-        options = dataclasses.replace(options, temperature=config.temperature)
+    config = _checked_config(config)
+    options = _with_config_temperature(options, config)
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
