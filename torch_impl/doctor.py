@@ -22,7 +22,8 @@ every check that applies to it, each reported as passed, failed or skipped
 
 Exit status: 0 when no check failed, 1 otherwise.
 
-``--facts-row`` prints only the release-table row (docs/releases.md); ``--no-checks`` skips the checks.
+``--facts-row`` prints only the release-table row (docs/releases.md); ``--no-checks`` skips
+the checks.
 """
 
 from __future__ import annotations
@@ -208,9 +209,8 @@ def adapter_path(facts: InstalledMegatron) -> str:
             "the output layer"
         )
     return (
-        main
-        + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "
-        "own `_postprocess` on every release"
+        main + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the "
+        "adapter's own `_postprocess` on every release"
     )
 
 
@@ -379,7 +379,8 @@ def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 def _need_cuda(device: torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SkipCheck(
-            "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() is False)"
+            "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() "
+            "is False)"
         )
 
 
@@ -443,8 +444,8 @@ def _backends_agree(dev: torch.device) -> None:
                 err = float((a - want).abs().max())
                 if not err <= rtol * scale:
                     raise AssertionError(
-                        f"{backend} {str(dtype).removeprefix('torch.')} {what}: max abs err {err:.3g} "
-                        f"against float64, allowed {rtol:g} * {scale:.3g}"
+                        f"{backend} {str(dtype).removeprefix('torch.')} {what}: max abs err "
+                        f"{err:.3g} against float64, allowed {rtol:g} * {scale:.3g}"
                     )
                 base = got["torch"][0 if what == "logprobs" else 1]
                 diff = float((a - base).abs().max())
@@ -588,7 +589,8 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
     if counts["fail"] and python is None:
         print(
-            "this release is outside the matrix: the failed checks above are what does not hold here"
+            "this release is outside the matrix: the failed checks above are what does not "
+            "hold here"
         )
     return 1 if counts["fail"] else 0
 

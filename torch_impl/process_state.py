@@ -324,7 +324,8 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # megatron.core at import, where neither is installed; the CPU checks use neither
     (r"Transformer Engine and Apex are not installed", UserWarning),
     (r"Apex is not installed", UserWarning),
-    # megatron-core 0.19.2, every TransformerConfig: its own default cuda_graph_scope is the deprecated one
+    # megatron-core 0.19.2, every TransformerConfig: its own default cuda_graph_scope is the
+    # deprecated one
     (r"full scope is deprecated", UserWarning),
 )
 """The warnings the tools silence, by message: nothing else."""
@@ -332,7 +333,8 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
     # torch, when it looks for CUDA on a CPU-only machine
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),
-    # megatron-core 0.19 logs this once per GPTModel built: the tools' models are GPTModels on purpose
+    # megatron-core 0.19 logs this once per GPTModel built: the tools' models are GPTModels
+    # on purpose
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
 )
 """The log records the tools drop, by logger and message start: nothing else."""

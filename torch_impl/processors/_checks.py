@@ -43,7 +43,8 @@ def _number(x: float) -> str:
 
 def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     if low is not None and high is not None:
-        return f"in {'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
+        opening, closing = "(" if low_open else "[", ")" if high_open else "]"
+        return f"in {opening}{_number(low)}, {_number(high)}{closing}"
     if low is not None:
         return f"{'>' if low_open else '>='} {_number(low)}"
     if high is not None:

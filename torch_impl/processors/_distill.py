@@ -294,7 +294,8 @@ def _sparse_epilogue(
             total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, materialize_grads=True) if need else ()
-        # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's own max
+        # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's
+        # own max
         big_m = setup.reduce_max(top[0]) if capped and eng.triton else stats.max
         agree = _argmax_ids(setup, top, big_m) == ids[:, 0]
         out.record(rows, total.detach(), kl.detach(), agree, lse)
@@ -345,7 +346,8 @@ def _checked_config(config: Any) -> DistillConfig:
 
 def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
     """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are ``None``
-    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks: required)."""
+    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks:
+    required)."""
     expected = "a torch_impl.processors.SparseTeacher or DenseTeacher"
     check_instance(field, teacher, (SparseTeacher, DenseTeacher), expected)
     how = config.aggregation
@@ -360,7 +362,8 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
     if cp > 1 and need is not None and getattr(teacher, need) is None:
         raise ContractError(
             f"context.{need}",
-            expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",
+            expected=f"the count over the context-parallel ranks (cp={cp}), so that their "
+            "losses sum",
             actual="None",
         )
     return teacher
@@ -475,7 +478,8 @@ def linear_distillation_loss(
     vocab-parallel, its gradients formed in this call, never materialising the
     logits. Equal to::
 
-        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], T = config.temperature
+        # [n, V], T = config.temperature
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T
         log Q = log_softmax(z)                                    # the student
         log P = log_softmax(z_t)  (dense)  |  the teacher's k ids (sparse, config.tail)
         D = divergence(P, Q)                                      # [n], config.divergence

@@ -179,7 +179,8 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
                 ctx, processor=name
             ),  # MuP's factor, or refused by name
             softcap=context_softcap(ctx),
-            check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
+            # checked once: the labels above or in the hook, a temperature on resolving
+            check_values=False,
         ),
     )
 

@@ -106,7 +106,8 @@ def _token_weights(
     + z_loss * sum(wz * lse ** 2) + eps * sum(ws * (mean(cw) * lse - mean_logit))``: ``M``
     :func:`~._inputs.counted_mask` of ``loss_mask``; ``wz = M`` (sum) or the token mean's
     ``M / (global_tokens or sum(M))`` (0 where ``sum(M) == 0``); ``w = ws = wz``, or with
-    ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over ``sum(M * cwy)``."""
+    ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over
+    ``sum(M * cwy)``."""
     m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
     count = context_field(ctx.context, "global_tokens")  # read by "mean" without class weights only
     if count is not None and (reduction != "mean" or cwy is not None):

@@ -56,7 +56,8 @@ class LinearOptions:
     construction (``ContractError``), the tensors' shapes at the call.
 
     Attributes:
-        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row; not differentiated).
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row; not
+            differentiated).
         logit_scale: a constant factor ``> 0`` on the logits (MuP's output multiplier).
         ignore_index: the label of rows that count nowhere (logprob 0).
         vocab: the weight's rows ``[vocab.start, vocab.end)`` of ``vocab.size``;
@@ -114,7 +115,10 @@ class LinearOptions:
                 "vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab)
             )
         if self.collectives is not None:
-            expected = "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, gather_hidden_states)"
+            expected = (
+                "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, "
+                "gather_hidden_states)"
+            )
             check_instance("collectives", self.collectives, Collectives, expected)
         if self.backend not in BACKENDS:
             raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
@@ -456,8 +460,9 @@ def refuse_function_transforms(**tensors: Any) -> None:
     wrapped = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and is_wrapped(v)]
     raise ContractError(
         wrapped[0] if wrapped else next(iter(tensors)),
-        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
-        "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
-        "rows instead of vmap (the functions take any number of rows)",
+        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not "
+        "supported (the gradients are formed in tiles outside autograd); use "
+        "torch.autograd.grad, and batch rows instead of vmap (the functions take any number "
+        "of rows)",
         actual="a call inside a torch.func transform",
     )

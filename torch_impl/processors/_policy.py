@@ -402,7 +402,8 @@ def _corrected(
             "rollout_correction",
             expected="token-level weights and rejection under context parallel (a sequence's "
             "tokens are split over the ranks)",
-            actual=f"rollout_is={correction.rollout_is}, rollout_rs={sorted(correction.rollout_rs)}",
+            actual=f"rollout_is={correction.rollout_is}, "
+            f"rollout_rs={sorted(correction.rollout_rs)}",
         )
     rollout = typing.cast(torch.Tensor, call.batch.rollout_logprobs).to(call.mask.device)
     behaviour = current if correction.bypass_mode else call.batch.old_logprobs

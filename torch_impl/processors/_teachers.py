@@ -191,7 +191,8 @@ class DenseTeacher:
         if self.vocab != student_vocab and (self.vocab is not None or not whole):
             raise ContractError(
                 f"{field}.vocab",
-                expected=f"the student's {student_vocab}: the VocabShard of the teacher's weight rows",
+                expected=f"the student's {student_vocab}: the VocabShard of the teacher's "
+                "weight rows",
                 actual=repr(self.vocab),
             )
         t_h = th.detach().to(hidden.device)

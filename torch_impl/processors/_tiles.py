@@ -110,7 +110,8 @@ class Tiles:
     ) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
-        # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype = compute)
+        # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype
+        # = compute)
         self.hs = hs * setup.row_inv_t(slice(None)) if setup.fold else hs
         self.w = w.detach()
         self.w_dtype = w.dtype

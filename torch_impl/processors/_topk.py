@@ -97,7 +97,8 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
 def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
     """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their
     gradient's terms ``dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p
-    (log p + H)`` (a softcap's slope at the ids from their capped values; the engine's on the rest)."""
+    (log p + H)`` (a softcap's slope at the ids from their capped values; the engine's on the
+    rest)."""
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
     stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
     setup, acc = eng.setup, eng.setup.acc_dtype
@@ -176,7 +177,8 @@ def linear_topk_logprobs(
         if not callable(gather):
             raise ContractError(
                 "collectives.all_gather",
-                expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the vocab shards",
+                expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the "
+                "vocab shards",
                 actual=f"{type(options.collectives).__name__} without all_gather",
             )
     run = functools.partial(_run, k, gather, with_entropy)

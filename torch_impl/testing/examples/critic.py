@@ -11,7 +11,8 @@ parallelism), and applies the head::
 
     h = gather_hidden_states(ctx.hidden_states)                 # [s, b, h]
     v = head(h)[..., 0].T                                       # [b, s], fp32
-    v_clip = old + clamp(v - old, -clip_range, clip_range)      # PPO's value clip (v where inactive)
+    # PPO's value clip (v where inactive)
+    v_clip = old + clamp(v - old, -clip_range, clip_range)
     loss = 0.5 * sum(M * max((v - R)**2, (v_clip - R)**2)) / N  # N = sum(M), or global_tokens
     clip_fraction = sum(M * ((v_clip - R)**2 > (v - R)**2)) / sum(M)
 
