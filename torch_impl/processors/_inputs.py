@@ -151,7 +151,8 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
-    # a meta tensor (a field, a user context's entry) refused by name, not deep inside torch
+    # a tensor on the meta device (the context's fields, the user context's entries)
+    # is refused by name before torch fails deep inside
     user = ctx.context
     if dataclasses.is_dataclass(user) and not isinstance(user, type):
         user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}

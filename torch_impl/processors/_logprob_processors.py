@@ -292,6 +292,7 @@ def _reduced_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> dict[str,
     x = hook_inputs(ctx, "cross_entropy_loss")
     temperature = resolve_temperature(loss.temperature, ctx, x.b, x.s)
     cwy, c, cw_mean = _class_weights_of(ctx, x, loss.class_weights)
+    # the z-loss unweighted by the class weights (wz), as Liger-Kernel's
     w, wz, ws, counted = _token_weights(ctx, x, loss.reduction, cwy)
     eps, z_loss = loss.eps, loss.z_loss
 

@@ -338,8 +338,9 @@ def _dtypes(
 def _inverse_temperature(
     t: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
 ) -> torch.Tensor | float:
-    """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype (exact to
-    float64 for a float32 ``T`` with float64 inputs) or a number."""
+    """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype or a number.
+    In the accumulation dtype, a float32 temperature with float64 inputs gives an exact
+    float64 quotient of its (float32) values."""
     if isinstance(t, torch.Tensor):
         return (scale / t.to(device=device, dtype=acc)).contiguous()
     return scale / t

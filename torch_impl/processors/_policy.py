@@ -267,7 +267,8 @@ def _metrics(
     logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
     approx_kl = kl_terms(logp, old, KLOptions(KLEstimator.K3, config.log_ratio_clamp))
     out = {
-        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf, even uncounted
+        # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
+        # or the weight holds NaN/inf, even at an uncounted token.
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),

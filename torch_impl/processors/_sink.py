@@ -52,6 +52,8 @@ class GradSink:
         setup = engine.setup
         n, local, hid, dev = engine.n, engine.local, engine.hs.shape[1], engine.hs.device
         self.capacity = setup.grad_capacity
+        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
+        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
         dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
         self.zeros = zeros or n == 0 or local == 0
         make = torch.zeros if self.zeros else torch.empty

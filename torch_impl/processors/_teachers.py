@@ -117,6 +117,7 @@ def _check_sparse_values(
             counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
         )
 
+    # NaN and +inf are no probability; -inf is probability 0 (a token the teacher masks)
     for bad_value, what in ((torch.isnan(wide), "NaN"), (wide == math.inf, "+inf")):
         expected = f"logprobs in [-inf, 0] (-inf: probability 0), no {what}"
         noun = f"tokens holding {what} (their count of {what})"
