@@ -142,7 +142,7 @@ class Coefficients:
     u: torch.Tensor | None = None
 
     def of_rows(self, rows: slice) -> Coefficients:
-        b, u = (None if x is None else x[rows] for x in (self.b, self.u))
+        b, u = (None if vector is None else vector[rows] for vector in (self.b, self.u))
         return Coefficients(self.a[rows], b, self.g[rows], u)
 
 
@@ -209,7 +209,7 @@ class FormedInForward(torch.autograd.Function):
         ctx.name, ctx.grads, ctx.dtypes = (
             name,
             grads,
-            [None if x is None else x.dtype for x in (h, w, b)],
+            [None if tensor is None else tensor.dtype for tensor in (h, w, b)],
         )
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -224,11 +224,12 @@ class FormedInForward(torch.autograd.Function):
                 "backward. Call it again"
             )
         grads, ctx.grads = ctx.grads, None
-        for x in (
-            x for x in grads if x is not None
-        ):  # one list a dtype: vectorised, g read on the device
-            torch._foreach_mul_([x], g)
-        scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
+        for grad in (grad for grad in grads if grad is not None):
+            torch._foreach_mul_([grad], g)  # one list a dtype: vectorised, g read on the device
+        scaled = (
+            None if grad is None else grad.to(dtype)
+            for grad, dtype in zip(grads, ctx.dtypes, strict=True)
+        )
         return *scaled, None, None, None
 
 

@@ -60,21 +60,23 @@ def selected_logprobs(
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "selected_logprobs")
+        inputs = hook_inputs(ctx, "selected_logprobs")
         res = linear_logprobs(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
+            inputs.hidden,
+            inputs.weight,
+            inputs.token_labels,
+            options=inputs.tensor_options(
+                tile, resolve_temperature(temperature, ctx, inputs.b, inputs.s)
+            ),
             with_entropy=entropy,
         )
-        return x.per_token(logprobs=res.logprobs, entropy=res.entropy)
+        return inputs.per_token(logprobs=res.logprobs, entropy=res.entropy)
 
     return processor(fn, name="selected_logprobs")
 
 
 def _class_weights_of(
-    ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor | None
+    ctx: OutputContext, inputs: HookInputs, class_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float | torch.Tensor]:
     """``(cw[labels] [n], c [V_local], mean(cw))``: each row's label weight (acc dtype;
     0 where ignored), the shard's column weights of the mean logit and the mean class
@@ -92,15 +94,15 @@ def _class_weights_of(
         )
     if ctx.check_values:
         check_finite_deferred(class_weights, field="class_weights", nonnegative=True)
-    cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
+    cw = class_weights.detach().to(device=inputs.hidden.device, dtype=inputs.acc_dtype)
     cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))
-    y = x.token_labels  # an ignored label clamped into range, then its weight 0
+    y = inputs.token_labels  # an ignored label clamped into range, then its weight 0
     cwy = torch.where(y == ctx.ignore_index, 0.0, cw[y.clamp(0, max(vocab.size - 1, 0))])
     return cwy, cw[vocab.start : vocab.end], cw.mean()
 
 
 def _token_weights(
-    ctx: OutputContext, x: HookInputs, reduction: Reduction, cwy: torch.Tensor | None
+    ctx: OutputContext, inputs: HookInputs, reduction: Reduction, cwy: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w, wz, ws, M)`` ``[n]`` in row order with ``loss = -(1 - eps) * sum(w * logprobs)
     + z_loss * sum(wz * lse ** 2) + eps * sum(ws * (mean(cw) * lse - mean_logit))``: ``M``
@@ -108,7 +110,7 @@ def _token_weights(
     ``M / (global_tokens or sum(M))`` (0 where ``sum(M) == 0``); ``w = ws = wz``, or with
     ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over
     ``sum(M * cwy)``."""
-    m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
+    m = to_tokens(counted_mask(ctx, inputs, ctx.loss_mask, "loss_mask"))
     count = context_field(ctx.context, "global_tokens")  # read by "mean" without class weights only
     if count is not None and (reduction != "mean" or cwy is not None):
         why = "class_weights (the mean divides by the counted tokens' class weights)"
@@ -243,27 +245,27 @@ def _per_token_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> torch.T
     ignored) through :func:`linear_logprobs`, the logits recomputed in backward. It exists
     beside :func:`_reduced_cross_entropy` because a per-token loss has no scalar whose
     gradient could be formed in the forward pass."""
-    x = hook_inputs(ctx, "cross_entropy_loss")
+    inputs = hook_inputs(ctx, "cross_entropy_loss")
     _refuse_reduction_fields(ctx)
     eps = loss.eps
-    cwy, c, cw_mean = _class_weights_of(ctx, x, loss.class_weights)
+    cwy, c, cw_mean = _class_weights_of(ctx, inputs, loss.class_weights)
     temperature = 1.0 if loss.temperature is None else loss.temperature
     result = linear_logprobs(
-        x.hidden,
-        x.weight,
-        x.token_labels,
-        options=x.tensor_options(loss.tile, temperature),
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
+        options=inputs.tensor_options(loss.tile, temperature),
         with_mean_logit=eps != 0.0,
         mean_logit_weights=c if eps != 0.0 else None,
     )
-    ignored = x.token_labels == ctx.ignore_index
+    ignored = inputs.token_labels == ctx.ignore_index
     ce = -result.logprobs if cwy is None else -result.logprobs * cwy
     if result.mean_logit is not None:
         smooth = torch.where(ignored, 0.0, cw_mean * result.lse - result.mean_logit)
         ce = (1.0 - eps) * ce + eps * smooth
     if loss.z_loss != 0.0:
         ce = ce + loss.z_loss * torch.where(ignored, 0.0, result.lse.square())
-    return from_tokens(ce, x.b, x.s)
+    return from_tokens(ce, inputs.b, inputs.s)
 
 
 def _refuse_reduction_fields(ctx: OutputContext) -> None:
@@ -289,11 +291,11 @@ def _reduced_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> dict[str,
         loss = -(1 - eps) sum(w * logprobs) + z_loss sum(wz * lse**2)
                + eps sum(ws * (mean(cw) * lse - mean_logit))
     """
-    x = hook_inputs(ctx, "cross_entropy_loss")
-    temperature = resolve_temperature(loss.temperature, ctx, x.b, x.s)
-    cwy, c, cw_mean = _class_weights_of(ctx, x, loss.class_weights)
+    inputs = hook_inputs(ctx, "cross_entropy_loss")
+    temperature = resolve_temperature(loss.temperature, ctx, inputs.b, inputs.s)
+    cwy, c, cw_mean = _class_weights_of(ctx, inputs, loss.class_weights)
     # the z-loss unweighted by the class weights (wz), as Liger-Kernel's
-    w, wz, ws, counted = _token_weights(ctx, x, loss.reduction, cwy)
+    w, wz, ws, counted = _token_weights(ctx, inputs, loss.reduction, cwy)
     eps, z_loss = loss.eps, loss.z_loss
 
     def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -307,11 +309,11 @@ def _reduced_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> dict[str,
         return -eps * weighted_sum(mean, ws[rows].to(mean.dtype))
 
     result = fused_token_loss(
-        x.hidden,
-        x.weight,
-        x.token_labels,
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
         tile_loss,
-        options=x.tensor_options(loss.tile, temperature),
+        options=inputs.tensor_options(loss.tile, temperature),
         entropy_grad=False,
         lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
         mean_logit_loss=mean_loss if eps != 0.0 else None,

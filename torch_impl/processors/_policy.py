@@ -344,11 +344,11 @@ def takes_fused_path(config: PolicyLossConfig) -> bool:
 @dataclasses.dataclass(frozen=True)
 class PolicyCall:
     """One call's checked inputs, built once by :func:`_policy_call` for either path:
-    the hook's tensors ``x``, the user context ``batch``, the context-parallel sum (or
+    the hook's tensors ``inputs``, the user context ``batch``, the context-parallel sum (or
     ``None``), the counted mask ``M`` ``[b, s]``, each token's sequence and their count,
     and the tensor functions' options."""
 
-    x: HookInputs
+    inputs: HookInputs
     batch: PolicyBatch
     cp_sum: CpSum | None
     mask: torch.Tensor
@@ -362,21 +362,21 @@ def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptio
     context-parallel sum the aggregation needs; 4. the counted mask (the context's, else
     the model's ``loss_mask``), the batch's values checked where counted; 5. the sequences;
     6. the options (temperature from the context)."""
-    x = hook_inputs(ctx, "policy_loss")
-    batch = _policy_batch(ctx, x.b, x.s, config)
+    inputs = hook_inputs(ctx, "policy_loss")
+    batch = _policy_batch(ctx, inputs.b, inputs.s, config)
     cp_sum = context_parallel_sum(config, batch, ctx)
     if batch.mask is None:
         given, field = ctx.loss_mask, "loss_mask"
     else:
         given, field = batch.mask, "context.mask"
-    mask = counted_mask(ctx, x, given, field)
+    mask = counted_mask(ctx, inputs, given, field)
     if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
         for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
             if (value := getattr(batch, name)) is not None:
                 check_finite_deferred(value, field=f"context.{name}", where=mask > 0)
-    segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-    options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
-    return PolicyCall(x, batch, cp_sum, mask, segments, count, options)
+    segments, count = sequence_ids(ctx, inputs.b, inputs.s, mask.device)
+    options = inputs.tensor_options(tile, resolve_temperature(None, ctx, inputs.b, inputs.s))
+    return PolicyCall(inputs, batch, cp_sum, mask, segments, count, options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,11 +474,11 @@ def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.T
     def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, tile: slice) -> torch.Tensor:
         return token_terms(logp, entropy, rows.take(tile), config).loss
 
-    x = call.x
+    inputs = call.inputs
     result = fused_token_loss(
-        x.hidden,
-        x.weight,
-        x.token_labels,
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
         tile_loss,
         options=call.options,
         entropy_grad=config.entropy_coef != 0.0,
@@ -495,8 +495,8 @@ def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torc
     (its weights and rejection read the current logprobs before the loss) and for
     ``fused=False``."""
     logp, entropy = _current_logprobs(call)
-    x = call.x
-    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
+    inputs = call.inputs
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), inputs.b, inputs.s))
     totals = _token_totals(call, corrected.mask)
     whole = Batchwide(to_tokens(call.segments), call.count, call.cp_sum)
     rows = _token_rows(call, config, corrected, totals)
@@ -511,8 +511,8 @@ def _sequence_ratio_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str
     and token count whole (:func:`_sequence_log_ratio`), and the counts then weigh the
     aggregation."""
     logp, entropy = _current_logprobs(call)
-    x = call.x
-    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
+    inputs = call.inputs
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), inputs.b, inputs.s))
     old = behaviour_logprobs(call.batch, config)
     log_ratio, totals = _sequence_log_ratio(
         logp, old, corrected.mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
@@ -526,8 +526,8 @@ def _sequence_ratio_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str
 def _current_logprobs(call: PolicyCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The current policy's logprobs and entropies ``[n]``, differentiable (the logits
     recomputed in backward): the one place the autograd paths form them."""
-    x = call.x
+    inputs = call.inputs
     result = linear_logprobs(
-        x.hidden, x.weight, x.token_labels, options=call.options, with_entropy=True
+        inputs.hidden, inputs.weight, inputs.token_labels, options=call.options, with_entropy=True
     )
     return result.logprobs, typing.cast(torch.Tensor, result.entropy)

@@ -214,16 +214,18 @@ def topk_logprobs(
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
+        inputs = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
         res = linear_topk_logprobs(
-            x.hidden,
-            x.weight,
+            inputs.hidden,
+            inputs.weight,
             k=k,
-            labels=x.labels,
-            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
+            labels=inputs.labels,
+            options=inputs.tensor_options(
+                tile, resolve_temperature(temperature, ctx, inputs.b, inputs.s)
+            ),
             with_entropy=entropy,
         )
-        return x.per_token(
+        return inputs.per_token(
             topk_logprobs=res.logprobs,
             topk_ids=res.ids,
             logprobs=res.label_logprobs,
