@@ -93,16 +93,16 @@ class LinearOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        t = self.temperature
-        if not isinstance(t, torch.Tensor):
-            check_temperature(t, 1)
+        temperature = self.temperature
+        if not isinstance(temperature, torch.Tensor):
+            check_temperature(temperature, 1)
         elif (
-            t.dim() > 0 and check_floating("temperature", t).dim() != 1
+            temperature.dim() > 0 and check_floating("temperature", temperature).dim() != 1
         ):  # a [b, s] is not the rows
             raise ContractError(
                 "temperature",
                 expected="a number or a tensor [n] (one per gathered row, s-major)",
-                actual=format_shape(t.shape),
+                actual=format_shape(temperature.shape),
             )
         put(
             self,
@@ -214,10 +214,10 @@ def prologue(
     # 4. the backend, then the labels and the temperature of every row
     triton = _backend(options.backend, h, weight)
     y = _checked_labels(labels, n, size, options, h.device)
-    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    temperature = check_temperature(options.temperature, n, check_values=options.check_values)
     # 5. the compute and accumulation dtypes, and logit_scale / T in the latter
     cdtype, acc = _dtypes(h, weight, options, triton)
-    inv_t = _inverse_temperature(t, options.logit_scale, h.device, acc)
+    inv_t = _inverse_temperature(temperature, options.logit_scale, h.device, acc)
     # 6. the optional columns: the bias and the mean logit's column weights
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
     mean_weights = _checked_mean_weights(mean_weights, local, h.device, acc)
@@ -336,14 +336,14 @@ def _dtypes(
 
 
 def _inverse_temperature(
-    t: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
+    temperature: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
 ) -> torch.Tensor | float:
     """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype or a number.
     In the accumulation dtype, a float32 temperature with float64 inputs gives an exact
     float64 quotient of its (float32) values."""
-    if isinstance(t, torch.Tensor):
-        return (scale / t.to(device=device, dtype=acc)).contiguous()
-    return scale / t
+    if isinstance(temperature, torch.Tensor):
+        return (scale / temperature.to(device=device, dtype=acc)).contiguous()
+    return scale / temperature
 
 
 def _checked_mean_weights(
