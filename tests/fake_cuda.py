@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -351,6 +352,19 @@ class Launch:
         return spec_key(self.kernel, self.args, self.constexprs)
 
 
+def _as_bound(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """A launch as the launcher binds it, whether its arguments came by position or by
+    name: the kernel's parameters that are not constexpr, in the signature's order, and
+    the rest (constexprs, ``num_warps``) by name."""
+    params = list(inspect.signature(fn).parameters.values())
+    named = dict(zip((p.name for p in params), args)) | kwargs
+    constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
+    positional = [named.pop(p.name) for p in params if p.name not in constexpr and p.name in named]
+    return positional, named
+
+
 @contextlib.contextmanager
 def record_launches(*, run: bool = True) -> Iterator[list[Launch]]:
     """Record every interpreted Triton launch (``TRITON_INTERPRET=1`` must have been set
@@ -363,11 +377,12 @@ def record_launches(*, run: bool = True) -> Iterator[list[Launch]]:
     def spy(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         if not warmup:
             fn = self.fn
+            positional, named = _as_bound(fn, args, kwargs)
             launches.append(
                 Launch(
                     kernel=f"{fn.__module__}:{fn.__qualname__}",
-                    args=[describe(a) for a in args],
-                    constexprs={k: describe(v) for k, v in kwargs.items()},
+                    args=[describe(a) for a in positional],
+                    constexprs={k: describe(v) for k, v in named.items()},
                 )
             )
         if run:

@@ -155,7 +155,9 @@ def default_output(
     processor is given)::
 
         logits = scale_logits(output_layer(h, weight=output_weight)[0])   # [s, b, V/tp]
-        return logits.transpose(0, 1) if labels is None else compute_language_model_loss(labels, logits)
+        if labels is None:
+            return logits.transpose(0, 1)
+        return compute_language_model_loss(labels, logits)
 
     Mirrors the tail of ``GPTModel._postprocess`` (megatron-core 0.16.1 and
     0.19.2, training path), pinned by ``tests/test_upstream_mirror.py``.
@@ -274,7 +276,8 @@ class ForwardCall:
             ignore_index=self.options.ignore_index,
             mtp_depth=depth,
             check_values=self.options.check_values,
-            labels_checked=self.options.check_values,  # checked below, once: processors do not again
+            # checked below, once: processors do not again
+            labels_checked=self.options.check_values,
         )
         validate_context(ctx, check_values=False)
         if self.options.check_values and ctx.labels is not None and ctx.vocab is not None:
@@ -308,7 +311,8 @@ class ForwardCall:
     def mtp(
         self, hook_kwargs: Mapping[str, Any], depth: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The MTP processor's ``(loss [b, s], accepted [b, s] or None)`` at depth ``depth`` >= 1."""
+        """The MTP processor's ``(loss [b, s], accepted [b, s] or None)`` at depth ``depth``
+        >= 1."""
         ctx = self.context(hook_kwargs, depth)
         result = self.mtp_processor(ctx)
         field = f"mtp_processor {_processor_name(self.mtp_processor)!r} result at depth {depth}"

@@ -129,7 +129,8 @@ class InstalledMegatron:
         found: list[str] = []
         if not self.reduce_keeps_noncontiguous_result:
             found.append(
-                "TP: `_reduce` leaves a non-contiguous gradient unreduced (adapter hands it a contiguous one)"
+                "TP: `_reduce` leaves a non-contiguous gradient unreduced (adapter hands it a "
+                "contiguous one)"
             )
         if not self.mtp_loss_in_block and not self.mtp_labels_from_input_ids:
             found.append("MTP with `labels=None` crashes (adapter derives them from `input_ids`)")

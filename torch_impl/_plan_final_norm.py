@@ -52,7 +52,8 @@ def check_apply_final_norm(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ContractError(
             "apply_final_norm",
-            expected="a bool (True: the plan normalises like forward; False: Megatron's plan as it is)",
+            expected="a bool (True: the plan normalises like forward; False: Megatron's plan as "
+            "it is)",
             actual=repr(value),
         )
     return value
@@ -89,7 +90,8 @@ def missing_final_norm(model: Any) -> Any:
 
 
 def _normed(norm: Any, hidden_states: Any) -> Any:
-    """``norm(hidden_states)`` as ``TransformerBlock.forward`` applies it (then a viewless tensor)."""
+    """``norm(hidden_states)`` as ``TransformerBlock.forward`` applies it (then a viewless
+    tensor)."""
     return make_viewless_tensor(inp=norm(hidden_states), requires_grad=True, keep_graph=True)
 
 
@@ -129,7 +131,8 @@ def add_missing_final_norm(plan: Any, model: Any) -> None:
     else:
         raise ContractError(
             "model",
-            expected="a chunk whose MTP layers follow decoder layers (where the plan can add the final norm)",
+            expected="a chunk whose MTP layers follow decoder layers (where the plan can add the "
+            "final norm)",
             actual="MTP layers after an empty decoder, where Megatron's plan applies no final norm",
             hint="Build the plan with apply_final_norm=False (Megatron's plan as it is)",
         )

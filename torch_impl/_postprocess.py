@@ -91,7 +91,8 @@ def finish_postprocess(
                 "inference_context",
                 expected="None when an output or MTP processor runs on a model with MTP layers",
                 actual=type(hook_kwargs["inference_context"]).__name__,
-                hint="MTP losses are a training and evaluation path; run inference without processors",
+                hint="MTP losses are a training and evaluation path; run inference without "
+                "processors",
             )
         hook_kwargs["hidden_states"] = attach_mtp_losses(
             model, hidden_states, call=call, hook_kwargs=hook_kwargs

@@ -42,7 +42,8 @@ def _check_group(field: str, group: Any) -> None:
     if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
         raise ContractError(
             field,
-            expected="a torch.distributed.ProcessGroup (Megatron's parallel_state groups) or None (one rank)",
+            expected="a torch.distributed.ProcessGroup (Megatron's parallel_state groups) or None "
+            "(one rank)",
             actual=repr(group) if isinstance(group, (str, int, float)) else type(group).__name__,
         )
 

@@ -22,13 +22,15 @@ every check that applies to it, each reported as passed, failed or skipped
 
 Exit status: 0 when no check failed, 1 otherwise.
 
-``--facts-row`` prints only the release-table row (docs/releases.md); ``--no-checks`` skips the checks.
+``--facts-row`` prints only the release-table row (docs/releases.md); ``--no-checks`` skips
+the checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -207,9 +209,8 @@ def adapter_path(facts: InstalledMegatron) -> str:
             "the output layer"
         )
     return (
-        main
-        + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the adapter's "
-        "own `_postprocess` on every release"
+        main + " (decided from `GPTModel.forward`'s signature); a model with MTP layers takes the "
+        "adapter's own `_postprocess` on every release"
     )
 
 
@@ -378,7 +379,8 @@ def _hybrid_checks() -> Iterator[tuple[str, Callable[[], None]]]:
 def _need_cuda(device: torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SkipCheck(
-            "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() is False)"
+            "no CUDA device: the GPU checks run on a CUDA machine (torch.cuda.is_available() "
+            "is False)"
         )
 
 
@@ -412,80 +414,86 @@ def gpu_checks(device: torch.device | str = "cuda") -> Iterator[tuple[str, Calla
     there the label check is read at once, inside the call."""
     dev = torch.device(device)
 
-    def backends_agree() -> None:
-        _need_cuda(dev)
-        from .processors import LinearOptions, linear_logprobs
-
-        for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-            hidden, weight, labels, truth, grad = _gpu_case(dtype, dev)
-            got = {}
-            for backend in _gpu_backends():
-                h = hidden.clone().requires_grad_()
-                r = linear_logprobs(h, weight, labels, options=LinearOptions(backend=backend))
-                (dh,) = torch.autograd.grad(r.logprobs.sum(), h)
-                got[backend] = (r.logprobs.detach().double().cpu(), dh.double().cpu())
-            for backend, (lp, dh) in got.items():
-                for what, a, want in (("logprobs", lp, truth), ("d/d hidden", dh, grad)):
-                    scale = float(want.abs().max())
-                    err = float((a - want).abs().max())
-                    if not err <= rtol * scale:
-                        raise AssertionError(
-                            f"{backend} {str(dtype).removeprefix('torch.')} {what}: max abs err {err:.3g} "
-                            f"against float64, allowed {rtol:g} * {scale:.3g}"
-                        )
-                    base = got["torch"][0 if what == "logprobs" else 1]
-                    diff = float((a - base).abs().max())
-                    if not diff <= rtol * scale:
-                        raise AssertionError(f"{backend} {what}: {diff:.3g} from the torch path")
-
-    def label_check_without_host_read() -> None:
-        _need_cuda(dev)
-        from hookspec import ContractError
-
-        from .processors import LinearOptions, linear_logprobs
-        from .value_checks import pending_checks, raise_pending_errors
-
-        hidden, weight, labels, _, _ = _gpu_case(torch.float32, dev)
-        raise_pending_errors(wait=True)
-        for backend in _gpu_backends():
-            bad = labels.clone()
-            bad[3] = weight.shape[0] + 5  # a label no row holds
-            h = hidden.clone().requires_grad_()
-            options = LinearOptions(backend=backend)
-            if dev.type != "cuda":  # read at once, inside the call
-                try:
-                    linear_logprobs(h, weight, bad, options=options)
-                except ContractError as error:
-                    if error.field != "labels":
-                        raise
-                    continue
-                raise AssertionError(f"{backend}: the out-of-range label was not reported")
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")  # a host read raises here
-            try:
-                r = linear_logprobs(h, weight, bad, options=options)
-                r.logprobs.sum().backward()
-                pending = pending_checks()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            if pending < 1:
-                raise AssertionError(f"{backend}: no deferred label check was queued")
-            try:
-                raise_pending_errors(wait=True)
-            except ContractError as error:
-                if error.field != "labels":
-                    raise
-            else:
-                raise AssertionError(f"{backend}: the out-of-range label was not reported")
-
     yield (
         "GPU: linear_logprobs on both backends (fp32, bf16) against the torch path and float64",
-        backends_agree,
+        functools.partial(_backends_agree, dev),
     )
     yield (
         "GPU: the label check makes no host read and reports a bad label later",
-        label_check_without_host_read,
+        functools.partial(_label_check_without_host_read, dev),
     )
+
+
+def _backends_agree(dev: torch.device) -> None:
+    """:func:`gpu_checks`' first: ``linear_logprobs`` and its gradient on each backend, at
+    fp32 and bf16, against float64 and against the torch path."""
+    _need_cuda(dev)
+    from .processors import LinearOptions, linear_logprobs
+
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        hidden, weight, labels, truth, grad = _gpu_case(dtype, dev)
+        got = {}
+        for backend in _gpu_backends():
+            h = hidden.clone().requires_grad_()
+            r = linear_logprobs(h, weight, labels, options=LinearOptions(backend=backend))
+            (dh,) = torch.autograd.grad(r.logprobs.sum(), h)
+            got[backend] = (r.logprobs.detach().double().cpu(), dh.double().cpu())
+        for backend, (lp, dh) in got.items():
+            for what, a, want in (("logprobs", lp, truth), ("d/d hidden", dh, grad)):
+                scale = float(want.abs().max())
+                err = float((a - want).abs().max())
+                if not err <= rtol * scale:
+                    raise AssertionError(
+                        f"{backend} {str(dtype).removeprefix('torch.')} {what}: max abs err "
+                        f"{err:.3g} against float64, allowed {rtol:g} * {scale:.3g}"
+                    )
+                base = got["torch"][0 if what == "logprobs" else 1]
+                diff = float((a - base).abs().max())
+                if not diff <= rtol * scale:
+                    raise AssertionError(f"{backend} {what}: {diff:.3g} from the torch path")
+
+
+def _label_check_without_host_read(dev: torch.device) -> None:
+    """:func:`gpu_checks`' second: an out-of-range label is reported, on a GPU by the
+    deferred check after the call (which reads nothing back to the host), on a CPU at once."""
+    _need_cuda(dev)
+    from hookspec import ContractError
+
+    from .processors import LinearOptions, linear_logprobs
+    from .value_checks import pending_checks, raise_pending_errors
+
+    hidden, weight, labels, _, _ = _gpu_case(torch.float32, dev)
+    raise_pending_errors(wait=True)
+    for backend in _gpu_backends():
+        bad = labels.clone()
+        bad[3] = weight.shape[0] + 5  # a label no row holds
+        h = hidden.clone().requires_grad_()
+        options = LinearOptions(backend=backend)
+        if dev.type != "cuda":  # read at once, inside the call
+            try:
+                linear_logprobs(h, weight, bad, options=options)
+            except ContractError as error:
+                if error.field != "labels":
+                    raise
+                continue
+            raise AssertionError(f"{backend}: the out-of-range label was not reported")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a host read raises here
+        try:
+            r = linear_logprobs(h, weight, bad, options=options)
+            r.logprobs.sum().backward()
+            pending = pending_checks()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if pending < 1:
+            raise AssertionError(f"{backend}: no deferred label check was queued")
+        try:
+            raise_pending_errors(wait=True)
+        except ContractError as error:
+            if error.field != "labels":
+                raise
+        else:
+            raise AssertionError(f"{backend}: the out-of-range label was not reported")
 
 
 def default_checks() -> Iterator[tuple[str, Callable[[], None]]]:
@@ -581,7 +589,8 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
     if counts["fail"] and python is None:
         print(
-            "this release is outside the matrix: the failed checks above are what does not hold here"
+            "this release is outside the matrix: the failed checks above are what does not "
+            "hold here"
         )
     return 1 if counts["fail"] else 0
 

@@ -47,7 +47,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -374,31 +374,17 @@ def attach_mtp_losses(
     chunks = torch.chunk(hidden_states, 1 + depths, dim=0)
     hidden = chunks[0]
     packed = hook_kwargs.get("packed_seq_params")
-    cp_group = mtp_roll_group(model, packed, options)
-    rolled_per_token = semantics.clamped_counts or options.per_token_normalization == "rolled"
-
-    def roll(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return roll_tensor(x, cp_group=cp_group, packed_seq_params=packed)
-
-    labels: torch.Tensor | None = hook_kwargs.get("labels")
-    loss_mask: torch.Tensor | None = hook_kwargs.get("loss_mask")
-    derived = labels is None
-    if labels is None:
-        input_ids = hook_kwargs.get("input_ids")
-        if input_ids is None:
-            return hidden
-        labels, _ = roll(input_ids)
+    roll = functools.partial(
+        roll_tensor, cp_group=mtp_roll_group(model, packed, options), packed_seq_params=packed
+    )
+    found = _mtp_labels(hook_kwargs, roll)
+    if found is None:
+        return hidden
+    mtp_labels, loss_mask = found
     weight = hook_kwargs.get("output_weight")
     if getattr(config, "mtp_detach_heads", False):
         weight = (weight if weight is not None else model.output_layer.weight).detach()
-
-    mtp_labels = labels.clone()
-    if loss_mask is None:
-        loss_mask = torch.ones_like(mtp_labels)
-    if derived:
-        loss_mask, _ = roll(loss_mask)
     original_num_tokens = loss_mask.sum()
-    scale = config.mtp_loss_scaling_factor / depths
     avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     for layer in range(depths):
@@ -415,20 +401,59 @@ def attach_mtp_losses(
         mtp_loss = loss_mask * loss
         if model.training:
             _log(mtp_loss, num_tokens, accepted, loss_mask, layer, depths, avg_group, semantics)
-        if config.calculate_per_token_loss and rolled_per_token:
-            safe = num_tokens.clamp(min=1)
-            hidden = _mtp.MTPLossAutoScaler.apply(
-                hidden, scale * mtp_loss * (original_num_tokens / safe)
-            )
-        elif semantics.clamped_counts and not config.calculate_per_token_loss:
-            hidden = _mtp.MTPLossAutoScaler.apply(
-                hidden, scale * mtp_loss / num_tokens.clamp(min=1)
-            )
-        elif config.calculate_per_token_loss:
-            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
-        else:
-            hidden = _mtp.MTPLossAutoScaler.apply(hidden, scale * mtp_loss / num_tokens)
+        scaled = _scaled_mtp_loss(mtp_loss, num_tokens, original_num_tokens, config, options)
+        hidden = _mtp.MTPLossAutoScaler.apply(hidden, scaled)
     return hidden
+
+
+def _mtp_labels(
+    hook_kwargs: dict[str, Any], roll: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The labels and loss mask the MTP depths roll from, as ``GPTModel._postprocess``
+    (megatron-core 0.16.1) and ``process_mtp_loss`` (0.19.2) form them: labels ``None``
+    derived from ``input_ids`` rolled once, as 0.19.2 does (on every release), and then
+    the loss mask rolled with them; a mask ``None`` is ones. ``None`` where there are
+    neither labels nor ``input_ids`` (no MTP loss)."""
+    labels: torch.Tensor | None = hook_kwargs.get("labels")
+    loss_mask: torch.Tensor | None = hook_kwargs.get("loss_mask")
+    derived = labels is None
+    if labels is None:
+        input_ids = hook_kwargs.get("input_ids")
+        if input_ids is None:
+            return None
+        labels, _ = roll(input_ids)
+    mtp_labels = labels.clone()
+    if loss_mask is None:
+        loss_mask = torch.ones_like(mtp_labels)
+    if derived:
+        loss_mask, _ = roll(loss_mask)
+    return mtp_labels, loss_mask
+
+
+def _scaled_mtp_loss(
+    mtp_loss: torch.Tensor,
+    num_tokens: torch.Tensor,
+    original_num_tokens: torch.Tensor,
+    config: Any,
+    options: MTPOptions,
+) -> torch.Tensor:
+    """One depth's masked loss scaled by ``mtp_loss_scaling_factor / K`` and normalised as
+    ``GPTModel._postprocess`` (megatron-core 0.16.1) and ``process_mtp_loss`` (0.19.2) do,
+    in their order of operations (the same bits): with ``calculate_per_token_loss`` times
+    ``original_num_tokens / num_tokens`` (the rolled counts, clamped at 1) where
+    :func:`mtp_semantics` or the options ask for it, else as it is; without it over
+    ``num_tokens`` (clamped at 1 on 0.19.2)."""
+    semantics = mtp_semantics()
+    scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    rolled_per_token = semantics.clamped_counts or options.per_token_normalization == "rolled"
+    if config.calculate_per_token_loss and rolled_per_token:
+        safe = num_tokens.clamp(min=1)
+        return scale * mtp_loss * (original_num_tokens / safe)
+    if semantics.clamped_counts and not config.calculate_per_token_loss:
+        return scale * mtp_loss / num_tokens.clamp(min=1)
+    if config.calculate_per_token_loss:
+        return scale * mtp_loss
+    return scale * mtp_loss / num_tokens
 
 
 def _log(

@@ -203,40 +203,8 @@ def megatron_parallel(
     from megatron.core import parallel_state
 
     world_size = world_size or tp * pp * cp
-    made_group = not torch.distributed.is_initialized()
-    if made_group:
-        if (
-            world_size == 1 and port is None
-        ):  # one process meets no one: no port to find or to collide on
-            torch.distributed.init_process_group(
-                backend, store=torch.distributed.HashStore(), rank=0, world_size=1
-            )
-        else:
-            port = free_port() if port is None else port
-            torch.distributed.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-            )
-    elif torch.distributed.get_world_size() != world_size:
-        raise RuntimeError(
-            f"megatron_parallel: the caller's process group has {torch.distributed.get_world_size()} "
-            f"ranks, {world_size} asked; run this in a process of its own"
-        )
-    made_state = not parallel_state.model_parallel_is_initialized()
-    if not made_state:
-        if made_group:  # Megatron groups without a process group: stale, not the caller's
-            parallel_state.destroy_model_parallel()
-            made_state = True
-        elif (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-        ) != (tp, pp, cp):
-            raise RuntimeError(
-                "megatron_parallel: the caller's Megatron groups are "
-                f"tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-                f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, "
-                f"cp={parallel_state.get_context_parallel_world_size()}; tp={tp}, pp={pp}, cp={cp} asked"
-            )
+    made_group = _join_process_group(world_size, rank=rank, port=port, backend=backend)
+    made_state = _check_megatron_groups(parallel_state, tp, pp, cp, made_group=made_group)
     try:
         with process_groups_kept():
             held = group_globals(parallel_state)  # before: the caller's (or none)
@@ -256,6 +224,53 @@ def megatron_parallel(
     finally:
         if made_group:
             torch.distributed.destroy_process_group()
+
+
+def _join_process_group(world_size: int, *, rank: int, port: int | None, backend: str) -> bool:
+    """:func:`megatron_parallel`'s process group: the caller's (of ``world_size`` ranks,
+    else ``RuntimeError``), or one made here; whether it was made here."""
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() != world_size:
+            raise RuntimeError(
+                "megatron_parallel: the caller's process group has "
+                f"{torch.distributed.get_world_size()} ranks, {world_size} asked; run this in "
+                "a process of its own"
+            )
+        return False
+    if world_size == 1 and port is None:  # one process meets no one: no port to collide on
+        torch.distributed.init_process_group(
+            backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+    else:
+        port = free_port() if port is None else port
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    return True
+
+
+def _check_megatron_groups(
+    parallel_state: Any, tp: int, pp: int, cp: int, *, made_group: bool
+) -> bool:
+    """Whether :func:`megatron_parallel` makes Megatron's groups: none are there, or they
+    are stale (there without a process group: destroyed here); the caller's of other
+    sizes raise ``RuntimeError``, the caller's of these sizes are used and kept."""
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    if made_group:  # Megatron groups without a process group: stale, not the caller's
+        parallel_state.destroy_model_parallel()
+        return True
+    sizes = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+    if sizes != (tp, pp, cp):
+        raise RuntimeError(
+            f"megatron_parallel: the caller's Megatron groups are tp={sizes[0]}, "
+            f"pp={sizes[1]}, cp={sizes[2]}; tp={tp}, pp={pp}, cp={cp} asked"
+        )
+    return False
 
 
 def _holds_group(value: Any) -> bool:
@@ -309,7 +324,8 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # megatron.core at import, where neither is installed; the CPU checks use neither
     (r"Transformer Engine and Apex are not installed", UserWarning),
     (r"Apex is not installed", UserWarning),
-    # megatron-core 0.19.2, every TransformerConfig: its own default cuda_graph_scope is the deprecated one
+    # megatron-core 0.19.2, every TransformerConfig: its own default cuda_graph_scope is the
+    # deprecated one
     (r"full scope is deprecated", UserWarning),
 )
 """The warnings the tools silence, by message: nothing else."""
@@ -317,7 +333,8 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
     # torch, when it looks for CUDA on a CPU-only machine
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),
-    # megatron-core 0.19 logs this once per GPTModel built: the tools' models are GPTModels on purpose
+    # megatron-core 0.19 logs this once per GPTModel built: the tools' models are GPTModels
+    # on purpose
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
 )
 """The log records the tools drop, by logger and message start: nothing else."""

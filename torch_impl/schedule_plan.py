@@ -90,8 +90,9 @@ class PlanOutputs:
                 "schedule plan output",
                 expected="a tensor (the combined-1F1B schedule hands tensors to the loss node)",
                 actual=f"a mapping with keys {sorted(result)}",
-                hint="Return (plan, torch_impl.plan_loss_func(plan, loss_func)) from forward_step_func: "
-                "the mapping then crosses the schedule packed and reaches loss_func whole",
+                hint="Return (plan, torch_impl.plan_loss_func(plan, loss_func)) from "
+                "forward_step_func: the mapping then crosses the schedule packed and reaches "
+                "loss_func whole",
             )
         packed = tuple(
             k for k, v in result.items() if isinstance(v, torch.Tensor) and v.requires_grad
@@ -99,7 +100,8 @@ class PlanOutputs:
         if not packed and torch.is_grad_enabled():
             raise ContractError(
                 "schedule plan output",
-                expected="a mapping with at least one value that requires grad (the schedule runs backward)",
+                expected="a mapping with at least one value that requires grad (the schedule "
+                "runs backward)",
                 actual=f"keys {sorted(result)}, none requiring grad",
             )
         self.keys = tuple(result)

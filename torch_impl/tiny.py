@@ -190,15 +190,7 @@ def build_tiny_gpt(
     it holds the embedding and the output layer.
     """
     config = tiny_config(shape, **config_overrides)
-    virtual = vp_stage is not None
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage
-        )
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage
-        )
+    pre_process, post_process = _stage_ends(pre_process, post_process, vp_stage)
     spec = cpu_layer_spec() if transformer_layer_spec is None else transformer_layer_spec
 
     def build(config: TransformerConfig, pre: bool, post: bool, vp: int | None) -> GPTModel:
@@ -223,15 +215,38 @@ def build_tiny_gpt(
             # layer would get the numbers of the model's first layer: this stage takes
             # the unpipelined model's tensors instead.
             kept = {k: v for k, v in config_overrides.items() if k not in _STAGE_PLACEMENT}
-            whole_config = tiny_config(
-                shape,
-                **kept,
-                pipeline_model_parallel_size=1,
-                virtual_pipeline_model_parallel_size=None,
-            )
-            whole = build(whole_config, True, True, None).state_dict()
+            whole = build(_unpipelined_config(shape, kept), True, True, None).state_dict()
             model.load_state_dict(_stage_tensors(model, whole), strict=False)
     return model
+
+
+def _stage_ends(
+    pre_process: bool | None, post_process: bool | None, vp_stage: int | None
+) -> tuple[bool, bool]:
+    """``(pre_process, post_process)`` as given, else from the pipeline rank (and the
+    virtual stage ``vp_stage`` where given): whether this stage holds the embedding and
+    the output layer."""
+    virtual = vp_stage is not None
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        )
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        )
+    return pre_process, post_process
+
+
+def _unpipelined_config(shape: TinyGPTShape, overrides: dict[str, Any]) -> TransformerConfig:
+    """The config of the same model in one pipeline stage (``overrides`` without the
+    stage placement's fields)."""
+    return tiny_config(
+        shape,
+        **overrides,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+    )
 
 
 def _stage_tensors(stage: GPTModel, whole: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -37,13 +37,14 @@ __all__ = [
 ]
 
 
-def _number(x: float) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"  # ints exactly, however large
+def _number(number: float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"  # ints exactly, however large
 
 
 def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     if low is not None and high is not None:
-        return f"in {'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
+        opening, closing = "(" if low_open else "[", ")" if high_open else "]"
+        return f"in {opening}{_number(low)}, {_number(high)}{closing}"
     if low is not None:
         return f"{'>' if low_open else '>='} {_number(low)}"
     if high is not None:
@@ -67,16 +68,16 @@ def check_finite_number(
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ContractError(field, expected=expected, actual=_describe(value))
     try:
-        x = float(value)
+        number = float(value)
     except OverflowError:  # an int beyond the float range (10**400)
         raise ContractError(
             field, expected=expected, actual=f"{value!r} (beyond the float range)"
         ) from None
-    below = low is not None and (x <= low if low_open else x < low)
-    above = high is not None and (x >= high if high_open else x > high)
-    if not math.isfinite(x) or below or above:
+    below = low is not None and (number <= low if low_open else number < low)
+    above = high is not None and (number >= high if high_open else number > high)
+    if not math.isfinite(number) or below or above:
         raise ContractError(field, expected=expected, actual=repr(value))
-    return x
+    return number
 
 
 def check_enum(field: str, kind: Any, value: Any) -> Any:
@@ -90,12 +91,12 @@ def check_enum(field: str, kind: Any, value: Any) -> Any:
 
 
 def check_instance(
-    field: str, x: Any, kind: type | tuple[type, ...], expected: str, hint: str = ""
+    field: str, value: Any, kind: type | tuple[type, ...], expected: str, hint: str = ""
 ) -> Any:
     """``x`` is an instance of ``kind`` (the error names its type)."""
-    if not isinstance(x, kind):
-        raise ContractError(field, expected=expected, actual=type(x).__name__, hint=hint)
-    return x
+    if not isinstance(value, kind):
+        raise ContractError(field, expected=expected, actual=type(value).__name__, hint=hint)
+    return value
 
 
 def check_bool(field: str, value: Any) -> bool:
@@ -133,15 +134,15 @@ def context_field(context: Any, name: str) -> Any:
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_floating(field: str, x: Any) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ContractError(field, expected="a torch.Tensor", actual=type(x).__name__)
-    if x.dtype not in FLOATS:
+def check_floating(field: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ContractError(field, expected="a torch.Tensor", actual=type(value).__name__)
+    if value.dtype not in FLOATS:
         raise ContractError(
-            field, expected="a floating dtype", actual=str(x.dtype).removeprefix("torch.")
+            field, expected="a floating dtype", actual=str(value.dtype).removeprefix("torch.")
         )
-    refuse_meta(x, field=field)  # a shape without values: torch would fail deep inside
-    return x
+    refuse_meta(value, field=field)  # a shape without values: torch would fail deep inside
+    return value
 
 
 def check_shape(field: str, value: Any, want: tuple[int, ...], expected: str) -> torch.Tensor:

@@ -294,7 +294,8 @@ def _sparse_epilogue(
             total = weighted_sum(d, w)
             leaves = (u_, lse_) if lqt_ is None else (u_, lse_, lqt_)
             grads = torch.autograd.grad(total, leaves, materialize_grads=True) if need else ()
-        # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's own max
+        # with a softcap the kernels' tanh may differ from torch's in the last bit: the top's
+        # own max
         big_m = setup.reduce_max(top[0]) if capped and eng.triton else stats.max
         agree = _argmax_ids(setup, top, big_m) == ids[:, 0]
         out.record(rows, total.detach(), kl.detach(), agree, lse)
@@ -308,8 +309,9 @@ def _sparse_epilogue(
         gt = torch.where(
             q_out < TAIL_FLOOR, 0.0, grads[2]
         )  # 0 where the floor holds it (as clamp_min's)
-        # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last term
-        # over the outside entries alone (no terms of size p_tail / q_tail that cancel at the ids)
+        # dD/dz_j = gu_j [j in ids] + (glse - gt) q_j + gt [j outside] q_j / q_tail: the last
+        # term over the outside entries alone (the earlier gu + glse q_j at the ids summed
+        # terms of size p_tail / q_tail that cancel: 65536 in float64 for 0.28)
         q = e / stats.sumexp[:, None]  # the student's probabilities in this shard
         outside = torch.where(listed, 0.0, q / q_out.clamp_min(TAIL_FLOOR)[:, None])
         gz = q * (glse - gt)[:, None] + outside * gt[:, None]
@@ -345,7 +347,8 @@ def _checked_config(config: Any) -> DistillConfig:
 
 def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int = 1) -> Teacher:
     """``teacher`` a :class:`SparseTeacher` or :class:`DenseTeacher` whose counts are ``None``
-    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks: required)."""
+    or finite ``> 0``, the one its aggregation reads (over ``cp`` context-parallel ranks:
+    required)."""
     expected = "a torch_impl.processors.SparseTeacher or DenseTeacher"
     check_instance(field, teacher, (SparseTeacher, DenseTeacher), expected)
     how = config.aggregation
@@ -360,7 +363,8 @@ def _checked_teacher(teacher: Any, config: DistillConfig, field: str, *, cp: int
     if cp > 1 and need is not None and getattr(teacher, need) is None:
         raise ContractError(
             f"context.{need}",
-            expected=f"the count over the context-parallel ranks (cp={cp}), so that their losses sum",
+            expected=f"the count over the context-parallel ranks (cp={cp}), so that their "
+            "losses sum",
             actual="None",
         )
     return teacher
@@ -441,6 +445,22 @@ def _row_weights(
     return weights_of(m, segments, count, config.aggregation, **global_counts(teacher))
 
 
+def _with_config_temperature(options: Any, config: DistillConfig) -> Any:
+    """``options`` (default ``LinearOptions()``) with ``config.temperature``, whose own
+    ``temperature`` must be 1 (``ContractError`` else); anything but a
+    :class:`LinearOptions` passes on to the prologue's type check."""
+    options = LinearOptions() if options is None else options
+    if not isinstance(options, LinearOptions):
+        return options
+    if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
+        raise ContractError(
+            "options.temperature",
+            expected="1.0: the distillation temperature is config.temperature",
+            actual=repr(options.temperature),
+        )
+    return dataclasses.replace(options, temperature=config.temperature)
+
+
 @not_traced
 @checked_call()
 def linear_distillation_loss(
@@ -460,7 +480,8 @@ def linear_distillation_loss(
     vocab-parallel, its gradients formed in this call, never materialising the
     logits. Equal to::
 
-        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T   # [n, V], T = config.temperature
+        # [n, V], T = config.temperature
+        z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T
         log Q = log_softmax(z)                                    # the student
         log P = log_softmax(z_t)  (dense)  |  the teacher's k ids (sparse, config.tail)
         D = divergence(P, Q)                                      # [n], config.divergence
@@ -477,15 +498,8 @@ def linear_distillation_loss(
     ``None``, as :func:`~torch_impl.processors.linear_logprobs`'. No gradient reaches
     the teacher; differentiable once (``create_graph=True`` raises).
     """
-    config, options = _checked_config(config), LinearOptions() if options is None else options
-    if isinstance(options, LinearOptions):  # config.temperature, with options=None too
-        if isinstance(options.temperature, torch.Tensor) or options.temperature != 1.0:
-            raise ContractError(
-                "options.temperature",
-                expected="1.0: the distillation temperature is config.temperature",
-                actual=repr(options.temperature),
-            )
-        options = dataclasses.replace(options, temperature=config.temperature)
+    config = _checked_config(config)
+    options = _with_config_temperature(options, config)
     name = "linear_distillation_loss"
     options, h, setup = prologue(name, hidden, weight, labels, options, unexpected, bias=bias)
     teacher = _checked_teacher(teacher, config, "teacher")
@@ -536,30 +550,35 @@ def distillation_loss(
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "distillation_loss", needs_labels=False)
+        inputs = hook_inputs(ctx, "distillation_loss", needs_labels=False)
         teacher = _checked_teacher(ctx.context, config, "context", cp=ctx.parallel.cp_size)
-        options = x.tensor_options(tiles, config.temperature)
-        options, h, setup = prologue("distillation_loss", x.hidden, x.weight, x.labels, options, {})
-        m, field = (
-            (ctx.loss_mask, "loss_mask") if teacher.mask is None else (teacher.mask, "context.mask")
+        options = inputs.tensor_options(tiles, config.temperature)
+        options, h, setup = prologue(
+            "distillation_loss", inputs.hidden, inputs.weight, inputs.labels, options, {}
         )
-        mask = to_tokens(counted_mask(ctx, x, m, field).to(setup.acc_dtype))
-        segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
+        own = teacher.mask is not None  # M: the teacher's mask, else loss_mask, else ones
+        given, field = (teacher.mask, "context.mask") if own else (ctx.loss_mask, "loss_mask")
+        mask = to_tokens(counted_mask(ctx, inputs, given, field).to(setup.acc_dtype))
+        segments, count = sequence_ids(ctx, inputs.b, inputs.s, mask.device)
         weights = weights_of(
             mask, to_tokens(segments), count, config.aggregation, **global_counts(teacher)
         )
-        vocab, acc, check = typing.cast(VocabShard, ctx.vocab), setup.acc_dtype, ctx.check_values
+        vocab = typing.cast(VocabShard, ctx.vocab)
         if isinstance(teacher, SparseTeacher):
+            check, acc = ctx.check_values, setup.acc_dtype
             teacher = teacher.prepare(
-                x.b, x.s, weights != 0, vocab.size, dtype=acc, check_values=check
+                inputs.b, inputs.s, weights != 0, vocab.size, dtype=acc, check_values=check
             )
         else:
             teacher = teacher.prepare(
                 typing.cast(torch.Tensor, ctx.hidden_states), vocab, ctx.collectives
             )
-        res = _fused(h, x.weight, setup, config, teacher, weights)
-        return {"loss": res.loss} | {
-            k: masked_mean(getattr(res, k), mask) for k in ("kl", "top1_agreement")
+        result = _fused(h, inputs.weight, setup, config, teacher, weights)
+        agreement = masked_mean(result.top1_agreement, mask)
+        return {
+            "loss": result.loss,
+            "kl": masked_mean(result.kl, mask),
+            "top1_agreement": agreement,
         }
 
     return processor(fn, name="distillation_loss")

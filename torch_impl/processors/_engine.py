@@ -142,7 +142,7 @@ class Coefficients:
     u: torch.Tensor | None = None
 
     def of_rows(self, rows: slice) -> Coefficients:
-        b, u = (None if x is None else x[rows] for x in (self.b, self.u))
+        b, u = (None if vector is None else vector[rows] for vector in (self.b, self.u))
         return Coefficients(self.a[rows], b, self.g[rows], u)
 
 
@@ -163,7 +163,8 @@ def logit_grad_coefficients(
     d logprob / dz_j = [j == y] - p_j
     d entropy / dz_j = -p_j (log p_j + H)        # p_j = exp(z_j - M) / S
     d lse / dz_j = p_j                           # a -= g_lse / S (every row, ignored too)
-    d mean_logit / dz_j = c_j / V                # u = g_mean / vocab (every row; c: 1 or mean_weights)
+    d mean_logit / dz_j = c_j / V                # u = g_mean / vocab (every row;
+                                                 #   c: 1 or mean_weights)
     """
     u = None if g_mean is None else g_mean.to(acc_dtype) / vocab
     g = torch.zeros_like(stats.max, dtype=acc_dtype) if g_lp is None else g_lp.to(acc_dtype)
@@ -208,7 +209,7 @@ class FormedInForward(torch.autograd.Function):
         ctx.name, ctx.grads, ctx.dtypes = (
             name,
             grads,
-            [None if x is None else x.dtype for x in (h, w, b)],
+            [None if tensor is None else tensor.dtype for tensor in (h, w, b)],
         )
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -218,15 +219,17 @@ class FormedInForward(torch.autograd.Function):
         refuse_double_backward(ctx.name)
         if ctx.grads is None:
             raise RuntimeError(
-                f"{ctx.name}: backward through the same call twice; its gradients were formed once in "
-                "the forward pass and handed over (scaled in place) by the first backward. Call it again"
+                f"{ctx.name}: backward through the same call twice; its gradients were formed "
+                "once in the forward pass and handed over (scaled in place) by the first "
+                "backward. Call it again"
             )
         grads, ctx.grads = ctx.grads, None
-        for x in (
-            x for x in grads if x is not None
-        ):  # one list a dtype: vectorised, g read on the device
-            torch._foreach_mul_([x], g)
-        scaled = (None if x is None else x.to(t) for x, t in zip(grads, ctx.dtypes, strict=True))
+        for grad in (grad for grad in grads if grad is not None):
+            torch._foreach_mul_([grad], g)  # one list a dtype: vectorised, g read on the device
+        scaled = (
+            None if grad is None else grad.to(dtype)
+            for grad, dtype in zip(grads, ctx.dtypes, strict=True)
+        )
         return *scaled, None, None, None
 
 
@@ -460,9 +463,10 @@ class Engine(Tiles):
         coef: Coefficients,
     ) -> torch.Tensor:
         """The torch form of :meth:`grad_pass`, in the accumulation dtype and in place in
-        ``exps`` (``shifted_z = z - M`` overwritten where ``coef.b`` is given): :class:`Coefficients`'
-        ``dz``, then untempered and times the softcap's slope. It exists for the float64
-        inputs and the devices Triton does not run on, and as the reference of the kernel."""
+        ``exps`` (``shifted_z = z - M`` overwritten where ``coef.b`` is given):
+        :class:`Coefficients`' ``dz``, then untempered and times the softcap's slope. It
+        exists for the float64 inputs and the devices Triton does not run on, and as the
+        reference of the kernel."""
         setup = self.setup
         if coef.b is None:
             factor = -coef.a[:, None]

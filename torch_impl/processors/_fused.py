@@ -256,6 +256,35 @@ def _sweep(
     return (total, *lp_ent[:3], lp_ent[3] if mean else lp_ent.new_empty(0)), dh, dw, eng.db
 
 
+def _check_losses(token_loss: Any, lse_loss: Any, mean_logit_loss: Any) -> None:
+    """``token_loss`` a callable, ``lse_loss`` and ``mean_logit_loss`` callables or None."""
+    for field, fn, args in (
+        ("token_loss", token_loss, "(logprobs, entropy, rows)"),
+        ("lse_loss", lse_loss, "(lse, rows)"),
+        ("mean_logit_loss", mean_logit_loss, "(mean_logit, rows)"),
+    ):
+        if not callable(fn) and (fn is not None or field == "token_loss"):
+            optional = "" if field == "token_loss" else "None or "
+            raise ContractError(
+                field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn)
+            )
+
+
+def _check_sums(
+    calls: _Calls,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    lse: torch.Tensor,
+    mean: torch.Tensor | None,
+) -> None:
+    """``check_token_sums``: each loss called once more on all rows, against the sum of
+    its calls on spans (:meth:`_Calls.check_sums`)."""
+    vectors = {"token_loss": (logprobs, entropy), "lse_loss": (lse,)}
+    if mean is not None:
+        vectors["mean_logit_loss"] = (mean,)
+    calls.check_sums(vectors)
+
+
 @not_traced
 @checked_call()
 def fused_token_loss(
@@ -295,16 +324,7 @@ def fused_token_loss(
     Differentiable once: a second backward through the same call, or
     ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
     """
-    for field, fn, args in (
-        ("token_loss", token_loss, "(logprobs, entropy, rows)"),
-        ("lse_loss", lse_loss, "(lse, rows)"),
-        ("mean_logit_loss", mean_logit_loss, "(mean_logit, rows)"),
-    ):
-        if not callable(fn) and (fn is not None or field == "token_loss"):
-            optional = "" if field == "token_loss" else "None or "
-            raise ContractError(
-                field, expected=f"{optional}a callable {args} -> scalar", actual=repr(fn)
-            )
+    _check_losses(token_loss, lse_loss, mean_logit_loss)
     check_bool("entropy_grad", entropy_grad)
     check_bool("check_token_sums", check_token_sums)
     name, cw = "fused_token_loss", mean_logit_weights
@@ -319,10 +339,7 @@ def fused_token_loss(
     )
     mean = mean if mean_logit_loss is not None else None
     if calls.sums is not None:
-        vectors = {"token_loss": (lp, entropy), "lse_loss": (lse,)}
-        if mean is not None:
-            vectors["mean_logit_loss"] = (mean,)
-        calls.check_sums(vectors)
+        _check_sums(calls, lp, entropy, lse, mean)
     return FusedLossResult(
         loss=calls.attach(loss), logprobs=lp, entropy=entropy, lse=lse, mean_logit=mean
     )

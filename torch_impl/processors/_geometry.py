@@ -82,11 +82,11 @@ def triton_mode_mismatch() -> str:
     imported_interpreting = isinstance(tl.standard.max, InterpretedFunction)
     if imported_interpreting == interpreting():
         return ""
+    then, now = ("with", "unset") if imported_interpreting else ("without", "set")
     return (
-        f"Triton was imported {'with' if imported_interpreting else 'without'} TRITON_INTERPRET=1 and it is "
-        f"{'unset' if imported_interpreting else 'set'} now: Triton fixes its interpreter mode when it is "
-        "first imported (import megatron.core imports it); set TRITON_INTERPRET before that import, "
-        "in the environment"
+        f"Triton was imported {then} TRITON_INTERPRET=1 and it is {now} now: Triton fixes its "
+        "interpreter mode when it is first imported (import megatron.core imports it); set "
+        "TRITON_INTERPRET before that import, in the environment"
     )
 
 

@@ -111,16 +111,16 @@ def factory_tiles(
     return LinearOptions(tile_rows=rows, tile_cols=cols)
 
 
-def counted_mask(ctx: OutputContext, x: HookInputs, given: Any, field: str) -> torch.Tensor:
+def counted_mask(ctx: OutputContext, inputs: HookInputs, given: Any, field: str) -> torch.Tensor:
     """The mask ``M`` ``[b, s]`` of the tokens a loss counts: ``given`` (``None``: every
     token), 0 where the label is the ignore index. Its values are checked finite and
     ``>= 0`` when ``ctx.check_values``; an entry that is not becomes NaN, so the loss
     shows it."""
-    device, dtype = x.hidden.device, x.acc_dtype
+    device, dtype = inputs.hidden.device, inputs.acc_dtype
     if given is None:
-        mask = torch.ones(x.b, x.s, dtype=dtype, device=device)
+        mask = torch.ones(inputs.b, inputs.s, dtype=dtype, device=device)
     else:
-        check_shape(field, given, (x.b, x.s), f"[b={x.b}, s={x.s}] like labels")
+        check_shape(field, given, (inputs.b, inputs.s), f"[b={inputs.b}, s={inputs.s}] like labels")
         if ctx.check_values:
             check_finite_deferred(given, field=field, nonnegative=True)
         mask = given.detach().to(device=device, dtype=dtype)
@@ -151,7 +151,8 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     hs = check_floating("hidden_states", ctx.hidden_states)
     refuse_function_transforms(hidden_states=hs, vocab_weight=ctx.vocab_weight, labels=ctx.labels)
     validate_context(ctx, check_values=False)
-    # a meta tensor (a field, a user context's entry) refused by name, not deep inside torch
+    # a tensor on the meta device (the context's fields, the user context's entries)
+    # is refused by name before torch fails deep inside
     user = ctx.context
     if dataclasses.is_dataclass(user) and not isinstance(user, type):
         user = {f.name: getattr(user, f.name) for f in dataclasses.fields(user)}
@@ -179,7 +180,8 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
                 ctx, processor=name
             ),  # MuP's factor, or refused by name
             softcap=context_softcap(ctx),
-            check_values=False,  # checked once: the labels above or in the hook, a temperature on resolving
+            # checked once: the labels above or in the hook, a temperature on resolving
+            check_values=False,
         ),
     )
 

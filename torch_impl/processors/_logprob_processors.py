@@ -5,6 +5,7 @@ computed from the hidden states and the vocab shard (layout: :mod:`._inputs`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Never
 
 import torch
@@ -26,6 +27,7 @@ from ._inputs import (
 )
 from ._logprobs import linear_logprobs
 from ._loss_math import weighted_sum, weights_of
+from ._options import LinearOptions
 from ._sampling import SamplingSupport, context_support, factory_support
 
 Reduction = Literal["none", "sum", "mean"]
@@ -64,22 +66,24 @@ def selected_logprobs(
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "selected_logprobs")
+        inputs = hook_inputs(ctx, "selected_logprobs")
         res = linear_logprobs(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
+            inputs.hidden,
+            inputs.weight,
+            inputs.token_labels,
+            options=inputs.tensor_options(
+                tile, resolve_temperature(temperature, ctx, inputs.b, inputs.s)
+            ),
             with_entropy=entropy,
-            support=context_support(support, ctx, x.b, x.s),
+            support=context_support(support, ctx, inputs.b, inputs.s),
         )
-        return x.per_token(logprobs=res.logprobs, entropy=res.entropy)
+        return inputs.per_token(logprobs=res.logprobs, entropy=res.entropy)
 
     return processor(fn, name="selected_logprobs")
 
 
 def _class_weights_of(
-    ctx: OutputContext, x: HookInputs, class_weights: torch.Tensor | None
+    ctx: OutputContext, inputs: HookInputs, class_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float | torch.Tensor]:
     """``(cw[labels] [n], c [V_local], mean(cw))``: each row's label weight (acc dtype;
     0 where ignored), the shard's column weights of the mean logit and the mean class
@@ -97,22 +101,23 @@ def _class_weights_of(
         )
     if ctx.check_values:
         check_finite_deferred(class_weights, field="class_weights", nonnegative=True)
-    cw = class_weights.detach().to(device=x.hidden.device, dtype=x.acc_dtype)
+    cw = class_weights.detach().to(device=inputs.hidden.device, dtype=inputs.acc_dtype)
     cw = torch.where(torch.isfinite(cw) & (cw >= 0), cw, float("nan"))
-    y = x.token_labels  # an ignored label clamped into range, then its weight 0
+    y = inputs.token_labels  # an ignored label clamped into range, then its weight 0
     cwy = torch.where(y == ctx.ignore_index, 0.0, cw[y.clamp(0, max(vocab.size - 1, 0))])
     return cwy, cw[vocab.start : vocab.end], cw.mean()
 
 
 def _token_weights(
-    ctx: OutputContext, x: HookInputs, reduction: Reduction, cwy: torch.Tensor | None
+    ctx: OutputContext, inputs: HookInputs, reduction: Reduction, cwy: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w, wz, ws, M)`` ``[n]`` in row order with ``loss = -(1 - eps) * sum(w * logprobs)
     + z_loss * sum(wz * lse ** 2) + eps * sum(ws * (mean(cw) * lse - mean_logit))``: ``M``
     :func:`~._inputs.counted_mask` of ``loss_mask``; ``wz = M`` (sum) or the token mean's
     ``M / (global_tokens or sum(M))`` (0 where ``sum(M) == 0``); ``w = ws = wz``, or with
-    ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over ``sum(M * cwy)``."""
-    m = to_tokens(counted_mask(ctx, x, ctx.loss_mask, "loss_mask"))
+    ``cwy = cw[y]`` ``w`` the same of ``M * cwy``, ``ws`` of ``M``, the mean's over
+    ``sum(M * cwy)``."""
+    m = to_tokens(counted_mask(ctx, inputs, ctx.loss_mask, "loss_mask"))
     count = context_field(ctx.context, "global_tokens")  # read by "mean" without class weights only
     if count is not None and (reduction != "mean" or cwy is not None):
         why = "class_weights (the mean divides by the counted tokens' class weights)"
@@ -188,86 +193,140 @@ def cross_entropy_loss(
     NaN or inf in the hidden states or weight makes the loss NaN.
     """
     tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ContractError(
-            "reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction)
-        )
-    z_loss = check_finite_number("z_loss", z_loss, low=0.0)
-    eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    cw = class_weights
-    if cw is not None and not (
-        isinstance(cw, torch.Tensor) and cw.dim() == 1 and cw.dtype.is_floating_point
-    ):
-        raise ContractError(
-            "class_weights", expected="None or a floating tensor [V]", actual=describe_tensor(cw)
-        )
+    loss = _CrossEntropy.checked(
+        reduction, temperature, z_loss, label_smoothing, class_weights, tile
+    )
+    path = _per_token_cross_entropy if reduction == "none" else _reduced_cross_entropy
 
     @checked_call()
-    def fn(ctx: OutputContext) -> torch.Tensor:
-        x = hook_inputs(ctx, "cross_entropy_loss")
-        for name in (
-            "temperature",
-            "global_tokens",
-        ):  # read by a reduction only: refused, not ignored
-            value = context_field(ctx.context, name)
-            if value is not None:
-                raise ContractError(
-                    f"context.{name}",
-                    expected="none: cross_entropy_loss() is Megatron's per-token loss, which takes no "
-                    f"{name} (a reduction reads it; selected_logprobs takes a temperature)",
-                    actual=f"a {type(value).__name__}",
-                )
-        cwy, c, cw_mean = _class_weights_of(ctx, x, class_weights)
-        res = linear_logprobs(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            options=x.tensor_options(tile, 1.0 if temperature is None else temperature),
-            with_mean_logit=eps != 0.0,
-            mean_logit_weights=c if eps != 0.0 else None,
-        )
-        loss = -res.logprobs if cwy is None else -res.logprobs * cwy
-        if res.mean_logit is not None:
-            smooth = torch.where(
-                x.token_labels == ctx.ignore_index, 0.0, cw_mean * res.lse - res.mean_logit
+    def fn(ctx: OutputContext) -> torch.Tensor | dict[str, torch.Tensor]:
+        return path(ctx, loss)
+
+    return processor(fn, name="cross_entropy_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CrossEntropy:
+    """The checked options of one :func:`cross_entropy_loss` processor (``eps``: the label
+    smoothing; ``tile``: the factory's tiles)."""
+
+    reduction: Reduction
+    temperature: float | None
+    z_loss: float
+    eps: float
+    class_weights: torch.Tensor | None
+    tile: LinearOptions
+
+    @classmethod
+    def checked(
+        cls,
+        reduction: Reduction,
+        temperature: float | None,
+        z_loss: float,
+        label_smoothing: float,
+        class_weights: torch.Tensor | None,
+        tile: LinearOptions,
+    ) -> _CrossEntropy:
+        """The factory's arguments checked (``ContractError`` naming the argument)."""
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ContractError(
+                "reduction", expected=f"one of {list(REDUCTIONS)}", actual=repr(reduction)
             )
-            loss = (1.0 - eps) * loss + eps * smooth
-        if z_loss != 0.0:
-            loss = loss + z_loss * torch.where(
-                x.token_labels == ctx.ignore_index, 0.0, res.lse.square()
+        z_loss = check_finite_number("z_loss", z_loss, low=0.0)
+        eps = check_finite_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+        if class_weights is not None and not (
+            isinstance(class_weights, torch.Tensor)
+            and class_weights.dim() == 1
+            and class_weights.dtype.is_floating_point
+        ):
+            raise ContractError(
+                "class_weights",
+                expected="None or a floating tensor [V]",
+                actual=describe_tensor(class_weights),
             )
-        return from_tokens(loss, x.b, x.s)
+        return cls(reduction, temperature, z_loss, eps, class_weights, tile)
 
-    @checked_call()
-    def reduced(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "cross_entropy_loss")
-        temp = resolve_temperature(temperature, ctx, x.b, x.s)
-        cwy, c, cw_mean = _class_weights_of(ctx, x, class_weights)
-        w, wz, ws, m = _token_weights(ctx, x, reduction, cwy)
 
-        def tile_loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
-            return -(1.0 - eps) * weighted_sum(lp, w[rows].to(lp.dtype))
+def _per_token_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> torch.Tensor:
+    """``reduction="none"``: ``ce + z_loss * lse ** 2`` ``[b, s]`` (0 where the label is
+    ignored) through :func:`linear_logprobs`, the logits recomputed in backward. It exists
+    beside :func:`_reduced_cross_entropy` because a per-token loss has no scalar whose
+    gradient could be formed in the forward pass."""
+    inputs = hook_inputs(ctx, "cross_entropy_loss")
+    _refuse_reduction_fields(ctx)
+    eps = loss.eps
+    cwy, c, cw_mean = _class_weights_of(ctx, inputs, loss.class_weights)
+    temperature = 1.0 if loss.temperature is None else loss.temperature
+    result = linear_logprobs(
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
+        options=inputs.tensor_options(loss.tile, temperature),
+        with_mean_logit=eps != 0.0,
+        mean_logit_weights=c if eps != 0.0 else None,
+    )
+    ignored = inputs.token_labels == ctx.ignore_index
+    ce = -result.logprobs if cwy is None else -result.logprobs * cwy
+    if result.mean_logit is not None:
+        smooth = torch.where(ignored, 0.0, cw_mean * result.lse - result.mean_logit)
+        ce = (1.0 - eps) * ce + eps * smooth
+    if loss.z_loss != 0.0:
+        ce = ce + loss.z_loss * torch.where(ignored, 0.0, result.lse.square())
+    return from_tokens(ce, inputs.b, inputs.s)
 
-        def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
-            zl = weighted_sum(lse.square(), wz[rows].to(lse.dtype))
-            return z_loss * zl + eps * weighted_sum(lse, ws[rows].to(lse.dtype)) * cw_mean
 
-        def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
-            return -eps * weighted_sum(mean, ws[rows].to(mean.dtype))
+def _refuse_reduction_fields(ctx: OutputContext) -> None:
+    """The per-token loss reads neither a ``temperature`` nor ``global_tokens`` of the user
+    context (a reduction reads them): refused, not ignored."""
+    for name in ("temperature", "global_tokens"):
+        value = context_field(ctx.context, name)
+        if value is not None:
+            raise ContractError(
+                f"context.{name}",
+                expected="none: cross_entropy_loss() is Megatron's per-token loss, which takes "
+                f"no {name} (a reduction reads it; selected_logprobs takes a temperature)",
+                actual=f"a {type(value).__name__}",
+            )
 
-        res = fused_token_loss(
-            x.hidden,
-            x.weight,
-            x.token_labels,
-            tile_loss,
-            options=x.tensor_options(tile, temp),
-            entropy_grad=False,
-            lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
-            mean_logit_loss=mean_loss if eps != 0.0 else None,
-            mean_logit_weights=c if eps != 0.0 else None,
-        )
-        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
-        # even at an uncounted token (its gradient would be NaN anyway)
-        return {"loss": res.loss + 0.0 * res.entropy.sum(), "tokens": m.sum().to(torch.float32)}
 
-    return processor(fn if reduction == "none" else reduced, name="cross_entropy_loss")
+def _reduced_cross_entropy(ctx: OutputContext, loss: _CrossEntropy) -> dict[str, torch.Tensor]:
+    """``reduction="sum"`` or ``"mean"``: ``{"loss", "tokens"}`` through
+    :func:`fused_token_loss`, the gradient formed in the forward pass (three
+    GEMM-equivalents); the loss's three parts, each a weighted sum of a row vector
+    (:func:`_token_weights`)::
+
+        loss = -(1 - eps) sum(w * logprobs) + z_loss sum(wz * lse**2)
+               + eps sum(ws * (mean(cw) * lse - mean_logit))
+    """
+    inputs = hook_inputs(ctx, "cross_entropy_loss")
+    temperature = resolve_temperature(loss.temperature, ctx, inputs.b, inputs.s)
+    cwy, c, cw_mean = _class_weights_of(ctx, inputs, loss.class_weights)
+    # the z-loss unweighted by the class weights (wz), as Liger-Kernel's
+    w, wz, ws, counted = _token_weights(ctx, inputs, loss.reduction, cwy)
+    eps, z_loss = loss.eps, loss.z_loss
+
+    def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> torch.Tensor:
+        return -(1.0 - eps) * weighted_sum(logp, w[rows].to(logp.dtype))
+
+    def lse_loss(lse: torch.Tensor, rows: slice) -> torch.Tensor:
+        squares = weighted_sum(lse.square(), wz[rows].to(lse.dtype))
+        return z_loss * squares + eps * weighted_sum(lse, ws[rows].to(lse.dtype)) * cw_mean
+
+    def mean_loss(mean: torch.Tensor, rows: slice) -> torch.Tensor:
+        return -eps * weighted_sum(mean, ws[rows].to(mean.dtype))
+
+    result = fused_token_loss(
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
+        tile_loss,
+        options=inputs.tensor_options(loss.tile, temperature),
+        entropy_grad=False,
+        lse_loss=lse_loss if z_loss != 0.0 or eps != 0.0 else None,
+        mean_logit_loss=mean_loss if eps != 0.0 else None,
+        mean_logit_weights=c if eps != 0.0 else None,
+    )
+    # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf,
+    # even at an uncounted token (its gradient would be NaN anyway)
+    total = result.loss + 0.0 * result.entropy.sum()
+    return {"loss": total, "tokens": counted.sum().to(torch.float32)}

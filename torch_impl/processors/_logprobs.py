@@ -25,12 +25,17 @@ class LogprobResult:
     """Per-token results of :func:`linear_logprobs` (its docstring's maths), ``[n]`` each,
     fp32 (fp64 for fp64 inputs), differentiable (``d lse / dz_j = softmax(z)_j``, ``d
     mean_logit / dz_j = 1 / V``: a z-loss and label smoothing are token losses);
-    ``entropy`` and ``mean_logit`` ``None`` unless requested. With a ``support``:
-    ``logprobs`` and ``entropy`` of the kept distribution, ``lse`` still the whole
-    vocabulary's, ``kept_logmass`` the log of the kept tokens' mass under it,
-    ``logsumexp(z[kept]) - lse`` (``<= 0``, detached), and ``vocab_logprobs`` the label's
-    logprob over the whole vocabulary, ``z_y - lse``, differentiable (what a reference
-    policy taken without the support is compared with); both ``None`` without a support."""
+    ``entropy`` and ``mean_logit`` ``None`` unless requested. With a ``support``
+    (``kept``: a row's kept tokens)::
+
+        logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z[kept]))  # -inf: not kept
+        entropy = -sum(q * log(q)),  q = softmax(z[kept])      # the kept distribution
+        lse = logsumexp(z)                                      # still the whole vocabulary
+        kept_logmass = logsumexp(z[kept]) - lse                 # <= 0, detached
+        vocab_logprobs = where(labels == ignore_index, 0, z[y] - lse)
+
+    ``vocab_logprobs``, differentiable, is what a reference policy taken without the support
+    is compared with; it and ``kept_logmass`` are ``None`` without a support."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
@@ -94,16 +99,10 @@ def linear_logprobs(
     a weighted ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights;
     ``None``: each 1).
 
-    ``support``: a :class:`SamplingSupport`, the tokens a rollout engine's sampler kept
-    (``kept_ids [n, K]``, or ``top_k``, ``top_p``, ``min_p`` applied to ``z``); then::
-
-        logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z[kept]))  # -inf: y not kept
-        entropy = -sum(q * log(q)),  q = softmax(z[kept])       # the kept distribution
-        kept_logmass = logsumexp(z[kept]) - logsumexp(z)         # lse: still the whole vocabulary
-        vocab_logprobs = where(labels == ignore_index, 0, z[y] - logsumexp(z))
-
-    differentiable over the kept tokens (a label outside the support: zero gradient);
-    ``with_mean_logit`` is refused with it. Its cost: ``docs/processors.md``, "Sampling replay".
+    ``support``: a :class:`SamplingSupport` (``kept_ids [n, K]``, or ``top_k``, ``top_p``,
+    ``min_p`` on ``z``): the results are of the kept distribution (:class:`LogprobResult`), the
+    gradient over the kept tokens (none at a label not kept); ``with_mean_logit`` refused. Cost:
+    ``docs/processors.md``, "Sampling replay".
 
     Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
     ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``

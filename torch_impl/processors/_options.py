@@ -37,7 +37,7 @@ from ._geometry import (
     sweep_tile,
     triton_mode_mismatch,
 )
-from ._tiles import cap_factor, read_in_backward
+from ._tiles import cap_factor
 
 __all__ = [
     "LinearOptions",
@@ -56,7 +56,8 @@ class LinearOptions:
     construction (``ContractError``), the tensors' shapes at the call.
 
     Attributes:
-        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row; not differentiated).
+        temperature: ``T > 0``, a number or a tensor ``[n]`` (one per gathered row; not
+            differentiated).
         logit_scale: a constant factor ``> 0`` on the logits (MuP's output multiplier).
         ignore_index: the label of rows that count nowhere (logprob 0).
         vocab: the weight's rows ``[vocab.start, vocab.end)`` of ``vocab.size``;
@@ -92,16 +93,16 @@ class LinearOptions:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        t = self.temperature
-        if not isinstance(t, torch.Tensor):
-            check_temperature(t, 1)
+        temperature = self.temperature
+        if not isinstance(temperature, torch.Tensor):
+            check_temperature(temperature, 1)
         elif (
-            t.dim() > 0 and check_floating("temperature", t).dim() != 1
+            temperature.dim() > 0 and check_floating("temperature", temperature).dim() != 1
         ):  # a [b, s] is not the rows
             raise ContractError(
                 "temperature",
                 expected="a number or a tensor [n] (one per gathered row, s-major)",
-                actual=format_shape(t.shape),
+                actual=format_shape(temperature.shape),
             )
         put(
             self,
@@ -114,7 +115,10 @@ class LinearOptions:
                 "vocab", expected="None or a hookspec.VocabShard", actual=repr(self.vocab)
             )
         if self.collectives is not None:
-            expected = "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, gather_hidden_states)"
+            expected = (
+                "None or a hookspec.Collectives (all_reduce_sum, all_reduce_max, "
+                "gather_hidden_states)"
+            )
             check_instance("collectives", self.collectives, Collectives, expected)
         if self.backend not in BACKENDS:
             raise ContractError("backend", expected=f"one of {BACKENDS}", actual=repr(self.backend))
@@ -210,18 +214,16 @@ def prologue(
     # 4. the backend, then the labels and the temperature of every row
     triton = _backend(options.backend, h, weight)
     y = _checked_labels(labels, n, size, options, h.device)
-    t = check_temperature(options.temperature, n, check_values=options.check_values)
+    temperature = check_temperature(options.temperature, n, check_values=options.check_values)
     # 5. the compute and accumulation dtypes, and logit_scale / T in the latter
     cdtype, acc = _dtypes(h, weight, options, triton)
-    inv_t = _inverse_temperature(t, options.logit_scale, h.device, acc)
+    inv_t = _inverse_temperature(temperature, options.logit_scale, h.device, acc)
     # 6. the optional columns: the bias and the mean logit's column weights
     bias = None if bias is None else check_bias(bias, weight, options.check_values)
     mean_weights = _checked_mean_weights(mean_weights, local, h.device, acc)
-    # 7. the versions of the tensors the backward reads that may be the caller's (the bias is
-    #    saved for backward: autograd checks it; the labels and 1 / T are new tensors)
-    versions = read_in_backward(mean_logit_weights=mean_weights)
-    # 8. the setup: the labels as this shard's columns, the tiles, the kernels' shape; a
-    #    softcap's tanh sits between u and 1 / T: nothing to fold into the rows
+    # 7. the setup: the labels as this shard's columns, the tiles, the kernels' shape; a
+    #    softcap's tanh sits between u and 1 / T: nothing to fold into the rows. It records
+    #    the version of each tensor of the caller's that the backward reads
     labels_local, ignored = _shard_columns(y, options.ignore_index, start, local)
     full_width = cdtype in (torch.float32, torch.float64)
     setup = TileSetup(
@@ -238,7 +240,6 @@ def prologue(
         bias=bias,
         cap_k=cap_factor(options.logit_scale, options.softcap, acc),
         mean_weights=mean_weights,
-        versions=versions,
         **_tile_shape(n, local, h.device, options, triton=triton, dtype=cdtype),
     )
     return options, h, setup
@@ -335,13 +336,14 @@ def _dtypes(
 
 
 def _inverse_temperature(
-    t: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
+    temperature: torch.Tensor | float, scale: float, device: torch.device, acc: torch.dtype
 ) -> torch.Tensor | float:
-    """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype (exact to
-    float64 for a float32 ``T`` with float64 inputs) or a number."""
-    if isinstance(t, torch.Tensor):
-        return (scale / t.to(device=device, dtype=acc)).contiguous()
-    return scale / t
+    """Step 5: ``logit_scale / T``, per row ``[n]`` in the accumulation dtype or a number.
+    In the accumulation dtype, a float32 temperature with float64 inputs gives an exact
+    float64 quotient of its (float32) values."""
+    if isinstance(temperature, torch.Tensor):
+        return (scale / temperature.to(device=device, dtype=acc)).contiguous()
+    return scale / temperature
 
 
 def _checked_mean_weights(
@@ -459,8 +461,9 @@ def refuse_function_transforms(**tensors: Any) -> None:
     wrapped = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and is_wrapped(v)]
     raise ContractError(
         wrapped[0] if wrapped else next(iter(tensors)),
-        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not supported "
-        "(the gradients are formed in tiles outside autograd); use torch.autograd.grad, and batch "
-        "rows instead of vmap (the functions take any number of rows)",
+        expected="a tensor outside torch.func transforms: vmap, grad, jacrev and jvp are not "
+        "supported (the gradients are formed in tiles outside autograd); use "
+        "torch.autograd.grad, and batch rows instead of vmap (the functions take any number "
+        "of rows)",
         actual="a call inside a torch.func transform",
     )

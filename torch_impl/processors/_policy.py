@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Never
 
 import torch
@@ -282,7 +282,8 @@ def _metrics(
     logp, old = t.logp.detach(), rows.old.to(t.logp.dtype)
     approx_kl = kl_terms(logp, old, KLOptions(KLEstimator.K3, config.log_ratio_clamp))
     out = {
-        # + 0 * sum(entropy): NaN where a hidden state or the weight holds NaN/inf, even uncounted
+        # + 0 * sum(entropy): exact for a finite entropy; NaN where a hidden state
+        # or the weight holds NaN/inf, even at an uncounted token.
         "loss": t.loss + 0.0 * t.entropy.detach().sum(),
         "pg_loss": weighted_sum(t.pg.detach(), w),
         "entropy": masked_mean(t.entropy.detach(), m, total),
@@ -327,15 +328,25 @@ def policy_loss(
     config = PolicyLossConfig() if config is None else config
     check_instance("config", config, PolicyLossConfig, "a PolicyLossConfig")
     tile = factory_tiles("policy_loss", unexpected, None, tile_rows, tile_cols)
-    fused = takes_fused_path(config)
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         call = _policy_call(ctx, config, tile)
-        loss_path = _fused_loss if fused and call.support is None else _autograd_loss
-        return loss_path(call, config)
+        return _loss_path(config, replay=call.support is not None)(call, config)
 
     return processor(fn, name="policy_loss")
+
+
+LossPath = Callable[["PolicyCall", PolicyLossConfig], dict[str, torch.Tensor]]
+
+
+def _loss_path(config: PolicyLossConfig, *, replay: bool) -> LossPath:
+    """The path a call takes: GSPO's sequence ratio (it reads whole sequences, through
+    autograd); else the fused pass where :func:`takes_fused_path` and no sampling support
+    is replayed (``replay``: its renormalisation needs the whole sweep), else autograd."""
+    if config.ratio == RatioLevel.SEQUENCE:
+        return _sequence_ratio_loss
+    return _fused_loss if takes_fused_path(config) and not replay else _autograd_loss
 
 
 def takes_fused_path(config: PolicyLossConfig) -> bool:
@@ -350,11 +361,11 @@ def takes_fused_path(config: PolicyLossConfig) -> bool:
 @dataclasses.dataclass(frozen=True)
 class PolicyCall:
     """One call's checked inputs, built once by :func:`_policy_call` for either path:
-    the hook's tensors ``x``, the user context ``batch``, the context-parallel sum (or
+    the hook's tensors ``inputs``, the user context ``batch``, the context-parallel sum (or
     ``None``), the counted mask ``M`` ``[b, s]``, each token's sequence and their count,
     the tensor functions' options and the sampling support as rows (or ``None``)."""
 
-    x: HookInputs
+    inputs: HookInputs
     batch: PolicyBatch
     cp_sum: CpSum | None
     mask: torch.Tensor
@@ -370,14 +381,14 @@ def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptio
     the model's ``loss_mask``), the batch's values checked where counted (with a sampling
     support, ``old_logprobs`` and ``rollout_logprobs`` may be ``-inf``: outside it); 5. the
     sequences; 6. the options (temperature from the context); 7. the support as rows."""
-    x = hook_inputs(ctx, "policy_loss")
-    batch = _policy_batch(ctx, x.b, x.s, config)
+    inputs = hook_inputs(ctx, "policy_loss")
+    batch = _policy_batch(ctx, inputs.b, inputs.s, config)
     cp_sum = context_parallel_sum(config, batch, ctx)
     if batch.mask is None:
         given, field = ctx.loss_mask, "loss_mask"
     else:
         given, field = batch.mask, "context.mask"
-    mask = counted_mask(ctx, x, given, field)
+    mask = counted_mask(ctx, inputs, given, field)
     replay = batch.sampling_support is not None
     if ctx.check_values:  # the mask's values at every token (above), the batch's where counted
         for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
@@ -386,10 +397,10 @@ def _policy_call(ctx: OutputContext, config: PolicyLossConfig, tile: LinearOptio
                 if replay and name in ("old_logprobs", "rollout_logprobs"):
                     read = read & ~torch.isneginf(value.detach().to(read.device))
                 check_finite_deferred(value, field=f"context.{name}", where=read)
-    segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-    options = x.tensor_options(tile, resolve_temperature(None, ctx, x.b, x.s))
-    support = context_support(None, ctx, x.b, x.s)
-    return PolicyCall(x, batch, cp_sum, mask, segments, count, options, support)
+    segments, count = sequence_ids(ctx, inputs.b, inputs.s, mask.device)
+    options = inputs.tensor_options(tile, resolve_temperature(None, ctx, inputs.b, inputs.s))
+    support = context_support(None, ctx, inputs.b, inputs.s)
+    return PolicyCall(inputs, batch, cp_sum, mask, segments, count, options, support)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +427,8 @@ def _corrected(
             "rollout_correction",
             expected="token-level weights and rejection under context parallel (a sequence's "
             "tokens are split over the ranks)",
-            actual=f"rollout_is={correction.rollout_is}, rollout_rs={sorted(correction.rollout_rs)}",
+            actual=f"rollout_is={correction.rollout_is}, "
+            f"rollout_rs={sorted(correction.rollout_rs)}",
         )
     rollout = typing.cast(torch.Tensor, call.batch.rollout_logprobs).to(call.mask.device)
     behaviour = current if correction.bypass_mode else call.batch.old_logprobs
@@ -476,26 +488,63 @@ def _token_totals(call: PolicyCall, mask: torch.Tensor) -> torch.Tensor | None:
 
 
 def _fused_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
-    """The fused path: a token ratio, the correction read from the batch alone, the
-    gradients formed in the forward pass tile by tile (three GEMM-equivalents)."""
+    """The fused path: a token-local mode, the correction read from the batch alone, the
+    gradients formed in the forward pass tile by tile (three GEMM-equivalents). It exists
+    because it saves the fourth GEMM, the logits' recomputation in backward."""
     corrected = _corrected(call, config)
     totals = _token_totals(call, corrected.mask)
     rows = _token_rows(call, config, corrected, totals)
 
-    def tile_loss(lp: torch.Tensor, ent: torch.Tensor, sl: slice) -> torch.Tensor:
-        return token_terms(lp, ent, rows.take(sl), config).loss
+    def tile_loss(logp: torch.Tensor, entropy: torch.Tensor, tile: slice) -> torch.Tensor:
+        return token_terms(logp, entropy, rows.take(tile), config).loss
 
-    x = call.x
-    res = fused_token_loss(
-        x.hidden,
-        x.weight,
-        x.token_labels,
+    inputs = call.inputs
+    result = fused_token_loss(
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
         tile_loss,
         options=call.options,
         entropy_grad=config.entropy_coef != 0.0,
     )
-    terms = dataclasses.replace(token_terms(res.logprobs, res.entropy, rows, config), loss=res.loss)
+    terms = token_terms(result.logprobs, result.entropy, rows, config)
+    terms = dataclasses.replace(terms, loss=result.loss)  # the loss with the fused gradients
     return _metrics(terms, rows, config, totals) | corrected.metrics
+
+
+def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The autograd path of a token ratio through :func:`linear_logprobs` (four
+    GEMM-equivalents, the logits recomputed in backward). It exists for the modes reading
+    other tokens (``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), for a bypass-mode correction
+    (its weights and rejection read the current logprobs before the loss), for a sampling
+    support (its renormalisation needs the whole sweep) and for ``fused=False``."""
+    call, current, outside = _inside_support(call, _current_logprobs(call, config))
+    logp, inputs = current.logp, call.inputs
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), inputs.b, inputs.s))
+    totals = _token_totals(call, corrected.mask)
+    whole = Batchwide(to_tokens(call.segments), call.count, call.cp_sum)
+    rows = _token_rows(call, config, corrected, totals)
+    terms = token_terms(logp, current.entropy, rows, config, whole, current.kl_logp)
+    return _metrics(terms, rows, config, totals) | corrected.metrics | outside
+
+
+def _sequence_ratio_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """GSPO's path (``RatioLevel.SEQUENCE``), through :func:`linear_logprobs` as
+    :func:`_autograd_loss`. It exists because the sequence ratio reads every token of a
+    sequence: under context parallel one collective makes each sequence's log-ratio sum
+    and token count whole (:func:`_sequence_log_ratio`), and the counts then weigh the
+    aggregation."""
+    call, current, outside = _inside_support(call, _current_logprobs(call, config))
+    logp, inputs = current.logp, call.inputs
+    corrected = _corrected(call, config, current=from_tokens(logp.detach(), inputs.b, inputs.s))
+    old = behaviour_logprobs(call.batch, config)
+    log_ratio, totals = _sequence_log_ratio(
+        logp, old, corrected.mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
+    )
+    whole = Batchwide(to_tokens(call.segments), call.count, call.cp_sum, log_ratio)
+    rows = _token_rows(call, config, corrected, totals)
+    terms = token_terms(logp, current.entropy, rows, config, whole, current.kl_logp)
+    return _metrics(terms, rows, config, totals) | corrected.metrics | outside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,20 +559,20 @@ class Current:
 
 def _current_logprobs(call: PolicyCall, config: PolicyLossConfig) -> Current:
     """The current policy, the logits recomputed in backward: the one place the autograd
-    path forms it (with a support, the whole vocabulary's logprob from the same sweep)."""
-    x = call.x
-    lr = linear_logprobs(
-        x.hidden,
-        x.weight,
-        x.token_labels,
+    paths form it (with a support, the whole vocabulary's logprob from the same sweep)."""
+    inputs = call.inputs
+    result = linear_logprobs(
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_labels,
         options=call.options,
         with_entropy=True,
         support=call.support,
     )
-    entropy = typing.cast(torch.Tensor, lr.entropy)
+    entropy = typing.cast(torch.Tensor, result.entropy)
     if call.support is None or config.reference_on_support:
-        return Current(lr.logprobs, entropy)
-    return Current(lr.logprobs, entropy, lr.vocab_logprobs)
+        return Current(result.logprobs, entropy)
+    return Current(result.logprobs, entropy, result.vocab_logprobs)
 
 
 def _inside_support(
@@ -535,9 +584,9 @@ def _inside_support(
     share of the counted tokens, ``support/outside_fraction``. Without one, as they are."""
     if call.support is None:
         return call, current, {}
-    x, batch, counted = call.x, call.batch, call.mask > 0
+    inputs, batch, counted = call.inputs, call.batch, call.mask > 0
     missing = torch.isneginf(current.logp.detach())
-    outside = from_tokens(missing, x.b, x.s).to(counted.device)
+    outside = from_tokens(missing, inputs.b, inputs.s).to(counted.device)
     for given in (batch.old_logprobs, batch.rollout_logprobs):
         if given is not None:
             outside = outside | torch.isneginf(given.detach().to(counted.device))
@@ -546,36 +595,4 @@ def _inside_support(
     call = dataclasses.replace(call, mask=torch.where(outside, 0.0, call.mask))
     logp = torch.where(missing, 0.0, current.logp)
     kl_logp = None if current.kl_logp is None else torch.where(missing, 0.0, current.kl_logp)
-    current = Current(logp, current.entropy, kl_logp)
-    return call, current, {"support/outside_fraction": fraction}
-
-
-def _batchwide(
-    call: PolicyCall, config: PolicyLossConfig, logp: torch.Tensor, mask: torch.Tensor
-) -> tuple[Batchwide, torch.Tensor | None]:
-    """What the modes reading other rows read, and each sequence's token count over the
-    context-parallel group (``None`` at cp 1): for GSPO's sequence ratio, both from one
-    collective (:func:`_sequence_log_ratio`)."""
-    segments = to_tokens(call.segments)
-    if config.ratio != RatioLevel.SEQUENCE:
-        totals = _token_totals(call, mask)
-        return Batchwide(segments, call.count, call.cp_sum), totals
-    old = behaviour_logprobs(call.batch, config)
-    log_ratio, totals = _sequence_log_ratio(
-        logp, old, mask, call.segments, call.count, call.cp_sum, config.log_ratio_clamp
-    )
-    return Batchwide(segments, call.count, call.cp_sum, log_ratio), totals
-
-
-def _autograd_loss(call: PolicyCall, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
-    """The autograd path through :func:`linear_logprobs` (four GEMM-equivalents, the
-    logits recomputed in backward): the modes reading other tokens (GSPO's sequence ratio,
-    ``gspo``, ``clip_cov``, ``kl_cov``, ``geo_mean``), a bypass-mode correction (which
-    reads the current logprobs), a sampling support, or ``fused=False``."""
-    call, current, outside = _inside_support(call, _current_logprobs(call, config))
-    logp, x = current.logp, call.x
-    corrected = _corrected(call, config, current=from_tokens(logp.detach(), x.b, x.s))
-    whole, totals = _batchwide(call, config, logp, corrected.mask)
-    rows = _token_rows(call, config, corrected, totals)
-    terms = token_terms(logp, current.entropy, rows, config, whole, current.kl_logp)
-    return _metrics(terms, rows, config, totals) | corrected.metrics | outside
+    return call, Current(logp, current.entropy, kl_logp), {"support/outside_fraction": fraction}

@@ -496,17 +496,19 @@ def preference_loss(
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
         # 1. the inputs, the mask, the sequences and their pairs, checked
-        x = hook_inputs(ctx, "preference_loss")
+        inputs = hook_inputs(ctx, "preference_loss")
         batch = _preference_batch(ctx)
         given, field = (
             (ctx.loss_mask, "loss_mask") if batch.mask is None else (batch.mask, "context.mask")
         )
-        mask = counted_mask(ctx, x, given, field)
-        segments, count = sequence_ids(ctx, x.b, x.s, mask.device)
-        pairs = _pairs(ctx, batch, count, x.acc_dtype, config)
+        mask = counted_mask(ctx, inputs, given, field)
+        segments, count = sequence_ids(ctx, inputs.b, inputs.s, mask.device)
+        pairs = _pairs(ctx, batch, count, inputs.acc_dtype, config)
         cp_sum = _context_parallel_sum(ctx)
         # 2. the token logprobs (autograd recomputes the logits in backward), the sequences'
-        lp = linear_logprobs(x.hidden, x.weight, x.token_labels, options=x.tensor_options(tile))
+        lp = linear_logprobs(
+            inputs.hidden, inputs.weight, inputs.token_labels, options=inputs.tensor_options(tile)
+        )
         total, tokens = sequence_logprobs(lp.logprobs, mask, segments, count, cp_sum)
         if ctx.check_values:
             _check_nonempty(pairs, tokens, field)

@@ -67,13 +67,12 @@ def row_scale(
         dz = -a exp(z - M) + g [j == y]
            = (-a exp(c - M)) * E  +  (g - a exp(zy - M)) at the label's column
     """
-    assert (
-        coef.u is None
-    )  # a uniform term is no scale of E: the fused loss takes the two-pass sweep
+    # a uniform term is no scale of E: the fused loss takes the two-pass sweep
+    assert coef.u is None
     c, zy = vec[0, rows], vec[4, rows]
-    f = 1.0 if eng.setup.fold else eng.setup.row_inv_t(rows, column=False)
-    scale = -coef.a * torch.exp(c - stats.max) * f
-    label = (coef.g - coef.a * torch.exp(zy - stats.max)) * f * eng.cap_slope_of(zy, rows)
+    factor = 1.0 if eng.setup.fold else eng.setup.row_inv_t(rows, column=False)
+    scale = -coef.a * torch.exp(c - stats.max) * factor
+    label = (coef.g - coef.a * torch.exp(zy - stats.max)) * factor * eng.cap_slope_of(zy, rows)
     return RowScale(scale=scale, label=label)
 
 
@@ -91,15 +90,16 @@ def single_pass(
     vec = torch.empty((5, eng.n), dtype=eng.setup.acc_dtype, device=eng.hs.device)
 
     def epilogue(z: torch.Tensor, rows: slice, sink: GradSink) -> None:
-        r, c = z.shape
-        out = sink.tile(rows) if sink.active else eng.buffer("E", r, c, eng.setup.compute_dtype)
+        height, width = z.shape
+        dtype = eng.setup.compute_dtype
+        out = sink.tile(rows) if sink.active else eng.buffer("E", height, width, dtype)
         exp_rows(eng, z, rows, out, vec[:, rows])
         sink.commit(rows)
 
     def on_flush(rows: slice) -> RowScale | None:  # a buffer's rows of the vectors, combined
         c, m, s, t, zy = vec[:, rows]
-        k = torch.exp(c - m)  # relative to the local max, as combine() takes them
-        stats = combine(m, s * k, k * (t + (c - m) * s), zy, eng.setup, rows)
+        rescale = torch.exp(c - m)  # relative to the local max, as combine() takes them
+        stats = combine(m, s * rescale, rescale * (t + (c - m) * s), zy, eng.setup, rows)
         coef = on_stats(stats, rows)
         return None if coef is None else row_scale(eng, vec, rows, stats, coef)
 

@@ -52,6 +52,8 @@ class GradSink:
         setup = engine.setup
         n, local, hid, dev = engine.n, engine.local, engine.hs.shape[1], engine.hs.device
         self.capacity = setup.grad_capacity
+        # W's dtype where the GEMM operands are in it (bf16 on a GPU: cuBLAS accumulates
+        # in fp32 and rounds once a buffer), else the accumulation dtype, cast at the end
         dw_dtype = engine.w_dtype if engine.w_dtype == setup.compute_dtype else setup.acc_dtype
         self.zeros = zeros or n == 0 or local == 0
         make = torch.zeros if self.zeros else torch.empty
@@ -104,28 +106,33 @@ class GradSink:
             self._flush()
 
     def _flush(self) -> None:
+        """Multiply the held rows out: ``dh[rows] = G @ W``, ``dW (+)= G.T @ h[rows]`` (each
+        scaled by ``on_flush``'s :class:`RowScale` where it gives one), the bias's gradient,
+        and the label's column of the scaled rows as a sparse term."""
         if self.held == 0:
             return
         eng, setup = self.engine, self.engine.setup
-        b0, b1 = self.start, self.start + self.held
+        start, end = self.start, self.start + self.held
         self.held = 0
-        scale = None if self.on_flush is None else self.on_flush(slice(b0, b1))
+        scale = None if self.on_flush is None else self.on_flush(slice(start, end))
         if self.buf is None or not self.active:
             return
-        g, x = self.buf[: b1 - b0], eng.hs[b0:b1]
+        grad, hidden = self.buf[: end - start], eng.hs[start:end]
         if self.dh is not None:
-            dh = self.dh[b0:b1]  # each row once: written, unless sparse terms came first
-            gemm_into(dh, g, eng.weight_all(), first=not self.zeros)
+            dh = self.dh[start:end]  # each row once: written, unless sparse terms came first
+            gemm_into(dh, grad, eng.weight_all(), first=not self.zeros)
             if scale is not None:
                 dh.mul_(scale.scale[:, None])
         if self.dw is not None:
             if scale is not None:
-                x = (x.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
-            gemm_into(self.dw, g.T, x, first=not self.dw_written)
+                hidden = (hidden.to(setup.acc_dtype) * scale.scale[:, None]).to(setup.compute_dtype)
+            gemm_into(self.dw, grad.T, hidden, first=not self.dw_written)
             self.dw_written = True
-        eng.bias_grad_(g, slice(b0, b1), scale=None if scale is None else scale.scale)
+        eng.bias_grad_(grad, slice(start, end), scale=None if scale is None else scale.scale)
         if scale is not None:  # the label's column, formed in the accumulation dtype
-            self._sparse(slice(b0, b1), setup.labels_local[b0:b1, None], scale.label[:, None])
+            self._sparse(
+                slice(start, end), setup.labels_local[start:end, None], scale.label[:, None]
+            )
         if self.aliased:
             self.buf, self.aliased = None, False
 

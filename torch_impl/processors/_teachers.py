@@ -117,6 +117,7 @@ def _check_sparse_values(
             counted & bad, values, field=f"{field}.logprobs", expected=expected, noun=noun
         )
 
+    # NaN and +inf are no probability; -inf is probability 0 (a token the teacher masks)
     for bad_value, what in ((torch.isnan(wide), "NaN"), (wide == math.inf, "+inf")):
         expected = f"logprobs in [-inf, 0] (-inf: probability 0), no {what}"
         noun = f"tokens holding {what} (their count of {what})"
@@ -191,7 +192,8 @@ class DenseTeacher:
         if self.vocab != student_vocab and (self.vocab is not None or not whole):
             raise ContractError(
                 f"{field}.vocab",
-                expected=f"the student's {student_vocab}: the VocabShard of the teacher's weight rows",
+                expected=f"the student's {student_vocab}: the VocabShard of the teacher's "
+                "weight rows",
                 actual=repr(self.vocab),
             )
         t_h = th.detach().to(hidden.device)

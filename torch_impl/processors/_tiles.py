@@ -95,8 +95,15 @@ class TileSetup:
     cap_k: float | None = None  # logit_scale / softcap; None: no softcap
     mean_weights: torch.Tensor | None = None  # [V_local] acc dtype: mean_logit = sum_j c_j z_j / V
     # (field, tensor, version at the call) of each tensor the backward reads that may be a
-    # caller's (aliased by .to() where its dtype and layout already fit): check_versions
+    # caller's (aliased by .to() where its dtype and layout already fit): check_versions.
+    # Recorded at construction where not given: the mean logit's column weights (the bias
+    # is saved for backward, autograd checks it; the labels and 1 / T are new tensors)
     versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            versions = read_in_backward(mean_logit_weights=self.mean_weights)
+            object.__setattr__(self, "versions", versions)
 
     def check_versions(self, function: str) -> None:
         """``RuntimeError`` where a tensor the backward reads was changed in place since the
@@ -135,7 +142,8 @@ class Tiles:
     ) -> None:
         self.setup = setup
         hs = h.detach().to(setup.compute_dtype)
-        # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype = compute)
+        # z / T = (h / T) @ W.T: one multiply of the rows, not of every tile (fold: acc dtype
+        # = compute)
         self.hs = hs * setup.row_inv_t(slice(None)) if setup.fold else hs
         self.w = w.detach()
         self.w_dtype = w.dtype
@@ -170,15 +178,15 @@ class Tiles:
         """The tile ``u = h[rows] @ wc.T + b[cols]`` ``[r, c]`` in the accumulation dtype
         (``wc = W[cols]``): tempered on the torch backend (folded: ``(h inv_t) @ wc.T +
         inv_t b``), untempered on the Triton backend (its kernels apply ``inv_t``)."""
-        x = self.hs[rows]
-        z = gemm_into(
-            self.buffer("z", x.shape[0], wc.shape[0], self.setup.acc_dtype), x, wc.T, first=True
-        )
-        if self.b is not None:
-            f = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
-            z.addr_(f, self.b[cols]) if isinstance(f, torch.Tensor) else z.add_(
-                self.b[cols], alpha=f
-            )
+        hidden = self.hs[rows]
+        tile = self.buffer("z", hidden.shape[0], wc.shape[0], self.setup.acc_dtype)
+        z = gemm_into(tile, hidden, wc.T, first=True)
+        if self.b is not None:  # folded: the bias times inv_t, as the rows are
+            factor = self.setup.row_inv_t(rows, column=False) if self.setup.fold else 1.0
+            if isinstance(factor, torch.Tensor):
+                z.addr_(factor, self.b[cols])
+            else:
+                z.add_(self.b[cols], alpha=factor)
         if self.setup.cap_k is not None and not self.triton:  # tanh(u k) kept for cap_slope_
             soft_cap_(z, self.setup.cap_k, self.like("cap", z))
         return z if self.triton or self.setup.fold else scaled_(z, self.setup.row_inv_t(rows))
@@ -188,8 +196,8 @@ class Tiles:
         (torch backend; its ``"cap"`` buffer is spent); ``gz`` unchanged without a softcap."""
         if self.setup.cap_k is None:
             return gz
-        t = self.like("cap", gz)
-        return gz.addcmul_(gz, t.mul_(t), value=-1.0)
+        tanh = self.like("cap", gz)
+        return gz.addcmul_(gz, tanh.mul_(tanh), value=-1.0)
 
     def cap_slope_of(self, zv: torch.Tensor, rows: slice) -> torch.Tensor | float:
         """``1 - tanh(u cap_k)**2`` of capped logits ``zv`` (``[r]``, or ``[r, k]``: a gather
@@ -267,20 +275,20 @@ class Tiles:
         """The vocabulary sweep's tiles ``(rows, cols, W[cols], logits)``, columns outer
         (each ``W`` tile converted once)."""
         height, width = self.setup.tile
-        for j0 in range(0, self.local if self.n else 0, width):
-            cols = slice(j0, min(j0 + width, self.local))
+        for col0 in range(0, self.local if self.n else 0, width):
+            cols = slice(col0, min(col0 + width, self.local))
             wc = (
                 self.w[cols].to(self.setup.compute_dtype)
                 if self._w_all is None
                 else self._w_all[cols]
             )
-            for i0 in range(0, self.n, height):
-                rows = slice(i0, min(i0 + height, self.n))
+            for row0 in range(0, self.n, height):
+                rows = slice(row0, min(row0 + height, self.n))
                 yield rows, cols, wc, self.logits(rows, wc, cols)
 
     def row_tiles(self) -> Iterator[tuple[slice, torch.Tensor]]:
         """The row sweep's tiles ``(rows, logits)`` of whole rows of the shard."""
         height = self.setup.row_tile
-        for i0 in range(0, self.n if self.local else 0, height):
-            rows = slice(i0, min(i0 + height, self.n))
+        for row0 in range(0, self.n if self.local else 0, height):
+            rows = slice(row0, min(row0 + height, self.n))
             yield rows, self.logits(rows, self.weight_all())

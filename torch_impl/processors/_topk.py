@@ -98,7 +98,8 @@ def _candidates(eng: Engine, k_local: int) -> tuple[torch.Tensor, torch.Tensor, 
 def _run(k: int, gather: Any, with_entropy: bool, eng: Engine) -> tuple[Any, ...]:
     """:class:`~._engine.Recomputed`'s run: the top-k and statistics, and their
     gradient's terms ``dz = sum_j g_val_j ([. == id_j] - p) + g_lab ([. == y] - p) - g_ent p
-    (log p + H)`` (a softcap's slope at the ids from their capped values; the engine's on the rest)."""
+    (log p + H)`` (a softcap's slope at the ids from their capped values; the engine's on the
+    rest)."""
     top_v, top_i, on_tile = _candidates(eng, min(k, eng.local))
     stats = eng.forward_stats(with_entropy=with_entropy, on_tile=on_tile)
     setup, acc = eng.setup, eng.setup.acc_dtype
@@ -178,7 +179,8 @@ def linear_topk_logprobs(
         if not callable(gather):
             raise ContractError(
                 "collectives.all_gather",
-                expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the vocab shards",
+                expected="a Collectives with all_gather (spec 1.2) to merge the top-k of the "
+                "vocab shards",
                 actual=f"{type(options.collectives).__name__} without all_gather",
             )
     run = functools.partial(_run, k, gather, with_entropy)
@@ -214,16 +216,18 @@ def topk_logprobs(
 
     @checked_call()
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        x = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
+        inputs = hook_inputs(ctx, "topk_logprobs", needs_labels=False)
         res = linear_topk_logprobs(
-            x.hidden,
-            x.weight,
+            inputs.hidden,
+            inputs.weight,
             k=k,
-            labels=x.labels,
-            options=x.tensor_options(tile, resolve_temperature(temperature, ctx, x.b, x.s)),
+            labels=inputs.labels,
+            options=inputs.tensor_options(
+                tile, resolve_temperature(temperature, ctx, inputs.b, inputs.s)
+            ),
             with_entropy=entropy,
         )
-        return x.per_token(
+        return inputs.per_token(
             topk_logprobs=res.logprobs,
             topk_ids=res.ids,
             logprobs=res.label_logprobs,

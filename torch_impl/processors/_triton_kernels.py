@@ -89,15 +89,23 @@ def _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T: tl.constexpr):
 
 @triton.jit
 def _summand(
-    z, cap_k, cw_ptrs, cw_ok, SOFTCAP: tl.constexpr, WEIGHTED: tl.constexpr, MASKED: tl.constexpr
+    z,
+    cap_k,
+    cw_ptr,
+    cw_cols,
+    cw_ok,
+    SOFTCAP: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """A block's term of the mean logit's sum before its factor ``inv_t``: ``z`` or its
-    softcap (:func:`_capped`), times the column weights; 0 in a masked column (``MASKED``:
-    ``cw_ok`` False)."""
+    softcap (:func:`_capped`), times the column weights ``cw_ptr[cw_cols]`` (``WEIGHTED``;
+    ``cw_ptr`` is None without them); 0 in a masked column (``MASKED``: ``cw_ok`` False)."""
     zs = z
     if SOFTCAP:
         zs, _ = _capped(z, cap_k)
     if WEIGHTED:
+        cw_ptrs = cw_ptr + cw_cols
         zs = zs * (tl.load(cw_ptrs, mask=cw_ok, other=0.0) if MASKED else tl.load(cw_ptrs))[None, :]
     return tl.where(cw_ok[None, :], zs, 0.0) if MASKED else zs
 
@@ -119,6 +127,18 @@ def _store_rounded(ptrs, x, mask):
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
+def _given(name: str) -> Any:
+    """A ``triton.heuristics`` rule: the flag is set where the argument ``name`` is given
+    (not None). A kernel's optional tensor is None where absent, never another tensor
+    standing in for it, and the code that reads it sits under its flag."""
+    return lambda arguments: arguments[name] is not None
+
+
+_TEMPERATURE_RULES = {"PER_TOKEN_T": _given("inv_t_ptr"), "SOFTCAP": _given("cap_k")}
+"""Every kernel's rules for the temperature (a per-row tensor, else the scalar) and the
+softcap (its factor ``cap_k``, else None)."""
+
+
 @triton.jit
 def _stats_step(
     z,
@@ -136,7 +156,13 @@ def _stats_step(
 ):
     """One block ``z [BLOCK_M, BLOCK_N]`` (untempered; -inf where masked) folded into a
     row's running max ``m`` (tempered), the exponents' origin ``base``, the earlier
-    tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``."""
+    tiles' ``(s_in, t_in)`` and the per-lane sums ``(s_l, t_l)``.
+
+    Every exponent is taken against the running max (through ``base``, 0 while ``m`` is
+    -inf), so the per-lane sums need a rescale only in a step whose block raises ``m``:
+    after a row's first blocks a new maximum is rare, and the common step is one
+    exponential an element with no rescale; the earlier tiles' ``(s_in, t_in)`` ride
+    along in the same rescale."""
     # inv_t > 0 and rounding is monotone: max(fl(z * inv_t)) == fl(max(z) * inv_t)
     m_new = tl.maximum(m, _temper(tl.max(z, axis=1), cap_k, inv_t, SOFTCAP))  # the cap is monotone
     grow = m_new > m  # False for NaN: a NaN reaches the sums through its own term
@@ -163,6 +189,14 @@ def _stats_step(
     return m, base, s_in, t_in, s_l, t_l
 
 
+@triton.heuristics(
+    {
+        **_TEMPERATURE_RULES,
+        "WITH_ENTROPY": _given("t_ptr"),
+        "WITH_SUM": _given("sz_ptr"),
+        "WEIGHTED": _given("cw_ptr"),
+    }
+)
 @triton.jit
 def _chunk_stats_kernel(
     z_ptr,
@@ -171,21 +205,21 @@ def _chunk_stats_kernel(
     s_ptr,
     t_ptr,
     zy_ptr,
+    sz_ptr,
+    cw_ptr,
     rows,
     cols,
     col0,
     stride_z,
     inv_t_ptr,
     inv_t_scalar,
+    cap_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    cap_k,
     SOFTCAP: tl.constexpr,
-    sz_ptr,
+    WITH_ENTROPY: tl.constexpr,
     WITH_SUM: tl.constexpr,
-    cw_ptr,
     WEIGHTED: tl.constexpr,
 ):
     """:func:`chunk_stats_`. Per element of a full block, 4 bytes read and 11.2 SASS (9.2
@@ -193,16 +227,18 @@ def _chunk_stats_kernel(
     (``s_l``), FMNMX + FFMA (``t_l``); per block a cross-warp max and a branch.
     ``SOFTCAP``: the cap more (libdevice's ``tanhf``, a divide, a compare and a select);
     ``WITH_SUM``: a FADD."""
+    # 1. the program's rows and their temperature
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     inv_t = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T)
     # a row past the end reads the last row (no row mask on the loads) and stores nothing
     z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
+    # 2. the label's logit, where the label's column is in this tile
     lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
     here = row_ok & (lab >= 0) & (lab < cols)
     zy_new = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
     zy_new = _temper(tl.sum(zy_new, axis=1), cap_k, inv_t, SOFTCAP)
-    # the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
+    # 3. the row's running max m and the earlier tiles' (s, t); base: 0 while m is -inf
     m = tl.load(m_ptr + r, mask=row_ok, other=float("-inf"))
     s_in = tl.load(s_ptr + r, mask=row_ok, other=0.0)
     t_in = (
@@ -215,22 +251,25 @@ def _chunk_stats_kernel(
     t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     u_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # WITH_SUM: the untempered logits' sum
     cc = tl.arange(0, BLOCK_N)
-    full = cols - cols % BLOCK_N  # full blocks: loads without masks
+    # 4. the full blocks (loads without masks), each folded in by _stats_step
+    full = cols - cols % BLOCK_N
     z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
     for c0 in range(0, full, BLOCK_N):
         z = z_next
         # the next block's load is issued before this block's arithmetic: two in flight
         z_next = tl.load(z_rows + (c0 + BLOCK_N + cc)[None, :], mask=c0 + BLOCK_N < full)
         if WITH_SUM:
-            u_l += _summand(z, cap_k, cw_ptr + col0 + c0 + cc, None, SOFTCAP, WEIGHTED, False)
+            cw_cols = col0 + c0 + cc
+            u_l += _summand(z, cap_k, cw_ptr, cw_cols, None, SOFTCAP, WEIGHTED, False)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z, m, base, s_in, t_in, s_l, t_l, inv_t, WITH_ENTROPY, cap_k, SOFTCAP, True
         )
+    # 5. the last, partial block, masked (-inf past the end)
     if full < cols:
         c = full + cc
         z = tl.load(z_rows + c[None, :], mask=(c < cols)[None, :], other=float("-inf"))
         if WITH_SUM:
-            u_l += _summand(z, cap_k, cw_ptr + col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
+            u_l += _summand(z, cap_k, cw_ptr, col0 + c, c < cols, SOFTCAP, WEIGHTED, True)
         m, base, s_in, t_in, s_l, t_l = _stats_step(
             z,
             m,
@@ -245,6 +284,7 @@ def _chunk_stats_kernel(
             SOFTCAP,
             (c < cols)[None, :],
         )
+    # 6. the per-lane sums reduced and added to the rows' running values
     if WITH_SUM:  # the sum of the (capped) tempered logits
         sz = tl.load(sz_ptr + r, mask=row_ok, other=0.0)
         tl.store(sz_ptr + r, sz + tl.sum(u_l, axis=1) * inv_t, mask=row_ok)
@@ -256,6 +296,14 @@ def _chunk_stats_kernel(
     tl.store(zy_ptr + r, zy + zy_new, mask=row_ok)
 
 
+@triton.heuristics(
+    {
+        **_TEMPERATURE_RULES,
+        "WITH_B": _given("b_ptr"),
+        "WITH_U": _given("u_ptr"),
+        "WEIGHTED": _given("cw_ptr"),
+    }
+)
 @triton.jit
 def _logit_grad_kernel(
     z_ptr,
@@ -265,6 +313,8 @@ def _logit_grad_kernel(
     a_ptr,
     b_ptr,
     g_ptr,
+    u_ptr,
+    cw_ptr,
     rows,
     cols,
     col0,
@@ -272,21 +322,20 @@ def _logit_grad_kernel(
     stride_out,
     inv_t_ptr,
     inv_t_scalar,
+    cap_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PER_TOKEN_T: tl.constexpr,
-    WITH_B: tl.constexpr,
     IN_PLACE: tl.constexpr,
-    cap_k,
+    PER_TOKEN_T: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    u_ptr,
+    WITH_B: tl.constexpr,
     WITH_U: tl.constexpr,
-    cw_ptr,
     WEIGHTED: tl.constexpr,
 ):
     """:func:`logit_grad_`. Per element, 4 bytes read, 2 (or 4) written and 14.2 SASS:
     FFMA (``zc``), FMUL + MUFU (``exp2``), FFMA + FMUL (``gz``), a compare and select
     (the label), the mask and the conversion. ``SOFTCAP``: ``tanh`` and its slope more."""
+    # 1. the program's rows: their label's column, temperature, max and coefficients
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < rows
     lab = tl.load(lab_ptr + r, mask=row_ok, other=-1) - col0
@@ -300,6 +349,7 @@ def _logit_grad_kernel(
         u = tl.load(u_ptr + r, mask=row_ok, other=0.0)
     z_rows = z_ptr + r.to(tl.int64)[:, None] * stride_z
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
+    # 2. each block: its tempered (capped) logits against the row's max
     for c0 in range(0, cols, BLOCK_N):
         c = c0 + tl.arange(0, BLOCK_N)
         ok = row_ok[:, None] & (c < cols)[None, :]
@@ -314,6 +364,7 @@ def _logit_grad_kernel(
             # fp32 bytes) was read by this step or an earlier one; the barrier holds
             # every warp's stores until all of this step's loads are done
             tl.debug_barrier()
+        # 3. Coefficients' dz, in the GEMMs' form (times inv_t and the cap's slope), stored
         e = tl.exp2(zc * LOG2E)
         gz = -e * (a[:, None] + b[:, None] * zc) if WITH_B else -e * a[:, None]
         gz += tl.where(c[None, :] == lab[:, None], g[:, None], 0.0)
@@ -342,6 +393,7 @@ def _exp_step(z, ref, inv_t, m_l, s_l, t_l, out_ptrs, mask, cap_k, SOFTCAP: tl.c
     return m_l, s_l, t_l
 
 
+@triton.heuristics(_TEMPERATURE_RULES)
 @triton.jit
 def _exp_rows_kernel(
     z_ptr,
@@ -360,10 +412,10 @@ def _exp_rows_kernel(
     exp_range,
     inv_t_ptr,
     inv_t_scalar,
+    cap_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PER_TOKEN_T: tl.constexpr,
-    cap_k,
     SOFTCAP: tl.constexpr,
 ):
     """:func:`exp_rows_`: a program redoes its own flagged rows after a barrier, their flags
@@ -377,6 +429,7 @@ def _exp_rows_kernel(
             tl.debug_barrier()
             row_ok = row_ok & (tl.load(redo_ptr + r, mask=row_ok, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) > 0:
+            # 1. the rows' temperature and the label's logit
             inv_t = _row_scales(inv_t_ptr, r, row_ok, inv_t_scalar, PER_TOKEN_T)
             z_rows = z_ptr + tl.minimum(r, rows - 1).to(tl.int64)[:, None] * stride_z
             out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_out
@@ -384,6 +437,7 @@ def _exp_rows_kernel(
             here = row_ok & (lab >= 0) & (lab < cols)
             zy = tl.load(z_rows + tl.where(here, lab, 0)[:, None], mask=here[:, None], other=0.0)
             zy = _temper(tl.sum(zy, axis=1), cap_k, inv_t, SOFTCAP)
+            # 2. the reference c: the first block's max and the label's logit (<= M), or M
             cc = tl.arange(0, BLOCK_N)
             if REDO:
                 ref = tl.load(m_ptr + r, mask=row_ok, other=0.0)
@@ -397,6 +451,7 @@ def _exp_rows_kernel(
             m_l = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
             s_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             t_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            # 3. every block: exp(zt - c) stored, the per-lane max and sums updated
             full = cols - cols % BLOCK_N  # rows and blocks loaded as in _chunk_stats_kernel
             z_next = tl.load(z_rows + cc[None, :], mask=(cc < full)[None, :])
             for c0 in range(0, full, BLOCK_N):
@@ -412,15 +467,15 @@ def _exp_rows_kernel(
                 z = tl.load(z_rows + c[None, :], mask=ok, other=float("-inf"))
                 out = out_rows + c[None, :]
                 m_l, s_l, t_l = _exp_step(z, ref, inv_t, m_l, s_l, t_l, out, ok, cap_k, SOFTCAP)
-            # the label's column is 0 in E: written above by whichever thread held it, so
-            # overwritten once every thread's stores are ordered before this one
+            # 4. the label's column is 0 in E: written above by whichever thread held it,
+            # so overwritten once every thread's stores are ordered before this one
             tl.debug_barrier()
             zero = tl.zeros((BLOCK_M, 1), tl.float32)
             _store_rounded(out_rows + tl.where(here, lab, 0)[:, None], zero, here[:, None])
+            # 5. the rows' vectors, and the flag of a row whose M - c could overflow exp
             tl.store(c_ptr + r, ref, mask=row_ok)
-            big_m = _temper(
-                tl.max(m_l, axis=1), cap_k, inv_t, SOFTCAP
-            )  # monotone: the max of the row
+            # the cap is monotone: the capped max of the lanes' maxima is the row's max
+            big_m = _temper(tl.max(m_l, axis=1), cap_k, inv_t, SOFTCAP)
             tl.store(m_ptr + r, big_m, mask=row_ok)
             tl.store(s_ptr + r, tl.sum(s_l, axis=1), mask=row_ok)
             tl.store(t_ptr + r, tl.sum(t_l, axis=1), mask=row_ok)
@@ -429,29 +484,24 @@ def _exp_rows_kernel(
                 tl.store(redo_ptr + r, (big_m - ref > exp_range).to(tl.int8), mask=row_ok)
 
 
-def _launch(
-    kernel: Any,
-    cfg: KernelConfig,
-    args: tuple[Any, ...],
-    inv_t: Any,
-    cap_k: float | None,
-    **flags: Any,
-) -> None:
-    """One launch over the rows of ``z = args[0]``: ``inv_t`` a per-row fp32 tensor or a
-    number; ``cap_k = logit_scale / softcap`` or None."""
-    per_token = isinstance(inv_t, torch.Tensor)
-    kernel[(triton.cdiv(args[0].shape[0], cfg.block_m),)](
-        *args,
-        inv_t if per_token else args[0],  # never read for a number
-        1.0 if per_token else float(inv_t),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PER_TOKEN_T=per_token,
-        num_warps=cfg.num_warps,
-        cap_k=1.0 if cap_k is None else float(cap_k),
-        SOFTCAP=cap_k is not None,
-        **flags,
-    )
+def _launch(kernel: Any, cfg: KernelConfig, /, **arguments: Any) -> None:
+    """One launch over the kernel's ``rows``, ``cfg.block_m`` a program, every argument by
+    name (the launch shape's constexprs added here; the flags of the optional tensors are
+    the kernel's ``triton.heuristics``)."""
+    grid = (triton.cdiv(arguments["rows"], cfg.block_m),)
+    kernel[grid](**arguments, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+
+
+def _temperature(inv_t: torch.Tensor | float, cap_k: float | None) -> dict[str, Any]:
+    """Every kernel's temperature and softcap arguments: ``inv_t_ptr``, the per-row fp32
+    tensor (None for a number), ``inv_t_scalar``, the number (None for a tensor), and
+    ``cap_k = logit_scale / softcap`` (None: no softcap)."""
+    per_row = isinstance(inv_t, torch.Tensor)
+    return {
+        "inv_t_ptr": inv_t if per_row else None,
+        "inv_t_scalar": None if per_row else float(inv_t),
+        "cap_k": None if cap_k is None else float(cap_k),
+    }
 
 
 def chunk_stats_(
@@ -482,14 +532,24 @@ def chunk_stats_(
     ``zt = c * inv_t`` of ``c = where(|x| < 2**-12, z, tanh(x) / cap_k)``, ``x = z cap_k``
     (:mod:`._tiles`)."""
     m, s, t, zy = state
-    args = (z, labels_local, m, s, m if t is None else t, zy, *z.shape, col0, z.stride(0))
-    flags = {
-        "WITH_ENTROPY": t is not None,
-        "sz_ptr": m if sz is None else sz,
-        "WITH_SUM": sz is not None,
-    }
-    flags.update(cw_ptr=m if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_chunk_stats_kernel, cfg, args, inv_t, cap_k, **flags)
+    rows, cols = z.shape
+    _launch(
+        _chunk_stats_kernel,
+        cfg,
+        z_ptr=z,
+        lab_ptr=labels_local,
+        m_ptr=m,
+        s_ptr=s,
+        t_ptr=t,
+        zy_ptr=zy,
+        sz_ptr=sz,
+        cw_ptr=cw,
+        rows=rows,
+        cols=cols,
+        col0=col0,
+        stride_z=z.stride(0),
+        **_temperature(inv_t, cap_k),
+    )
 
 
 def logit_grad_(
@@ -523,12 +583,26 @@ def logit_grad_(
     if out is None:
         out = z if dtype == torch.float32 else z.view(dtype).view(rows, 2 * cols)[:, :cols]
     a, b, g = coef
-    b_ptr = a if b is None else b
-    args = (z, out, labels_local, big_m, a, b_ptr, g, rows, cols, col0, z.stride(0), out.stride(0))
-    in_place = out.data_ptr() == z.data_ptr()
-    flags = {"WITH_B": b is not None, "IN_PLACE": in_place, "u_ptr": a if u is None else u}
-    flags.update(WITH_U=u is not None, cw_ptr=a if cw is None else cw, WEIGHTED=cw is not None)
-    _launch(_logit_grad_kernel, cfg, args, inv_t, cap_k, **flags)
+    _launch(
+        _logit_grad_kernel,
+        cfg,
+        z_ptr=z,
+        out_ptr=out,
+        lab_ptr=labels_local,
+        max_ptr=big_m,
+        a_ptr=a,
+        b_ptr=b,
+        g_ptr=g,
+        u_ptr=u,
+        cw_ptr=cw,
+        rows=rows,
+        cols=cols,
+        col0=col0,
+        stride_z=z.stride(0),
+        stride_out=out.stride(0),
+        IN_PLACE=out.data_ptr() == z.data_ptr(),
+        **_temperature(inv_t, cap_k),
+    )
     return out
 
 
@@ -560,19 +634,23 @@ def exp_rows_(
     the second pass runs), ``out.itemsize * rows * V_local`` written; ``inv_t > 0``.
     ``cap_k``: a softcap (``zt`` capped, ``out`` times ``1 - tanh(z cap_k)**2``)."""
     c, m, s, t, zy, flags = vectors
-    args = (
-        z,
-        out,
-        labels_local,
-        c,
-        m,
-        s,
-        t,
-        zy,
-        flags,
-        *z.shape,
-        z.stride(0),
-        out.stride(0),
-        EXP_RANGE,
+    rows, cols = z.shape
+    _launch(
+        _exp_rows_kernel,
+        cfg,
+        z_ptr=z,
+        out_ptr=out,
+        lab_ptr=labels_local,
+        c_ptr=c,
+        m_ptr=m,
+        s_ptr=s,
+        t_ptr=t,
+        zy_ptr=zy,
+        redo_ptr=flags,
+        rows=rows,
+        cols=cols,
+        stride_z=z.stride(0),
+        stride_out=out.stride(0),
+        exp_range=EXP_RANGE,
+        **_temperature(inv_t, cap_k),
     )
-    _launch(_exp_rows_kernel, cfg, args, inv_t, cap_k)

@@ -11,7 +11,8 @@ parallelism), and applies the head::
 
     h = gather_hidden_states(ctx.hidden_states)                 # [s, b, h]
     v = head(h)[..., 0].T                                       # [b, s], fp32
-    v_clip = old + clamp(v - old, -clip_range, clip_range)      # PPO's value clip (v where inactive)
+    # PPO's value clip (v where inactive)
+    v_clip = old + clamp(v - old, -clip_range, clip_range)
     loss = 0.5 * sum(M * max((v - R)**2, (v_clip - R)**2)) / N  # N = sum(M), or global_tokens
     clip_fraction = sum(M * ((v_clip - R)**2 > (v - R)**2)) / sum(M)
 
@@ -139,21 +140,7 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
     clip = None if clip_range is None else float(clip_range)
 
     def fn(ctx: OutputContext) -> dict[str, torch.Tensor]:
-        hidden: Any = ctx.collectives.gather_hidden_states(ctx.hidden_states)  # [s, b, h]
-        tp = ctx.parallel.tp_size
-        if tp > 1:  # every rank's gradient is whole: counted once in the gather's sum
-            hidden = scale_gradient(hidden, 1.0 / tp)
-        out = head(hidden)
-        if isinstance(out, tuple):  # Megatron's parallel linear layers return (output, bias)
-            out, bias = out
-            out = out if bias is None else out + bias
-        if out.shape[-1] != 1 or tuple(out.shape[:-1]) != tuple(hidden.shape[:-1]):
-            raise ContractError(
-                "head",
-                expected=f"output [s, b, 1] for input {list(hidden.shape)}",
-                actual=list(out.shape),
-            )
-        values = out[..., 0].transpose(0, 1).float()  # [b, s]
+        values = _values(head, ctx)
         batch = ctx.context
         if batch is None:
             return {"values": values}
@@ -161,30 +148,52 @@ def value_head_processor(head: Any, /, *, clip_range: float | None = 0.2) -> hoo
             raise ContractError(
                 "context", expected="a ValueBatch or None", actual=type(batch).__name__
             )
-        shape = (ctx.batch_size, ctx.seq_len)
-        returns = _check_tensor("context.returns", batch.returns, shape).float()
-        old = _check_tensor("context.old_values", batch.old_values, shape).float()
-        mask = batch.mask if batch.mask is not None else ctx.loss_mask
-        mask = (
-            torch.ones(shape)
-            if mask is None
-            else _check_tensor("context.mask", mask, shape).float()
-        )
-        count: float | torch.Tensor = mask.sum().clamp(min=1.0)
-        if batch.global_tokens is not None:
-            g = batch.global_tokens
-            if (
-                isinstance(g, bool)
-                or not isinstance(g, (int, float))
-                or not (0 < float(g) < math.inf)
-            ):
-                raise ContractError(
-                    "context.global_tokens", expected="a finite number > 0", actual=repr(g)
-                )
-            count = float(g)
-        loss, fraction = clipped_value_loss(
-            values, returns, old, mask, clip_range=clip, count=count
-        )
-        return {"values": values, "loss": loss, "clip_fraction": fraction}
+        return {"values": values, **_value_loss(values, batch, ctx, clip)}
 
     return hookspec.processor(fn, name="value_head")
+
+
+def _values(head: Any, ctx: OutputContext) -> torch.Tensor:
+    """The head's values ``[b, s]`` (fp32) of the gathered hidden states ``[s, b, h]``."""
+    hidden: Any = ctx.collectives.gather_hidden_states(ctx.hidden_states)  # [s, b, h]
+    tp = ctx.parallel.tp_size
+    if tp > 1:  # every rank's gradient is whole: counted once in the gather's sum
+        hidden = scale_gradient(hidden, 1.0 / tp)
+    out = head(hidden)
+    if isinstance(out, tuple):  # Megatron's parallel linear layers return (output, bias)
+        out, bias = out
+        out = out if bias is None else out + bias
+    if out.shape[-1] != 1 or tuple(out.shape[:-1]) != tuple(hidden.shape[:-1]):
+        raise ContractError(
+            "head",
+            expected=f"output [s, b, 1] for input {list(hidden.shape)}",
+            actual=list(out.shape),
+        )
+    return out[..., 0].transpose(0, 1).float()  # [b, s]
+
+
+def _value_loss(
+    values: torch.Tensor, batch: ValueBatch, ctx: OutputContext, clip: float | None
+) -> dict[str, torch.Tensor]:
+    """``{"loss", "clip_fraction"}`` of ``values`` against the batch's checked returns, old
+    values and mask (the context's, else the model's ``loss_mask``, else ones), over the
+    counted tokens or ``global_tokens``."""
+    shape = (ctx.batch_size, ctx.seq_len)
+    returns = _check_tensor("context.returns", batch.returns, shape).float()
+    old = _check_tensor("context.old_values", batch.old_values, shape).float()
+    mask = batch.mask if batch.mask is not None else ctx.loss_mask
+    mask = torch.ones(shape) if mask is None else _check_tensor("context.mask", mask, shape).float()
+    count: float | torch.Tensor = mask.sum().clamp(min=1.0)
+    if batch.global_tokens is not None:
+        tokens = batch.global_tokens
+        if (
+            isinstance(tokens, bool)
+            or not isinstance(tokens, (int, float))
+            or not (0 < float(tokens) < math.inf)
+        ):
+            raise ContractError(
+                "context.global_tokens", expected="a finite number > 0", actual=repr(tokens)
+            )
+        count = float(tokens)
+    loss, fraction = clipped_value_loss(values, returns, old, mask, clip_range=clip, count=count)
+    return {"loss": loss, "clip_fraction": fraction}
