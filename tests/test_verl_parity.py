@@ -118,20 +118,17 @@ ACTOR_LOSSES = {
     "k3+-seq-mean-token-sum-norm": ("k3+", "seq-mean-token-sum-norm", 64.0),
     "abs-token-sum": ("abs", "token-sum", None),
     "mse-seq-mean-token-sum": ("mse", "seq-mean-token-sum", None),
+    "kl-token-mean": ("kl", "token-mean", None),
 }
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
-@pytest.mark.parametrize("name", list(ACTOR_LOSSES))
-def test_the_actor_loss_equals_verls_through_the_processor(
-    verl: Any, name: str, fused: bool
-) -> None:
-    kl_type, mode, factor = ACTOR_LOSSES[name]
-    kl_coef, clip = 0.05, 0.2
+def _actor_problem(name: str, v: int = V) -> dict[str, Any]:
+    """Hidden states, weight, labels (one ignored), old and reference logprobs near the
+    current ones, advantages and a mask with an empty sequence."""
     g = torch.Generator().manual_seed(len(name))
     h = torch.randn(S, B, H, generator=g, dtype=torch.float64)
-    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
-    labels = torch.randint(0, V, (B, S), generator=g)
+    w = torch.randn(v, H, generator=g, dtype=torch.float64) * 0.7
+    labels = torch.randint(0, v, (B, S), generator=g)
     labels[1, 2] = IGNORE
     lp = _materialised_logprobs(h, w, labels).detach()
     old = lp + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
@@ -139,37 +136,59 @@ def test_the_actor_loss_equals_verls_through_the_processor(
     adv = torch.randn(B, S, generator=g, dtype=torch.float64)
     mask = (torch.rand(B, S, generator=g) > 0.2).double()
     mask[4] = 0.0
+    return {"h": h, "w": w, "labels": labels, "old": old, "ref": ref, "adv": adv, "mask": mask}
 
-    # veRL: the actor's pg loss plus kl_coef times the aggregated kl_penalty
-    th, tw = h.clone().requires_grad_(), w.clone().requires_grad_()
-    logp = _materialised_logprobs(th, tw, labels)
-    response_mask = mask * (labels != IGNORE)
+
+def _verl_actor_loss(verl: Any, name: str, d: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """veRL: the actor's pg loss plus kl_coef times the aggregated kl_penalty, on
+    materialised float64 logits; ``(loss, kl, dh, dW)``."""
+    kl_type, mode, factor = ACTOR_LOSSES[name]
+    th, tw = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    logp = _materialised_logprobs(th, tw, d["labels"])
+    response_mask = d["mask"] * (d["labels"] != IGNORE)
     actor = verl_oracle.ActorConfig(
-        clip_ratio=clip, clip_ratio_low=clip, clip_ratio_high=clip, clip_ratio_c=3.0,
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
         global_batch_info={"loss_scale_factor": factor} if factor else {},
     )  # fmt: skip
-    pg, _ = verl.core_algos.compute_policy_loss_vanilla(old, logp, adv, response_mask, mode, actor)
-    kld = verl.core_algos.kl_penalty(logp, ref, kl_type)
-    kl = verl.core_algos.agg_loss(kld, response_mask, mode, loss_scale_factor=factor)
-    theirs = pg + kl_coef * kl
+    core = verl.core_algos
+    pg, _ = core.compute_policy_loss_vanilla(d["old"], logp, d["adv"], response_mask, mode, actor)
+    kld = core.kl_penalty(logp, d["ref"], kl_type)
+    kl = core.agg_loss(kld, response_mask, mode, loss_scale_factor=factor)
+    theirs = pg + 0.05 * kl
     theirs.backward()
+    return theirs.detach(), kl.detach(), th.grad, tw.grad
 
+
+def _actor_config(name: str, fused: bool) -> PolicyLossConfig:
+    kl_type, mode, factor = ACTOR_LOSSES[name]
     k3 = kl_type.rstrip("+") in ("low_var_kl", "k3")
-    config = PolicyLossConfig(
-        clip_low=clip, dual_clip=3.0, kl_coef=kl_coef, kl_estimator=kl_type, aggregation=mode,
+    return PolicyLossConfig(
+        clip_low=0.2, dual_clip=3.0, kl_coef=0.05, kl_estimator=kl_type, aggregation=mode,
         kl_value_clamp=10.0 if k3 else None, loss_scale_factor=factor, fused=fused,
     )  # fmt: skip
-    batch = PolicyBatch(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref)
-    oh, ow = h.clone().requires_grad_(), w.clone().requires_grad_()
-    ctx = OutputContext(
-        hidden_states=oh, labels=labels, vocab_weight=ow, vocab=VocabShard(0, V, V), context=batch
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "autograd"])
+@pytest.mark.parametrize("name", list(ACTOR_LOSSES))
+def test_the_actor_loss_equals_verls_through_the_processor(
+    verl: Any, name: str, fused: bool
+) -> None:
+    d = _actor_problem(name)
+    loss, kl, dh, dw = _verl_actor_loss(verl, name, d)
+    batch = PolicyBatch(
+        old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], ref_logprobs=d["ref"]
     )
-    out = policy_loss(config, tile_rows=5, tile_cols=7)(ctx)
+    oh, ow = d["h"].clone().requires_grad_(), d["w"].clone().requires_grad_()
+    ctx = OutputContext(
+        hidden_states=oh, labels=d["labels"], vocab_weight=ow, vocab=VocabShard(0, V, V),
+        context=batch,
+    )  # fmt: skip
+    out = policy_loss(_actor_config(name, fused), tile_rows=5, tile_cols=7)(ctx)
     out["loss"].backward()
-    torch.testing.assert_close(out["loss"], theirs.detach(), **TOL)
-    torch.testing.assert_close(oh.grad, th.grad, **TOL)
-    torch.testing.assert_close(ow.grad, tw.grad, **TOL)
-    torch.testing.assert_close(out["kl"], kl.detach(), **TOL)
+    torch.testing.assert_close(out["loss"], loss, **TOL)
+    torch.testing.assert_close(oh.grad, dh, **TOL)
+    torch.testing.assert_close(ow.grad, dw, **TOL)
+    torch.testing.assert_close(out["kl"], kl, **TOL)
 
 
 def test_verl_names_are_taken_as_they_are() -> None:
@@ -337,7 +356,7 @@ def test_data_parallel_counts_equal_verls_up_to_its_dp_size_factor(verl: Any, mo
     torch.testing.assert_close((weights * loss).sum() * dp, theirs, **tol)
 
 
-TP2_MODES = ("vanilla", "dppo_kl", "gspo", "kl_cov", "geo_mean")
+TP2_MODES = tuple(MODES)
 
 
 def _tp2_modes(rank: int, d: dict[str, Any], truths: dict[str, Any]) -> None:
@@ -368,6 +387,47 @@ def _tp2_modes(rank: int, d: dict[str, Any], truths: dict[str, Any]) -> None:
         torch.testing.assert_close(out["loss"].detach(), loss, **tol)
         torch.testing.assert_close(h.grad, dh, **tol)
         torch.testing.assert_close(w.grad, dw[shard], **tol)
+
+
+def _tp2_actor_losses(rank: int, problems: dict[str, Any], truths: dict[str, Any]) -> None:
+    """Each KL estimator and aggregation of :data:`ACTOR_LOSSES`, fused and autograd, on
+    this rank's half of the vocabulary against veRL's loss on the whole one."""
+    from megatron.core import parallel_state
+
+    from hookspec import ParallelLayout
+    from torch_impl import TorchCollectives
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    coll = TorchCollectives(group, sequence_parallel=False)
+    for name, d in problems.items():
+        v = d["w"].shape[0]
+        shard = slice(rank * v // 2, (rank + 1) * v // 2)
+        batch = PolicyBatch(
+            old_logprobs=d["old"], advantages=d["adv"], mask=d["mask"], ref_logprobs=d["ref"]
+        )
+        loss, kl, dh, dw = truths[name]
+        for fused in (True, False):
+            h, w = d["h"].clone().requires_grad_(), d["w"][shard].clone().requires_grad_()
+            ctx = OutputContext(
+                hidden_states=h, labels=d["labels"], vocab_weight=w,
+                vocab=VocabShard(shard.start, shard.stop, v), context=batch, collectives=coll,
+                parallel=ParallelLayout(tp_size=2, tp_rank=rank),
+            )  # fmt: skip
+            out = policy_loss(_actor_config(name, fused), tile_rows=5, tile_cols=7)(ctx)
+            out["loss"].backward()
+            torch.testing.assert_close(out["loss"].detach(), loss, **TOL)
+            torch.testing.assert_close(out["kl"].detach(), kl, **TOL)
+            torch.testing.assert_close(h.grad, dh, **TOL)
+            torch.testing.assert_close(w.grad, dw[shard], **TOL)
+
+
+@pytest.mark.slow
+def test_kl_estimators_and_aggregations_at_tp2_equal_verls(verl: Any) -> None:
+    """Two gloo ranks, each half of the vocabulary: every KL estimator (veRL's names, the
+    straight-through form) and aggregation of the actor losses (one pair of processes)."""
+    problems = {name: _actor_problem(name, v=30) for name in ACTOR_LOSSES}
+    truths = {name: _verl_actor_loss(verl, name, d) for name, d in problems.items()}
+    run_distributed(_tp2_actor_losses, problems, truths, tp=2)
 
 
 @pytest.mark.slow
