@@ -27,6 +27,7 @@ EXPECTED = (
     "02_validate_in_depth.ipynb",
     "03_rl_grpo.ipynb",
     "04_distillation.ipynb",
+    "05_sampling_replay_and_rollout_correction.ipynb",
 )
 CELL_TIMEOUT_S = 600
 HAS_NBCLIENT = all(
