@@ -31,6 +31,7 @@ from .references import (
     linear_logprobs,
 )
 from .rollout import rollout_correction
+from .sampling import linear_sampling_logprobs, sampling_support_of
 
 __all__ = [
     "Reference",
@@ -212,12 +213,49 @@ def _rollout_corrected(
     return mask * keep, old, weights
 
 
+def _on_support(
+    hidden: jax.Array,
+    weight: jax.Array,
+    inputs: ReferenceInputs,
+    support: Any,
+    temperature: Any,
+    mask: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(logp, entropy, mask, outside_fraction)`` with a sampling support: the label's
+    logprob and the entropy renormalised over the kept tokens (``logp`` 0 where it is -inf),
+    and the mask without the counted tokens outside the support (the current, old or
+    rollout logprob -inf), whose share of the counted tokens is ``outside_fraction``."""
+    res = linear_sampling_logprobs(
+        inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2),
+        weight,
+        inputs.labels,
+        **{n: getattr(support, n, None) for n in ("kept_ids", "top_k", "top_p", "min_p")},
+        temperature=temperature,
+        ignore_index=inputs.ignore_index,
+        vocab_start=inputs.vocab_start,
+        logit_scale=inputs.logit_scale,
+        softcap=inputs.softcap,
+        collectives=inputs.collectives,
+    )
+    batch = inputs.context
+    outside = jnp.isneginf(res.logprobs)
+    for given in (batch.old_logprobs, getattr(batch, "rollout_logprobs", None)):
+        if given is not None:
+            outside = outside | jnp.isneginf(jnp.asarray(given, jnp.float64))
+    outside = outside & (mask > 0)
+    fraction = _token_mean(outside.astype(jnp.float64), mask)
+    logp = jnp.where(jnp.isneginf(res.logprobs), 0.0, res.logprobs)
+    return logp, res.entropy, jnp.where(outside, 0.0, mask), fraction
+
+
 def policy_loss(config: Any) -> Reference:
     """The policy loss and its metrics, each a scalar; the user context holds
     ``old_logprobs``, ``advantages``, ``mask`` (or None: the loss mask),
-    ``ref_logprobs`` and ``temperature``::
+    ``ref_logprobs``, ``temperature`` and ``sampling_support`` (read by attribute)::
 
         M = where(labels == ignore_index, 0, mask)
+        logp, entropy = on the support, if any (jax_ref.sampling); logp_v = the whole vocab's
+        M = where(logp == -inf or old == -inf or rollout == -inf, 0, M)      # with a support
         pg, indicators = policy_family.pg_terms(config, logp, old, A, M)  # per loss_mode
         L = pg + kl_coef * kl_penalty(logp, ref) - entropy_coef * entropy
         loss = aggregate(L, M, aggregation)
@@ -239,6 +277,10 @@ def policy_loss(config: Any) -> Reference:
         mask = batch.mask if batch.mask is not None else inputs.loss_mask
         mask = jnp.ones(logp.shape) if mask is None else jnp.asarray(mask, jnp.float64)
         mask = jnp.where(inputs.labels == inputs.ignore_index, 0.0, mask)
+        kl_logp, outside = logp, None
+        if (support := sampling_support_of(batch)) is not None:
+            logp, ent, mask, outside = _on_support(hidden, weight, inputs, support, t, mask)
+            kl_logp = logp if getattr(config, "reference_on_support", False) else kl_logp
         old = lax.stop_gradient(batch.old_logprobs)
         adv = lax.stop_gradient(batch.advantages)
         mask, old, weights = _rollout_corrected(config, batch, logp, mask, old)
@@ -249,7 +291,7 @@ def policy_loss(config: Any) -> Reference:
         kl = None
         if batch.ref_logprobs is not None:
             kl = kl_penalty(
-                logp,
+                kl_logp,
                 lax.stop_gradient(batch.ref_logprobs),
                 estimator=estimator,
                 clamp=clamp,
@@ -269,6 +311,8 @@ def policy_loss(config: Any) -> Reference:
         out |= {name: _token_mean(value, mask) for name, value in indicators.items()}
         if kl is not None:
             out["kl"] = aggregate(lax.stop_gradient(kl), mask, mode=mode, loss_scale_factor=factor)
+        if outside is not None:
+            out["support/outside_fraction"] = outside
         return out
 
     return policy_loss_reference

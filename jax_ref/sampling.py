@@ -29,6 +29,7 @@ __all__ = [
     "SamplingLogprobs",
     "kept_mask",
     "linear_sampling_logprobs",
+    "sampling_support_of",
     "selected_logprobs",
 ]
 
@@ -154,7 +155,7 @@ def linear_sampling_logprobs(
     )
 
 
-def _support_of(context: Any) -> Any:
+def sampling_support_of(context: Any) -> Any:
     """The user context's ``sampling_support`` (a key or an attribute), or None."""
     if isinstance(context, Mapping):
         return context.get("sampling_support")
@@ -174,7 +175,7 @@ def selected_logprobs(
     def selected_logprobs_reference(
         hidden: jax.Array, weight: jax.Array, inputs: ReferenceInputs
     ) -> Any:
-        given = support if support is not None else _support_of(inputs.context)
+        given = support if support is not None else sampling_support_of(inputs.context)
         if inputs.labels is None or given is None:
             raise ContractError(
                 "sampling_support", expected="labels and a support", actual="one is missing"

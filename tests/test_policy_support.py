@@ -275,3 +275,26 @@ def test_bf16_compute_beside_naive_bf16_against_float64(
     assert ours_err <= 4 * naive_err, (ours_err, naive_err)
     assert ours_dh_err <= 4 * naive_dh_err + 1e-6, (ours_dh_err, naive_dh_err)
     assert (out["loss"].double() - want).abs() < 0.05  # and near the unrounded float64 loss
+
+
+@pytest.mark.parametrize("form", ["kept ids", "top_k"])
+def test_the_jax_reference(form: str) -> None:
+    """``jax_ref.processors.policy_loss`` reads the batch's sampling support as the
+    processor does: values and gradients through ``cross_check`` (float32 inputs)."""
+    pytest.importorskip("jax")
+    from jax_ref.check.comparison import cross_check
+    from jax_ref.processors import policy_loss as reference
+
+    d = _problem(19, form)
+    cfg = dataclasses.replace(CONFIGS["grpo-k3"], fused=False)
+    batch = PolicyBatch(
+        old_logprobs=d["old"].float(), advantages=d["adv"].float(), mask=d["mask"].float(),
+        ref_logprobs=d["ref"].float(), sampling_support=d["support"],
+    )  # fmt: skip
+    ctx = OutputContext(
+        hidden_states=d["h"].float(), labels=d["labels"], vocab_weight=d["w"].float(),
+        vocab=VocabShard(0, V, V), context=batch,
+    )  # fmt: skip
+    report = cross_check(policy_loss(cfg, tile_rows=6, tile_cols=13), reference(cfg), ctx)
+    assert report.passed, report
+    assert "support/outside_fraction" in {row.output for row in report.rows}
