@@ -225,6 +225,7 @@ def _on_support(
     logprob and the entropy renormalised over the kept tokens (``logp`` 0 where it is -inf),
     and the mask without the counted tokens outside the support (the current, old or
     rollout logprob -inf), whose share of the counted tokens is ``outside_fraction``."""
+    assert inputs.labels is not None  # a policy loss reads labels (checked before)
     res = linear_sampling_logprobs(
         inputs.collectives.gather_hidden_states(hidden).transpose(1, 0, 2),
         weight,
