@@ -17,6 +17,7 @@ import torch
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from tests.backend_support import skip_fp64_triton
 from tests.distributed import run_distributed
+from tests.host_reads_support import HostRead, HostReads
 from torch_impl.processors import (
     LinearOptions,
     SamplingSupport,
@@ -411,8 +412,6 @@ def test_no_host_read(support: SamplingSupport, backend: str) -> None:
     """Forward and backward read no device value on the host (``tests/test_host_reads.py``'s
     detector), scalar parameters and kept ids alike; a per-token ``top_k`` is read once
     (its candidates' width), documented."""
-    from tests.test_host_reads import HostRead, HostReads
-
     p = with_labels(problem(49), torch.ones(N, V, dtype=torch.bool), seed=50)
     h, w = p["h"].float().requires_grad_(), p["w"].float().requires_grad_()
     opts = LinearOptions(check_values=False, tile_rows=16, tile_cols=48)

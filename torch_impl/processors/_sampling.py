@@ -238,7 +238,7 @@ def _row_values(
 
 
 def _parameters(support: SamplingSupport, n: int, setup: TileSetup, check: bool) -> _Parameters:
-    """The checked parameters and the plan; ``None`` where nothing is removed."""
+    """The checked parameters and the passes they need; ``None`` where nothing is removed."""
     v = setup.vocab_size
     k = _row_values("top_k", support.top_k, n, setup, check, default=v).clamp(max=v)
     top_p = _row_values("top_p", support.top_p, n, setup, check, default=1.0)
