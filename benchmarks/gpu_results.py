@@ -4,7 +4,7 @@
     python -m benchmarks.gpu_results env DIR       # on the GPU machine: DIR/env.json
     python -m benchmarks.gpu_results render DIR    # DIR/gpu-results.md, and the backend choice
     python -m benchmarks.gpu_results render DIR --write docs/gpu-results.md
-    python -m benchmarks.gpu_results render --empty --write docs/gpu-results.md   # "not measured"
+    python -m benchmarks.gpu_results render --empty --write docs/gpu-results.md   # no run
 
 ``DIR`` holds what the run wrote: ``env.json`` (device, versions, commit, date),
 ``gpu_measure.jsonl`` (what is measured first, :mod:`benchmarks.gpu_measure`),
@@ -18,8 +18,10 @@ left out.
 ``--write`` replaces, in the page, the text between the ``<!-- gpu-results:run -->``
 and ``<!-- gpu-results:targets -->`` markers and their ends; nothing else. ``render``
 also prints, per device class, which backend measured faster on each path: the rows
-the ``backend="auto"`` table is filled from. Every cell without a measurement says
-"not measured"; nothing is estimated.
+the ``backend="auto"`` table is filled from. Every cell of a run without a measurement
+says "not measured"; nothing is estimated. The tables exist only for a run: with
+``--empty`` the regions say in a sentence that no run is recorded (:data:`NO_RUN`), not a
+table of "not measured" rows.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .gpu_measure import measured_passes
 from .gpu_methods import METHODS
 
 __all__ = [
+    "NO_RUN",
     "RELEASES",
     "backend_choice",
     "class_choice",
@@ -100,6 +103,19 @@ FAMILY_TEXT = {
     "ce-mean": "mean cross entropy",
 }
 MARKERS = ("run", "targets")
+NO_RUN = {
+    "run": (
+        "No run of the current code is recorded: nothing is rendered here. From a run's folder "
+        "`python -m benchmarks.gpu_results render DIR --write docs/gpu-results.md` writes its "
+        "device, versions, commit and date, what it measured first, the GPU tests per "
+        "megatron-core release, the benchmark at each size and the faster backend per device "
+        "class."
+    ),
+    "targets": "No run of the current code is recorded: the same command writes each target's "
+    "verdict here.",
+}
+"""The regions of a page with no run rendered (``render --empty``): a sentence each, not
+the tables with every row "not measured"."""
 
 
 # ---------------------------------------------------------------- reading a run
@@ -685,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("dir", type=Path)
     r = sub.add_parser("render", help="the page's generated regions from DIR")
     r.add_argument("dir", type=Path, nargs="?")
-    r.add_argument("--empty", action="store_true", help="every row 'not measured' (no DIR)")
+    r.add_argument("--empty", action="store_true", help="no run: the regions say so (no DIR)")
     r.add_argument(
         "--write", type=Path, help="replace the regions in this page (docs/gpu-results.md)"
     )
@@ -697,8 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(env))
         return 0
     if (args.dir is None) != args.empty:
-        ap.error("give DIR, or --empty for a page with nothing measured")
-    regions = render(None if args.empty else args.dir)
+        ap.error("give DIR, or --empty for a page with no run")
+    regions = dict(NO_RUN) if args.empty else render(args.dir)
     text = f"{regions['run']}\n\nTargets:\n\n{regions['targets']}\n"
     if args.dir is not None:
         (args.dir / "gpu-results.md").write_text(text)

@@ -2,8 +2,9 @@
 ``scripts/gpu_tests.sh`` (every step under ``timeout``, at most 480 s in all), the
 benchmark at a tiny size (rows appended as measured, the float64 reference, a method
 that needs CUDA reported as such, a size past the budget named), the results page
-(every row "not measured" without a run, the targets and the backend choice from
-rows), and that each GPU check the design asks for exists as a ``gpu``-marked test."""
+(without a run a sentence, not a table of "not measured" rows; every row of a run that
+measured nothing "not measured"; the targets and the backend choice from rows), and that
+each GPU check the design asks for exists as a ``gpu``-marked test."""
 
 from __future__ import annotations
 
@@ -294,7 +295,7 @@ def test_backend_choice_per_device_class() -> None:
     assert gpu_results.class_choice(rows) == {"H100": ("triton", 116.0, 114.0, 2)}
 
 
-def test_empty_page_says_not_measured_everywhere() -> None:
+def test_a_run_with_nothing_measured_says_not_measured_everywhere() -> None:
     regions = gpu_results.render(None)
     run = regions["run"]
     for f in gpu_results.gpu_test_files(ROOT):
@@ -346,14 +347,41 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
     assert (tmp_path / "gpu-results.md").exists()
 
 
+def _region(text: str, name: str) -> str:
+    start, end = f"<!-- gpu-results:{name} -->", f"<!-- gpu-results:{name} end -->"
+    assert start in text and end in text, name
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
 def test_committed_page_has_both_regions() -> None:
+    """Each region holds a rendered run (its device and date recorded) or the sentence
+    for no run, never the template: tables whose every row says "not measured"."""
     text = (ROOT / "docs" / "gpu-results.md").read_text()
     _, total = _table()
     assert f"limits add up to {total} s" in " ".join(
         text.split()
     )  # the page quotes the script's budget
     for name in gpu_results.MARKERS:
-        assert f"<!-- gpu-results:{name} -->" in text and f"<!-- gpu-results:{name} end -->" in text
+        region = _region(text, name)
+        if region != gpu_results.NO_RUN[name]:
+            assert name != "run" or re.search(r"^\| date \(UTC\) \| \d{4}-\d\d-\d\d", region, re.M)
+            assert not re.search(r"^\| device \| not measured \|", region, re.M), region
+
+
+def test_no_run_writes_a_sentence_not_a_table(tmp_path: Path) -> None:
+    """``render --empty --write``: each region says that no run is recorded, in words."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# head\n<!-- gpu-results:run -->\nold\n<!-- gpu-results:run end -->\n"
+        "<!-- gpu-results:targets -->\nold\n<!-- gpu-results:targets end -->\n"
+    )
+    assert gpu_results.main(["render", "--empty", "--write", str(page)]) == 0
+    text = page.read_text()
+    for name in gpu_results.MARKERS:
+        region = _region(text, name)
+        assert region == gpu_results.NO_RUN[name]
+        assert "|" not in region and "not measured" not in region
+        assert "No run" in region
 
 
 # ---------------------------------------------------------------- the GPU checks exist, marked

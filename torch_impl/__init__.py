@@ -5,6 +5,20 @@ imports torch alone, never Megatron Core. The call layer (the adapter, ``enable`
 ``mtp``, the schedule plan) and the processors do not import each other: a
 processor reaches the model through the hook's ``OutputContext`` only (the doctor,
 a tool above both, imports the processors to check them).
+
+Where to start reading:
+
+1. The public surface: ``__all__`` below (``enable_output_processor`` in ``enable.py``
+   wraps a model; ``HookOptions``, ``MTPOptions``) and ``torch_impl.processors``' own
+   ``__all__`` (the processors and their tensor functions).
+2. The call layer, one forward: ``enable`` wraps the model in the adapter
+   (``_adapter``), whose forward makes one ``_call.ForwardCall``; Megatron's
+   ``_postprocess`` (on a release without the hook, ``_postprocess.finish_postprocess``) calls
+   ``ForwardCall.main``, which builds the ``OutputContext`` (``context``) and calls the
+   processor (``docs/architecture.md``, "The path of ``hidden_states``").
+3. The processors, one call: the processor -> its tensor function -> the prologue ->
+   the engine's sweep, pass and kernel: ``torch_impl.processors``' docstring and
+   ``docs/architecture.md``, "One call, hook to kernel", which names each step's file.
 """
 
 from __future__ import annotations

@@ -4,6 +4,27 @@ all epilogues on one tile engine (``docs/architecture.md``). Each processor for
 ``enable_output_processor`` has a tensor function underneath (``linear_*``,
 :func:`fused_token_loss`) whose options are one :class:`LinearOptions`
 (``docs/processors.md`` lists them all).
+
+Where to start reading: ``__all__`` below is the public surface (``docs/processors.md``
+documents each name). Then follow one call down, a module a step
+(``docs/architecture.md``, "One call, hook to kernel", draws it):
+
+1. the processor the hook calls, made by a public factory: ``selected_logprobs``,
+   ``cross_entropy_loss`` (``_logprob_processors``), ``policy_loss`` (``_policy``),
+   ``topk_logprobs`` (``_topk``), ``distillation_loss`` (``_distill``); each reads the
+   hook's context through ``_inputs.hook_inputs``;
+2. its tensor function: ``linear_logprobs`` (``_logprobs``; with a support,
+   ``_sampling``), ``fused_token_loss`` (``_fused``), ``linear_topk_logprobs``
+   (``_topk``), ``linear_distillation_loss`` (``_distill``);
+3. the prologue every tensor function opens with: ``_options.prologue``, which checks
+   the inputs and builds the call's ``TileSetup`` (``_tiles``);
+4. the engine: ``Recomputed`` or ``FormedInForward`` around ``Engine`` (``_engine``), its
+   vocabulary sweep (``forward_stats``, ``backward``) or row sweep (``row_sweep``; the
+   fused loss's ``_single_pass``; the gradient buffer ``_sink``) over ``Tiles``
+   (``_tiles``);
+5. the passes over a tile (``Engine.stats_pass``, ``Engine.grad_pass``) and the kernels:
+   the GEMMs (``_gemm.gemm_into``), the torch ops in ``_engine``, the Triton kernels in
+   ``_triton_kernels`` (tile sizes and launch shapes: ``_geometry``).
 """
 
 from ._backends import MEASURED_CHOICES, BackendChoice, auto_choice, device_class

@@ -36,7 +36,9 @@ MEASURED_CHOICES: dict[str, BackendChoice] = {
     ),
 }
 """``device_class -> choice`` where the GPU benchmark (``benchmarks/gpu_logprobs.py``,
-``docs/gpu-results.md``) measured both backends in one run on that class."""
+``docs/gpu-results.md``) measured both backends in one run on that class. A row is of the
+code its run measured (its ``source`` names the commit): the H200 row is of commit 49dd243,
+and no GPU has measured the backends since (``docs/gpu-results.md``, "Not measured since")."""
 
 _UNMEASURED_GPU = BackendChoice(
     "triton",

@@ -477,8 +477,7 @@ def linear_distillation_loss(
     **unexpected: Never,
 ) -> DistillResult:
     """The distillation loss of the student's rows ``hidden @ weight.T`` to a teacher,
-    vocab-parallel, its gradients formed in this call, never materialising the
-    logits. Equal to::
+    vocab-parallel, its gradients formed in this call, never materialising the logits. Equal to::
 
         # [n, V], T = config.temperature
         z = (gather(hidden) @ weight_full.T + bias_full) * logit_scale / T
@@ -488,15 +487,19 @@ def linear_distillation_loss(
         M = where(labels == ignore_index, 0, teacher.mask)        # [n]; mask None: ones
         loss = sum(aggregation_weights(M, segments, count, config.aggregation) * D)
 
-    ``teacher`` holds rows: :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or
-    :class:`DenseTeacher` ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``) and
-    ``weight`` ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
-    ``sequences``: ``(segments [n], count)``, each row's sequence in ``[0, count)``
-    (``None``: one). ``options``: :class:`LinearOptions` whose ``temperature`` stays 1
-    (the temperature is ``config.temperature``); ``check_values`` also reads the
-    teacher, the mask and the segments. ``bias``: the student's ``[V_local]`` or
-    ``None``, as :func:`~torch_impl.processors.linear_logprobs`'. No gradient reaches
-    the teacher; differentiable once (``create_graph=True`` raises).
+    Args:
+        hidden, weight, labels, bias: the student's, as :func:`linear_logprobs`'.
+        teacher: rows: :class:`SparseTeacher` ``ids``, ``logprobs`` ``[n, k]``, or
+            :class:`DenseTeacher` ``hidden_states`` ``[n_local, h_t]`` (gathered as ``hidden``) and
+            ``weight`` ``[V_local, h_t]``; ``mask`` ``[n]``; the counts as the processor's.
+        options: :class:`LinearOptions` whose ``temperature`` stays 1 (the temperature is
+            ``config.temperature``); ``check_values`` also reads the teacher, mask, segments.
+        config: a :class:`DistillConfig` (``None``: ``DistillConfig()``).
+        sequences: ``(segments [n], count)``, each row's sequence in ``[0, count)`` (None: one).
+
+    Returns:
+        :class:`DistillResult`. No gradient reaches the teacher; differentiable once
+        (``create_graph=True`` raises).
     """
     config = _checked_config(config)
     options = _with_config_temperature(options, config)

@@ -304,25 +304,29 @@ def fused_token_loss(
     **unexpected: Never,
 ) -> FusedLossResult:
     """``loss = sum over spans of rows of token_loss(logprobs[rows], entropy[rows], rows)``
-    with its gradients formed in this call (see the module docstring); ``logprobs``,
-    ``entropy``, ``bias``, ``mean_logit_weights`` and ``options`` (tiles of ``tile_rows``
-    whole rows) as :func:`~torch_impl.processors.linear_logprobs`'.
+    with its gradients formed in this call (see the module docstring), only when autograd
+    needs them, and held until backward (``dh`` in the accumulation dtype, rounded once
+    after the upstream gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``.
 
-    ``entropy_grad=False`` declares that ``token_loss`` has no gradient through the
-    entropy (``ContractError`` if it has). ``lse_loss`` adds a loss of ``lse =
-    logsumexp(z)`` (``d lse / dz_j = softmax(z)_j``, in the same pass); ``mean_logit_loss``
-    one of ``mean_logit = z.mean(-1)`` (``d mean_logit / dz_j = 1 / V``: each tile read
-    twice, no GEMM more). The gradients are formed only when autograd needs them and
-    held until backward (``dh`` in the accumulation dtype, rounded once after the
-    upstream gradient's scale). Cost: three GEMM-equivalents ``2 n h V_local``.
+    Args:
+        hidden, weight, labels, bias, mean_logit_weights: as :func:`linear_logprobs`'.
+        token_loss: a :data:`TokenLoss`, a sum of per-token terms (below).
+        options: as :func:`linear_logprobs`', its tiles of ``tile_rows`` whole rows.
+        entropy_grad: ``False``: ``token_loss`` has no entropy gradient (else ``ContractError``).
+        lse_loss: a :data:`LseLoss` of ``lse = logsumexp(z)`` (``d lse / dz_j = softmax(z)_j``,
+            in the same pass).
+        mean_logit_loss: a :data:`MeanLogitLoss` of ``mean_logit = z.mean(-1)`` (``d
+            mean_logit / dz_j = 1 / V``: each tile read twice, no GEMM more).
+        check_token_sums: a debugging aid: the losses called once more on all rows,
+            ``ContractError`` naming them where that differs from the sum.
 
-    The losses must be sums of per-token terms: ``token_loss`` is called on spans of rows
-    (once a gradient buffer with ``entropy_grad=False`` and no ``mean_logit_loss``, else
-    once a tile) and the results summed; ``-lp.mean()`` would give a mean per span.
-    ``check_token_sums=True`` (a debugging aid) calls the losses once more on all rows
-    and raises ``ContractError`` naming them where that differs from the sum.
-    Differentiable once: a second backward through the same call, or
-    ``create_graph=True``, raises (:class:`~._engine.FormedInForward`).
+    Returns:
+        :class:`FusedLossResult` (``logprobs`` and ``entropy`` as :func:`linear_logprobs`').
+
+    The losses must be sums of per-token terms, their calls on spans of rows summed (when
+    each is called: the module docstring); ``-lp.mean()`` would give a mean per span.
+    Differentiable once: a second backward through the same call, or ``create_graph=True``,
+    raises (:class:`~._engine.FormedInForward`).
     """
     _check_losses(token_loss, lse_loss, mean_logit_loss)
     check_bool("entropy_grad", entropy_grad)

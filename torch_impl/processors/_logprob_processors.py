@@ -54,11 +54,19 @@ def selected_logprobs(
         logprobs = log_softmax(z)[labels]               # 0 where labels == ignore_index
         entropy = logsumexp(z) - sum(softmax(z) * z)    # only with entropy=True
 
-    ``T``: ``temperature``, else the user context's ``temperature`` (a number or
-    ``[b, s]``), else 1; both given raises. Tiles: :class:`LinearOptions`' names.
-    Sampling replay: ``support`` (a :class:`SamplingSupport` of numbers), else the user
-    context's ``sampling_support`` (``[b, s, K]`` kept ids or ``[b, s]`` parameters; both
-    given raises): logprobs and entropy of the kept distribution (``linear_logprobs``').
+    Args:
+        temperature: ``T``; ``None``: the user context's ``temperature`` (a number or
+            ``[b, s]``), else 1. Both given raises.
+        entropy: also return ``"entropy"``.
+        support: sampling replay: a :class:`SamplingSupport` of numbers; ``None``: the user
+            context's ``sampling_support`` (``[b, s, K]`` kept ids or ``[b, s]`` parameters),
+            if any. Both given raises. The logprobs and entropy are then those of the kept
+            distribution (``linear_logprobs``').
+        tile_rows, tile_cols: the tiles, by :class:`LinearOptions`' names (``None``: per device).
+
+    Returns:
+        The processor (pass it as ``output_processor=``): called by the hook, it returns the
+        dictionary above, ``"entropy"`` only with ``entropy=True``.
     """
     tile = factory_tiles("selected_logprobs", unexpected, temperature, tile_rows, tile_cols)
     check_bool("entropy", entropy)
@@ -169,12 +177,16 @@ def cross_entropy_loss(
         ce = (1 - eps) * cw[y] * -logprobs + eps / V * sum_j cw[j] (lse - z_j)
         # eps: label_smoothing in [0, 1]; cw: class_weights [V], finite, >= 0 (None: ones)
 
-    ``reduction="none"`` (the default): ``loss = ce + z_loss * lse ** 2`` ``[b, s]``
-    (fp32; ``z_loss`` finite, ``>= 0``), without the loss mask, like Megatron's, except
-    0 with a zero gradient where the label is ignored (Megatron returns the logsumexp
-    there). A user context holding a ``temperature`` or ``global_tokens`` raises
-    (Megatron's loss has neither). Logits recomputed in backward: four GEMM-equivalents
-    ``2 n h V``.
+    Args:
+        reduction: ``"none"`` (the default), ``"sum"`` or ``"mean"``: the results below.
+        temperature: ``T``; with ``"sum"`` or ``"mean"``, as :func:`selected_logprobs`'.
+        z_loss, class_weights, label_smoothing: ``z_loss`` (finite, ``>= 0``), ``cw``, ``eps``.
+        tile_rows, tile_cols: the tiles, by :class:`LinearOptions`' names.
+
+    ``reduction="none"``: ``loss = ce + z_loss * lse ** 2`` ``[b, s]`` (fp32), without the loss
+    mask, like Megatron's, except 0 with a zero gradient where the label is ignored (Megatron
+    returns the logsumexp there). A user context's ``temperature`` or ``global_tokens`` raises
+    (Megatron's loss has neither). Logits recomputed in backward: four GEMM-equivalents ``2 n h V``.
 
     ``reduction="sum"`` or ``"mean"``: ``{"loss": [], "tokens": []}`` (fp32), the
     gradient formed in the forward pass (:func:`fused_token_loss`, three GEMM-equivalents)::
@@ -186,11 +198,13 @@ def cross_entropy_loss(
         loss = sum(M * ce) / sum(M * cw[y]) + z_loss * sum(M * lse ** 2) / sum(M)
         tokens = sum(M)                               # this rank's counted tokens, detached
 
-    ``T`` as :func:`selected_logprobs`'. ``global_tokens`` (the user context's, a finite
-    number > 0) is read by ``"mean"`` only (refused with ``"sum"`` or class weights;
-    required under context parallel). A mask summing to exactly 0 gives 0 with a zero
-    gradient; a NaN, infinite or negative ``loss_mask`` entry raises ``ContractError``; a
-    NaN or inf in the hidden states or weight makes the loss NaN.
+    ``global_tokens`` (the user context's, a finite number > 0) is read by ``"mean"`` only (refused
+    with ``"sum"`` or class weights; required under context parallel). A mask summing to exactly 0
+    gives 0 with a zero gradient; a NaN, infinite or negative ``loss_mask`` entry raises
+    ``ContractError``; a NaN or inf in the hidden states or weight makes the loss NaN.
+
+    Returns:
+        The processor: ``loss`` ``[b, s]`` (``"none"``), else ``{"loss", "tokens"}`` (above).
     """
     tile = factory_tiles("cross_entropy_loss", unexpected, temperature, tile_rows, tile_cols)
     loss = _CrossEntropy.checked(

@@ -35,7 +35,10 @@ class LogprobResult:
         vocab_logprobs = where(labels == ignore_index, 0, z[y] - lse)
 
     ``vocab_logprobs``, differentiable, is what a reference policy taken without the support
-    is compared with; it and ``kept_logmass`` are ``None`` without a support."""
+    is compared with; it and ``kept_logmass`` are ``None`` without a support. With a support
+    (:class:`SamplingSupport`: ``kept_ids [n, K]``, or ``top_k``, ``top_p``, ``min_p`` on ``z``)
+    the gradient is over the kept tokens (none at a label not kept) and ``with_mean_logit`` is
+    refused; its cost: ``docs/processors.md``, "Sampling replay"."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
@@ -89,20 +92,20 @@ def linear_logprobs(
         lse = logsumexp(z)                                       # every token
         mean_logit = z.mean(-1)                                  # with_mean_logit
 
-    ``weight_full`` stacks every rank's shard; ``gather`` is ``collectives.gather_hidden_states``
-    (sequence parallel); ``T``, ``logit_scale``, the shard and the tiles are ``options``
-    (:class:`LinearOptions`; default ``LinearOptions()``). ``hidden`` ``[n_local, h]``: this
-    rank's rows, gathered here (its gradient holds every shard's part); ``weight``
-    ``[V_local, h]``, the shard; ``labels`` ``[n]`` global ids of the gathered rows, or
-    ``ignore_index``; ``bias`` ``[V_local]`` (``weight``'s dtype and device; ``None``: 0),
-    differentiable; ``mean_logit_weights`` ``[V_local]`` column weights ``c`` (detached) of
-    a weighted ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights;
-    ``None``: each 1).
+    Args:
+        hidden: ``[n_local, h]``, this rank's rows, gathered here by ``gather`` (sequence
+            parallel: ``collectives.gather_hidden_states``); its gradient holds every shard's part.
+        weight: ``[V_local, h]``, this rank's shard (``weight_full`` stacks every rank's).
+        labels: ``[n]`` global ids of the gathered rows, or ``ignore_index``.
+        options: ``T``, ``logit_scale``, the shard, the tiles (``None``: ``LinearOptions()``).
+        with_entropy, with_mean_logit: also ``entropy``, also ``mean_logit``.
+        bias: ``[V_local]`` (``weight``'s dtype and device; ``None``: 0), differentiable.
+        mean_logit_weights: ``[V_local]`` column weights ``c`` (detached) of a weighted
+            ``mean_logit = sum_j c_j z_j / V`` (label smoothing with class weights; None: each 1).
+        support: a :class:`SamplingSupport`: the results of the kept distribution instead.
 
-    ``support``: a :class:`SamplingSupport` (``kept_ids [n, K]``, or ``top_k``, ``top_p``,
-    ``min_p`` on ``z``): the results are of the kept distribution (:class:`LogprobResult`), the
-    gradient over the kept tokens (none at a label not kept); ``with_mean_logit`` refused. Cost:
-    ``docs/processors.md``, "Sampling replay".
+    Returns:
+        :class:`LogprobResult`, ``[n]`` each; its docstring has the dtypes, gradients, support.
 
     Cost: four GEMM-equivalents ``2 n h V_local`` (the logits, then the logits again,
     ``dh`` and ``dW``); one tile of fp32 logits. NaN or inf in ``hidden`` or ``weight``

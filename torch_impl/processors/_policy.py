@@ -318,6 +318,21 @@ def policy_loss(
     ``clip_fraction`` (veRL's ``pg_clipfrac``), ``dual_clip_fraction`` (vanilla with
     ``dual_clip``) or ``clip_fraction_lower`` (dppo, geo_mean: veRL's ``pg_clipfrac_lower``).
 
+    Args:
+        config: a :class:`PolicyLossConfig`: the mode, clipping, KL, aggregation, rollout
+            correction (``None``: ``PolicyLossConfig()``). The batch comes with each call, as
+            the user context: a :class:`PolicyBatch`.
+        tile_rows, tile_cols: the tiles, by :class:`LinearOptions`' names (``None``: the
+            default per device); ``tile_cols`` only where autograd goes through
+            :func:`linear_logprobs` (below).
+
+    Returns:
+        The processor (pass it as ``output_processor=``, with the :class:`PolicyBatch` as
+        ``output_processor_context=``): called by the hook, it returns the dictionary of
+        scalars above (each metric where the mode has it), with the ``rollout_corr/``
+        metrics under a rollout correction and ``support/outside_fraction`` under a
+        sampling support (:class:`PolicyBatch`).
+
     With ``config.fused``, a token-local mode and no sampling support (whose
     renormalisation needs the whole sweep first), the gradients are formed in the forward
     pass (tiles of ``tile_rows`` whole rows, by default ``TILE_BYTES`` of fp32 logits,

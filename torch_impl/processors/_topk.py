@@ -157,15 +157,22 @@ def linear_topk_logprobs(
         label_logprobs = where(labels == ignore_index, 0, lp[arange(n), labels])
         entropy = logsumexp(z) - (softmax(z) * z).sum(-1)
 
-    ``hidden`` ``[n_local, h]``, ``weight`` ``[V_local, h]``, ``labels`` ``[n]`` or
-    ``None``, ``bias``, ``options`` and ``gather`` as :func:`linear_logprobs`';
-    ``1 <= k <= vocab size``. Each shard keeps a running top-k per row over its tiles
-    (a shard with fewer than ``k`` entries contributes all of them), merged with
-    ``collectives.all_gather`` (spec 1.2; required at ``tp > 1``, else
-    ``ContractError``). Cost: one GEMM ``2 n V_local h`` forward plus a ``k``-wide
-    selection per tile; the recomputing backward three GEMMs (the gradient at the ``k``
-    ids and the label added to each tile's logit gradient in fp32). NaN or inf in
-    ``hidden`` or ``weight`` gives NaN logprobs at the rows they touch.
+    Args:
+        hidden, weight: ``[n_local, h]`` and ``[V_local, h]``, as :func:`linear_logprobs`'.
+        bias, options: as :func:`linear_logprobs`' (and so is ``gather`` above).
+        k: how many, ``1 <= k <= vocab size``.
+        labels: ``[n]`` or ``None`` (no ``label_logprobs``), as :func:`linear_logprobs`'.
+        with_entropy: also the entropy.
+
+    Returns:
+        :class:`TopkResult`: ``logprobs`` and ``ids`` ``[n, k]``, ``label_logprobs``, ``entropy``.
+
+    Each shard keeps a running top-k per row over its tiles (a shard with fewer than ``k``
+    entries contributes all of them), merged with ``collectives.all_gather`` (spec 1.2;
+    required at ``tp > 1``, else ``ContractError``). Cost: one GEMM ``2 n V_local h``
+    forward plus a ``k``-wide selection per tile; the recomputing backward three GEMMs (the
+    gradient at the ``k`` ids and the label added to each tile's logit gradient in fp32).
+    NaN or inf in ``hidden`` or ``weight`` gives NaN logprobs at the rows they touch.
     """
     check_bool("with_entropy", with_entropy)
     name = "linear_topk_logprobs"  # fold=False: equal logits stay equal (ties)
