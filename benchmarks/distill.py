@@ -54,7 +54,7 @@ PAIRS = (
 COLUMNS = ["pair", "method", "tokens", "hidden", "vocab", "k", "time_s", "peak_extra_mib", "error"]
 
 
-# ---------------------------------------------------------------- one measurement (a worker process)
+# --------------------------------------------------------------- one measurement (a worker process)
 
 
 def _inputs(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -119,7 +119,9 @@ def _ours(pair: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
         teacher: Any = SparseTeacher(ids=x["ids"][None], logprobs=x["lp"][None])
     else:
         teacher = DenseTeacher(hidden_states=x["t_h"][:, None, :], weight=x["t_w"])
-    return distillation_loss(_config(pair))(_context(x, teacher))["loss"]  # type: ignore[no-any-return]
+    return distillation_loss(_config(pair))(  # type: ignore[no-any-return]
+        _context(x, teacher)
+    )["loss"]
 
 
 def _materialised(pair: str, x: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -242,8 +242,8 @@ def floor_ms(s: Shape, gemms: int, c: Ceilings = CEILINGS) -> float:
 def markdown() -> str:
     """The design page's launch tables."""
     lines = [
-        "Reproduced: the code of 2026-11-26 (commit 49dd243), its launch counts and the kernel rates "
-        "measured then:",
+        "Reproduced: the code of 2026-11-26 (commit 49dd243), its launch counts and the kernel "
+        "rates measured then:",
         "",
         "| path | shape (bf16) | launches / tile | host ms | GPU ms | model wall ms | busy "
         "| measured wall ms | model / measured |",
@@ -252,14 +252,16 @@ def markdown() -> str:
     for (path, n, h, v), wall in MEASURED_WALL_MS.items():
         q = measured_before(path, Shape(n, h, v))
         lines.append(
-            f"| {path} | {n}x{h}x{v} | {BEFORE_LAUNCHES[path]} | {q.host * 1e3:.1f} | {q.gpu * 1e3:.1f} | "
-            f"{q.wall * 1e3:.1f} | {q.busy:.2f} | {wall:.1f} | {q.wall * 1e3 / wall:.2f} |"
+            f"| {path} | {n}x{h}x{v} | {BEFORE_LAUNCHES[path]} | {q.host * 1e3:.1f} "
+            f"| {q.gpu * 1e3:.1f} | {q.wall * 1e3:.1f} | {q.busy:.2f} | {wall:.1f} "
+            f"| {q.wall * 1e3 / wall:.2f} |"
         )
     lines += [
         "",
-        f"Predicted (not measured): at most {AFTER_LAUNCHES_PER_TILE} launches a tile, the user's loss "
-        f"once a flush ({AFTER_FLUSH_LAUNCHES} launches), a {AFTER_PROLOGUE * 1e3:.0f} ms prologue, the "
-        "backward scale vectorised; the kernels at their measured fraction of copy, and at 0.85:",
+        f"Predicted (not measured): at most {AFTER_LAUNCHES_PER_TILE} launches a tile, "
+        f"the user's loss once a flush ({AFTER_FLUSH_LAUNCHES} launches), "
+        f"a {AFTER_PROLOGUE * 1e3:.0f} ms prologue, the backward scale vectorised; "
+        "the kernels at their measured fraction of copy, and at 0.85:",
         "",
         "| path | shape (bf16) | floor ms | wall ms (x floor), kernels as measured | busy "
         "| wall ms (x floor), kernels at 0.85 | busy | target x floor |",
@@ -272,8 +274,9 @@ def markdown() -> str:
             a, b = predicted_after(path, s), predicted_after(path, s, kernel_fraction=0.85)
             target = targets.get((path, s.h), "1.05" if gemms == 4 else "1.08")
             lines.append(
-                f"| {path} | {s.n}x{s.h}x{s.v} | {f:.1f} | {a.wall * 1e3:.1f} ({a.wall * 1e3 / f:.2f}x) | "
-                f"{a.busy:.2f} | {b.wall * 1e3:.1f} ({b.wall * 1e3 / f:.2f}x) | {b.busy:.2f} | {target} |"
+                f"| {path} | {s.n}x{s.h}x{s.v} | {f:.1f} "
+                f"| {a.wall * 1e3:.1f} ({a.wall * 1e3 / f:.2f}x) | {a.busy:.2f} "
+                f"| {b.wall * 1e3:.1f} ({b.wall * 1e3 / f:.2f}x) | {b.busy:.2f} | {target} |"
             )
     return "\n".join(lines)
 

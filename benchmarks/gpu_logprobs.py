@@ -229,7 +229,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
 
 
-# ---------------------------------------------------------------- one size, every method, one process
+# -------------------------------------------------------------- one size, every method, one process
 
 
 def _time_once(
@@ -282,9 +282,12 @@ def _append(path: Path | None, row: dict[str, Any]) -> None:
         peak = row.get("peak_extra_gb")
         print(f"  {shape:<22} {row['method']:<17} {row['time_ms']:9.2f} ms"
               + (f"  {peak:6.2f} GB" if peak is not None else "")
-              + (f"  dh {row['dh_rel_err']:.1e}  dW {row['dw_rel_err']:.1e}" if "dh_rel_err" in row else "")
-              + (f"  busy {row['busy_fraction']:.2f}" if row.get("busy_fraction") is not None else "")
-              + (f"  {row['kernels']} kernels {row['launches']} launches" if "kernels" in row else ""),
+              + (f"  dh {row['dh_rel_err']:.1e}  dW {row['dw_rel_err']:.1e}"
+                 if "dh_rel_err" in row else "")
+              + (f"  busy {row['busy_fraction']:.2f}"
+                 if row.get("busy_fraction") is not None else "")
+              + (f"  {row['kernels']} kernels {row['launches']} launches"
+                 if "kernels" in row else ""),
               flush=True)  # fmt: skip
     if path is not None:
         with path.open("a") as f:
@@ -389,7 +392,7 @@ def run_size(
     return got
 
 
-# ---------------------------------------------------------------- every size, each in its own process
+# -------------------------------------------------------------- every size, each in its own process
 
 
 def _rows_of(path: Path, size: dict[str, Any]) -> set[str]:
@@ -438,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         if left > 5:
             # the worker starts no method after its deadline; the timeout is the backstop
             cmd = [sys.executable, "-m", "benchmarks.gpu_logprobs", "--worker", json.dumps(size),
-                   "--device", args.device, "--methods", ",".join(methods), "--runs", str(args.runs),
-                   "--warmup", str(args.warmup), "--out", str(args.out), "--deadline", str(end - 3),
+                   "--device", args.device, "--methods", ",".join(methods),
+                   "--runs", str(args.runs), "--warmup", str(args.warmup),
+                   "--out", str(args.out), "--deadline", str(end - 3),
                    *(["--quick"] if args.quick else [])]  # fmt: skip
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             try:

@@ -23,8 +23,9 @@ In order (``what`` of each row):
   target size and recording every kernel launch (Triton's launcher, any module);
   the largest launch per kernel and constexprs is then replayed alone. Bytes moved:
   the bytes of its tensor arguments as passed (the chunk it reads; an output it
-  writes, in place or not, once more). A package may instead expose ``kernel_cases(device) -> [(name, launch,
-  bytes)]`` in ``torch_impl.processors``: those are measured as given.
+  writes, in place or not, once more). A package may instead expose
+  ``kernel_cases(device) -> [(name, launch, bytes)]`` in ``torch_impl.processors``: those
+  are measured as given.
 - ``floor``: the 3- and 4-GEMM floors at the target size (``benchmarks.methods``).
 
 Method: ``--warmup`` untimed runs (compilation excluded), then the median of
@@ -301,7 +302,8 @@ def measure(
     dst = torch.empty_like(src)
     moved = 2 * src.nbytes
     t_copy = timed("copy", f"copy {src.nbytes >> 20} MiB", lambda src=src, dst=dst: dst.copy_(src),
-                   lambda t: {"gbps": moved / t / 1e6}, launches=BACK_TO_BACK, bytes=moved)  # fmt: skip
+                   lambda t: {"gbps": moved / t / 1e6}, launches=BACK_TO_BACK,
+                   bytes=moved)  # fmt: skip
     copy_gbps = None if t_copy is None else moved / t_copy / 1e6
     del src, dst
     # each Triton kernel alone, against the copy bandwidth

@@ -230,7 +230,9 @@ def _verl_triton_module() -> Any:
             (target / name).write_bytes(zf.read(f"verl/utils/kernel/{name}"))
     device = types.ModuleType("verl.utils.device")  # the four helpers the two files import
     device.is_cuda_available = torch.cuda.is_available()  # type: ignore[attr-defined]
-    device.get_device_capability = lambda device_id=0: torch.cuda.get_device_capability(device_id)  # type: ignore[attr-defined]
+    device.get_device_capability = (  # type: ignore[attr-defined]
+        lambda device_id=0: torch.cuda.get_device_capability(device_id)
+    )
     device.get_device_name = lambda: "cuda"  # type: ignore[attr-defined]
     device.get_torch_device = lambda: torch.cuda  # type: ignore[attr-defined]
     for name in ("verl", "verl.utils"):

@@ -401,7 +401,8 @@ def markdown() -> str:
         lines.append("|---|---|---|---|" + "---|" * len(DEVICES))
         for q in p.passes:
             lines.append(
-                f"| {q.name} | {q.count} | {q.count * q.flops / 1e9:.0f} | {q.count * q.bytes / 1e9:.2f} | "
+                f"| {q.name} | {q.count} | {q.count * q.flops / 1e9:.0f} "
+                f"| {q.count * q.bytes / 1e9:.2f} | "
                 + " | ".join(_ms(q.seconds(d)) for d in DEVICES)
                 + " |"
             )

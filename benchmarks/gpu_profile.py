@@ -89,5 +89,7 @@ def profile_call(fn: Callable[[], Any], *, device: str) -> dict[str, Any]:
         "kernel_ms": busy / 1e3,
         "span_ms": span / 1e3,
         "busy_fraction": busy / span,
-        "busy_note": "one profiled call after the timed ones (torch.profiler; its overhead widens the span)",
+        "busy_note": (
+            "one profiled call after the timed ones (torch.profiler; its overhead widens the span)"
+        ),
     }

@@ -70,7 +70,8 @@ __all__ = [
 RELEASES = ("0.19.2", "0.16.1")
 NOT = "not measured"
 PROCESSOR_ONLY = ("tests/test_gpu_checks.py", "tests/test_processors_triton.py")
-"""GPU test files that test no Megatron code: run on the first release only (scripts/gpu_tests.sh)."""
+"""GPU test files that test no Megatron code: run on the first release only
+(scripts/gpu_tests.sh)."""
 GPU_MARK = re.compile(r"^[ \t]*(@pytest\.mark\.gpu\b|pytestmark[ \t]*=.*pytest\.mark\.gpu\b)", re.M)
 """A gpu-marked test or module (the grep -E of scripts/gpu_tests.sh matches the same lines)."""
 
@@ -225,7 +226,11 @@ def read_tests(log: Path) -> dict[str, str]:
         m = TEST_LINE.match(line)
         c = COLLECT_ERROR.match(line)
         if m or c:
-            f, outcome = (m.group(1), m.group(3).lower()) if m else (c.group(1), "collection error")  # type: ignore[union-attr]
+            f, outcome = (
+                (m.group(1), m.group(3).lower())
+                if m
+                else (c.group(1), "collection error")  # type: ignore[union-attr]
+            )  # fmt: skip
             per = counts.setdefault(f, {})
             per[outcome] = per.get(outcome, 0) + 1
             partial = None
@@ -350,7 +355,8 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     )
     out.append(
         (
-            "On the CPU, nothing slower: at 8192 x 1024 x 65536 fp32, ours at most 0.8x the naive time",
+            "On the CPU, nothing slower: at 8192 x 1024 x 65536 fp32, ours at most 0.8x"
+            " the naive time",
             NOT,
             "a CPU figure, not this GPU command's: measured by `python -m benchmarks.logprobs`: see"
             " [processors.md](processors.md#benchmarks)",
@@ -394,8 +400,9 @@ def peers_target(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
     v = "not met" if "not met" in verdicts else (NOT if NOT in verdicts or not verdicts else "met")
     measured = NOT if all(x == NOT for x in verdicts) else "; ".join(parts)
     return (
-        "Faster than every peer on the same work (veRL Triton and Liger SM90 for logprobs + entropy; "
-        "Liger and CCE, default and exact, per token and as a mean), on flat and peaked logits",
+        "Faster than every peer on the same work (veRL Triton and Liger SM90 for logprobs + "
+        "entropy; Liger and CCE, default and exact, per token and as a mean), on flat and "
+        "peaked logits",
         v,
         measured,
     )
@@ -492,10 +499,11 @@ def measure_lines(
     predicts them, each pass's measured and predicted time side by side."""
     lines = [
         "",
-        "Measured first (`benchmarks.gpu_measure`, before the tests: median of 10 after 3 warm-ups, "
-        "CUDA events): `torch.mm` at the Triton backend's logits chunk of the targets' size "
-        "(bf16 and fp32 out; the gradient GEMMs on the in-place gradient's doubled-stride view "
-        "and on a contiguous copy), the copy bandwidth, each Triton kernel alone, the floors:",
+        "Measured first (`benchmarks.gpu_measure`, before the tests: median of 10 after 3 "
+        "warm-ups, CUDA events): `torch.mm` at the Triton backend's logits chunk of the "
+        "targets' size (bf16 and fp32 out; the gradient GEMMs on the in-place gradient's "
+        "doubled-stride view and on a contiguous copy), the copy bandwidth, each Triton "
+        "kernel alone, the floors:",
         "",
         "| measurement | shape | time ms | rate | note |",
         "|---|---|---|---|---|",
@@ -532,8 +540,8 @@ def measure_lines(
         for cls, passes in predicted.items():
             lines += [
                 "",
-                f"Measured against `benchmarks.gpu_model`'s prediction for {cls} (docs/gpu-design.md), "
-                f"per pass, at {_shape(TARGET_SIZE)}:",
+                f"Measured against `benchmarks.gpu_model`'s prediction for {cls} "
+                f"(docs/gpu-design.md), per pass, at {_shape(TARGET_SIZE)}:",
                 "",
                 "| pass | measured ms | predicted ms | measured / predicted |",
                 "|---|---|---|---|",
@@ -621,8 +629,8 @@ def render(directory: Path | None) -> dict[str, str]:
             "",
             f"{_shape(size)}:",
             "",
-            "| method | what | time ms | x floor3 | x floor4 | peak extra GB | dh rel err | dW rel err"
-            " | busy | kernels / launches | note |",
+            "| method | what | time ms | x floor3 | x floor4 | peak extra GB | dh rel err "
+            "| dW rel err | busy | kernels / launches | note |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in methods_at(size, list(METHODS)):
@@ -659,16 +667,17 @@ def render(directory: Path | None) -> dict[str, str]:
     ]
     for c in choice:
         lines.append(
-            f"| {c['device_class']} ({c['device']}) | {c['size']} | {c['path']} | {c['torch_ms']:.1f} | "
-            f"{c['triton_ms']:.1f} | {c['faster']} ({c['ratio']:.2f}x) |"
+            f"| {c['device_class']} ({c['device']}) | {c['size']} | {c['path']} "
+            f"| {c['torch_ms']:.1f} | {c['triton_ms']:.1f} | {c['faster']} ({c['ratio']:.2f}x) |"
         )
     if not choice:
         lines.append(f"| {NOT} | | | | | |")
     for cls, (backend, a, b, n) in class_choice(rows).items():
-        lines += ["", f"Device class {cls}: over {n} size and path pairs, torch {a:.1f} ms and triton "
-                  f"{b:.1f} ms in all: `backend=\"auto\"` row `{backend}`."]  # fmt: skip
+        lines += ["", f"Device class {cls}: over {n} size and path pairs, torch {a:.1f} ms "
+                  f"and triton {b:.1f} ms in all: `backend=\"auto\"` row `{backend}`."]  # fmt: skip
     tl = [
-        f'At {_shape(TARGET_SIZE)}, ratios within one run; "ours" is the faster of our two backends.',
+        f"At {_shape(TARGET_SIZE)}, ratios within one run; "
+        '"ours" is the faster of our two backends.',
         "",
         "| target | verdict | measured |",
         "|---|---|---|",
@@ -723,13 +732,17 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     rows = [] if args.dir is None else read_rows(args.dir / RESULTS)
     env = _env_of(args.dir)
-    where = f"docs/gpu-results.md: run of {env.get('date_utc', '?')} on commit {env.get('commit', '?')[:12]}"
+    where = (
+        f"docs/gpu-results.md: run of {env.get('date_utc', '?')} "
+        f"on commit {env.get('commit', '?')[:12]}"
+    )
     for cls, (backend, _, _, n) in class_choice(rows).items():
         row = f'"{cls}": BackendChoice("{backend}", measured=True, source="{where}")'
         print(f"auto table row: {row}  # {n} size and path pairs")
     for c in backend_choice(rows):
         print(f"auto table: {c['device_class']} ({c['device']}) {c['size']} {c['path']}: "
-              f"torch {c['torch_ms']:.1f} ms, triton {c['triton_ms']:.1f} ms -> {c['faster']}")  # fmt: skip
+              f"torch {c['torch_ms']:.1f} ms, triton {c['triton_ms']:.1f} ms "
+              f"-> {c['faster']}")  # fmt: skip
     return 0
 
 

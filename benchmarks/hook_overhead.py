@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = rows[2]
     print(
         f"adapter per call (context build + validation, label range read): "
-        f"{passthrough['adapter_us_per_call']:.1f} us = {100 * passthrough['adapter_vs_stock_step']:.4f}% "
-        f"of the stock step"
+        f"{passthrough['adapter_us_per_call']:.1f} us "
+        f"= {100 * passthrough['adapter_vs_stock_step']:.4f}% of the stock step"
     )
     print(f"losses bitwise equal to stock: {stock['same_loss_bitwise']}")
     print(f"wrote {args.out / 'hook_overhead.csv'}, {args.out / 'hook_overhead.png'}")

@@ -2,7 +2,8 @@
 of ours against the naive path and veRL's ``FusedLinearForPPO``, measured in the
 same run, each method in its own process, best of ``--repeats``.
 
-    python -m benchmarks.logprobs            # 8192 tokens, hidden 1024, V 65536, fp32 and bf16, + sweep
+    python -m benchmarks.logprobs            # 8192 tokens, hidden 1024, V 65536,
+                                             #   fp32 and bf16, + sweep
     python -m benchmarks.logprobs --quick    # small sizes, seconds (smoke test)
 
 bf16 on a CPU: ATen's bf16 GEMM with a non-transposed right operand (the
@@ -136,19 +137,22 @@ def _summary(
         float("nan")
     ]
     lines = [
-        f"Measured on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, device {device}; best of {args.repeats} runs, each in its own process; "
-        f"load average {min(loads):.1f} to {max(loads):.1f}. Ratios are to the naive path of the same "
-        "case (`baseline`), measured in the same run.",
+        f"Measured on {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}; "
+        f"best of {args.repeats} runs, each in its own process; "
+        f"load average {min(loads):.1f} to {max(loads):.1f}. Ratios are to the naive path of "
+        "the same case (`baseline`), measured in the same run.",
         "",
-        "| case | method | time (s) | peak extra (MiB) | time / naive | memory / naive | time / veRL |",
+        "| case | method | time (s) | peak extra (MiB) | time / naive | memory / naive "
+        "| time / veRL |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in tables:
         case = f"{r['dtype']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
         lines.append(
             f"| {case} | {r['method']} | {r['time_s']:.2f} | {r['peak_extra_mib']:.0f} | "
-            f"{_r(r.get('time_vs_naive'))} | {_r(r.get('mem_vs_naive'))} | {_r(r.get('time_vs_verl'))} |"
+            f"{_r(r.get('time_vs_naive'))} | {_r(r.get('mem_vs_naive'))} "
+            f"| {_r(r.get('time_vs_verl'))} |"
         )
     lines += ["", "| target (CPU) | case | measured | met |", "|---|---|---|---|"]
     cases = dict.fromkeys((r["section"], r["dtype"]) for r in tables)
@@ -220,10 +224,10 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     for k, dtype in enumerate(dtypes):
         by = {r["method"]: r for r in main if group(r) == dtype}
         xs = [i + k * width for i in range(len(methods))]
-        axes[0].bar(xs, [by[m].get("time_vs_naive", math.nan) if m in by else math.nan for m in methods],
-                    width, label=dtype)  # fmt: skip
-        axes[1].bar(xs, [by[m].get("mem_vs_naive", math.nan) if m in by else math.nan for m in methods],
-                    width, label=dtype)  # fmt: skip
+        axes[0].bar(xs, [by[m].get("time_vs_naive", math.nan) if m in by else math.nan
+                         for m in methods], width, label=dtype)  # fmt: skip
+        axes[1].bar(xs, [by[m].get("mem_vs_naive", math.nan) if m in by else math.nan
+                         for m in methods], width, label=dtype)  # fmt: skip
     for ax, title in zip(axes[:2], ("time / naive (fwd+bwd)", "peak extra memory / naive")):
         ax.set_xticks([i + width * (len(dtypes) - 1) / 2 for i in range(len(methods))])
         ax.set_xticklabels(methods, rotation=30, ha="right")

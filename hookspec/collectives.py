@@ -29,7 +29,9 @@ does the same with torch and ``ctx.collectives``::
     >>> lse = m + np.log(coll.all_reduce_sum(np.exp(z - m[..., None]).sum(-1)))
     >>> local = (labels >= vocab.start) & (labels < vocab.end)   # [b, s]
     >>> idx = np.where(local, labels - vocab.start, 0)           # clamped to a valid local row
-    >>> z_y = coll.all_reduce_sum(np.where(local, np.take_along_axis(z, idx[..., None], -1)[..., 0], 0.0))
+    >>> z_y = coll.all_reduce_sum(
+    ...     np.where(local, np.take_along_axis(z, idx[..., None], -1)[..., 0], 0.0)
+    ... )
     >>> logprob = np.where(labels == IGNORE_INDEX, 0.0, z_y - lse)   # [b, s], same on every rank
     >>> logprob.shape
     (2, 3)
@@ -177,7 +179,8 @@ def check_collective_result(
     Each result is an array of ``x``'s framework and dtype, of shape::
 
         all_reduce_sum, all_reduce_max, all_reduce_sum_context_parallel: x.shape
-        gather_hidden_states: [s * tp_size, b, h] under sequence parallel, else x.shape   (x: [s, b, h])
+        gather_hidden_states: [s * tp_size, b, h] under sequence parallel, else x.shape
+                              (x: [s, b, h])
         all_gather:           [tp_size, *x.shape]
 
     ``sequence_parallel=None`` (not known to the caller) takes either form of
@@ -203,7 +206,10 @@ def check_collective_result(
         allowed = [xs]
         why = ""
     want = " or ".join(format_shape(a) for a in allowed)
-    expected = f"a {framework} array of shape {want} and dtype {dtype} (its input: {format_shape(xs)}{why})"
+    expected = (
+        f"a {framework} array of shape {want} and dtype {dtype} "
+        f"(its input: {format_shape(xs)}{why})"
+    )
     field = f"collectives.{method}"
     if not is_array(result) or framework_of(result) != framework:
         kind = type(result).__name__
@@ -250,13 +256,19 @@ class CheckedCollectives:
         return result
 
     def all_reduce_sum(self, x: A, /) -> A:
-        return self._call("all_reduce_sum", self.inner.all_reduce_sum, x)  # type: ignore[no-any-return]
+        return self._call(  # type: ignore[no-any-return]
+            "all_reduce_sum", self.inner.all_reduce_sum, x
+        )
 
     def all_reduce_max(self, x: A, /) -> A:
-        return self._call("all_reduce_max", self.inner.all_reduce_max, x)  # type: ignore[no-any-return]
+        return self._call(  # type: ignore[no-any-return]
+            "all_reduce_max", self.inner.all_reduce_max, x
+        )
 
     def gather_hidden_states(self, x: A, /) -> A:
-        return self._call("gather_hidden_states", self.inner.gather_hidden_states, x)  # type: ignore[no-any-return]
+        return self._call(  # type: ignore[no-any-return]
+            "gather_hidden_states", self.inner.gather_hidden_states, x
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "tp_size", "sequence_parallel_checked"):  # not set yet (copy, pickle)

@@ -221,10 +221,13 @@ Sparse teacher: its top-k ``ids [k]`` and logprobs ``lp_t [k]``, the student's
 mass is treated one of two ways (``TeacherTail``)::
 
     renormalize:  log P = lp_t - logsumexp(lp_t)                       # [k]
-                  log Q = u - logsumexp(u)                             # [k]: no full-vocabulary term
-    bucket:       p_tail = -expm1(logsumexp(lp_t))                     # 1 - sum(exp(lp_t)), no cancellation
+                  log Q = u - logsumexp(u)                             # [k]: no full-vocabulary
+                                                                       #   term
+    bucket:       p_tail = -expm1(logsumexp(lp_t))                     # 1 - sum(exp(lp_t)), no
+                                                                       #   cancellation
                   q_tail = -expm1(logsumexp(log q))
-                  log P = concat(lp_t, log(max(p_tail, TAIL_FLOOR)))   # [k + 1]: the k ids and one tail
+                  log P = concat(lp_t, log(max(p_tail, TAIL_FLOOR)))   # [k + 1]: the k ids and
+                                                                       #   one tail
                   log Q = concat(log q, log(max(q_tail, TAIL_FLOOR)))  # both tails alike
 
 ``TAIL_FLOOR = 2**-126`` (float32's smallest normal number, whatever dtype the terms
@@ -333,7 +336,8 @@ UPSTREAM_HOOK_SOURCES = UpstreamHookSources(
     ),
     caller=("context",),
 )
-""":class:`UpstreamHookSources` of :data:`UPSTREAM_HOOK_KEYWORDS`: every keyword in exactly one group."""
+""":class:`UpstreamHookSources` of :data:`UPSTREAM_HOOK_KEYWORDS`: every keyword in exactly
+one group."""
 
 
 class KLEstimator(enum.StrEnum):

@@ -181,9 +181,15 @@ def validate_collectives(ctx: OutputContext) -> None:
     if tp > 1 and isinstance(coll, SingleProcessCollectives):
         raise ContractError(
             "collectives",
-            expected=f"collectives over the {tp} ranks of the tensor-parallel group (parallel.tp_size={tp})",
+            expected=(
+                f"collectives over the {tp} ranks of the tensor-parallel group "
+                f"(parallel.tp_size={tp})"
+            ),
             actual="SingleProcessCollectives() (one rank: no reduction over the vocabulary shards)",
-            hint="pass the group's collectives (torch_impl.TorchCollectives, jax_ref's JaxCollectives)",
+            hint=(
+                "pass the group's collectives "
+                "(torch_impl.TorchCollectives, jax_ref's JaxCollectives)"
+            ),
         )
     size = getattr(coll, "size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size != tp:
@@ -200,7 +206,9 @@ def validate_collectives(ctx: OutputContext) -> None:
     ):
         raise ContractError(
             "collectives",
-            expected=f"a context-parallel group of parallel.cp_size={layout.cp_size} ranks (or none)",
+            expected=(
+                f"a context-parallel group of parallel.cp_size={layout.cp_size} ranks (or none)"
+            ),
             actual=f"{coll!r} over {cp_size} context-parallel ranks",
         )
     sp = getattr(coll, "sequence_parallel", None)
@@ -303,7 +311,11 @@ def _check_result_array(field: str, value: object, batch: int, seq: int) -> None
             expected=f"shape [b={batch}, s={seq}] or [b, s, ...] (per token) or [] (a loss)",
             actual=format_shape(shape),
         )
-    if not (is_floating(value) or is_integer(value) or dtype_name(value) == "bool"):  # type: ignore[arg-type]
+    if not (
+        is_floating(value)  # type: ignore[arg-type]
+        or is_integer(value)  # type: ignore[arg-type]
+        or dtype_name(value) == "bool"  # type: ignore[arg-type]
+    ):
         raise ContractError(
             field,
             expected="a floating, integer or bool dtype",

@@ -81,4 +81,7 @@ class JaxCollectives:
 
     def __repr__(self) -> str:
         cp = f", cp_axis_name={self.cp_axis_name!r}" if self.cp_axis_name is not None else ""
-        return f"JaxCollectives(axis_name={self.axis_name!r}, sequence_parallel={self.sequence_parallel}{cp})"
+        return (
+            f"JaxCollectives(axis_name={self.axis_name!r}, "
+            f"sequence_parallel={self.sequence_parallel}{cp})"
+        )

@@ -244,7 +244,8 @@ def distillation_loss(config: Any) -> Any:
         M = where(labels == ignore_index, 0, mask or loss_mask or 1)
         z_s = linear_logits(hidden, weight, scale=inputs.logit_scale, softcap=inputs.softcap)
         z_t = linear_logits(h_t, w_t, scale=teacher.logit_scale, softcap=teacher.softcap)   # dense
-        log q = log_softmax(z_s / T);  log p = log_softmax(z_t / T)       # dense, teacher stop_gradient
+        log q = log_softmax(z_s / T);  log p = log_softmax(z_t / T)       # dense,
+                                                                          #   teacher stop_gradient
         D = divergence(log p, log q)                                      # dense, whole vocabulary
         D = sparse_divergence(lp_t, log q[ids], tail)                     # sparse
         loss = aggregate(D, M, aggregation)

@@ -156,7 +156,8 @@ def linear_logprobs(
         logprobs = where(y == ignore_index, 0, z_y - lse)
         entropy  = lse - all_reduce_sum(sum(exp(z - m) * z, -1)) / se
         V        = all_reduce_sum(V_local)                            # with_mean_logit
-        mean_logit = all_reduce_sum(sum(c * z, -1)) / V               # c = mean_logit_weights, else 1
+        mean_logit = all_reduce_sum(sum(c * z, -1)) / V               # c = mean_logit_weights,
+                                                                      #   else 1
 
     ``mean_logit`` is label smoothing's statistic (``hookspec.conventions``):
     ``mean(z)`` over every shard's columns, or with ``mean_logit_weights``
@@ -287,7 +288,8 @@ def gspo_ratio(
 ) -> jax.Array:
     """GSPO's sequence-level ratio at every token of the sequence, ``[b, s]``::
 
-    seq_log_ratio = clip(sum_s(M * (logp - old)) / sum_s(M), -clamp, clamp)   # [b], 0 if sum_s(M) == 0
+    # [b], 0 if sum_s(M) == 0
+    seq_log_ratio = clip(sum_s(M * (logp - old)) / sum_s(M), -clamp, clamp)
     ratio = exp(seq_log_ratio)[:, None]                                        # broadcast over s
 
     Differentiated through the mean: ``d ratio_b / d logp_t = ratio_b * M_t /

@@ -46,7 +46,9 @@ def shard_map(
     """``jax.shard_map`` (jax >= 0.7), else ``jax.experimental.shard_map.shard_map``."""
     native = getattr(jax, "shard_map", None)
     if native is not None:
-        return native(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)  # type: ignore[no-any-return]
+        return native(  # type: ignore[no-any-return]
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs
+        )
     from jax.experimental.shard_map import shard_map as experimental  # pragma: no cover
 
     return experimental(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)  # pragma: no cover

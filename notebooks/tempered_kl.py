@@ -55,7 +55,9 @@ class TemperedKLBatch:
     ref_logprobs: Any  # [b, s]
 
 
-def _logprobs_entropy(ctx: OutputContext, *, gather: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs_entropy(
+    ctx: OutputContext, *, gather: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[b, s]`` logprobs and entropy of ``softmax(z / T)`` by the contract's
     vocab-parallel recipe (every sum over the vocabulary all-reduced)."""
     coll, vocab = ctx.collectives, ctx.vocab
@@ -77,7 +79,9 @@ def _logprobs_entropy(ctx: OutputContext, *, gather: bool = True) -> tuple[torch
     return logp.t(), entropy.t()
 
 
-def _outputs(ctx: OutputContext, logp: torch.Tensor, entropy: torch.Tensor, *, mean: bool = True) -> Any:
+def _outputs(
+    ctx: OutputContext, logp: torch.Tensor, entropy: torch.Tensor, *, mean: bool = True
+) -> Any:
     mask = ctx.loss_mask.float() * (ctx.labels != ctx.ignore_index)
     r = torch.where(mask > 0, ctx.context.ref_logprobs.float() - logp, torch.zeros_like(logp))
     kl = torch.exp(r) - r - 1.0
@@ -143,7 +147,9 @@ def tempered_kl_reference(hidden: Any, weight: Any, inputs: Any) -> Any:
         hidden, weight, inputs, temperature=ctx.temperature, with_entropy=True
     )
     mask = inputs.loss_mask * (inputs.labels != inputs.ignore_index)
-    kl = jax_ref.references.kl_penalty(logp, jnp.where(mask > 0, ctx.ref_logprobs, logp), estimator="k3")
+    kl = jax_ref.references.kl_penalty(
+        logp, jnp.where(mask > 0, ctx.ref_logprobs, logp), estimator="k3"
+    )
     per_token = -logp + KL_COEF * kl - ENTROPY_COEF * entropy
     return {
         "loss": jax_ref.references.aggregate(per_token, mask, mode="token-mean"),

@@ -27,7 +27,8 @@ def force_backend(monkeypatch: pytest.MonkeyPatch, name: str) -> str:
     of the test; skip where ``name`` is ``"triton"`` and Triton is not installed."""
     if name == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip(
-            "triton is not installed here (py311's CPU torch wheel has none); the torch backend runs"
+            "triton is not installed here (py311's CPU torch wheel has none); "
+            "the torch backend runs"
         )
     choice = BackendChoice(name, measured=False, source="test")
     monkeypatch.setattr("torch_impl.processors._options.auto_choice", lambda device: choice)

@@ -277,8 +277,8 @@ def close(
         i = int(flat.argmax())
         b = bound.expand_as(t).flatten()[i].item()
         return [
-            f"{name}: off the float64 truth by {err.flatten()[i].item():.3g} (tolerance {b:.3g}) at flat "
-            f"index {i}: got {a.flatten()[i].item():.9g}, truth {t.flatten()[i].item():.9g}"
+            f"{name}: off the float64 truth by {err.flatten()[i].item():.3g} (tolerance {b:.3g}) "
+            f"at flat index {i}: got {a.flatten()[i].item():.9g}, truth {t.flatten()[i].item():.9g}"
         ]
     return []
 

@@ -426,7 +426,8 @@ def tensor_case(d: Draw) -> Case:
                 or ids.dtype != torch.long
             ):
                 return [
-                    f"ids: {type(ids).__name__} {getattr(ids, 'shape', '')} {getattr(ids, 'dtype', '')}"
+                    f"ids: {type(ids).__name__} {getattr(ids, 'shape', '')} "
+                    f"{getattr(ids, 'dtype', '')}"
                 ]
             if bool(((ids < 0) | (ids >= V)).any()):
                 return [f"ids: outside [0, {V}): {ids.tolist()}"]
@@ -481,7 +482,8 @@ def tensor_case(d: Draw) -> Case:
                 got_l = out.get(LEARNED_GRAD)
                 if not isinstance(got_l, torch.Tensor):
                     problems.append(
-                        f"{where}{OTHER_LEAF}: d coefficient is {got_l!r}, float64 {float(want):.6g}"
+                        f"{where}{OTHER_LEAF}: d coefficient is {got_l!r}, "
+                        f"float64 {float(want):.6g}"
                     )
                 else:
                     tol_l = bounds("loss") * (1 + abs(float(cots["loss"])) / LEARNED_VALUE)

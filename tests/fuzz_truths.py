@@ -95,7 +95,8 @@ class Precision:
 def token_stats64(
     z: torch.Tensor, labels: torch.Tensor | None, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(log_softmax(z) [..., V], logprob of the label [...] (0 where ignored), entropy [...])``."""
+    """``(log_softmax(z) [..., V], logprob of the label [...] (0 where ignored),
+    entropy [...])``."""
     logp = torch.log_softmax(z, -1)
     entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
     if labels is None:

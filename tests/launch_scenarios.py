@@ -106,7 +106,11 @@ def _fused(
         def loss(lp: torch.Tensor, ent: torch.Tensor, rows: slice) -> torch.Tensor:
             return (lp - 0.1 * ent**2).sum() if entropy_grad else lp.sum()
 
-        options = LinearOptions(temperature=t, backend=backend, softcap=softcap)  # type: ignore[arg-type]
+        options = LinearOptions(
+            temperature=t,
+            backend=backend,  # type: ignore[arg-type]
+            softcap=softcap,
+        )
         _backward(
             fused_token_loss(hid, w, y, loss, options=options, entropy_grad=entropy_grad).loss
         )
@@ -189,8 +193,8 @@ def _scenarios() -> dict[str, Scenario]:
             out[f"gpu-test:fused single pass T per token {per_token_t} 4099x1000x32771 {dt}"] = (
                 _fused(4099, 1000, 32771, dt, "triton", per_token_t=per_token_t, entropy_grad=False)
             )
-    for n, h, v, dt in ((4099, 1000, 32771, bf16), (8192, 4096, 151936, bf16), (2048, 1024, 65536, fp16),
-                        (1021, 512, 20011, fp32)):  # fmt: skip
+    for n, h, v, dt in ((4099, 1000, 32771, bf16), (8192, 4096, 151936, bf16),
+                        (2048, 1024, 65536, fp16), (1021, 512, 20011, fp32)):  # fmt: skip
         out[f"gpu-test:triton three-way {n}x{h}x{v} {dt}"] = _logprobs(n, h, v, dt, "auto")
     # a softcap's specialisations (SOFTCAP=True), compiled though the GPU command runs none
     out["softcap:logprobs 2053x1024x32771 bf16"] = _logprobs(
@@ -277,8 +281,8 @@ def _main() -> None:
         ptrs = [a["tensor"] + ("" if a["aligned16"] else " (unaligned)") for a in launch.args
                 if isinstance(a, dict) and "tensor" in a]  # fmt: skip
         flags = {k: v for k, v in launch.constexprs.items()}
-        print(f"{launch.kernel.split(':')[1]:<22} {flags} ints={ints} ptrs={sorted(set(ptrs))} x{count}  "
-              f"first: {launch.scenario}")  # fmt: skip
+        print(f"{launch.kernel.split(':')[1]:<22} {flags} ints={ints} "
+              f"ptrs={sorted(set(ptrs))} x{count}  first: {launch.scenario}")  # fmt: skip
     print(f"{len(launches)} launches, {len(unique(launches))} specialisations")
     print("stopped by a host read:", STOPPED_BY_A_HOST_READ)
 

@@ -20,7 +20,8 @@ def _rank(rank: int) -> None:
     assert isinstance(coll, hookspec.Collectives) and coll.size == 2
     base = torch.arange(6.0).reshape(2, 3) + 10 * rank  # rank 0: 0..5, rank 1: 10..15
 
-    # all_reduce_sum: a transposed (strided) view is reduced, the input untouched, backward identity.
+    # all_reduce_sum: a transposed (strided) view is reduced, the input untouched,
+    # backward identity.
     x = base.clone().requires_grad_(True)
     view = x.t()
     assert not view.is_contiguous()

@@ -2,11 +2,11 @@
 
 A ``TorchDispatchMode`` sees every aten op that runs: it adds up the flops of the
 matrix products (``mm``, ``addmm``, ``addmm_``, ``bmm``, ``baddbmm``, ``matmul``, each
-overload, ``out_dtype`` included) of one forward plus backward, in units of one GEMM-equivalent ``2 n h V``,
-and records the largest buffer any op allocates (views and hidden-sized tensors
-left out: the weight, ``dW``, the hidden rows). The GEMMs of both backends are
-``torch.mm`` calls, so they all show here; the Triton kernels, run under the
-interpreter, do not. The floor:
+overload, ``out_dtype`` included) of one forward plus backward, in units of one
+GEMM-equivalent ``2 n h V``, and records the largest buffer any op allocates (views
+and hidden-sized tensors left out: the weight, ``dW``, the hidden rows). The GEMMs
+of both backends are ``torch.mm`` calls, so they all show here; the Triton kernels,
+run under the interpreter, do not. The floor:
 
 - logprobs (+ entropy): 4.0: the logits in the forward pass; in the backward the
   logits again, ``dh`` and ``dW``;

@@ -226,7 +226,10 @@ def test_split_batch_losses_sum_to_the_loss_with_global_tokens() -> None:
     ("context", "field"),
     [
         (ValueBatch(returns=torch.zeros(2, 7), old_values=torch.zeros(2, 8)), "context.returns"),
-        (ValueBatch(returns=torch.zeros(2, 8), old_values=[0.0]), "context.old_values"),  # type: ignore[arg-type]
+        (
+            ValueBatch(returns=torch.zeros(2, 8), old_values=[0.0]),  # type: ignore[arg-type]
+            "context.old_values",
+        ),
         (
             ValueBatch(returns=torch.zeros(2, 8), old_values=torch.zeros(2, 8), global_tokens=0),
             "context.global_tokens",

@@ -448,7 +448,8 @@ def test_jax_ref_submodules_load_on_first_use() -> None:
         "assert 'jax_ref.processors' not in sys.modules\n"
         "f = jax_ref.processors.token_logprobs_of\n"
         "assert jax_ref.references.aggregate and jax_ref.sharded.shard_reference\n"
-        "assert 'torch' not in sys.modules and 'jax_ref.check' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'torch' not in sys.modules and 'jax_ref.check' not in sys.modules, "
+        "sorted(sys.modules)\n"
         "try:\n    jax_ref.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
     )
     out = subprocess.run(

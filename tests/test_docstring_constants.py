@@ -22,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hookspec", "torch_impl", "jax_ref")
 NAMED = re.compile(
-    r"(?:``|:data:`|:const:`|(?<![`\w])`)([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+|[A-Z]{3,}[0-9]*)(?:\s*=\s*([^`]+?))?`"
+    r"(?:``|:data:`|:const:`|(?<![`\w])`)"
+    r"([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+|[A-Z]{3,}[0-9]*)(?:\s*=\s*([^`]+?))?`"
 )
 ENVIRONMENT = re.compile(
     r"os\.environ(?:\.get|\.setdefault|\.pop)?\s*[\[(]\s*[\"']([A-Z][A-Z0-9_]+)[\"']"

@@ -121,7 +121,11 @@ def _ops(
     """The launches of one call, forward and backward, with ``tile_rows`` rows a tile."""
     h, w, y = _inputs()
     h.requires_grad_(grad)
-    opts = LinearOptions(backend=backend, tile_rows=tile_rows, check_values=False)  # type: ignore[arg-type]
+    opts = LinearOptions(
+        backend=backend,  # type: ignore[arg-type]
+        tile_rows=tile_rows,
+        check_values=False,
+    )
     with _counting() as mode:
         out = fused_token_loss(h, w, y, loss, options=opts, entropy_grad=entropy_grad)
         if grad:

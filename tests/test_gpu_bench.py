@@ -176,8 +176,9 @@ def test_rows_are_written_as_they_come(tmp_path: Path) -> None:
 
 
 def test_sizes_past_the_budget_are_named(tmp_path: Path) -> None:
-    assert gpu_logprobs.main(["--quick", "--device", "cpu", "--methods", "floor3,cce", "--runs", "2",
-                              "--budget", "0", "--out", str(tmp_path)]) == 0  # fmt: skip
+    args = ["--quick", "--device", "cpu", "--methods", "floor3,cce", "--runs", "2",
+            "--budget", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert gpu_logprobs.main(args) == 0
     rows = gpu_results.read_rows(tmp_path / gpu_logprobs.RESULTS)
     assert len(rows) == 2 * len(gpu_logprobs.QUICK_SIZES)
     assert all(r["error"] == "not reached: the time budget was spent" for r in rows)
@@ -242,8 +243,9 @@ def _rows(logits: str = "flat", busy: float | None = None, **times: float) -> li
 
 
 def test_targets_from_rows() -> None:
-    rows = _rows(floor3=44.0, floor4=62.0, ours_triton=61.0, ours_torch=70.0, ours_loss_triton=47.0,
-                 ours_loss_torch=46.0, naive=99.0, verl_triton=90.0, liger=83.0, cce=58.0)  # fmt: skip
+    rows = _rows(floor3=44.0, floor4=62.0, ours_triton=61.0, ours_torch=70.0,
+                 ours_loss_triton=47.0, ours_loss_torch=46.0, naive=99.0, verl_triton=90.0,
+                 liger=83.0, cce=58.0)  # fmt: skip
     got = {a: (b, c) for a, b, c in gpu_results.targets(rows)}
     verdicts = [b for b, _ in got.values()]
     # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, the CPU's
@@ -340,8 +342,8 @@ def test_render_a_run_and_write_the_page(tmp_path: Path) -> None:
     assert "| `tests/test_gpu_checks.py` | 1 failed, 1 passed |" in text
     assert "1 skipped, cut at the time limit in test_d | 1 passed |" in text
     assert (
-        "| ours-triton | ours, logprobs + entropy, backend triton | 66.0 | 1.50 | 1.06 | 0.90 | 3.0e-03 |"
-        in text
+        "| ours-triton | ours, logprobs + entropy, backend triton "
+        "| 66.0 | 1.50 | 1.06 | 0.90 | 3.0e-03 |" in text
     )
     assert "no summary line" in text  # the 0.19.2 run was cut
     assert (tmp_path / "gpu-results.md").exists()
@@ -418,10 +420,12 @@ REQUIRED = [
      "test_cuda_graph_captures_a_processor_with_its_checks", "torch.cuda.graph("),
     ("linear_logprobs in a CUDA graph", "test_gpu_checks.py",
      "test_cuda_graph_replay_equals_eager", "torch.cuda.graph("),
-    ("bitwise determinism run to run", "test_gpu_checks.py", "test_bitwise_run_to_run", "torch.equal"),
+    ("bitwise determinism run to run", "test_gpu_checks.py", "test_bitwise_run_to_run",
+     "torch.equal"),
     ("Triton against float64", "test_processors_triton.py", "test_gpu_three_way_real_sizes",
      "three_way_real_sizes("),
-    ("the fused loss against float64", "test_gpu_checks.py", "test_fused_loss_against_float64", ".double()"),
+    ("the fused loss against float64", "test_gpu_checks.py", "test_fused_loss_against_float64",
+     ".double()"),
     ("softcap and bias against float64", "test_gpu_checks.py", "test_peer_options_against_float64",
      "peer_options("),
 ]  # fmt: skip
@@ -598,7 +602,11 @@ def test_render_measurements_and_the_model_beside_them(
     assert "| floor3 |  | not measured |" in run
     assert "predicted" not in run  # no model module: no column
     model = types.ModuleType("benchmarks.gpu_model")
-    model.predicted_ms = lambda cls: {"mm bf16->fp32": 1.2, "kernel k(F=True)": 0.5, "floor3": 40.0}  # type: ignore[attr-defined]
+    model.predicted_ms = lambda cls: {  # type: ignore[attr-defined]
+        "mm bf16->fp32": 1.2,
+        "kernel k(F=True)": 0.5,
+        "floor3": 40.0,
+    }
     monkeypatch.setitem(sys.modules, "benchmarks.gpu_model", model)
     run = gpu_results.render(tmp_path)["run"]
     assert "prediction for H200" in run

@@ -55,7 +55,13 @@ def _logprobs_pass(
     hid: torch.Tensor, w: torch.Tensor, y: torch.Tensor, backend: str
 ) -> dict[str, torch.Tensor]:
     hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    r = linear_logprobs(hh, ww, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
+    r = linear_logprobs(
+        hh,
+        ww,
+        y,
+        with_entropy=True,
+        options=LinearOptions(backend=backend),  # type: ignore[arg-type]
+    )
     assert r.entropy is not None
     (r.logprobs.sum() + r.entropy.sum()).backward()
     assert hh.grad is not None and ww.grad is not None
@@ -118,7 +124,13 @@ def test_cuda_graph_replay_equals_eager(backend: str) -> None:
     hid2, _, y2 = _inputs(n=1031, h=512, v=20011, seed=3)
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
-        r = linear_logprobs(hid, w, y, with_entropy=True, options=LinearOptions(backend=backend))  # type: ignore[arg-type]
+        r = linear_logprobs(
+            hid,
+            w,
+            y,
+            with_entropy=True,
+            options=LinearOptions(backend=backend),  # type: ignore[arg-type]
+        )
         assert r.entropy is not None
         return r.logprobs, r.entropy
 

@@ -88,12 +88,13 @@ def test_deliberately_wrong_processors_are_caught():
 
 def test_non_finite_values_fail_with_a_clear_line():
     code, out, _ = _run(
-        "--dtype", "float32", "--processor", "jax_ref.check.examples:unshifted_softmax", "--reference", REF
+        "--dtype", "float32", "--processor", "jax_ref.check.examples:unshifted_softmax",
+        "--reference", REF,
     )  # fmt: skip
     assert code == 1
     assert (
-        "FAIL unshifted_softmax: logprobs value [strongly-negative, float32]: non-finite: 23 of 24 values"
-        in out
+        "FAIL unshifted_softmax: logprobs value [strongly-negative, float32]: "
+        "non-finite: 23 of 24 values" in out
     )
     assert _summary(out)["unshifted_softmax", "gpt", "float32"] == "ok"
 

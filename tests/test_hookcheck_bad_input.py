@@ -78,8 +78,8 @@ def _run(*argv: str) -> tuple[int, str]:
                 "--reference",
                 "jax_ref.check.examples:token_mean_loss_reference",
             ),
-            "hookcheck: error: reference 'token_mean_loss_reference' result: expected a mapping of arrays, "
-            "as the processor returns, got one array of shape []",
+            "hookcheck: error: reference 'token_mean_loss_reference' result: "
+            "expected a mapping of arrays, as the processor returns, got one array of shape []",
         ),
         (
             (
@@ -107,13 +107,13 @@ def _run(*argv: str) -> tuple[int, str]:
         ),
         (
             ("--context", "tests.test_hookcheck_bad_input:float8_context"),
-            "hookcheck: error: arguments: expected one --reference per --processor (in order), at most one "
-            "--context each, got 0 --processor, 0 --reference, 1 --context",
+            "hookcheck: error: arguments: expected one --reference per --processor (in order), "
+            "at most one --context each, got 0 --processor, 0 --reference, 1 --context",
         ),
         (
             ("--processor", GOOD, "--reference", REF, "--context", "hookspec:SPEC_VERSION"),
-            "hookcheck: error: --context: expected hookspec:SPEC_VERSION to be a callable make_context(ctx) "
-            "-> user context, got tuple",
+            "hookcheck: error: --context: expected hookspec:SPEC_VERSION to be a callable "
+            "make_context(ctx) -> user context, got tuple",
         ),
     ],
     ids=[

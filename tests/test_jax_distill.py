@@ -219,7 +219,11 @@ def _materialised_sparse(ctx: OutputContext, *, with_tail: bool) -> dict[str, to
     if with_tail:
         lp = torch.cat([lp, (1 - lp.exp().sum(-1)).clamp_min(0).log()[..., None]], -1)
         lq_ids = torch.cat([lq_ids, (1 - lq_ids.exp().sum(-1)).log()[..., None]], -1)
-    m = torch.where(ctx.labels == ctx.ignore_index, 0.0, ctx.loss_mask.float())  # type: ignore[union-attr]
+    m = torch.where(
+        ctx.labels == ctx.ignore_index,
+        0.0,
+        ctx.loss_mask.float(),  # type: ignore[union-attr]
+    )
     pm = cfg.beta * lp.exp() + (1 - cfg.beta) * lq_ids.exp()
     d = cfg.beta * (lp.exp() * (lp - pm.log())).sum(-1) + (1 - cfg.beta) * (
         lq_ids.exp() * (lq_ids - pm.log())
@@ -265,7 +269,11 @@ def leaky_teacher(ctx: OutputContext) -> dict[str, torch.Tensor]:
     lp = (
         torch.einsum("sbh,vh->bsv", teacher.hidden_states, teacher.weight) / cfg.temperature
     ).log_softmax(-1)
-    m = torch.where(ctx.labels == ctx.ignore_index, 0.0, ctx.loss_mask.float())  # type: ignore[union-attr]
+    m = torch.where(
+        ctx.labels == ctx.ignore_index,
+        0.0,
+        ctx.loss_mask.float(),  # type: ignore[union-attr]
+    )
     d = (lq.exp() * (lq - lp)).sum(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1).detach()
     agree = (lq.argmax(-1) == lp.argmax(-1)).float()

@@ -288,7 +288,10 @@ def test_references_do_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, jax_ref, jax_ref.references, jax_ref.collectives; print('torch' in sys.modules)"
+    code = (
+        "import sys, jax_ref, jax_ref.references, jax_ref.collectives; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -310,7 +313,8 @@ def test_the_reference_side_imports_no_torch():
         "    processors.token_logprobs_of(h, w, x)\n"
         "    jax_ref.JaxCollectives('tp')\n"
         "print(json.dumps(sorted(m for m in sys.modules"
-        " if m.split('.')[0] in ('torch', 'torch_impl', 'megatron') or m.startswith('jax_ref.check'))))"
+        " if m.split('.')[0] in ('torch', 'torch_impl', 'megatron')"
+        " or m.startswith('jax_ref.check'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [], out.stderr
@@ -337,7 +341,8 @@ def test_softcap_linear_logprobs_match_numpy_and_their_gradients_check(data, cap
     np.testing.assert_allclose(np.asarray(got_z), z, rtol=1e-13, atol=1e-13)
     res = R.linear_logprobs(
         jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), temperature=temp,
-        with_entropy=True, bias=jnp.asarray(bias), logit_scale=1.3, softcap=cap, with_mean_logit=True,
+        with_entropy=True, bias=jnp.asarray(bias), logit_scale=1.3, softcap=cap,
+        with_mean_logit=True,
     )  # fmt: skip
     np.testing.assert_allclose(
         np.asarray(res.logprobs), _np_logprobs(z, labels, temp), rtol=1e-12, atol=1e-12

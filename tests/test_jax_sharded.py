@@ -155,7 +155,9 @@ def collectives_follow_the_contract() -> None:
         w = jnp.arange(1.0, 5.0).reshape(2, 2)  # each rank a row of the weight
 
         def used_by_every_shard(h):  # h replicated: its gradient sums every shard's part
-            body = lambda h_, w_: coll.all_reduce_sum(jnp.sum(coll.gather_hidden_states(h_) @ w_.T))  # noqa: E731
+            def body(h_, w_):
+                return coll.all_reduce_sum(jnp.sum(coll.gather_hidden_states(h_) @ w_.T))
+
             return shard_map(body, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())(h, w)
 
         h = jnp.ones((3, 2))

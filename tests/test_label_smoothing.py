@@ -192,7 +192,7 @@ def test_fused_mean_logit_loss_without_grad_and_checked_by_name() -> None:
         fused_token_loss(*args, mean_logit_loss=lambda m, rows: m)
 
 
-# ---------------------------------------------------------------- cross_entropy_loss(label_smoothing=...)
+# ---------------------------------------------------------- cross_entropy_loss(label_smoothing=...)
 
 
 def _ce_problem(seed: int = 2, v: int = V) -> dict[str, torch.Tensor]:
@@ -420,7 +420,13 @@ def test_mean_logit_weights_against_float64_and_checked_by_name() -> None:
         with pytest.raises(
             ContractError, match=r"^mean_logit_weights: expected None or a floating tensor"
         ):
-            linear_logprobs(p["h"], p["w"], p["y"], with_mean_logit=True, mean_logit_weights=bad)  # type: ignore[arg-type]
+            linear_logprobs(
+                p["h"],
+                p["w"],
+                p["y"],
+                with_mean_logit=True,
+                mean_logit_weights=bad,  # type: ignore[arg-type]
+            )
 
 
 def test_the_peers_weighted_smoothing_is_as_conventions_write_it() -> None:
@@ -476,7 +482,8 @@ def _tp2(
         dtype = torch.float64 if be == "torch" else torch.float32
         tol = {"rtol": 1e-10, "atol": 1e-10} if be == "torch" else {"rtol": 2e-5, "atol": 1e-4}
         base = {"temperature": p["t"], "vocab": shard, "collectives": coll, "backend": be}
-        # linear_logprobs: the mean over both shards (divided by the whole V), its gradient through both
+        # linear_logprobs: the mean over both shards (divided by the whole V),
+        # its gradient through both
         h = p["h"].to(dtype).clone().requires_grad_()
         w = p["w"][lo:hi].to(dtype).clone().requires_grad_()
         r = linear_logprobs(

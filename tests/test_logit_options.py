@@ -54,7 +54,11 @@ def _ctx(*, scale_logits: Any = None, config: Any = None) -> OutputContext:
 
 def _truth(ctx: OutputContext, c: float) -> tuple[torch.Tensor, torch.Tensor]:
     """float64, from the materialised logits ``c * h @ W.T``: logprobs and entropy [b, s]."""
-    z = c * torch.einsum("sbh,vh->bsv", ctx.hidden_states, ctx.vocab_weight)  # type: ignore[arg-type]
+    z = c * torch.einsum(
+        "sbh,vh->bsv",
+        ctx.hidden_states,  # type: ignore[arg-type]
+        ctx.vocab_weight,  # type: ignore[arg-type]
+    )
     logp = torch.log_softmax(z, -1)
     labels = ctx.labels
     assert isinstance(labels, torch.Tensor)

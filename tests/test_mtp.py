@@ -569,7 +569,10 @@ def test_bad_mtp_options(kwargs: dict[str, Any], field: str) -> None:
         MTPOptions(**kwargs)
     assert err.value.field == field
     with pytest.raises(ContractError, match=r"^mtp: expected a torch_impl.mtp.MTPOptions"):
-        enable_output_processor(build_mtp_gpt(), mtp={"detach_encoder": True})  # type: ignore[arg-type]
+        enable_output_processor(
+            build_mtp_gpt(),
+            mtp={"detach_encoder": True},  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), True, "2"])

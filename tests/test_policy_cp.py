@@ -450,7 +450,8 @@ def _tp2_cp2(rank: int, thd: dict[str, Any], thd_truths: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.release_independent  # the processors' maths; Megatron's CP split is pinned by the cp=2 test
+# the processors' maths; Megatron's CP split is pinned by the cp=2 test
+@pytest.mark.release_independent
 def test_tp2_cp2_thd_against_float64() -> None:
     """tp=2 x cp=2 over four gloo processes: the vocabulary split over tensor
     parallel (its sums and the hidden-state gradient over the TP group) and the
@@ -553,13 +554,13 @@ def test_collectives_of_another_cp_size_are_refused() -> None:
     local, _ = _split(p, 0, packed=True)
     with pytest.raises(
         ContractError,
-        match=r"^collectives: expected a context-parallel group of parallel\.cp_size=2 ranks \(or none\), "
-        r"got .* over 4 context-parallel ranks",
+        match=r"^collectives: expected a context-parallel group of parallel\.cp_size=2 ranks "
+        r"\(or none\), got .* over 4 context-parallel ranks",
     ):
         policy_loss(PolicyLossConfig.gspo())(_one_rank_cp2(p, local["batch"], _FourRanks()))
 
 
-# ---------------------------------------------------------------- JAX: the same collective, lax.psum
+# --------------------------------------------------------------- JAX: the same collective, lax.psum
 
 
 def _jax_cp_sum_body() -> None:

@@ -273,7 +273,8 @@ def test_value_checks_on_a_cpu_raise_at_once_naming_the_values() -> None:
     check_finite_deferred(torch.tensor([True, False]), field="context.mask", nonnegative=True)
     with pytest.raises(
         ContractError,
-        match=r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]$",
+        match=r"^context\.mask: expected finite values >= 0, got 1 values outside it, "
+        r"in \[-1\.0, -1\.0\]$",
     ):
         check_finite_deferred(
             torch.tensor([0.0, -1.0, 1.0]), field="context.mask", nonnegative=True
@@ -321,11 +322,13 @@ def test_cuda_mask_and_value_checks_defer_without_a_host_read() -> None:
     checks = [
         (
             lambda: check_finite_deferred(mask, field="context.mask", nonnegative=True),
-            r"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[-1\.0, -1\.0\]",
+            r"^context\.mask: expected finite values >= 0, got 1 values outside it, "
+            r"in \[-1\.0, -1\.0\]",
         ),
         (
             lambda: check_finite_deferred(old, field="context.old_logprobs", where=counted),
-            r"^context\.old_logprobs: expected finite values where it is read, got 1 values outside it",
+            r"^context\.old_logprobs: expected finite values where it is read, "
+            r"got 1 values outside it",
         ),
         (
             lambda: check_multiple_deferred(cu, 4, field="cu"),
@@ -482,7 +485,7 @@ def test_bad_config_raises(kwargs: dict[str, Any], field: str) -> None:
         PolicyLossConfig(**kwargs)
 
 
-# ---------------------------------------------------------------- names (issue 11): one release of aliases
+# --------------------------------------------------------- names (issue 11): one release of aliases
 
 
 def test_ratio_is_an_enum_and_the_old_strings_warn() -> None:

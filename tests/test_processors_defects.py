@@ -180,12 +180,13 @@ def test_every_custom_autograd_function_differentiates_twice_or_refuses_by_name(
                 wrong.append(f"{module}.{name}: hvp {hvp.tolist()}")
         elif not _refuses(node):
             wrong.append(
-                f"{module}.{name}: neither in DIFFERENTIABLE nor calling refuse_double_backward first"
+                f"{module}.{name}: neither in DIFFERENTIABLE "
+                "nor calling refuse_double_backward first"
             )
     assert not wrong, wrong
 
 
-# ---------------------------------------------------------------- 2. a shard with nothing to reduce over
+# ----------------------------------------------------------- 2. a shard with nothing to reduce over
 
 SHARDS = {  # (vocab_start, vocab_size) for a weight of V rows
     "whole": (0, None),
@@ -243,7 +244,12 @@ def _grads(
     torch.autograd.backward(
         [lp, ent], [c_lp, c_ent]
     )  # cotangents as given: a float32 one is promoted
-    return {"lp": lp.detach(), "ent": ent.detach(), "dh": hh.grad, "dw": ww.grad}  # type: ignore[dict-item]
+    return {
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "dh": hh.grad,  # type: ignore[dict-item]
+        "dw": ww.grad,  # type: ignore[dict-item]
+    }
 
 
 PROMOTIONS = {
@@ -335,7 +341,7 @@ def test_fused_loss_and_processor_with_float32_temperature_are_float64_accurate(
     torch.testing.assert_close(out["logprobs"].reshape(N), lp_truth, rtol=0, atol=1e-12)
 
 
-# ---------------------------------------------------------------- 3b. every processor: promotion, autocast
+# --------------------------------------------------------- 3b. every processor: promotion, autocast
 
 
 def _processor_cases() -> dict[str, tuple[Any, Any]]:

@@ -322,7 +322,12 @@ def test_labels_outside_the_shard_but_inside_the_vocabulary_are_fine() -> None:
 def test_bad_temperature_raises(temperature: object) -> None:
     h, w, y = _inputs(4, 4, 30, torch.float32)
     with pytest.raises(ContractError, match="temperature"):
-        linear_logprobs(h, w, y, options=LinearOptions(temperature=temperature))  # type: ignore[arg-type]
+        linear_logprobs(
+            h,
+            w,
+            y,
+            options=LinearOptions(temperature=temperature),  # type: ignore[arg-type]
+        )
 
 
 def test_bad_shapes_and_dtypes_raise() -> None:

@@ -73,14 +73,23 @@ def truth(
     """float64: logprobs, entropy and the gradients of ``sum(c_lp * lp + c_ent * ent)``."""
     h = p["h"].double().requires_grad_()
     w = p["w"].double().requires_grad_()
-    t = p["t"].double()[:, None] if temperature == "per-token" else float(temperature)  # type: ignore[arg-type]
+    t = (
+        p["t"].double()[:, None]
+        if temperature == "per-token"
+        else float(temperature)  # type: ignore[arg-type]
+    )  # fmt: skip
     z = (h @ w.T) * scale / t
     logp = z.log_softmax(-1)
     y = p["y"]
     lp = torch.where(y == IGNORE, 0.0, logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1))
     ent = -(logp.exp() * logp).sum(-1)
     (p["c_lp"] * lp + p["c_ent"] * ent).sum().backward()
-    return {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w.grad}  # type: ignore[dict-item]
+    return {
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "dh": h.grad,  # type: ignore[dict-item]
+        "dw": w.grad,  # type: ignore[dict-item]
+    }
 
 
 def ours(
@@ -103,7 +112,12 @@ def ours(
         c_ent = torch.stack([c_ent, c_ent]).T.reshape(-1)[::2]
         assert not c_lp.is_contiguous() or c_lp.stride() != (1,)
     torch.autograd.backward([r.logprobs, r.entropy], [c_lp, c_ent])
-    return {"lp": r.logprobs.detach(), "ent": r.entropy.detach(), "dh": h.grad, "dw": w.grad}  # type: ignore[dict-item]
+    return {
+        "lp": r.logprobs.detach(),
+        "ent": r.entropy.detach(),
+        "dh": h.grad,  # type: ignore[dict-item]
+        "dw": w.grad,  # type: ignore[dict-item]
+    }
 
 
 def max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -309,7 +323,12 @@ def test_fused_token_loss_contract(backend: str) -> None:
 def test_backend_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     p = inputs(n=4, v=20)
     with pytest.raises(ContractError, match=r"backend.*one of"):
-        linear_logprobs(p["h"], p["w"], p["y"], options=LinearOptions(backend="cuda"))  # type: ignore[arg-type]
+        linear_logprobs(
+            p["h"],
+            p["w"],
+            p["y"],
+            options=LinearOptions(backend="cuda"),  # type: ignore[arg-type]
+        )
     with pytest.raises(ContractError, match="float64"):
         linear_logprobs(
             p["h"].double(), p["w"].double(), p["y"], options=LinearOptions(backend="triton")
@@ -353,7 +372,8 @@ def test_auto_backend_table(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("keyword", "field"),
     [("temperature", "LinearOptions(temperature)"), ("chunk_size", "LinearOptions(tile_cols)"),
-     ("vocab_start", "LinearOptions(vocab=VocabShard"), ("tile_elements", "LinearOptions(tile_rows")],
+     ("vocab_start", "LinearOptions(vocab=VocabShard"),
+     ("tile_elements", "LinearOptions(tile_rows")],
 )  # fmt: skip
 def test_a_keyword_of_the_earlier_signature_names_its_option(keyword: str, field: str) -> None:
     """The options moved into ``LinearOptions``: an old keyword raises ``TypeError``
@@ -558,7 +578,7 @@ def test_gpu_fused_loss_backends_agree_and_repeat_bitwise(dtype: torch.dtype) ->
         assert float((x.double() - r.double()).norm() / r.double().norm()) <= tol
 
 
-# ---------------------------------------------------------------- the kernels alone, against float64
+# --------------------------------------------------------------- the kernels alone, against float64
 
 
 def _kernel_rows(seed: int, rows: int, cols: int) -> torch.Tensor:

@@ -86,7 +86,8 @@ def truth(p: dict[str, torch.Tensor], mask: torch.Tensor, dtype: Any = F64) -> d
     dh, dw, *db = torch.autograd.grad(loss, (h, w) if b is None else (h, w, b))
     kept_lse = torch.logsumexp(torch.where(mask, z, -torch.inf), 1)
     return {"lp": lp.detach(), "ent": ent.detach(), "dh": dh, "dw": dw,
-            "mass": (kept_lse - torch.logsumexp(z, 1)).detach(), **dict(zip(["db"], db))}  # fmt: skip
+            "mass": (kept_lse - torch.logsumexp(z, 1)).detach(),
+            **dict(zip(["db"], db))}  # fmt: skip
 
 
 def ours(

@@ -148,7 +148,8 @@ def test_mapping_result_crosses_the_plan_packed() -> None:
         isinstance(packed, tuple) and len(packed) == 2
     )  # logprobs and loss require grad; entropy rides along
     assert plan_outputs(plan).packed == ("logprobs", "loss")
-    # what combined_1f1b does: the loss node takes detached inputs, its grads go to the node's backward
+    # what combined_1f1b does: the loss node takes detached inputs, its grads go to the node's
+    # backward
     inputs = [t.detach().requires_grad_(True) for t in packed]
     loss, _ = wrapped(*inputs, scale=2.0)
     (output,) = received
@@ -376,8 +377,8 @@ def test_whole_plan_on_gpu_matches_forward(name: str, processor: Any) -> None:
 @pytest.mark.parametrize("name", list(GPU_MODELS))
 def test_whole_plan_on_gpu_without_the_fix_is_megatrons_plan(name: str, processor: Any) -> None:
     """``apply_final_norm=False``: the tensor result (Megatron's loss through the
-    hook) equals Megatron's own plan; a mapping result equals ``forward`` on what Megatron's plan computes,
-    the model without its final norm where the plan leaves it out."""
+    hook) equals Megatron's own plan; a mapping result equals ``forward`` on what Megatron's
+    plan computes, the model without its final norm where the plan leaves it out."""
     got = _gpu_plan(_gpu_model(name), processor, apply_final_norm=False)
     if processor is stock_loss:
         _gpu_compare(got, _gpu_plan(_gpu_model(name), None, stock=True))

@@ -517,7 +517,12 @@ def test_distillation_against_float64(kind: str, form: str, backend: str) -> Non
     want.backward()
     h, w, b = (x.to(dtype).clone().requires_grad_() for x in (p["h"], p["w"], b64))
     tail = "renormalize" if form == "renormalize" else "bucket"
-    cfg = DistillConfig(divergence=kind, tail=tail, beta=beta, temperature=t)  # type: ignore[arg-type]
+    cfg = DistillConfig(
+        divergence=kind,  # type: ignore[arg-type]
+        tail=tail,  # type: ignore[arg-type]
+        beta=beta,
+        temperature=t,
+    )
     opts = LinearOptions(logit_scale=SCALE, softcap=cap, tile_rows=4)
     r = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg, bias=b)
     r.loss.backward()
@@ -748,7 +753,12 @@ def _tp2_topk_distill(
             p["h"].to(dtype).clone().requires_grad_(),
             p["w"][lo:hi].to(dtype).clone().requires_grad_(),
         )
-        cfg = DistillConfig(divergence=kind, tail="bucket", beta=0.3, temperature=0.8)  # type: ignore[arg-type]
+        cfg = DistillConfig(
+            divergence=kind,  # type: ignore[arg-type]
+            tail="bucket",  # type: ignore[arg-type]
+            beta=0.3,
+            temperature=0.8,
+        )
         opts = LinearOptions(tile_rows=4, **{**base, "temperature": 1.0})
         d = linear_distillation_loss(h, w, p["y"], teacher, options=opts, config=cfg)
         d.loss.backward()

@@ -172,7 +172,8 @@ def test_a_meta_tensor_is_refused_by_name_in_every_tensor_function(fn: str, case
     args, options, field = _meta(case)
     with pytest.raises(ContractError) as info:
         _call(fn, args, options)
-    # inside a transform a processor's reshape of its rows is wrapped too: the first wrapped is named
+    # inside a transform a processor's reshape of its rows is wrapped too: the first wrapped is
+    # named
     allowed = {field, "hidden_states"} if fn == "selected_logprobs" else {field}
     assert info.value.field in allowed and "meta" in str(info.value)
 
@@ -339,7 +340,8 @@ def test_torch_func_transforms_are_refused_by_name(fn: str, transform: str) -> N
     field = TRANSFORM_FIELDS[transform]
     if fn == "selected_logprobs":  # a processor names the context's fields
         field = {"hidden": "hidden_states", "weight": "vocab_weight"}.get(field, field)
-    # inside a transform a processor's reshape of its rows is wrapped too: the first wrapped is named
+    # inside a transform a processor's reshape of its rows is wrapped too: the first wrapped is
+    # named
     allowed = {field, "hidden_states"} if fn == "selected_logprobs" else {field}
     assert info.value.field in allowed
     assert "torch.func" in str(info.value) and "torch.autograd.grad" in str(info.value)
@@ -355,7 +357,7 @@ def test_torch_autograd_grad_is_the_supported_route_against_float64() -> None:
     torch.testing.assert_close(dh.double(), dh64, rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------- 5. Triton's mode, fixed at its import
+# ------------------------------------------------------------ 5. Triton's mode, fixed at its import
 
 TRITON_ORDER = """
 import os, sys, torch

@@ -183,7 +183,7 @@ def test_the_launches_cover_what_runs(recorded: list[Any]) -> None:
     assert fused_rows in rows and 8192 in rows, (fused_rows, sorted(rows))
 
 
-# ---------------------------------------------------------------- the recorder and the compiler can fail
+# ----------------------------------------------------------- the recorder and the compiler can fail
 
 
 @pytest.mark.slow

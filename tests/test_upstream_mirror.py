@@ -80,7 +80,9 @@ PINS: dict[str, dict[str, str]] = {
         f"{_MTP}:_mtp_logits_are_vocab_sharded": (
             "fd873afcc7128cced3232721fcda94170a53bb522e927b058c7cea5ebf397860"
         ),
-        f"{_MTP}:_vocab_parallel_argmax": "577c5897ba625a6c805bfe6b7477038ae2eb3d4cf7f78e735613fc9589e4fa44",
+        f"{_MTP}:_vocab_parallel_argmax": (
+            "577c5897ba625a6c805bfe6b7477038ae2eb3d4cf7f78e735613fc9589e4fa44"
+        ),
         _HYBRID_FORWARD: "5115982845f77289edb8590befb8a00b023e5d2ff0a84ce8099029ffddbd4194",
     },
 }

@@ -104,7 +104,8 @@ def test_bad_mask_entry_makes_loss_and_every_metric_nan(
     cfg = PolicyLossConfig(aggregation=aggregation, fused=fused, kl_coef=0.1, dual_clip=3.0)
     with pytest.raises(
         ContractError,
-        match=rf"^context\.mask: expected finite values >= 0, got 1 values outside it, in \[{bad}, ",
+        match=rf"^context\.mask: expected finite values >= 0, got 1 values outside it, "
+        rf"in \[{bad}, ",
     ):
         policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch))
     out = policy_loss(cfg)(_ctx(h, d["w"], d["labels"], batch, check_values=False))
@@ -226,7 +227,7 @@ def test_aggregation_weights_bad_mask_raises_and_counts_are_checked() -> None:
         aggregation_weights(torch.ones(2, 3), segments, 2, "mean")  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- 2. every option checked where it enters
+# ---------------------------------------------------------- 2. every option checked where it enters
 
 
 @pytest.mark.parametrize(
@@ -332,7 +333,10 @@ def test_kl_penalty_checks_its_estimator_and_clamp() -> None:
     for clamp in (NAN, INF, 0.0, -1.0):
         with pytest.raises(ContractError, match=r"^clamp: expected a finite number > 0"):
             kl_penalty(x, x, "k3", clamp=clamp)  # type: ignore[arg-type]
-    assert torch.equal(kl_penalty(x, x + 1, "k1", clamp=None), torch.full((3,), -1.0))  # type: ignore[arg-type]
+    assert torch.equal(
+        kl_penalty(x, x + 1, "k1", clamp=None),  # type: ignore[arg-type]
+        torch.full((3,), -1.0),
+    )
 
 
 @pytest.mark.parametrize("mult", [INF, NAN, 0.0, -1.0])
@@ -352,7 +356,7 @@ def test_ignore_index_of_a_hand_built_context_is_checked(value: Any) -> None:
         selected_logprobs()(_ctx(d["h"], d["w"], d["labels"], ignore_index=value))
 
 
-# ---------------------------------------------------------------- 4. the user context by key or attribute
+# ---------------------------------------------------------- 4. the user context by key or attribute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +416,7 @@ def test_policy_batch_given_as_a_mapping_is_refused_with_the_fix() -> None:
         policy_loss()(_ctx(d["h"], d["w"], d["labels"], as_dict))
 
 
-# ---------------------------------------------------------------- 5. direct calls check the shapes they read
+# ------------------------------------------------------- 5. direct calls check the shapes they read
 
 
 @pytest.mark.parametrize(

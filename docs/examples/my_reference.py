@@ -1,6 +1,7 @@
 """The float64 JAX reference of `my_processor.tempered_logprobs`."""
 
-import jax_ref.references  # the submodule used here (`import jax_ref` alone also works: they load on use)
+# the submodule used here (`import jax_ref` alone also works: they load on use)
+import jax_ref.references
 from jax_ref import ReferenceInputs
 
 

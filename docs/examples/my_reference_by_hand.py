@@ -7,7 +7,8 @@ from jax_ref import ReferenceInputs
 
 
 def tempered_logprobs_by_hand(hidden, weight, inputs: ReferenceInputs):
-    # hidden [s, b, h], weight [V_local, h]: this shard's rows, ids [vocab_start, vocab_start + V_local)
+    # hidden [s, b, h], weight [V_local, h]: this shard's rows,
+    # ids [vocab_start, vocab_start + V_local)
     coll = inputs.collectives  # every sum or max over the vocabulary goes through these
     h = coll.gather_hidden_states(hidden)  # [s, b, h]; gradient: every shard's part summed
     z = jnp.einsum("sbh,vh->bsv", h, weight) * inputs.logit_scale  # [b, s, V_local], MuP's scale

@@ -37,7 +37,8 @@ def forward_step_func(data_iterator, model):
     )
     result = model(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"],
                    output_processor=grpo, output_processor_context=context)
-    return result, loss_func  # the last stage's result is the mapping; earlier stages: hidden states
+    # the last stage's result is the mapping; earlier stages: hidden states
+    return result, loss_func
 
 
 def train_step(model, micro_batches):

@@ -367,8 +367,8 @@ def compare_run(
                 bound = tol.atol + tol.rtol * scale + tol.slack * floors[key, quantity]
                 note = (
                     f"(floor {floors[key, quantity]:.1e}: the float32 formula's own error; "
-                    f"allowed {tol.atol:.0e} + {tol.rtol:.0e} * {scale:.2e} + {tol.slack:g} * floor "
-                    f"= {bound:.2e})"
+                    f"allowed {tol.atol:.0e} + {tol.rtol:.0e} * {scale:.2e} "
+                    f"+ {tol.slack:g} * floor = {bound:.2e})"
                 )
         if not ok:
             bound = tol.atol + tol.rtol * scale + tol.slack * floors.get((key, quantity), 0.0)
@@ -440,7 +440,10 @@ def cross_check_tensor_parallel(
     the reference's. Returns the report and a line saying how the reference ran.
     """
     tp = len(runs)
-    full = torch.cat([r.context.vocab_weight.detach() for r in runs], dim=0)  # type: ignore[union-attr]
+    full = torch.cat(
+        [r.context.vocab_weight.detach() for r in runs],  # type: ignore[union-attr]
+        dim=0,
+    )
     rows_per_rank = full.shape[0] // tp
     can_shard = len(jax.devices()) >= tp
     use_sharded = can_shard if sharded is None else sharded
@@ -448,7 +451,10 @@ def cross_check_tensor_parallel(
     how = (
         f"reference sharded over {tp} JAX devices (shard_map, vocab axis 'tp')"
         if use_sharded
-        else f"reference on one JAX device with the gathered weight (JAX sees {len(jax.devices())} device(s))"
+        else (
+            "reference on one JAX device with the gathered weight "
+            f"(JAX sees {len(jax.devices())} device(s))"
+        )
     )
     rows: list[Row] = []
     for rank, run in enumerate(runs):

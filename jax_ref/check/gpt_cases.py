@@ -239,7 +239,8 @@ def run_tensor_parallel(
                 ]
                 if dead:
                     raise RuntimeError(
-                        f"rank {dead[0]} of {tp} exited with code {procs[dead[0]].exitcode} before reporting"
+                        f"rank {dead[0]} of {tp} exited with code {procs[dead[0]].exitcode} "
+                        "before reporting"
                     ) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(

@@ -44,9 +44,11 @@ _MAX_FAILURE_LINES = 20
 SYNTHETIC_KINDS = ("strongly-negative", "peaked", "awkward")
 """The synthetic kinds run by default (``--case`` asks for others)."""
 ALL_SYNTHETIC_KINDS = ("random", "strongly-negative", "peaked", "masked", "awkward", "ties")
-"""Every kind of :func:`jax_ref.check.cases.synthetic_context` (``CASE_KINDS``; a test keeps them equal)."""
+"""Every kind of :func:`jax_ref.check.cases.synthetic_context` (``CASE_KINDS``; a test keeps them
+equal)."""
 SEED_MAX = 2**32 - 1
-"""``--seed`` is in ``[0, SEED_MAX]``: it seeds torch generators after mixing (cotangents per output)."""
+"""``--seed`` is in ``[0, SEED_MAX]``: it seeds torch generators after mixing (cotangents per
+output)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,8 +348,8 @@ how a row passes (printed again under the table):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hookcheck",
-        description="Cross-check output processors (values and VJPs) against the float64 JAX reference, "
-        "on a tiny Megatron GPT run on the CPU and on synthetic cases.",
+        description="Cross-check output processors (values and VJPs) against the float64 JAX "
+        "reference, on a tiny Megatron GPT run on the CPU and on synthetic cases.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -361,7 +363,8 @@ def _parser() -> argparse.ArgumentParser:
         "--reference",
         action="append",
         metavar="MODULE:ATTR",
-        help="its JAX reference, f(hidden, weight, inputs) -> the processor's structure; one per --processor",
+        help="its JAX reference, f(hidden, weight, inputs) -> the processor's structure; "
+        "one per --processor",
     )
     p.add_argument(
         "--context",
@@ -446,7 +449,9 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
             raise ContractError(
                 "arguments",
                 expected="one --reference per --processor (in order), at most one --context each",
-                actual=f"{len(procs)} --processor, {len(refs)} --reference, {len(contexts)} --context",
+                actual=(
+                    f"{len(procs)} --processor, {len(refs)} --reference, {len(contexts)} --context"
+                ),
             )
         jobs = []
         for i, (proc_spec, ref_spec) in enumerate(zip(procs, refs)):
@@ -753,7 +758,8 @@ def main(
         return _error(f"--seed: expected an int in [0, 2**32 - 1], got {args.seed}", err)
     if args.case and args.no_synthetic:
         return _error(
-            f"--case: expected no --no-synthetic beside it, got --case {' --case '.join(args.case)}",
+            "--case: expected no --no-synthetic beside it, "
+            f"got --case {' --case '.join(args.case)}",
             err,
         )
     from torch_impl.process_state import known_noise_silenced, tool_state  # torch: not for --help

@@ -158,8 +158,8 @@ def pass_rule(rows: Sequence[Row]) -> str:
     slack = max((s for _, _, s in tols.values()), default=0.0)
     by_dtype = "; ".join(f"{d} rtol {rt:.0e} atol {at:.0e}" for d, (rt, at, _) in tols.items())
     return (
-        f"pass: max abs err <= atol + rtol * max|reference| + {slack:g} * floor, per compared array "
-        f"({by_dtype}).\n"
+        f"pass: max abs err <= atol + rtol * max|reference| + {slack:g} * floor, "
+        f"per compared array ({by_dtype}).\n"
         "max rel err = max abs err / max|reference|: above rtol, a row passes on atol where the "
         "reference is tiny.\n"
         "floor: the error of the reference's own formula run in float32 against float64, computed "

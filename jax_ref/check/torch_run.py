@@ -180,7 +180,9 @@ def capture_context(
     @processor
     def capture(ctx: OutputContext) -> Any:
         seen["ctx"] = ctx
-        return ctx.hidden_states.detach().float().sum(-1).transpose(0, 1)  # type: ignore[attr-defined]
+        return (
+            ctx.hidden_states.detach().float().sum(-1).transpose(0, 1)  # type: ignore[attr-defined]
+        )
 
     with torch.no_grad():
         _forward(model, batch, capture, user_context)

@@ -100,7 +100,8 @@ def build_model() -> GPTModel:
 
 
 def run_plan_forward(plan) -> object:
-    """Forward of every node of the plan in schedule order (``TransformerModelChunkSchedulePlan.run``)."""
+    """Forward of every node of the plan in schedule order
+    (``TransformerModelChunkSchedulePlan.run``)."""
     hidden = plan.pre_process.forward_func()
     for i in range(plan.num_layers()):
         layer = plan.get_layer(i)
