@@ -26,7 +26,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["JaxCollectives", "vma_axes"]
+from hookspec import Collectives, ContractError, SingleProcessCollectives
+
+__all__ = ["JaxCollectives", "gather_vocab", "vma_axes"]
+
+
+def gather_vocab(collectives: Collectives, x: jax.Array) -> jax.Array:
+    """``[..., V_local] -> [..., V]``: every vocabulary shard's columns in shard order, no
+    gradient (``collectives.all_gather``; ``x`` itself in one process). Collectives without
+    ``all_gather`` raise ``ContractError`` naming it."""
+    if isinstance(collectives, SingleProcessCollectives):
+        return lax.stop_gradient(x)
+    fn = getattr(collectives, "all_gather", None)
+    if not callable(fn):
+        raise ContractError(
+            "collectives.all_gather",
+            expected="a Collectives with all_gather (spec 1.2)",
+            actual=f"{type(collectives).__name__} without all_gather",
+        )
+    g = fn(lax.stop_gradient(x))  # [tp, ..., V_local]
+    return jnp.concatenate([g[i] for i in range(g.shape[0])], axis=-1)
 
 
 def vma_axes(x: Any) -> frozenset[str]:

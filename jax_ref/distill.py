@@ -25,13 +25,13 @@ from hookspec import (
     IGNORE_INDEX,
     Aggregation,
     Collectives,
-    ContractError,
     DistillDivergence,
     SingleProcessCollectives,
     TeacherTail,
 )
 
 from ._x64 import as_float64
+from .collectives import gather_vocab
 from .inputs import ReferenceInputs
 from .references import aggregate, linear_logits
 
@@ -45,19 +45,6 @@ __all__ = [
 ]
 
 _SINGLE = SingleProcessCollectives()
-
-
-def _gather(collectives: Collectives, x: jax.Array) -> jax.Array:
-    """``[..., V_local] -> [..., V]``: every shard's columns in shard order (no gradient)."""
-    fn = getattr(collectives, "all_gather", None)
-    if not callable(fn):
-        raise ContractError(
-            "collectives.all_gather",
-            expected="a Collectives with all_gather (spec 1.2)",
-            actual=f"{type(collectives).__name__} without all_gather",
-        )
-    g = fn(lax.stop_gradient(x))  # [tp, ..., V_local]
-    return jnp.concatenate([g[i] for i in range(g.shape[0])], axis=-1)
 
 
 def _lse(z: jax.Array, collectives: Collectives) -> jax.Array:
@@ -112,7 +99,7 @@ def linear_topk_logprobs(
     t = as_float64(temperature, where="temperature")
     z = z / (t[..., None] if t.ndim else t)
     lse = _lse(z, collectives)
-    full = _gather(collectives, z) if _split(collectives) else lax.stop_gradient(z)
+    full = gather_vocab(collectives, z) if _split(collectives) else lax.stop_gradient(z)
     ids = jnp.argsort(-full, axis=-1, stable=True)[..., :k].astype(jnp.int32)
     logprobs = _pick(z, ids, vocab_start, collectives) - lse[..., None]
     label = entropy = None
@@ -265,7 +252,7 @@ def distillation_loss(config: Any) -> Any:
         )
         zs = zs / temp  # [b, s, V_local]
         lse_s = _lse(zs, coll)
-        full_s = _gather(coll, zs) if _split(coll) else lax.stop_gradient(zs)
+        full_s = gather_vocab(coll, zs) if _split(coll) else lax.stop_gradient(zs)
         top_s = jnp.argmax(full_s, axis=-1)
         if getattr(teacher, "ids", None) is not None:
             ids = jnp.asarray(teacher.ids).astype(jnp.int32)
@@ -289,7 +276,7 @@ def distillation_loss(config: Any) -> Any:
             log_q = zs - lse_s[..., None]
             d = coll.all_reduce_sum(divergence(log_p, log_q, kind=kind, beta=beta))
             kl = coll.all_reduce_sum(divergence(log_p, log_q, kind=DistillDivergence.FORWARD_KL))
-            top_t = jnp.argmax(_gather(coll, zt) if _split(coll) else zt, axis=-1)
+            top_t = jnp.argmax(gather_vocab(coll, zt) if _split(coll) else zt, axis=-1)
         mask = getattr(teacher, "mask", None)
         mask = inputs.loss_mask if mask is None else mask
         m = jnp.ones(lse_s.shape) if mask is None else as_float64(mask)

@@ -22,6 +22,7 @@ from jax import lax
 from hookspec import IGNORE_INDEX, Collectives, ContractError, SingleProcessCollectives
 
 from ._x64 import as_float64
+from .collectives import gather_vocab
 from .inputs import ReferenceInputs
 from .references import linear_logits
 
@@ -77,21 +78,6 @@ class SamplingLogprobs:
     kept_logmass: jax.Array
 
 
-def _gather(collectives: Collectives, x: jax.Array) -> jax.Array:
-    """``[..., V_local] -> [..., V]``: every shard's columns in shard order."""
-    if isinstance(collectives, SingleProcessCollectives):
-        return x
-    fn = getattr(collectives, "all_gather", None)
-    if not callable(fn):
-        raise ContractError(
-            "collectives.all_gather",
-            expected="a Collectives with all_gather (spec 1.2)",
-            actual=f"{type(collectives).__name__} without all_gather",
-        )
-    g = fn(x)  # [tp, ..., V_local]
-    return jnp.concatenate([g[i] for i in range(g.shape[0])], axis=-1)
-
-
 def _masked_lse(z: jax.Array, mask: jax.Array, collectives: Collectives) -> jax.Array:
     """``logsumexp(z[mask])`` over every shard's columns (-inf where none is kept)."""
     top = jnp.max(jnp.where(mask, lax.stop_gradient(z), -jnp.inf), axis=-1)
@@ -135,7 +121,7 @@ def linear_sampling_logprobs(
     local = z.shape[-1]
     ids = vocab_start + jnp.arange(local)
     if kept_ids is None:
-        full = kept_mask(_gather(collectives, z), top_k=top_k, top_p=top_p, min_p=min_p)
+        full = kept_mask(gather_vocab(collectives, z), top_k=top_k, top_p=top_p, min_p=min_p)
         mask = lax.dynamic_slice_in_dim(full, vocab_start, local, axis=-1)
     else:
         mask = jnp.any(kept_ids[..., :, None] == ids, axis=-2)
