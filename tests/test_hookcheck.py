@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import socket
@@ -100,12 +101,15 @@ def test_non_finite_values_fail_with_a_clear_line():
 
 def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     """Two gloo ranks (Megatron tp=2, vocab split), the reference sharded over two
-    virtual JAX devices: the right recipe passes on both ranks; the processor that
-    skips gather_hidden_states fails exactly the hidden-state gradients."""
+    virtual JAX devices, in float32 and bfloat16 (``--dtype``: the GPT in bf16 on the
+    ranks, its rows under bf16 tolerances; it once ran fp32 whatever was asked): the
+    right recipe passes on both ranks; the processor that skips gather_hidden_states
+    fails exactly the hidden-state gradients, in both dtypes."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("XLA_FLAGS", None)
     argv = [
         sys.executable, "-m", "jax_ref.check.hookcheck", "--tp", "2", "--no-synthetic",
+        "--dtype", "float32", "--dtype", "bfloat16",
         "--processor", "jax_ref.check.examples:vocab_parallel_logprobs", "--reference", REF,
         "--processor", "jax_ref.check.examples:missing_tp_reduction", "--reference", REF,
     ]  # fmt: skip
@@ -113,13 +117,16 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert "reference sharded over 2 JAX devices" in out
+    legend = next(line for line in out.splitlines() if line.startswith("pass: "))
+    assert "bfloat16 rtol 2e-02 atol 1e-05" in legend and "float32 rtol 1e-04" in legend, legend
     rows = _summary(out)
-    for rank in (0, 1):
-        assert rows["vocab_parallel_logprobs", f"gpt tp2 rank{rank}", "float32"] == "ok"
-        assert rows["missing_tp_reduction", f"gpt tp2 rank{rank}", "float32"] == "FAIL (2 of 6)"
-    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[(.+?), float32\]", out, flags=re.M)
-    assert {(p, q) for p, _, q, _ in fails} == {("missing_tp_reduction", "d/d hidden")}
-    assert {c for *_, c in fails} == {"gpt tp2 rank0", "gpt tp2 rank1"}
+    for rank, dtype in itertools.product((0, 1), ("float32", "bfloat16")):
+        assert rows["vocab_parallel_logprobs", f"gpt tp2 rank{rank}", dtype] == "ok"
+        assert rows["missing_tp_reduction", f"gpt tp2 rank{rank}", dtype] == "FAIL (2 of 6)"
+    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[(.+?), (\w+)\]", out, flags=re.M)
+    assert {(p, q) for p, _, q, _, _ in fails} == {("missing_tp_reduction", "d/d hidden")}
+    assert {c for *_, c, _ in fails} == {"gpt tp2 rank0", "gpt tp2 rank1"}
+    assert {d for *_, d in fails} == {"float32", "bfloat16"}
     assert "Traceback" not in out + proc.stderr
 
 

@@ -371,7 +371,11 @@ def _parser() -> argparse.ArgumentParser:
         "('-' for none); one per --processor, in order",
     )
     p.add_argument(
-        "--dtype", action="append", choices=DTYPES, help="dtypes to check (default: all three)"
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="a dtype of the GPT case, repeat for several (default: all three at one rank; "
+        "float32 under --tp; the synthetic cases are float32)",
     )
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks for the GPT case (gloo processes)"
@@ -524,21 +528,20 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         progress.say(f"hookcheck: unavailable, skipped: {line}")
     if not jobs:
         return _error("no processor to check", err)
-    dtypes = tuple(args.dtype or DTYPES)
+    # several ranks: float32 unless --dtype asks (each dtype is one more spawn's worth of work)
+    dtypes = tuple(dict.fromkeys(args.dtype or (DTYPES if args.tp == 1 else ("float32",))))
     builtin = not args.processor
     kinds = _synthetic_kinds(args)
     model_cases = [(d, False) for d in dtypes] + (
-        [("float32", True)] if "float32" in dtypes else []
+        [("float32", True)] if "float32" in dtypes and args.tp == 1 else []
     )
-    if args.tp > 1:
-        model_cases = [("float32", False)]
     progress.total = len(jobs) * (len(model_cases) + len(kinds))
     from .report import CrossCheckReport
 
     rows: list[Any] = []
     notes: list[str] = []
     if args.tp > 1:
-        rows += _run_tensor_parallel(jobs, args, progress, notes)
+        rows += _run_tensor_parallel(jobs, dtypes, args, progress, notes)
     else:
         rows += _run_gpt(jobs, model_cases, args, progress)
     rows += _run_synthetic(jobs, kinds, args, progress)
@@ -697,8 +700,14 @@ def _run_synthetic(
 
 
 def _run_tensor_parallel(
-    jobs: list[_Job], args: argparse.Namespace, progress: _Progress, notes: list[str]
+    jobs: list[_Job],
+    dtypes: Sequence[str],
+    args: argparse.Namespace,
+    progress: _Progress,
+    notes: list[str],
 ) -> list[Any]:
+    """The GPT case of every job in every dtype on ``args.tp`` gloo ranks (one spawn), each
+    rank compared with the sharded reference under the tolerance of its dtype."""
     from .comparison import cross_check_tensor_parallel
     from .gpt_cases import GPTCase, run_tensor_parallel
 
@@ -706,7 +715,11 @@ def _run_tensor_parallel(
         if ":" not in job.spec or (job.make_context is not None and not job.context_spec):
             raise ContractError("--tp", expected="processors named by module:attr", actual=job.spec)
     progress.say(f"hookcheck: starting {args.tp} gloo ranks for {len(jobs)} processor(s) ...")
-    cases = [GPTCase(processor=j.spec, make_context=j.context_spec, seed=args.seed) for j in jobs]
+    pairs = [(job, dtype) for dtype in dtypes for job in jobs]
+    cases = [
+        GPTCase(processor=j.spec, make_context=j.context_spec, dtype=dtype, seed=args.seed)
+        for j, dtype in pairs
+    ]
     try:
         all_runs = run_tensor_parallel(cases, tp=args.tp)
     except ContractError:
@@ -720,13 +733,13 @@ def _run_tensor_parallel(
         ) from None
     rows: list[Any] = []
     how = ""
-    for job, runs in zip(jobs, all_runs):
-        with _attributed(job, f"gpt tp{args.tp}", "reference"):
+    for (job, dtype), runs in zip(pairs, all_runs, strict=True):
+        with _attributed(job, f"gpt tp{args.tp}, {dtype}", "reference"):
             report, how = cross_check_tensor_parallel(
                 runs, job.reference, processor=job.name, case="gpt"
             )
         rows += report.rows
-        progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
+        progress.step(f"{job.name} | gpt tp{args.tp} {dtype}", _status(report.rows))
     notes.append(f"hookcheck: tp={args.tp}: {how}")
     return rows
 
