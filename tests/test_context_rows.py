@@ -62,7 +62,8 @@ def test_rows_and_options_give_the_builtin_logprobs_and_gradients(kind: str) -> 
             out = selected_logprobs(entropy=True)(c)
         cot = torch.linspace(-1, 1, out["logprobs"].numel(), dtype=torch.float64)
         (out["logprobs"] * cot.view_as(out["logprobs"]) + out["entropy"]).sum().backward()
-        got.append({**out, "dh": c.hidden_states.grad, "dw": c.vocab_weight.grad})  # type: ignore[union-attr]
+        grads = {"dh": c.hidden_states.grad, "dw": c.vocab_weight.grad}  # type: ignore[union-attr]
+        got.append({**out, **grads})
     for key in got[0]:
         assert torch.equal(got[0][key], got[1][key]), key
 
@@ -101,10 +102,11 @@ def test_the_rows_are_s_major_and_from_rows_inverts_to_rows() -> None:
     b, s = ctx.batch_size, ctx.seq_len
     rows = context_rows(ctx)
     hs, labels = ctx.hidden_states, ctx.labels
-    assert rows.hidden.shape == (s * b, hs.shape[-1]) and rows.labels is not None  # type: ignore[union-attr]
+    assert isinstance(hs, torch.Tensor) and isinstance(labels, torch.Tensor)
+    assert rows.hidden.shape == (s * b, hs.shape[-1]) and rows.labels is not None
     for i, j in [(0, 0), (0, 2), (4, 1), (s - 1, b - 1)]:
-        assert torch.equal(rows.hidden[i * b + j], hs[i, j])  # type: ignore[index]
-        assert rows.labels[i * b + j] == labels[j, i]  # type: ignore[index]
+        assert torch.equal(rows.hidden[i * b + j], hs[i, j])
+        assert rows.labels[i * b + j] == labels[j, i]
     assert rows.weight is ctx.vocab_weight
     x = torch.arange(b * s * 2.0).view(b, s, 2)
     assert to_rows(x)[1 * b + 2].tolist() == x[2, 1].tolist()
@@ -176,7 +178,8 @@ def test_sequence_parallel_rows_are_this_ranks_and_from_rows_takes_the_gathered_
         collectives=identity_collectives("StandInRanks")(),
     )
     rows = context_rows(local)
-    assert rows.hidden.shape == (4 * 3, hs.shape[-1]) and rows.labels.shape == (24,)  # type: ignore[union-attr]
+    assert rows.hidden.shape == (4 * 3, hs.shape[-1])  # type: ignore[union-attr]
+    assert rows.labels is not None and rows.labels.shape == (24,)
     assert from_rows(torch.zeros(24), local).shape == (3, 8)
 
 

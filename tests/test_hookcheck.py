@@ -130,6 +130,46 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     assert "Traceback" not in out + proc.stderr
 
 
+def test_context_parallel_passes_shares_and_catches_a_rank_local_mean():
+    """``--cp 2``: every case split over two gloo ranks as Megatron splits a batch. The
+    per-token recipe and the token mean over the CP group's count pass; the same mean
+    over each rank's own tokens (right at cp=1) fails its value and both gradients on
+    every case; the synthetic case that 2 cp does not divide (awkward, s=7) is skipped."""
+    ex = "jax_ref.check.examples"
+    code, out, err = _run(
+        "--cp", "2", "--case", "peaked", "--case", "awkward",
+        "--processor", f"{ex}:vocab_parallel_logprobs", "--reference", REF,
+        "--processor", f"{ex}:token_mean_loss", "--reference", f"{ex}:token_mean_loss_reference",
+        "--processor", f"{ex}:rank_mean_loss", "--reference", f"{ex}:token_mean_loss_reference",
+    )  # fmt: skip
+    assert code == 1, out + err
+    rows = _summary(out)
+    for case in ("gpt cp2", "peaked cp2"):
+        assert rows["vocab_parallel_logprobs", case, "float32"].startswith("ok"), out
+        assert rows["token_mean_loss", case, "float32"] == "ok", out
+        assert rows["rank_mean_loss", case, "float32"] == "FAIL (3 of 3)", out
+    assert not any(case.startswith("awkward") for _, case, _ in rows), out
+    assert "case 'awkward' skipped (s=7 is no multiple of 2 * cp = 4)" in out
+    assert "hookcheck: 6 of 24 comparisons FAILED" in out
+
+
+@pytest.mark.slow
+def test_context_parallel_builtin_run():
+    """``hookcheck --cp 2`` with no processor: every built-in check that runs under
+    context parallel passes (policy, preference losses and their sequence-level sums
+    among them); those that refuse it, or need a count the check's context lacks, are
+    listed as skipped, with why."""
+    code, out, err = _run("--cp", "2", "--no-synthetic")
+    assert code == 0, out + err
+    rows = _summary(out)
+    skipped = re.findall(r"unavailable, skipped: (.+?) \(", err)
+    assert set(skipped) == {c.name for c in BUILTIN_CHECKS if c.tp1_only or c.cp_refused}, skipped
+    for check in BUILTIN_CHECKS:
+        if check.name not in skipped:
+            assert rows[check.name, "gpt cp2", "float32"].startswith("ok"), check.name
+    assert "policy_loss(gspo)" not in skipped
+
+
 def test_console_script_and_module_entry_points():
     script = Path(sys.executable).with_name("hookcheck")
     assert script.exists(), "pip install -e . installs the hookcheck console script"
