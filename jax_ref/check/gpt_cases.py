@@ -42,9 +42,11 @@ __all__ = [
     "spawn_ranks",
 ]
 
-CASE_BATCH, CASE_SEQ = 3, 8
-"""The GPT case's batch: an odd number of rows (a transpose of ``[b, s]`` and ``[s, b]``
-cannot pass for the identity) of ``CASE_SEQ`` tokens."""
+CASE_BATCH = 3
+"""The GPT case's rows: an odd number (a transpose of ``[b, s]`` and ``[s, b]`` cannot
+pass for the identity), each of ``CASE_SEQ`` tokens."""
+CASE_SEQ = 8
+"""The GPT case's sequence length (``hookcheck --cp N`` needs ``2 N`` to divide it)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
