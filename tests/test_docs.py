@@ -346,15 +346,16 @@ PAIR = [
 @pytest.mark.skipif(
     not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core"
 )
-@pytest.mark.parametrize("tp", [1, 2])
-def test_example_pair_passes_hookcheck(tp: int) -> None:
+@pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "cp2"])
+def test_example_pair_passes_hookcheck(tp: int, cp: int) -> None:
     """``python -m jax_ref.check.hookcheck`` on the template pair, as the docs
     shows it: every comparison passes (tp=1: fp32, bf16, fp16, tied, synthetic
-    cases; tp=2: two gloo ranks against the reference sharded over two devices).
-    tp=1 runs the command's ``main`` in this process (the same arguments, without
-    a second interpreter's imports); tp=2 needs its own (JAX's device count is set
-    before JAX starts)."""
-    argv = [*PAIR, "--tp", str(tp), "--quiet"]
+    cases; tp=2: two gloo ranks against the reference sharded over two devices;
+    cp=2: each case split over two context-parallel ranks, the loss a share of the
+    token mean). tp=1 and cp=2 run the command's ``main`` in this process (the same
+    arguments, without a second interpreter's imports); tp=2 needs its own (JAX's
+    device count is set before JAX starts)."""
+    argv = [*PAIR, "--tp", str(tp), "--quiet"] + (["--cp", str(cp)] if cp > 1 else [])
     if tp == 1:
         import io
 
@@ -378,6 +379,8 @@ def test_example_pair_passes_hookcheck(tp: int) -> None:
     assert code == 0, out
     assert re.search(r"hookcheck: all \d+ comparisons passed", out), out
     assert "tempered_logprobs" in out and (tp == 1 or "gpt tp2 rank1" in out), out
+    if cp == 2:
+        assert "gpt cp2" in out and "peaked cp2" in out, out
     if (
         tp == 2
     ):  # docs/writing-processors.md shows this run's table: its header and rows, hookcheck's
@@ -437,6 +440,25 @@ def test_example_pair_check_can_fail() -> None:
     assert ("logprobs", "value") in failed and not any(out == "loss" for out, _ in failed), str(
         report
     )
+
+
+@pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
+def test_example_pair_check_can_fail_under_context_parallel() -> None:
+    """``--cp 2`` catches the template without its context-parallel count (the token mean
+    of each rank's own tokens, ``tests.template_variants.without_cp_count``): its loss
+    fails, value and both gradients, its logprobs pass; the template passes (above)."""
+    import io
+
+    from jax_ref.check.hookcheck import main
+
+    argv = [*PAIR, "--cp", "2", "--no-synthetic", "--quiet"]
+    argv[1] = "tests.template_variants:without_cp_count"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = main(argv, out=stdout, err=stderr)
+    out = stdout.getvalue() + stderr.getvalue()
+    assert code == 1, out
+    failed = set(re.findall(r"^FAIL without_cp_count: (\w+) ([\w/ ]+?) \[gpt cp2", out, re.M))
+    assert failed == {("loss", "value"), ("loss", "d/d hidden"), ("loss", "d/d weight")}, out
 
 
 @pytest.mark.skipif(not HAS_JAX, reason="needs jax and flax")

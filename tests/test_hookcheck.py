@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import socket
@@ -101,12 +102,15 @@ def test_non_finite_values_fail_with_a_clear_line():
 
 def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     """Two gloo ranks (Megatron tp=2, vocab split), the reference sharded over two
-    virtual JAX devices: the right recipe passes on both ranks; the processor that
-    skips gather_hidden_states fails exactly the hidden-state gradients."""
+    virtual JAX devices, in float32 and bfloat16 (``--dtype``: the GPT in bf16 on the
+    ranks, its rows under bf16 tolerances; it once ran fp32 whatever was asked): the
+    right recipe passes on both ranks; the processor that skips gather_hidden_states
+    fails exactly the hidden-state gradients, in both dtypes."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("XLA_FLAGS", None)
     argv = [
         sys.executable, "-m", "jax_ref.check.hookcheck", "--tp", "2", "--no-synthetic",
+        "--dtype", "float32", "--dtype", "bfloat16",
         "--processor", "jax_ref.check.examples:vocab_parallel_logprobs", "--reference", REF,
         "--processor", "jax_ref.check.examples:missing_tp_reduction", "--reference", REF,
     ]  # fmt: skip
@@ -114,14 +118,57 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert "reference sharded over 2 JAX devices" in out
+    legend = next(line for line in out.splitlines() if line.startswith("pass: "))
+    assert "bfloat16 rtol 2e-02 atol 1e-05" in legend and "float32 rtol 1e-04" in legend, legend
     rows = _summary(out)
-    for rank in (0, 1):
-        assert rows["vocab_parallel_logprobs", f"gpt tp2 rank{rank}", "float32"] == "ok"
-        assert rows["missing_tp_reduction", f"gpt tp2 rank{rank}", "float32"] == "FAIL (2 of 6)"
-    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[(.+?), float32\]", out, flags=re.M)
-    assert {(p, q) for p, _, q, _ in fails} == {("missing_tp_reduction", "d/d hidden")}
-    assert {c for *_, c in fails} == {"gpt tp2 rank0", "gpt tp2 rank1"}
+    for rank, dtype in itertools.product((0, 1), ("float32", "bfloat16")):
+        assert rows["vocab_parallel_logprobs", f"gpt tp2 rank{rank}", dtype] == "ok"
+        assert rows["missing_tp_reduction", f"gpt tp2 rank{rank}", dtype] == "FAIL (2 of 6)"
+    fails = re.findall(r"^FAIL (\w+): (\w+) ([\w/ ]+?) \[(.+?), (\w+)\]", out, flags=re.M)
+    assert {(p, q) for p, _, q, _, _ in fails} == {("missing_tp_reduction", "d/d hidden")}
+    assert {c for *_, c, _ in fails} == {"gpt tp2 rank0", "gpt tp2 rank1"}
+    assert {d for *_, d in fails} == {"float32", "bfloat16"}
     assert "Traceback" not in out + proc.stderr
+
+
+def test_context_parallel_passes_shares_and_catches_a_rank_local_mean():
+    """``--cp 2``: every case split over two gloo ranks as Megatron splits a batch. The
+    per-token recipe and the token mean over the CP group's count pass; the same mean
+    over each rank's own tokens (right at cp=1) fails its value and both gradients on
+    every case; the synthetic case that 2 cp does not divide (awkward, s=7) is skipped."""
+    ex = "jax_ref.check.examples"
+    code, out, err = _run(
+        "--cp", "2", "--case", "peaked", "--case", "awkward",
+        "--processor", f"{ex}:vocab_parallel_logprobs", "--reference", REF,
+        "--processor", f"{ex}:token_mean_loss", "--reference", f"{ex}:token_mean_loss_reference",
+        "--processor", f"{ex}:rank_mean_loss", "--reference", f"{ex}:token_mean_loss_reference",
+    )  # fmt: skip
+    assert code == 1, out + err
+    rows = _summary(out)
+    for case in ("gpt cp2", "peaked cp2"):
+        assert rows["vocab_parallel_logprobs", case, "float32"].startswith("ok"), out
+        assert rows["token_mean_loss", case, "float32"] == "ok", out
+        assert rows["rank_mean_loss", case, "float32"] == "FAIL (3 of 3)", out
+    assert not any(case.startswith("awkward") for _, case, _ in rows), out
+    assert "case 'awkward' skipped (s=7 is no multiple of 2 * cp = 4)" in out
+    assert "hookcheck: 6 of 24 comparisons FAILED" in out
+
+
+@pytest.mark.slow
+def test_context_parallel_builtin_run():
+    """``hookcheck --cp 2`` with no processor: every built-in check that runs under
+    context parallel passes (policy, preference losses and their sequence-level sums
+    among them); those that refuse it, or need a count the check's context lacks, are
+    listed as skipped, with why."""
+    code, out, err = _run("--cp", "2", "--no-synthetic")
+    assert code == 0, out + err
+    rows = _summary(out)
+    skipped = re.findall(r"unavailable, skipped: (.+?) \(", err)
+    assert set(skipped) == {c.name for c in BUILTIN_CHECKS if c.tp1_only or c.cp_refused}, skipped
+    for check in BUILTIN_CHECKS:
+        if check.name not in skipped:
+            assert rows[check.name, "gpt cp2", "float32"].startswith("ok"), check.name
+    assert "policy_loss(gspo)" not in skipped
 
 
 def test_console_script_and_module_entry_points():

@@ -105,6 +105,30 @@ def _run(*argv: str) -> tuple[int, str]:
             "hookcheck: error: --tp: expected a divisor of the case model's 4 attention heads "
             "[1, 2, 4], got 3",
         ),
+        (("--cp", "0"), "hookcheck: error: --cp: expected an int >= 1, got 0"),
+        (
+            ("--cp", "3"),
+            "hookcheck: error: --cp: expected one of [1, 2, 4] (2 * cp must divide the cases' "
+            "sequence length 8), got 3",
+        ),
+        (
+            ("--cp", "2", "--tp", "2"),
+            "hookcheck: error: --cp: expected --tp 1 beside it (tensor and context parallel "
+            "together are not checked), got --tp 2",
+        ),
+        (
+            (
+                "--cp",
+                "2",
+                "--processor",
+                "jax_ref.check.examples:full_vocab_logprobs",
+                "--reference",
+                REF,
+            ),
+            "hookcheck: error: --cp: expected hookspec processors (@hookspec.processor): an "
+            "upstream-style processor sees no context-parallel group, got "
+            "jax_ref.check.examples:full_vocab_logprobs",
+        ),
         (
             ("--context", "tests.test_hookcheck_bad_input:float8_context"),
             "hookcheck: error: arguments: expected one --reference per --processor (in order), "
@@ -128,6 +152,10 @@ def _run(*argv: str) -> tuple[int, str]:
         "processor-raises",
         "tp",
         "tp-not-a-divisor",
+        "cp",
+        "cp-not-a-divisor",
+        "cp-with-tp",
+        "cp-upstream-processor",
         "context-without-processor",
         "context-not-callable",
     ],

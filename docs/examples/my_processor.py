@@ -1,37 +1,34 @@
-"""A processor: per-token tempered logprobs and a token-mean loss, vocab-parallel."""
+"""A processor: per-token tempered logprobs and a token-mean loss, without the logits."""
 
 from collections.abc import Mapping
 
 import torch
 
 import hookspec
+from torch_impl.processors import LinearOptions, context_rows, from_rows, linear_logprobs
 
 
 @hookspec.processor
 def tempered_logprobs(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:
-    temperature = _temperature(ctx)  # [b, s]: output_processor_context={"temperature": T}
+    _require_temperature(ctx)  # output_processor_context={"temperature": T [b, s]}
     if ctx.labels is None:  # None where the caller passed no labels
         raise hookspec.ContractError("labels", expected="[b, s] token ids (labels=)", actual="None")
-    coll, vocab = ctx.collectives, ctx.vocab  # vocab: this rank's ids [start, end) of V
-    h = coll.gather_hidden_states(ctx.hidden_states)  # [s, b, h]; whole gradient under TP and SP
-    z = torch.einsum("sbh,vh->bsv", h.float(), ctx.vocab_weight.float())  # [b, s, V_local]
-    z = ctx.scale_logits(z) / temperature[..., None]  # MuP's output scale (identity without MuP)
-    m = coll.all_reduce_max(z.detach().amax(-1))  # [b, s]; all_reduce_max takes no gradient
-    lse = m + torch.log(coll.all_reduce_sum(torch.exp(z - m[..., None]).sum(-1)))
-    y = ctx.labels  # [b, s] global ids, or ctx.ignore_index
-    here = (y >= vocab.start) & (y < vocab.end)  # the label's row is on this rank
-    row = torch.where(here, y - vocab.start, 0)
-    z_y = coll.all_reduce_sum(z.gather(-1, row[..., None]).squeeze(-1) * here)
-    logprobs = torch.where(y == ctx.ignore_index, 0.0, z_y - lse)  # 0 at an ignored label
-    mask = (y != ctx.ignore_index).float()
+    rows = context_rows(ctx)  # hidden [n, h] (row i*b + j: token (j, i)), weight, labels [n]
+    options = LinearOptions.from_context(ctx)  # vocab shard, collectives, MuP scale, T as rows [n]
+    result = linear_logprobs(*rows, options=options)  # tile by tile: no [n, V] logits
+    logprobs = from_rows(result.logprobs, ctx)  # [b, s]; 0 at an ignored label
+    mask = (ctx.labels != ctx.ignore_index).float()
     if ctx.loss_mask is not None:  # None where the caller passed no loss_mask: every token counts
         mask = mask * ctx.loss_mask
-    loss = -(logprobs * mask).sum() / mask.sum().clamp(min=1)  # token mean; 0 if nothing counts
+    count = mask.sum()
+    if ctx.parallel.cp_size > 1:  # context parallel: this rank holds part of every sequence
+        count = ctx.collectives.all_reduce_sum_context_parallel(count)  # the micro-batch's count
+    loss = -(logprobs * mask).sum() / count.clamp(min=1)  # token mean (a rank's share); 0 if none
     return {"logprobs": logprobs, "loss": loss}
 
 
-def _temperature(ctx: hookspec.OutputContext) -> torch.Tensor:
-    """The user context's temperature, or a ContractError naming what came instead."""
+def _require_temperature(ctx: hookspec.OutputContext) -> None:
+    """A user context holding a temperature, or a ContractError naming what came instead."""
     user = ctx.context  # the caller's output_processor_context, None where there was none
     if not isinstance(user, Mapping) or "temperature" not in user:
         got = (
@@ -42,7 +39,6 @@ def _temperature(ctx: hookspec.OutputContext) -> torch.Tensor:
         raise hookspec.ContractError(
             "context", expected="{'temperature': [b, s]} (output_processor_context=)", actual=got
         )
-    return user["temperature"]
 
 
 def make_context(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:

@@ -9,7 +9,10 @@ They show what ``hookcheck`` catches; each is a ``module:attr`` target::
   vocab-parallel recipe (right on any tp).
 - :func:`full_vocab_logprobs`: an upstream-style processor (the native hook's
   keywords) through the output layer and a full softmax (right at tp=1).
-- :data:`token_mean_loss`: masked token-mean cross entropy, a scalar (right).
+- :data:`token_mean_loss`: masked token-mean cross entropy, a scalar (right; under
+  context parallel each rank's share: its tokens' sum over the count of the CP group).
+- :data:`rank_mean_loss`: the token mean over this rank's tokens alone (right at
+  cp=1; under context parallel the shares do not sum to the mean).
 - :data:`wrong_sign_entropy`: entropy returned as ``sum p log p``, negative
   (NeMo RL's chunked entropy has that sign; the contract's does not).
 - :data:`wrong_reduction_loss`: the masked sum where the token mean is meant.
@@ -40,6 +43,7 @@ __all__ = [
     "full_vocab_logprobs",
     "logprobs_entropy_reference",
     "missing_tp_reduction",
+    "rank_mean_loss",
     "token_mean_loss",
     "token_mean_loss_reference",
     "unshifted_softmax",
@@ -142,7 +146,19 @@ def _masked_ce(ctx: OutputContext) -> tuple[torch.Tensor, torch.Tensor]:
 
 @processor
 def token_mean_loss(ctx: OutputContext) -> torch.Tensor:
-    """``sum(CE * M) / sum(M)`` over the loss mask and non-ignored labels (a scalar)."""
+    """``sum(CE * M) / sum(M)`` over the loss mask and non-ignored labels (a scalar);
+    under context parallel ``sum(M)`` is over the CP group, so each rank's value is its
+    share of the micro-batch's mean."""
+    loss, mask = _masked_ce(ctx)
+    count = mask.sum()
+    if ctx.parallel.cp_size > 1:
+        count = ctx.collectives.all_reduce_sum_context_parallel(count)
+    return loss.sum() / count.clamp(min=1.0)
+
+
+@processor
+def rank_mean_loss(ctx: OutputContext) -> torch.Tensor:
+    """Wrong on purpose under cp > 1: the token mean over this rank's tokens only."""
     loss, mask = _masked_ce(ctx)
     return loss.sum() / mask.sum().clamp(min=1.0)
 

@@ -29,13 +29,24 @@ from ._spec import resolve
 from .torch_run import TorchRun, run_through_hook
 
 __all__ = [
+    "CASE_BATCH",
+    "CASE_SEQ",
     "GPTCase",
     "build_case_model",
     "case_batch",
+    "context_from_wire",
+    "context_to_wire",
     "resolve",
     "run_gpt_case",
     "run_tensor_parallel",
+    "spawn_ranks",
 ]
+
+CASE_BATCH = 3
+"""The GPT case's rows: an odd number (a transpose of ``[b, s]`` and ``[s, b]`` cannot
+pass for the identity), each of ``CASE_SEQ`` tokens."""
+CASE_SEQ = 8
+"""The GPT case's sequence length (``hookcheck --cp N`` needs ``2 N`` to divide it)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,8 +61,8 @@ class GPTCase:
     dtype: str = "float32"
     tied: bool = False
     seed: int = 0
-    batch: int = 3
-    seq: int = 8
+    batch: int = CASE_BATCH
+    seq: int = CASE_SEQ
 
     @property
     def name(self) -> str:
@@ -76,7 +87,7 @@ def build_case_model(
     return enable_output_processor(model)
 
 
-def case_batch(batch: int = 3, seq: int = 8, *, seed: int = 0) -> dict[str, Any]:
+def case_batch(batch: int = CASE_BATCH, seq: int = CASE_SEQ, *, seed: int = 0) -> dict[str, Any]:
     """``torch_impl.tiny.tiny_batch`` with two ignored labels and a partly masked sequence."""
     from torch_impl.tiny import tiny_batch
 
@@ -149,8 +160,10 @@ _CONTEXT_FIELDS = (
 )
 
 
-def _run_to_wire(run: TorchRun) -> dict[str, Any]:
-    ctx = run.context
+def context_to_wire(ctx: OutputContext) -> dict[str, Any]:
+    """What a reference and a processor read of ``ctx`` (its tensors, the user context,
+    the vocabulary shard, the layout, MuP and the softcap), picklable: for
+    :func:`context_from_wire` in another process."""
     vocab = ctx.vocab
     assert vocab is not None
     return {
@@ -163,6 +176,12 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
             float(getattr(ctx.config, "mup_output_mult", 1.0)),
         ),
         "final_logit_softcapping": getattr(ctx.config, "final_logit_softcapping", None),
+    }
+
+
+def _run_to_wire(run: TorchRun) -> dict[str, Any]:
+    return {
+        **context_to_wire(run.context),
         "run": {
             k: _to_wire(getattr(run, k))
             for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
@@ -171,25 +190,32 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _MupConfig:
+    """The model config's fields a processor reads, sent to another process; mutable, as a
+    model's config is (a processor may run on a copy with a field set)."""
+
     use_mup: bool
     mup_output_mult: float
     final_logit_softcapping: Any = None
 
 
-def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
+def context_from_wire(wire: dict[str, Any]) -> OutputContext:
+    """The context :func:`context_to_wire` sent (its config: MuP and the softcap only)."""
     fields = {k: _from_wire(v) for k, v in wire["context"].items()}
     use_mup, mult = wire["use_mup"]
-    ctx = OutputContext(
+    return OutputContext(
         **fields,
         vocab=VocabShard(*wire["vocab"]),
         ignore_index=wire["ignore_index"],
         parallel=wire["parallel"],
         config=_MupConfig(use_mup, mult, wire["final_logit_softcapping"]),
     )
+
+
+def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
     parts = {k: _from_wire(v) for k, v in wire["run"].items()}
-    return TorchRun(context=ctx, single=wire["single"], via_hook=True, **parts)
+    return TorchRun(context=context_from_wire(wire), single=wire["single"], via_hook=True, **parts)
 
 
 def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], results: Any) -> None:
@@ -214,6 +240,18 @@ def run_tensor_parallel(
     processes for all of them); for each case, one :class:`TorchRun` per rank
     in rank order. A ``ContractError`` raised on a rank is raised here; another
     exception becomes a ``RuntimeError`` naming the rank."""
+    got = spawn_ranks(_tp_worker, tp, tuple(cases), timeout_s=timeout_s, what="tensor-parallel")
+    return [[_run_from_wire(got[r][i]) for r in range(tp)] for i in range(len(cases))]
+
+
+def spawn_ranks(
+    worker: Any, world: int, payload: Any, *, timeout_s: float, what: str
+) -> dict[int, Any]:
+    """``worker(rank, world, port, payload, results)`` on ``world`` spawned processes,
+    each putting ``(rank, status, payload)`` on ``results`` (``"ok"``, ``"contract"``:
+    a ``ContractError``'s fields, ``"error"``: its first line and traceback); rank ->
+    the ``"ok"`` payloads. A rank's ``ContractError`` is raised here; another failure,
+    a rank that dies or a run past ``timeout_s`` is a ``RuntimeError`` naming it."""
     import torch.multiprocessing as mp
 
     from torch_impl.process_state import free_port
@@ -222,15 +260,15 @@ def run_tensor_parallel(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_tp_worker, args=(r, tp, port, tuple(cases), results), daemon=True)
-        for r in range(tp)
+        ctx.Process(target=worker, args=(r, world, port, payload, results), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < tp:
+        while len(got) < world:
             try:
                 rank, status, payload = results.get(timeout=1.0)
             except queue_module.Empty:
@@ -238,21 +276,19 @@ def run_tensor_parallel(
                     r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
                 ]
                 if dead:
+                    code = procs[dead[0]].exitcode
                     raise RuntimeError(
-                        f"rank {dead[0]} of {tp} exited with code {procs[dead[0]].exitcode} "
-                        "before reporting"
+                        f"rank {dead[0]} of {world} exited with code {code} before reporting"
                     ) from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"tensor-parallel run timed out after {timeout_s:.0f} s"
-                    ) from None
+                    raise RuntimeError(f"{what} run timed out after {timeout_s:.0f} s") from None
                 continue
             if status == "contract":
                 field, expected, actual, hint = payload
                 raise ContractError(field, expected=expected, actual=actual, hint=hint)
             if status == "error":
                 first, trace = payload
-                error = RuntimeError(f"rank {rank} of {tp} failed: {first}")
+                error = RuntimeError(f"rank {rank} of {world} failed: {first}")
                 error.add_note(f"traceback on rank {rank}:\n{trace}")
                 raise error
             got[rank] = payload
@@ -261,4 +297,4 @@ def run_tensor_parallel(
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-    return [[_run_from_wire(got[r][i]) for r in range(tp)] for i in range(len(cases))]
+    return got

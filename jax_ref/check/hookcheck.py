@@ -9,6 +9,7 @@ and exits 1 on a mismatch::
     hookcheck
     hookcheck --processor mypkg.procs:my_logprobs --reference mypkg.refs:my_reference
     hookcheck --tp 2            # vocab-parallel over 2 gloo ranks, sharded reference
+    hookcheck --cp 2            # context parallel: each case split over 2 gloo ranks
     hookcheck --case random --case masked   # the synthetic kinds not run by default
     python -m jax_ref.check.hookcheck ...   # the same, without the console script
 
@@ -20,7 +21,7 @@ Exit status: 0 all passed, 1 a mismatch (or a non-finite value), 2 bad input,
 named by the input at fault: ``--processor`` (it raises), ``--reference`` (it
 raises, or its output structure differs from the processor's), ``--context``
 (its maker raises, or it holds a dtype DLPack cannot carry), ``--seed``,
-``--tp``, ``--case``, or a ``module:attr`` that does not import.
+``--tp``, ``--cp``, ``--case``, or a ``module:attr`` that does not import.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class BuiltinCheck:
     processor: str
     reference: Callable[[], Any]
     make_context: str | None = None
-    tp1_only: bool = False
+    tp1_only: bool = False  # one process only: skipped under --tp and --cp
+    cp_refused: str = ""  # why the processor refuses context parallel: skipped under --cp
 
 
 def _policy_reference(config_spec: str) -> Callable[[], Any]:
@@ -146,6 +148,10 @@ def _example_ref(name: str) -> Callable[[], Any]:
 
 
 _B = "jax_ref.check.builtin_processors"
+_NO_TEACHER_COUNT = (
+    "under context parallel distillation needs the teacher's global_tokens, which the "
+    "check's teacher does not carry"
+)
 BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
     BuiltinCheck(
         "selected_logprobs(entropy)", f"{_B}:LOGPROBS", _ref("selected_logprobs", entropy=True)
@@ -229,6 +235,7 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:CORRECTED",
         _policy_reference(f"{_B}:CORRECTED_CONFIG"),
         f"{_B}:rollout_context",
+        cp_refused="a sequence-level rejection (seq_mean_k3) is refused under context parallel",
     ),
     BuiltinCheck(
         "policy_loss(bypass reinforce)",
@@ -254,24 +261,28 @@ BUILTIN_CHECKS: tuple[BuiltinCheck, ...] = (
         f"{_B}:DISTILL_SPARSE",
         _distill_ref(f"{_B}:DISTILL_SPARSE_CONFIG"),
         f"{_B}:sparse_teacher_context",
+        cp_refused=_NO_TEACHER_COUNT,
     ),
     BuiltinCheck(
         "linear_distillation_loss(sparse jsd, bucket)",
         f"{_B}:DISTILL_ROWS",
         _distill_ref(f"{_B}:DISTILL_SPARSE_CONFIG"),
         f"{_B}:sparse_teacher_context",
+        cp_refused=_NO_TEACHER_COUNT,
     ),
     BuiltinCheck(
         "distillation_loss(sparse kl, renormalize)",
         f"{_B}:DISTILL_RENORMALIZE",
         _distill_ref(f"{_B}:DISTILL_RENORMALIZE_CONFIG"),
         f"{_B}:sparse_teacher_context",
+        cp_refused=_NO_TEACHER_COUNT,
     ),
     BuiltinCheck(
         "distillation_loss(dense reverse kl)",
         f"{_B}:DISTILL_DENSE",
         _distill_ref(f"{_B}:DISTILL_DENSE_CONFIG"),
         f"{_B}:dense_teacher_context",
+        cp_refused=_NO_TEACHER_COUNT + "; its teacher's hidden states are [s, b, h], not split",
     ),
     BuiltinCheck(
         "example: vocab-parallel recipe",
@@ -334,6 +345,20 @@ synthetic cases (float32, besides the tiny GPT):
   asked: --case random --case masked (or --case all for every kind). --case replaces
   the default set; --no-synthetic runs none.
 
+context parallel (--cp N, N in 1, 2, 4; with --tp 1):
+  every case (the GPT in each --dtype, float32 by default, and the synthetic kinds whose
+  sequence length is a multiple of 2N: awkward, s=7, is skipped) is split over N gloo
+  ranks as Megatron's get_batch_on_this_cp_rank splits a batch (rank r: chunks r and
+  2N-1-r of every row; the hidden states, labels, masks and every user-context tensor
+  [b, s, ...]), with Megatron's context-parallel group in ctx.collectives
+  (all_reduce_sum_context_parallel) and ctx.parallel.cp_size/cp_rank. The ranks' results
+  are put together (per-token outputs at their positions, scalars summed: each rank
+  returns its share; hidden-state gradients at their positions, weight gradients summed)
+  and compared with the reference on the whole batch. The GPT's forward itself runs on
+  one process (Megatron's local attention takes no context parallel on a CPU): its hook
+  context is split afterwards. Not covered: packed (THD) rows, tp x cp, upstream-style
+  processors (which see no context-parallel group).
+
 how a row passes (printed again under the table):
   max abs err <= atol + rtol * max|reference| + 8 * floor, per compared array, with
   rtol and atol by the dtype of the hidden states (float32: rtol 1e-4, atol 1e-7;
@@ -374,10 +399,21 @@ def _parser() -> argparse.ArgumentParser:
         "('-' for none); one per --processor, in order",
     )
     p.add_argument(
-        "--dtype", action="append", choices=DTYPES, help="dtypes to check (default: all three)"
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="a dtype of the GPT case, repeat for several (default: all three at one rank; "
+        "float32 under --tp and --cp; the synthetic cases are float32)",
     )
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks for the GPT case (gloo processes)"
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks (gloo processes): each case split as Megatron splits a "
+        "batch, the ranks' shares put together and compared whole (see below)",
     )
     p.add_argument(
         "--case",
@@ -485,8 +521,11 @@ def _jobs(args: argparse.Namespace) -> tuple[list[_Job], list[str]]:
         return jobs, []
     jobs, unavailable = [], []
     for check in BUILTIN_CHECKS:
-        if check.tp1_only and args.tp > 1:
-            unavailable.append(f"{check.name} ({check.processor}): written for tp=1 only")
+        if check.tp1_only and (args.tp > 1 or args.cp > 1):
+            unavailable.append(f"{check.name} ({check.processor}): written for one process only")
+            continue
+        if check.cp_refused and args.cp > 1:
+            unavailable.append(f"{check.name} ({check.processor}): {check.cp_refused}")
             continue
         try:
             proc = resolve(check.processor)
@@ -529,24 +568,27 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         progress.say(f"hookcheck: unavailable, skipped: {line}")
     if not jobs:
         return _error("no processor to check", err)
-    dtypes = tuple(args.dtype or DTYPES)
+    # several ranks: float32 unless --dtype asks (each dtype is one more spawn's worth of work)
+    one = args.tp == 1 and args.cp == 1
+    dtypes = tuple(dict.fromkeys(args.dtype or (DTYPES if one else ("float32",))))
     builtin = not args.processor
     kinds = _synthetic_kinds(args)
     model_cases = [(d, False) for d in dtypes] + (
-        [("float32", True)] if "float32" in dtypes else []
+        [("float32", True)] if "float32" in dtypes and one else []
     )
-    if args.tp > 1:
-        model_cases = [("float32", False)]
     progress.total = len(jobs) * (len(model_cases) + len(kinds))
     from .report import CrossCheckReport
 
     rows: list[Any] = []
     notes: list[str] = []
-    if args.tp > 1:
-        rows += _run_tensor_parallel(jobs, args, progress, notes)
+    if args.cp > 1:
+        rows += _run_context_parallel(jobs, dtypes, kinds, args, progress, notes)
+    elif args.tp > 1:
+        rows += _run_tensor_parallel(jobs, dtypes, args, progress, notes)
     else:
         rows += _run_gpt(jobs, model_cases, args, progress)
-    rows += _run_synthetic(jobs, kinds, args, progress)
+    if args.cp == 1:
+        rows += _run_synthetic(jobs, kinds, args, progress)
     report = CrossCheckReport("processors" if builtin else jobs[0].name, "jax_ref", tuple(rows))
     _print_report(report, args.full, out)
     for note in notes:
@@ -702,8 +744,14 @@ def _run_synthetic(
 
 
 def _run_tensor_parallel(
-    jobs: list[_Job], args: argparse.Namespace, progress: _Progress, notes: list[str]
+    jobs: list[_Job],
+    dtypes: Sequence[str],
+    args: argparse.Namespace,
+    progress: _Progress,
+    notes: list[str],
 ) -> list[Any]:
+    """The GPT case of every job in every dtype on ``args.tp`` gloo ranks (one spawn), each
+    rank compared with the sharded reference under the tolerance of its dtype."""
     from .comparison import cross_check_tensor_parallel
     from .gpt_cases import GPTCase, run_tensor_parallel
 
@@ -711,7 +759,11 @@ def _run_tensor_parallel(
         if ":" not in job.spec or (job.make_context is not None and not job.context_spec):
             raise ContractError("--tp", expected="processors named by module:attr", actual=job.spec)
     progress.say(f"hookcheck: starting {args.tp} gloo ranks for {len(jobs)} processor(s) ...")
-    cases = [GPTCase(processor=j.spec, make_context=j.context_spec, seed=args.seed) for j in jobs]
+    pairs = [(job, dtype) for dtype in dtypes for job in jobs]
+    cases = [
+        GPTCase(processor=j.spec, make_context=j.context_spec, dtype=dtype, seed=args.seed)
+        for j, dtype in pairs
+    ]
     try:
         all_runs = run_tensor_parallel(cases, tp=args.tp)
     except ContractError:
@@ -725,14 +777,104 @@ def _run_tensor_parallel(
         ) from None
     rows: list[Any] = []
     how = ""
-    for job, runs in zip(jobs, all_runs):
-        with _attributed(job, f"gpt tp{args.tp}", "reference"):
+    for (job, dtype), runs in zip(pairs, all_runs, strict=True):
+        with _attributed(job, f"gpt tp{args.tp}, {dtype}", "reference"):
             report, how = cross_check_tensor_parallel(
                 runs, job.reference, processor=job.name, case="gpt"
             )
         rows += report.rows
-        progress.step(f"{job.name} | gpt tp{args.tp} float32", _status(report.rows))
+        progress.step(f"{job.name} | gpt tp{args.tp} {dtype}", _status(report.rows))
     notes.append(f"hookcheck: tp={args.tp}: {how}")
+    return rows
+
+
+def _run_context_parallel(
+    jobs: list[_Job],
+    dtypes: Sequence[str],
+    kinds: Sequence[str],
+    args: argparse.Namespace,
+    progress: _Progress,
+    notes: list[str],
+) -> list[Any]:
+    """Every case of every job split over ``args.cp`` gloo ranks (one spawn;
+    :mod:`.cp_cases`), each put back together and compared with the reference on the
+    whole batch: the GPT's hook context in each dtype, and the synthetic kinds whose
+    sequence length ``2 cp`` divides."""
+    from hookspec import is_hookspec_processor
+    from torch_impl.process_state import megatron_parallel
+
+    from .cases import synthetic_context
+    from .comparison import compare_run
+    from .cp_cases import CPCase, run_context_parallel
+    from .gpt_cases import build_case_model, case_batch, context_to_wire
+    from .torch_run import capture_context
+
+    cp = args.cp
+    for job in jobs:
+        if ":" not in job.spec or (job.make_context is not None and not job.context_spec):
+            raise ContractError("--cp", expected="processors named by module:attr", actual=job.spec)
+        if not is_hookspec_processor(job.processor):
+            raise ContractError(
+                "--cp",
+                expected="hookspec processors (@hookspec.processor): an upstream-style "
+                "processor sees no context-parallel group",
+                actual=job.spec,
+            )
+    wholes: list[tuple[_Job, str, str, Any]] = []  # job, case, dtype, the whole context
+
+    def add(job: _Job, case: str, dtype: str, ctx: Any) -> None:
+        with _attributed(job, f"{case}, {dtype}", "processor"):
+            if job.make_context is not None:
+                ctx = ctx.replace(context=job.make_context(ctx))
+        wholes.append((job, case, dtype, ctx))
+
+    with megatron_parallel():
+        for dtype in dtypes:
+            try:
+                base = capture_context(build_case_model(dtype=dtype), case_batch())
+            except Exception as exc:
+                raise _case_failed(f"gpt {dtype}", exc) from None
+            for job in jobs:
+                add(job, "gpt", dtype, base)
+    for kind in kinds:
+        try:
+            base = synthetic_context(kind, seed=args.seed)
+        except Exception as exc:
+            raise _case_failed(f"{kind} float32", exc) from None
+        if base.seq_len % (2 * cp):
+            notes.append(
+                f"hookcheck: cp={cp}: case {kind!r} skipped (s={base.seq_len} is no multiple "
+                f"of 2 * cp = {2 * cp})"
+            )
+            progress.total -= len(jobs)
+            continue
+        for job in jobs:
+            add(job, kind, "float32", base)
+    progress.say(f"hookcheck: starting {cp} gloo ranks for {len(wholes)} case(s) ...")
+    cases = [CPCase(job.spec, context_to_wire(ctx), seed=args.seed) for job, _, _, ctx in wholes]
+    try:
+        runs = run_context_parallel(cases, [ctx for *_, ctx in wholes], cp=cp)
+    except ContractError:
+        raise
+    except RuntimeError as exc:  # a rank failed: in a processor, run there
+        names = ", ".join(repr(j.name) for j in jobs)
+        raise ContractError(
+            f"processor {names} on {cp} context-parallel gloo ranks",
+            expected="to run on its part of the case",
+            actual=_first_line(exc),
+        ) from None
+    rows: list[Any] = []
+    for (job, case, dtype, _), run in zip(wholes, runs, strict=True):
+        with _attributed(job, f"{case} cp{cp}, {dtype}", "reference"):
+            got = compare_run(run, job.reference, case=f"{case} cp{cp}", processor=job.name)
+        rows += got
+        progress.step(f"{job.name} | {case} cp{cp} {dtype}", _status(got))
+    notes.append(
+        f"hookcheck: cp={cp}: each case split over {cp} ranks as Megatron's "
+        "get_batch_on_this_cp_rank splits it; per-token outputs and hidden-state gradients "
+        "put back at their positions, scalars (shares) and weight gradients summed, against "
+        "the reference on the whole batch"
+    )
     return rows
 
 
@@ -754,6 +896,14 @@ def main(
         return exit_.code if isinstance(exit_.code, int) else 2
     if args.tp < 1:
         return _error(f"--tp: expected an int >= 1, got {args.tp}", err)
+    if args.cp < 1:
+        return _error(f"--cp: expected an int >= 1, got {args.cp}", err)
+    if args.cp > 1 and args.tp > 1:
+        return _error(
+            f"--cp: expected --tp 1 beside it (tensor and context parallel together are not "
+            f"checked), got --tp {args.tp}",
+            err,
+        )
     if not 0 <= args.seed <= SEED_MAX:
         return _error(f"--seed: expected an int in [0, 2**32 - 1], got {args.seed}", err)
     if args.case and args.no_synthetic:
@@ -772,6 +922,12 @@ def main(
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         expected = f"a divisor of the case model's {heads} attention heads {divisors}"
         return _error(f"--tp: expected {expected}, got {args.tp}", err)
+    from .gpt_cases import CASE_SEQ
+
+    if CASE_SEQ % (2 * args.cp):
+        sizes = [c for c in range(1, CASE_SEQ + 1) if CASE_SEQ % (2 * c) == 0]
+        expected = f"one of {sizes} (2 * cp must divide the cases' sequence length {CASE_SEQ})"
+        return _error(f"--cp: expected {expected}, got {args.cp}", err)
     saved_flags = os.environ.get("XLA_FLAGS")
     if args.tp > 1 and _DEVICE_COUNT_FLAG not in (saved_flags or ""):
         # virtual CPU devices for the sharded reference; read when JAX starts its backend

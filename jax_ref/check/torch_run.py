@@ -105,13 +105,19 @@ def _cotangent(name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _vjps(
-    outputs: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, seed: int
+    outputs: dict[str, torch.Tensor],
+    h: torch.Tensor,
+    w: torch.Tensor,
+    seed: int,
+    cotangent: Callable[[str, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each floating output's cotangent (``cotangent(name, out, seed)``, default
+    :func:`_cotangent`) and its pullbacks to ``h`` and ``w``."""
     cots, dh, dw = {}, {}, {}
     for key, out in outputs.items():
         if not out.is_floating_point():
             continue
-        cot = _cotangent(key, out, seed)
+        cot = (cotangent or _cotangent)(key, out, seed)
         cots[key] = cot
         gh: torch.Tensor | None
         gw: torch.Tensor | None

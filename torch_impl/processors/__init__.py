@@ -3,7 +3,9 @@ distillation from the hidden states and the vocab shard, never materialising the
 all epilogues on one tile engine (``docs/architecture.md``). Each processor for
 ``enable_output_processor`` has a tensor function underneath (``linear_*``,
 :func:`fused_token_loss`) whose options are one :class:`LinearOptions`
-(``docs/processors.md`` lists them all).
+(``docs/processors.md`` lists them all). A processor of one's own calls them on
+:func:`context_rows` with ``LinearOptions.from_context`` and returns :func:`from_rows`
+(``docs/writing-processors.md``).
 
 Where to start reading: ``__all__`` below is the public surface (``docs/processors.md``
 documents each name). Then follow one call down, a module a step
@@ -38,6 +40,7 @@ from ._distill import (
 )
 from ._fused import FusedLossResult, LseLoss, MeanLogitLoss, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
+from ._inputs import ContextRows, context_rows, from_rows, to_rows
 from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
 from ._loss_math import (
@@ -62,6 +65,7 @@ from ._topk import TopkResult, linear_topk_logprobs, topk_logprobs
 
 __all__ = [
     "BackendChoice",
+    "ContextRows",
     "DenseTeacher",
     "DistillConfig",
     "DistillResult",
@@ -91,9 +95,11 @@ __all__ = [
     "WeightLevel",
     "aggregation_weights",
     "auto_choice",
+    "context_rows",
     "cross_entropy_loss",
     "device_class",
     "distillation_loss",
+    "from_rows",
     "fused_token_loss",
     "kl_penalty",
     "linear_distillation_loss",
@@ -103,5 +109,6 @@ __all__ = [
     "rollout_correction",
     "preference_loss",
     "selected_logprobs",
+    "to_rows",
     "topk_logprobs",
 ]

@@ -1,17 +1,23 @@
 """What every processor reads from the hook's :class:`~hookspec.OutputContext`,
 checked, and the layout helpers between ``[b, s]`` and the rows: tokens are the rows
 of ``hidden_states.reshape(-1, h)`` (``[s, b, h]``), ``s``-major (``docs/processors.md``).
+
+The public part (``torch_impl.processors``): :func:`context_rows`, :func:`to_rows`,
+:func:`from_rows` and ``LinearOptions.from_context`` (:func:`context_options`), the
+same readings the built-in processors make, for a processor of one's own
+(``docs/writing-processors.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from hookspec import ContractError, OutputContext, validate_context
+from hookspec.arrays import format_shape
 
 from ..value_checks import (
     check_finite_deferred,
@@ -31,13 +37,18 @@ from ._checks import (
 from ._options import LinearOptions, refuse_function_transforms, refuse_unexpected
 
 __all__ = [
+    "ContextRows",
     "HookInputs",
+    "context_options",
+    "context_rows",
     "counted_mask",
     "factory_tiles",
+    "from_rows",
     "from_tokens",
     "hook_inputs",
     "resolve_temperature",
     "sequence_ids",
+    "to_rows",
     "to_tokens",
 ]
 
@@ -82,13 +93,14 @@ class HookInputs:
         self, tiles: LinearOptions, temperature: float | torch.Tensor = 1.0
     ) -> LinearOptions:
         """:attr:`options` with the processor's temperature and its factory's
-        ``tile_rows``, ``tile_cols`` and ``compute_dtype`` (``tiles``)."""
+        ``tile_rows``, ``tile_cols``, ``compute_dtype`` and ``backend`` (``tiles``)."""
         return dataclasses.replace(
             self.options,
             temperature=temperature,
             tile_rows=tiles.tile_rows,
             tile_cols=tiles.tile_cols,
             compute_dtype=tiles.compute_dtype,
+            backend=tiles.backend,
         )
 
     def per_token(self, **out: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -164,8 +176,7 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
     if ctx.labels is not None and ctx.check_values and not ctx.labels_checked:
         check_labels_deferred(ctx.labels, ctx.vocab.size, ignore_index=ctx.ignore_index)
     # labels [b, s] where given (validate_context checked them against the hidden states)
-    s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
-    b = int(hs.shape[1])
+    b, s = _batch_seq(ctx, hs)
     return HookInputs(
         hidden=hs.reshape(-1, hs.shape[-1]),
         weight=typing.cast(torch.Tensor, ctx.vocab_weight),
@@ -184,6 +195,84 @@ def hook_inputs(ctx: OutputContext, name: str, *, needs_labels: bool = True) -> 
             check_values=False,
         ),
     )
+
+
+def _batch_seq(ctx: OutputContext, hs: torch.Tensor) -> tuple[int, int]:
+    """``(b, s)`` of hidden states ``hs`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+    parallel, whose rows the tensor functions gather)."""
+    s = int(hs.shape[0]) * (ctx.parallel.tp_size if ctx.parallel.sequence_parallel else 1)
+    return int(hs.shape[1]), s
+
+
+class ContextRows(NamedTuple):
+    """The hook's tensors as the tensor functions take them, in their order
+    (``linear_logprobs(*rows, options=...)``, ``fused_token_loss(*rows, loss, ...)``)::
+
+        hidden = hidden_states.reshape(-1, h)   # [n_local, h]: [s, b, h] rows, s-major
+        weight = vocab_weight                   # [V_local, h]: ids [vocab.start, vocab.end)
+        labels = to_rows(labels)                # [n] global ids (ignore_index: no label)
+
+    Row ``i * b + j`` is token ``(j, i)`` (batch ``j``, position ``i``); ``n = b * s`` rows
+    once gathered (under sequence parallel ``hidden`` holds this rank's ``s/tp`` positions,
+    which the tensor functions gather). ``labels`` is ``None`` where the context has none.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor | None
+
+
+def context_rows(ctx: OutputContext) -> ContextRows:
+    """The hidden rows, the weight shard and the label rows of ``ctx`` (:class:`ContextRows`),
+    checked as a built-in processor checks them (``hookspec.validate_context``, the labels'
+    range where ``ctx.check_values`` and the hook has not): a ``hookspec.ContractError``
+    names the field (``vocab_weight``, ``vocab``, ``hidden_states``, ``labels``...)."""
+    check_instance("ctx", ctx, OutputContext, "a hookspec.OutputContext")
+    inputs = hook_inputs(ctx, "context_rows", needs_labels=False)
+    return ContextRows(inputs.hidden, inputs.weight, inputs.labels)
+
+
+def context_options(
+    ctx: OutputContext, temperature: float | None, tiles: LinearOptions
+) -> LinearOptions:
+    """``LinearOptions.from_context``: ``hook_inputs(ctx).tensor_options(tiles, T)``, ``T``
+    as :func:`resolve_temperature` resolves it (the processors' rule)."""
+    check_instance("ctx", ctx, OutputContext, "a hookspec.OutputContext")
+    if temperature is not None:
+        check_temperature(temperature, 1)
+    inputs = hook_inputs(ctx, "LinearOptions.from_context", needs_labels=False)
+    return inputs.tensor_options(tiles, resolve_temperature(temperature, ctx, inputs.b, inputs.s))
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...] -> [b * s, ...]`` in the rows' order (``s``-major: row ``i * b + j`` is
+    ``x[j, i]``), for a per-token input (a mask, a weight, a temperature) of the rows of
+    :func:`context_rows`; :func:`from_rows` is its inverse."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ContractError(
+            "x", expected="a torch.Tensor [b, s, ...] (at least 2 dims)", actual=_described(x)
+        )
+    return to_tokens(x)
+
+
+def from_rows(values: torch.Tensor, ctx: OutputContext) -> torch.Tensor:
+    """``[n, ...] -> [b, s, ...]``: a tensor function's result on the rows of
+    :func:`context_rows` as the processor's per-token output (``out[j, i] = values[i * b +
+    j]``; ``n = b * s``, ``b`` and ``s`` of ``ctx``, ``s`` gathered under sequence
+    parallel); differentiable, contiguous."""
+    check_instance("ctx", ctx, OutputContext, "a hookspec.OutputContext")
+    b, s = _batch_seq(ctx, check_floating("hidden_states", ctx.hidden_states))
+    if not isinstance(values, torch.Tensor) or values.dim() < 1 or values.shape[0] != b * s:
+        raise ContractError(
+            "values",
+            expected=f"a torch.Tensor [n={b * s}, ...] (one per row: b={b} x s={s})",
+            actual=_described(values),
+        )
+    return from_tokens(values, b, s)
+
+
+def _described(x: Any) -> str:
+    return format_shape(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def sequence_ids(
