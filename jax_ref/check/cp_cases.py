@@ -46,8 +46,8 @@ from hookspec import ContractError, OutputContext, ParallelLayout, validate_cont
 
 from ._spec import resolve
 from .comparison import logit_scale
-from .gpt_cases import _from_wire, _to_wire, context_from_wire, spawn_ranks
-from .torch_run import TorchRun, _cotangent, _outputs, _vjps, processor_name
+from .gpt_cases import context_from_wire, spawn_ranks, value_from_wire, value_to_wire
+from .torch_run import TorchRun, cotangent_of, outputs_of, processor_name, vjps_of
 
 __all__ = [
     "CPCase",
@@ -151,9 +151,9 @@ def _run_rank(case: CPCase, rank: int, cp: int, group: Any) -> dict[str, Any]:
 
     def cotangent(key: str, out: torch.Tensor, seed: int) -> torch.Tensor:
         if out.dim() == 0:  # a share: the whole value's cotangent on every rank
-            return _cotangent(key, out, seed)
+            return cotangent_of(key, out, seed)
         whole_like = out.new_empty((b, s, *out.shape[2:]))
-        return _cotangent(key, whole_like, seed)[:, index]
+        return cotangent_of(key, whole_like, seed)[:, index]
 
     with torch.enable_grad():
         try:
@@ -165,16 +165,16 @@ def _run_rank(case: CPCase, rank: int, cp: int, group: Any) -> dict[str, Any]:
                 exc.field, expected=exc.expected, actual=exc.actual, hint=hint
             ) from None
         validate_result(result, batch=b, seq=int(index.numel()), field=f"processor {name!r} result")
-        outputs, single = _outputs(result, name)
-        cots, dh, dw = _vjps(outputs, h, w, case.seed, cotangent=cotangent)
+        outputs, single = outputs_of(result, name)
+        cots, dh, dw = vjps_of(outputs, h, w, case.seed, cotangent=cotangent)
     parts = {
         "outputs": {k: v.detach() for k, v in outputs.items()},
         "cotangents": cots,
         "grad_hidden": dh,
         "grad_weight": dw,
     }
-    wire = {k: _to_wire(v) for k, v in parts.items()}
-    return {"index": _to_wire(index), "single": single, **wire}
+    wire = {k: value_to_wire(v) for k, v in parts.items()}
+    return {"index": value_to_wire(index), "single": single, **wire}
 
 
 def _cp_worker(rank: int, cp: int, port: int, cases: tuple[CPCase, ...], results: Any) -> None:
@@ -213,8 +213,8 @@ def assemble(whole: OutputContext, wires: Sequence[dict[str, Any]]) -> TorchRun:
     ``whole``; outputs and cotangents joined (:func:`_join`); ``d/d hidden`` at each
     rank's positions; ``d/d weight`` summed."""
     b, s = whole.batch_size, whole.seq_len
-    indices = [_from_wire(w["index"]) for w in wires]
-    ranks = [{k: _from_wire(w[k]) for k in _PARTS} for w in wires]
+    indices = [value_from_wire(w["index"]) for w in wires]
+    ranks = [{k: value_from_wire(w[k]) for k in _PARTS} for w in wires]
     keys = list(ranks[0]["outputs"])
     for r, part in enumerate(ranks):
         if list(part["outputs"]) != keys:

@@ -40,6 +40,8 @@ __all__ = [
     "run_gpt_case",
     "run_tensor_parallel",
     "spawn_ranks",
+    "value_from_wire",
+    "value_to_wire",
 ]
 
 CASE_BATCH = 3
@@ -115,7 +117,7 @@ def run_gpt_case(case: GPTCase, proc: Any = None, make_context: Any = None) -> T
 # ---------------------------------------------------------------- tensor parallel over gloo
 
 
-def _to_wire(obj: Any) -> Any:
+def value_to_wire(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         return (
@@ -127,25 +129,29 @@ def _to_wire(obj: Any) -> Any:
         return (
             "dataclass",
             type(obj),
-            {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init},
+            {
+                f.name: value_to_wire(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)
+                if f.init
+            },
         )
     if isinstance(obj, Mapping):
-        return ("dict", {k: _to_wire(v) for k, v in obj.items()})
+        return ("dict", {k: value_to_wire(v) for k, v in obj.items()})
     if isinstance(obj, (tuple, list)):
-        return ("seq", type(obj), [_to_wire(v) for v in obj])
+        return ("seq", type(obj), [value_to_wire(v) for v in obj])
     return ("plain", obj)
 
 
-def _from_wire(wire: Any) -> Any:
+def value_from_wire(wire: Any) -> Any:
     kind = wire[0]
     if kind == "tensor":
         return torch.from_numpy(wire[2]).to(_DTYPES.get(wire[1], getattr(torch, wire[1])))
     if kind == "dataclass":
-        return wire[1](**{k: _from_wire(v) for k, v in wire[2].items()})
+        return wire[1](**{k: value_from_wire(v) for k, v in wire[2].items()})
     if kind == "dict":
-        return {k: _from_wire(v) for k, v in wire[1].items()}
+        return {k: value_from_wire(v) for k, v in wire[1].items()}
     if kind == "seq":
-        return wire[1](_from_wire(v) for v in wire[2])
+        return wire[1](value_from_wire(v) for v in wire[2])
     return wire[1]
 
 
@@ -167,7 +173,7 @@ def context_to_wire(ctx: OutputContext) -> dict[str, Any]:
     vocab = ctx.vocab
     assert vocab is not None
     return {
-        "context": {k: _to_wire(getattr(ctx, k)) for k in _CONTEXT_FIELDS},
+        "context": {k: value_to_wire(getattr(ctx, k)) for k in _CONTEXT_FIELDS},
         "vocab": (vocab.start, vocab.end, vocab.size),
         "ignore_index": ctx.ignore_index,
         "parallel": ctx.parallel,
@@ -183,7 +189,7 @@ def _run_to_wire(run: TorchRun) -> dict[str, Any]:
     return {
         **context_to_wire(run.context),
         "run": {
-            k: _to_wire(getattr(run, k))
+            k: value_to_wire(getattr(run, k))
             for k in ("outputs", "cotangents", "grad_hidden", "grad_weight")
         },
         "single": run.single,
@@ -202,7 +208,7 @@ class _MupConfig:
 
 def context_from_wire(wire: dict[str, Any]) -> OutputContext:
     """The context :func:`context_to_wire` sent (its config: MuP and the softcap only)."""
-    fields = {k: _from_wire(v) for k, v in wire["context"].items()}
+    fields = {k: value_from_wire(v) for k, v in wire["context"].items()}
     use_mup, mult = wire["use_mup"]
     return OutputContext(
         **fields,
@@ -214,7 +220,7 @@ def context_from_wire(wire: dict[str, Any]) -> OutputContext:
 
 
 def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
-    parts = {k: _from_wire(v) for k, v in wire["run"].items()}
+    parts = {k: value_from_wire(v) for k, v in wire["run"].items()}
     return TorchRun(context=context_from_wire(wire), single=wire["single"], via_hook=True, **parts)
 
 

@@ -639,6 +639,13 @@ def _blamed(who: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _rank_failure(jobs: Any, where: str, expected: str, exc: Exception) -> ContractError:
+    """The error of a run on gloo ranks where one rank failed: the processors named, where
+    they ran, what they were to do, and the first line of the rank's error."""
+    names = ", ".join(repr(j.name) for j in jobs)
+    return ContractError(f"processor {names} {where}", expected=expected, actual=_first_line(exc))
+
+
 def _first_line(exc: BaseException) -> str:
     return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
 
@@ -769,12 +776,8 @@ def _run_tensor_parallel(
     except ContractError:
         raise
     except RuntimeError as exc:  # a rank failed: in a processor or its context maker, run there
-        names = ", ".join(repr(j.name) for j in jobs)
-        raise ContractError(
-            f"processor {names} on {args.tp} gloo ranks",
-            expected="to run through the hook (with its --context maker, if any)",
-            actual=_first_line(exc),
-        ) from None
+        expected = "to run through the hook (with its --context maker, if any)"
+        raise _rank_failure(jobs, f"on {args.tp} gloo ranks", expected, exc) from None
     rows: list[Any] = []
     how = ""
     for (job, dtype), runs in zip(pairs, all_runs, strict=True):
@@ -857,12 +860,8 @@ def _run_context_parallel(
     except ContractError:
         raise
     except RuntimeError as exc:  # a rank failed: in a processor, run there
-        names = ", ".join(repr(j.name) for j in jobs)
-        raise ContractError(
-            f"processor {names} on {cp} context-parallel gloo ranks",
-            expected="to run on its part of the case",
-            actual=_first_line(exc),
-        ) from None
+        where = f"on {cp} context-parallel gloo ranks"
+        raise _rank_failure(jobs, where, "to run on its part of the case", exc) from None
     rows: list[Any] = []
     for (job, case, dtype, _), run in zip(wholes, runs, strict=True):
         with _attributed(job, f"{case} cp{cp}, {dtype}", "reference"):

@@ -40,8 +40,11 @@ __all__ = [
     "SINGLE_OUTPUT",
     "TorchRun",
     "call_processor",
+    "cotangent_of",
+    "outputs_of",
     "run_on_context",
     "run_through_hook",
+    "vjps_of",
 ]
 
 SINGLE_OUTPUT = "output"
@@ -81,7 +84,7 @@ def processor_name(proc: Any) -> str:
     )
 
 
-def _outputs(result: Any, name: str) -> tuple[dict[str, torch.Tensor], bool]:
+def outputs_of(result: Any, name: str) -> tuple[dict[str, torch.Tensor], bool]:
     if isinstance(result, torch.Tensor):
         return {SINGLE_OUTPUT: result}, True
     if (
@@ -99,12 +102,12 @@ def _outputs(result: Any, name: str) -> tuple[dict[str, torch.Tensor], bool]:
     )
 
 
-def _cotangent(name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
+def cotangent_of(name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(like.shape, generator=g, dtype=torch.float64).to(like.dtype)
 
 
-def _vjps(
+def vjps_of(
     outputs: dict[str, torch.Tensor],
     h: torch.Tensor,
     w: torch.Tensor,
@@ -112,12 +115,12 @@ def _vjps(
     cotangent: Callable[[str, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each floating output's cotangent (``cotangent(name, out, seed)``, default
-    :func:`_cotangent`) and its pullbacks to ``h`` and ``w``."""
+    :func:`cotangent_of`) and its pullbacks to ``h`` and ``w``."""
     cots, dh, dw = {}, {}, {}
     for key, out in outputs.items():
         if not out.is_floating_point():
             continue
-        cot = (cotangent or _cotangent)(key, out, seed)
+        cot = (cotangent or cotangent_of)(key, out, seed)
         cots[key] = cot
         gh: torch.Tensor | None
         gw: torch.Tensor | None
@@ -159,8 +162,8 @@ def run_on_context(proc: Any, ctx: OutputContext, /, *, seed: int = 0) -> TorchR
             validate_result(
                 result, batch=ctx.batch_size, seq=ctx.seq_len, field=f"processor {name!r} result"
             )
-        outputs, single = _outputs(result, name)
-        cots, dh, dw = _vjps(outputs, h, ctx.vocab_weight, seed)  # type: ignore[arg-type]
+        outputs, single = outputs_of(result, name)
+        cots, dh, dw = vjps_of(outputs, h, ctx.vocab_weight, seed)  # type: ignore[arg-type]
     detached = {k: v.detach() for k, v in outputs.items()}
     return TorchRun(ctx, detached, cots, dh, dw, single, via_hook=False)
 
@@ -244,7 +247,7 @@ def run_through_hook(
             ctx = build_output_context(
                 unwrap_model(model), stash["kwargs"], ignore_index=ignore_index
             )
-        outputs, single = _outputs(stash["result"], name)
-        cots, dh, dw = _vjps(outputs, ctx.hidden_states, ctx.vocab_weight, seed)
+        outputs, single = outputs_of(stash["result"], name)
+        cots, dh, dw = vjps_of(outputs, ctx.hidden_states, ctx.vocab_weight, seed)
     detached = {k: v.detach() for k, v in outputs.items()}
     return TorchRun(ctx, detached, cots, dh, dw, single, via_hook=True)
