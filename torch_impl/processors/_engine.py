@@ -254,14 +254,20 @@ class Recomputed(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
+    def checked_cotangents(ctx: Any, cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A backward's first step: refuse a double backward and an input changed in place
+        since the call, then the cotangents, ``None`` for an output left empty (the mean
+        logit or entropy not asked for): traced, autograd materialises one where eager
+        passes None (with no rows every output is empty, and each is the gradient asked)."""
         refuse_double_backward(ctx.name)
         ctx.setup.check_versions(ctx.name)
+        n = ctx.saved_tensors[0].shape[0]
+        return tuple(None if g is None or (n and g.numel() == 0) else g for g in cotangents)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
+        cotangents = Recomputed.checked_cotangents(ctx, cotangents)
         h, w, b = ctx.saved_tensors
-        # the cotangent of an output left empty (the mean logit not asked for) is none:
-        # traced, autograd materialises one where eager passes None (no rows: all empty)
-        n = h.shape[0]
-        cotangents = tuple(None if g is None or (n and g.numel() == 0) else g for g in cotangents)
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with no_autocast(h):
             if not (need_dh or need_dw or need_db) or (terms := ctx.grad_of(*cotangents)) is None:

@@ -32,7 +32,6 @@ from ._engine import (
     Stats,
     TileSetup,
     logit_grad_coefficients,
-    refuse_double_backward,
 )
 from ._gemm import gemm_into, no_autocast
 from ._inputs import to_tokens
@@ -689,13 +688,9 @@ class _Thresholded(Recomputed):
 
     @staticmethod
     def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
-        refuse_double_backward(ctx.name)
-        ctx.setup.check_versions(ctx.name)
+        cotangents = Recomputed.checked_cotangents(ctx, cotangents)
         h, w, b = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-        # the cotangent of an output left empty (the entropy not asked for) is none
-        n = h.shape[0]
-        cotangents = tuple(None if g is None or (n and g.numel() == 0) else g for g in cotangents)
         if not (need_dh or need_dw or need_db) or (grad := ctx.grad_of(*cotangents)) is None:
             return None, None, None, None, None, None
         with no_autocast(h):
