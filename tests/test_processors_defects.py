@@ -137,17 +137,25 @@ def _autograd_functions() -> dict[str, tuple[str, ast.ClassDef]]:
     return found
 
 
+def _first_statement(fn: ast.FunctionDef) -> str:
+    """``fn``'s first statement after its docstring, as source ("" when it has none)."""
+    body = [
+        s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    ]
+    return ast.unparse(body[0]) if body else ""
+
+
 def _refuses(node: ast.ClassDef) -> bool:
-    """``backward`` calls ``refuse_double_backward(<name>)`` first."""
-    for item in node.body:
-        if isinstance(item, ast.FunctionDef) and item.name == "backward":
-            first = [
-                s
-                for s in item.body
-                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-            ]
-            return bool(first) and "refuse_double_backward(" in ast.unparse(first[0])
-    return False
+    """``backward`` calls ``refuse_double_backward(<name>)`` first, or first calls a method of
+    its own class whose first statement does (``Recomputed.checked_cotangents``)."""
+    methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+    refusing = {
+        name for name, f in methods.items() if "refuse_double_backward(" in _first_statement(f)
+    }
+    first = _first_statement(methods["backward"]) if "backward" in methods else ""
+    return "refuse_double_backward(" in first or any(
+        f"{node.name}.{name}(" in first for name in refusing
+    )
 
 
 # Functions whose backward is differentiable: checked against the analytic hvp. With
