@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import hookspec
-from torch_impl.processors import LinearOptions, context_rows, from_rows, linear_logprobs
+from torch_impl.processors import context_options, context_rows, from_rows, linear_logprobs
 
 
 @hookspec.processor
@@ -18,9 +18,7 @@ def without_cp_count(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:
     labels = ctx.labels
     assert isinstance(labels, torch.Tensor)
     rows = context_rows(ctx)
-    logprobs = from_rows(
-        linear_logprobs(*rows, options=LinearOptions.from_context(ctx)).logprobs, ctx
-    )
+    logprobs = from_rows(linear_logprobs(*rows, options=context_options(ctx)).logprobs, ctx)
     mask = (labels != ctx.ignore_index).float()
     if ctx.loss_mask is not None:
         mask = mask * ctx.loss_mask

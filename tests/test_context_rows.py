@@ -1,5 +1,5 @@
 """The public readings of a hook's context for a processor of one's own:
-``LinearOptions.from_context``, ``context_rows``, ``to_rows`` and ``from_rows`` give
+``context_options``, ``context_rows``, ``to_rows`` and ``from_rows`` give
 what the built-in processors use (the same options, the same rows in the same order),
 and name a bad input."""
 
@@ -18,8 +18,8 @@ from tests.distributed import run_distributed
 from tests.identity_collectives import identity_collectives
 from torch_impl.processors import (
     ContextRows,
-    LinearOptions,
     _logprob_processors,
+    context_options,
     context_rows,
     cross_entropy_loss,
     from_rows,
@@ -46,7 +46,7 @@ def _leaf(ctx: OutputContext) -> OutputContext:
 
 @pytest.mark.parametrize("kind", ["masked", "awkward"])
 def test_rows_and_options_give_the_builtin_logprobs_and_gradients(kind: str) -> None:
-    """``from_rows(linear_logprobs(*context_rows(ctx), options=from_context(ctx)))`` is
+    """``from_rows(linear_logprobs(*context_rows(ctx), options=context_options(ctx)))`` is
     ``selected_logprobs()(ctx)`` (a per-token temperature from the user context), values
     and both gradients, bit for bit."""
     ctx = _ctx(kind)
@@ -54,9 +54,7 @@ def test_rows_and_options_give_the_builtin_logprobs_and_gradients(kind: str) -> 
     for mine in (False, True):
         c = _leaf(ctx)
         if mine:
-            res = linear_logprobs(
-                *context_rows(c), options=LinearOptions.from_context(c), with_entropy=True
-            )
+            res = linear_logprobs(*context_rows(c), options=context_options(c), with_entropy=True)
             out = {"logprobs": from_rows(res.logprobs, c), "entropy": from_rows(res.entropy, c)}
         else:
             out = selected_logprobs(entropy=True)(c)
@@ -68,9 +66,9 @@ def test_rows_and_options_give_the_builtin_logprobs_and_gradients(kind: str) -> 
         assert torch.equal(got[0][key], got[1][key]), key
 
 
-def test_from_context_is_the_builtin_processors_options(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_context_options_is_the_builtin_processors_options(monkeypatch: pytest.MonkeyPatch) -> None:
     """The options ``selected_logprobs`` hands its tensor function, and its rows, equal
-    ``LinearOptions.from_context`` and ``context_rows`` of the same context."""
+    ``context_options`` and ``context_rows`` of the same context."""
     seen: dict[str, Any] = {}
     real = _logprob_processors.linear_logprobs
 
@@ -81,7 +79,7 @@ def test_from_context_is_the_builtin_processors_options(monkeypatch: pytest.Monk
     monkeypatch.setattr(_logprob_processors, "linear_logprobs", spy)
     ctx = _ctx(temperature=False)
     selected_logprobs(temperature=0.7, tile_rows=5, tile_cols=16)(ctx)
-    mine = LinearOptions.from_context(ctx, temperature=0.7, tile_rows=5, tile_cols=16)
+    mine = context_options(ctx, temperature=0.7, tile_rows=5, tile_cols=16)
     assert seen["options"] == mine
     assert (mine.temperature, mine.tile_rows, mine.check_values) == (0.7, 5, False)
     assert mine.vocab == ctx.vocab and mine.collectives is ctx.collectives
@@ -89,10 +87,10 @@ def test_from_context_is_the_builtin_processors_options(monkeypatch: pytest.Monk
     assert isinstance(rows, ContextRows)
     for a, b in zip(rows, seen["rows"], strict=True):
         assert torch.equal(a, b)
-    # cross_entropy_loss(reduction="none") reads no temperature: T = 1, as from_context's
+    # cross_entropy_loss(reduction="none") reads no temperature: T = 1, as context_options's
     seen.clear()
     cross_entropy_loss(tile_cols=16)(ctx)
-    assert seen["options"] == LinearOptions.from_context(ctx, tile_cols=16)
+    assert seen["options"] == context_options(ctx, tile_cols=16)
 
 
 def test_the_rows_are_s_major_and_from_rows_inverts_to_rows() -> None:
@@ -116,16 +114,16 @@ def test_the_rows_are_s_major_and_from_rows_inverts_to_rows() -> None:
     assert context_rows(ctx.replace(labels=None, loss_mask=None)).labels is None
 
 
-def test_from_context_reads_the_logit_scale_and_softcap_as_numbers() -> None:
+def test_context_options_reads_the_logit_scale_and_softcap_as_numbers() -> None:
     """MuP's output multiplier as ``logit_scale`` (from ``scale_logits``), the model's
     final-logit softcap as ``softcap``; a ``scale_logits`` that is not ``z -> c z`` raises."""
     ctx = _ctx()
     mup = types.SimpleNamespace(use_mup=True, mup_output_mult=2.5, final_logit_softcapping=30.0)
-    opts = LinearOptions.from_context(ctx.replace(config=mup, scale_logits=lambda z: 2.5 * z))
+    opts = context_options(ctx.replace(config=mup, scale_logits=lambda z: 2.5 * z))
     assert (opts.logit_scale, opts.softcap) == (2.5, 30.0)
-    assert LinearOptions.from_context(ctx).logit_scale == 1.0
+    assert context_options(ctx).logit_scale == 1.0
     with pytest.raises(ContractError) as err:
-        LinearOptions.from_context(ctx.replace(scale_logits=lambda z: z.clamp(max=3.0)))
+        context_options(ctx.replace(scale_logits=lambda z: z.clamp(max=3.0)))
     assert err.value.field == "scale_logits"
 
 
@@ -137,23 +135,23 @@ def _raises(call: Any) -> ContractError:
 
 def test_bad_input_is_named() -> None:
     ctx = _ctx()
-    e = _raises(lambda: LinearOptions.from_context("ctx"))  # type: ignore[arg-type]
+    e = _raises(lambda: context_options("ctx"))  # type: ignore[arg-type]
     assert (e.field, e.expected, e.actual) == ("ctx", "a hookspec.OutputContext", "str")
     e = _raises(lambda: context_rows(None))  # type: ignore[arg-type]
     assert (e.field, e.actual) == ("ctx", "NoneType")
-    e = _raises(lambda: LinearOptions.from_context(ctx.replace(vocab_weight=None)))
+    e = _raises(lambda: context_options(ctx.replace(vocab_weight=None)))
     assert (e.field, e.actual) == ("vocab_weight", "None")
     e = _raises(lambda: context_rows(ctx.replace(vocab=None)))
     assert (e.field, e.actual) == ("vocab", "None")
-    e = _raises(lambda: LinearOptions.from_context(ctx, temperature=0.7))
+    e = _raises(lambda: context_options(ctx, temperature=0.7))
     assert e.field == "temperature" and "both" in e.actual
-    e = _raises(lambda: LinearOptions.from_context(ctx.replace(context=None), temperature=-1.0))
+    e = _raises(lambda: context_options(ctx.replace(context=None), temperature=-1.0))
     assert e.field == "temperature"
-    e = _raises(lambda: LinearOptions.from_context(ctx.replace(context={"temperature": 1.0}),
+    e = _raises(lambda: context_options(ctx.replace(context={"temperature": 1.0}),
                                                    tile_rows=0))  # fmt: skip
     assert e.field == "tile_rows"
     bad_t = {"temperature": torch.ones(ctx.seq_len, ctx.batch_size)}
-    e = _raises(lambda: LinearOptions.from_context(ctx.replace(context=bad_t)))
+    e = _raises(lambda: context_options(ctx.replace(context=bad_t)))
     assert (e.field, e.actual) == ("context.temperature", "[8, 3]")
     e = _raises(lambda: from_rows(torch.zeros(23), ctx))
     assert e.field == "values" and "n=24" in e.expected and e.actual == "[23]"
@@ -203,7 +201,7 @@ def _tp2(rank: int, whole: dict[str, torch.Tensor]) -> None:
         collectives=TorchCollectives(group, sequence_parallel=False),
         context={"temperature": whole["t"]},
     )
-    opts = LinearOptions.from_context(ctx)
+    opts = context_options(ctx)
     assert opts.vocab == ctx.vocab and opts.collectives is ctx.collectives
     got = from_rows(linear_logprobs(*context_rows(ctx), options=opts).logprobs, ctx)
     want = selected_logprobs()(ctx)["logprobs"]
@@ -216,7 +214,7 @@ def _tp2(rank: int, whole: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.slow
 def test_tp2_rows_and_options_are_the_builtins() -> None:
-    """Two gloo ranks, each holding half of the vocabulary: ``from_context`` takes the
+    """Two gloo ranks, each holding half of the vocabulary: ``context_options`` takes the
     rank's shard and collectives, and the rows through ``linear_logprobs`` give
     ``selected_logprobs``' values on each rank, equal to the float64 whole-vocabulary truth."""
     g = torch.Generator().manual_seed(0)
@@ -237,5 +235,5 @@ def test_contextrows_is_a_frozen_triple() -> None:
     with pytest.raises(AttributeError):
         rows.hidden = rows.weight  # type: ignore[misc]
     hidden, weight, labels = rows
-    assert dataclasses.is_dataclass(LinearOptions.from_context(_ctx()))
+    assert dataclasses.is_dataclass(context_options(_ctx()))
     assert labels is rows.labels and hidden is rows.hidden and weight is rows.weight

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 import torch
 
 import hookspec
-from torch_impl.processors import LinearOptions, context_rows, from_rows, linear_logprobs
+from torch_impl.processors import context_options, context_rows, from_rows, linear_logprobs
 
 
 @hookspec.processor
@@ -14,7 +14,7 @@ def tempered_logprobs(ctx: hookspec.OutputContext) -> dict[str, torch.Tensor]:
     if ctx.labels is None:  # None where the caller passed no labels
         raise hookspec.ContractError("labels", expected="[b, s] token ids (labels=)", actual="None")
     rows = context_rows(ctx)  # hidden [n, h] (row i*b + j: token (j, i)), weight, labels [n]
-    options = LinearOptions.from_context(ctx)  # vocab shard, collectives, MuP scale, T as rows [n]
+    options = context_options(ctx)  # vocab shard, collectives, MuP scale, T as rows [n]
     result = linear_logprobs(*rows, options=options)  # tile by tile: no [n, V] logits
     logprobs = from_rows(result.logprobs, ctx)  # [b, s]; 0 at an ignored label
     mask = (ctx.labels != ctx.ignore_index).float()

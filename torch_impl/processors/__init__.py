@@ -4,7 +4,7 @@ all epilogues on one tile engine (``docs/architecture.md``). Each processor for
 ``enable_output_processor`` has a tensor function underneath (``linear_*``,
 :func:`fused_token_loss`) whose options are one :class:`LinearOptions`
 (``docs/processors.md`` lists them all). A processor of one's own calls them on
-:func:`context_rows` with ``LinearOptions.from_context`` and returns :func:`from_rows`
+:func:`context_rows` with :func:`context_options` and returns :func:`from_rows`
 (``docs/writing-processors.md``).
 
 Where to start reading: ``__all__`` below is the public surface (``docs/processors.md``
@@ -40,7 +40,7 @@ from ._distill import (
 )
 from ._fused import FusedLossResult, LseLoss, MeanLogitLoss, TokenLoss, fused_token_loss
 from ._geometry import GRAD_BUFFER_BYTES, TILE_BYTES, TILES_BY_DEVICE
-from ._inputs import ContextRows, context_rows, from_rows, to_rows
+from ._inputs import ContextRows, context_options, context_rows, from_rows, to_rows
 from ._logprob_processors import cross_entropy_loss, selected_logprobs
 from ._logprobs import LogprobResult, linear_logprobs
 from ._loss_math import (
@@ -95,6 +95,7 @@ __all__ = [
     "WeightLevel",
     "aggregation_weights",
     "auto_choice",
+    "context_options",
     "context_rows",
     "cross_entropy_loss",
     "device_class",

@@ -3,9 +3,8 @@ checked, and the layout helpers between ``[b, s]`` and the rows: tokens are the 
 of ``hidden_states.reshape(-1, h)`` (``[s, b, h]``), ``s``-major (``docs/processors.md``).
 
 The public part (``torch_impl.processors``): :func:`context_rows`, :func:`to_rows`,
-:func:`from_rows` and ``LinearOptions.from_context`` (:func:`context_options`), the
-same readings the built-in processors make, for a processor of one's own
-(``docs/writing-processors.md``).
+:func:`from_rows` and :func:`context_options`, the same readings the built-in processors
+make, for a processor of one's own (``docs/writing-processors.md``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from ._checks import (
     context_logit_scale,
     context_softcap,
 )
-from ._options import LinearOptions, refuse_function_transforms, refuse_unexpected
+from ._options import Backend, LinearOptions, refuse_function_transforms, refuse_unexpected
 
 __all__ = [
     "ContextRows",
@@ -233,14 +232,49 @@ def context_rows(ctx: OutputContext) -> ContextRows:
 
 
 def context_options(
-    ctx: OutputContext, temperature: float | None, tiles: LinearOptions
+    ctx: OutputContext,
+    /,
+    *,
+    temperature: float | None = None,
+    tile_rows: int | None = None,
+    tile_cols: int | None = None,
+    backend: Backend = "auto",
+    compute_dtype: torch.dtype | None = None,
 ) -> LinearOptions:
-    """``LinearOptions.from_context``: ``hook_inputs(ctx).tensor_options(tiles, T)``, ``T``
-    as :func:`resolve_temperature` resolves it (the processors' rule)."""
+    """The options a built-in processor passes its tensor function for the hook's context
+    ``ctx``, for the rows of :func:`context_rows`::
+
+        vocab, collectives = ctx.vocab, ctx.collectives  # this rank's shard, its group
+        ignore_index = ctx.ignore_index
+        logit_scale = c        # ctx.scale_logits is z -> c * z (MuP's output multiplier)
+        softcap = ctx.config.final_logit_softcapping     # None where unset
+        temperature = T        # temperature=, else ctx.context's "temperature"
+                               # ([b, s] -> [n] rows, or a number), else 1; both: refused
+        check_values = False   # checked here instead, where ctx.check_values: the
+                               # labels' range (unless the hook did) and T > 0
+
+    so that ``z = hidden @ weight_full.T * logit_scale / T`` is the model's logits tempered,
+    and ``linear_logprobs(*context_rows(ctx), options=context_options(ctx))`` equals
+    ``selected_logprobs()`` in the rows' order.
+
+    Args:
+        ctx: the hook's ``hookspec.OutputContext``.
+        temperature: the sampling temperature, where the user context holds none.
+        tile_rows, tile_cols, backend, compute_dtype: as :class:`LinearOptions`' fields.
+
+    Returns:
+        The :class:`LinearOptions`. A field of ``ctx`` that is missing or wrong
+        (``vocab_weight``, ``vocab``, ``hidden_states``, ``context.temperature``, a
+        ``scale_logits`` that is not ``z -> c * z``...) raises ``hookspec.ContractError``
+        naming it.
+    """
     check_instance("ctx", ctx, OutputContext, "a hookspec.OutputContext")
     if temperature is not None:
         check_temperature(temperature, 1)
-    inputs = hook_inputs(ctx, "LinearOptions.from_context", needs_labels=False)
+    tiles = LinearOptions(
+        tile_rows=tile_rows, tile_cols=tile_cols, backend=backend, compute_dtype=compute_dtype
+    )
+    inputs = hook_inputs(ctx, "context_options", needs_labels=False)
     return inputs.tensor_options(tiles, resolve_temperature(temperature, ctx, inputs.b, inputs.s))
 
 

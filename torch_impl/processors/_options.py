@@ -14,7 +14,6 @@ from hookspec import (
     IGNORE_INDEX,
     Collectives,
     ContractError,
-    OutputContext,
     SingleProcessCollectives,
     VocabShard,
 )
@@ -142,45 +141,6 @@ class LinearOptions:
                 "softcap",
                 check_finite_number("softcap", self.softcap, low=0.0, low_open=True),
             )
-
-    @classmethod
-    def from_context(
-        cls,
-        ctx: OutputContext,
-        /,
-        *,
-        temperature: float | None = None,
-        tile_rows: int | None = None,
-        tile_cols: int | None = None,
-        backend: Backend = "auto",
-        compute_dtype: torch.dtype | None = None,
-    ) -> LinearOptions:
-        """The options a built-in processor passes its tensor function for the hook's
-        context ``ctx``, for the rows of ``context_rows(ctx)``::
-
-            vocab, collectives = ctx.vocab, ctx.collectives  # this rank's shard, its group
-            ignore_index = ctx.ignore_index
-            logit_scale = c        # ctx.scale_logits is z -> c * z (MuP's output multiplier)
-            softcap = ctx.config.final_logit_softcapping     # None where unset
-            temperature = T        # temperature=, else ctx.context's "temperature"
-                                   # ([b, s] -> [n] rows, or a number), else 1; both: refused
-            check_values = False   # checked here instead, where ctx.check_values: the
-                                   # labels' range (unless the hook did) and T > 0
-
-        so that ``z = hidden @ weight_full.T * logit_scale / T`` is the model's logits
-        tempered, and ``linear_logprobs(*context_rows(ctx), options=...)`` equals
-        ``selected_logprobs(temperature=...)`` in the rows' order. ``tile_rows``,
-        ``tile_cols``, ``backend``, ``compute_dtype``: as the fields. A field of ``ctx`` that
-        is missing or wrong (``vocab_weight``, ``vocab``, ``hidden_states``,
-        ``context.temperature``, a ``scale_logits`` that is not ``z -> c * z``...) raises
-        ``hookspec.ContractError`` naming it.
-        """
-        from ._inputs import context_options  # _inputs imports this module
-
-        tiles = cls(
-            tile_rows=tile_rows, tile_cols=tile_cols, backend=backend, compute_dtype=compute_dtype
-        )
-        return context_options(ctx, temperature, tiles)
 
     def _key(self) -> tuple[Any, ...]:
         """The fields, a tensor temperature as its identity."""
