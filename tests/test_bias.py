@@ -448,6 +448,7 @@ def _tp2(
             close_to_float64(x.grad, want[key][part], dtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.release_independent
 def test_tp2_bias_against_float64() -> None:
     """Two gloo processes, each a vocabulary shard and its part of the bias: the
     logprobs, the fused loss and the top-k, each rank's ``db`` its shard's."""

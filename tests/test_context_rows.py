@@ -212,6 +212,7 @@ def _tp2(rank: int, whole: dict[str, torch.Tensor]) -> None:
     torch.testing.assert_close(got, truth, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.release_independent
 @pytest.mark.slow
 def test_tp2_rows_and_options_are_the_builtins() -> None:
     """Two gloo ranks, each holding half of the vocabulary: ``context_options`` takes the

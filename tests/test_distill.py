@@ -777,6 +777,7 @@ _TP_CASES = {
 }
 
 
+@pytest.mark.release_independent
 def test_tp2_equals_tp1() -> None:
     """Two gloo ranks, each half of the vocabulary (the teacher's ids falling in
     both halves), against the float64 truth of the whole vocabulary; then sequence

@@ -343,6 +343,7 @@ PAIR = [
 ]
 
 
+@pytest.mark.release_independent
 @pytest.mark.skipif(
     not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core"
 )
@@ -442,6 +443,7 @@ def test_example_pair_check_can_fail() -> None:
     )
 
 
+@pytest.mark.release_independent
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
 def test_example_pair_check_can_fail_under_context_parallel() -> None:
     """``--cp 2`` catches the template without its context-parallel count (the token mean

@@ -41,6 +41,7 @@ def _summary(out: str) -> dict[tuple[str, str, str], str]:
     return rows
 
 
+@pytest.mark.release_independent
 def test_default_run_checks_every_builtin_processor():
     code, out, err = _run()
     assert code == 0, out + err
@@ -154,6 +155,7 @@ def test_context_parallel_passes_shares_and_catches_a_rank_local_mean():
     assert "hookcheck: 6 of 24 comparisons FAILED" in out
 
 
+@pytest.mark.release_independent
 @pytest.mark.slow
 def test_context_parallel_builtin_run():
     """``hookcheck --cp 2`` with no processor: every built-in check that runs under

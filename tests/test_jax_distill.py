@@ -175,6 +175,7 @@ def test_a_zero_probability_teacher_id_in_the_reference(kind: str, tail: str) ->
 # ---------------------------------------------------------------- torch against the references
 
 
+@pytest.mark.release_independent
 def test_processors_pass_every_synthetic_case() -> None:
     cases = [
         (B.TOPK, TOPK_REF, None),
@@ -327,6 +328,7 @@ def test_config_is_read_by_attribute_without_torch() -> None:
 # ---------------------------------------------------------------- two ranks
 
 
+@pytest.mark.release_independent
 def test_hookcheck_two_ranks_and_sharded_references() -> None:
     """hookcheck --tp 2: top-k and both distillation forms on two gloo ranks against
     the references sharded over two virtual JAX devices (all_gather in shard_map)."""

@@ -546,6 +546,7 @@ def _tp2(
             torch.testing.assert_close(w.grad.double(), want["dw"][lo2:hi2], **tol)
 
 
+@pytest.mark.release_independent
 def test_tp2_mean_logit_and_mean_logit_loss_against_float64() -> None:
     """Two gloo processes, each a vocabulary shard of unequal size: the mean logit and
     its gradient, the fused loss's ``mean_logit_loss``, ``cross_entropy_loss(

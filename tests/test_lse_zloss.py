@@ -282,6 +282,7 @@ def _tp2(
         torch.testing.assert_close(w.grad.double(), truth["dw"][lo:hi], **tol)
 
 
+@pytest.mark.release_independent
 def test_tp2_lse_and_lse_loss_against_float64() -> None:
     """Two gloo processes, each a vocabulary shard: ``lse`` and its gradient, the fused
     loss's ``lse_loss``, on the torch backend (fp64) and, where Triton is installed,

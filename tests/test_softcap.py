@@ -776,6 +776,7 @@ def _distill_truth(p: dict[str, torch.Tensor], kind: str, form: str, cap: float)
     return {"loss": loss.detach(), "dh": h.grad, "dw": w.grad}
 
 
+@pytest.mark.release_independent
 def test_tp2_against_float64() -> None:
     """Two gloo processes, unequal vocabulary shards: linear_logprobs and both forms
     of the fused loss, top-k and distillation, torch (fp64) and, where installed,

@@ -309,6 +309,7 @@ def _tp2(
     torch.testing.assert_close(w.grad, want["dw"][shard], rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.release_independent
 def test_tp2_equals_float64() -> None:
     """k = 3, k = V_local and k > V_local (each shard gives all it has); ties inside
     a shard and across the two halves (ids 2, 5 | 30 and 9 | 21, 36); the processor;
