@@ -50,7 +50,7 @@ from .gpu_logprobs import (
 )
 from .gpu_measure import RESULTS as MEASURE_RESULTS
 from .gpu_measure import measured_passes
-from .gpu_methods import METHODS
+from .gpu_methods import KEPT, METHODS
 
 __all__ = [
     "NO_RUN",
@@ -96,12 +96,25 @@ WHAT = {
     "cce-mean": "Cut Cross-Entropy 25.1.1, reduction mean, default gradient filter",
     "cce-mean-exact": "Cut Cross-Entropy 25.1.1, reduction mean, filter_eps=None",
     "verl": "veRL 0.9.1 FusedLinearForPPO (torch), logprobs + entropy",
+    "ours-support-ids-triton": f"ours, sampling replay by kept ids ([n, {KEPT}]), backend triton",
+    "ours-support-ids-torch": f"ours, sampling replay by kept ids ([n, {KEPT}]), backend torch",
+    "ours-support-topk-topp-triton": "ours, sampling replay by top_k=50, top_p=0.9, "
+    "min_p=0.01, backend triton",
+    "ours-support-topk-topp-torch": "ours, sampling replay by top_k=50, top_p=0.9, min_p=0.01, "
+    "backend torch",
+    "ours-support-topp-triton": "ours, sampling replay by top_p=0.9 (no top-k bound: the radix "
+    "select), backend triton",
+    "ours-support-topp-torch": "ours, sampling replay by top_p=0.9 (no top-k bound: the radix "
+    "select), backend torch",
 }
 FAMILY_TEXT = {
     "lp+ent": "logprobs + entropy",
     "lp": "logprobs only",
     "loss": "fused GRPO loss",
     "ce-mean": "mean cross entropy",
+    "replay-ids": "sampling replay by kept ids",
+    "replay-topk-topp": "sampling replay by top-k, top-p, min-p",
+    "replay-topp": "sampling replay by top-p alone",
 }
 MARKERS = ("run", "targets")
 NO_RUN = {
