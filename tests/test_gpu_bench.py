@@ -405,8 +405,12 @@ def test_targets_from_rows() -> None:
                  liger=83.0, cce=58.0)  # fmt: skip
     got = {a: (b, c) for a, b, c in gpu_results.targets(rows)}
     verdicts = [b for b, _ in got.values()]
-    # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, the CPU's
-    assert verdicts == ["met", "met", "not measured", "not measured", "met", "met", "not measured"]
+    # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, replay (no
+    # peaked rows), the CPU's
+    assert verdicts == [
+        "met", "met", "not measured", "not measured", "met", "met", "not measured",
+        "not measured",
+    ]  # fmt: skip
     first = next(iter(got.values()))[1]
     assert "ours-triton 61.0 ms = 0.98x floor4" in first
     assert "ours-loss-torch 46.0 ms" in list(got.values())[1][1]
@@ -430,6 +434,30 @@ def test_peers_are_compared_like_with_like_on_both_logits() -> None:
     assert gpu_results.peers_target(_rows("flat", **times))[1] == "not measured"  # no peaked rows
     fast_cce = _rows("flat", **times) + _rows("peaked", **dict(times, cce_mean=40.0))
     assert gpu_results.peers_target(fast_cce)[1] == "not met"
+
+
+def test_replay_rows_against_linear_logprobs() -> None:
+    """The replay table: each row's ratio to ``linear_logprobs`` on its backend; the
+    kept-ids target from the faster backend of each, on the peaked logits."""
+    rows = _rows("peaked", ours_ce_triton=60.0, ours_ce_torch=80.0, ours_support_ids_triton=63.0,
+                 ours_support_ids_torch=90.0, ours_support_topp_triton=120.0)  # fmt: skip
+    for r in rows:
+        if r["family"] in REPLAY:
+            r.update(lp_rel_err=2e-3, note="5.0% of labels outside the kept set (-inf)")
+    text = "\n".join(gpu_results.replay_lines(rows))
+    assert "| ours-ce-torch | none (`linear_logprobs`) | torch | 80.0 | 1.00 | 4 |" in text
+    assert "| ours-support-ids-triton | `kept_ids` (`K = 64`) | triton | 63.0 | 1.05 | 4 " in text
+    assert "| ours-support-ids-torch | `kept_ids` (`K = 64`) | torch | 90.0 | 1.12 | 4 " in text
+    assert "| triton | 120.0 | 2.00 | 7 | 2.0e-03 | 3.0e-03 |" in text
+    assert "| ours-support-topp-torch | `top_p=0.9` (no top-k bound: the radix select) | torch " \
+        "| not measured | not measured | 7 |" in text  # fmt: skip
+    what, verdict, measured = gpu_results.replay_target(rows)
+    assert "1.1x" in what and verdict == "met"
+    assert measured == "ours-support-ids-triton 63.0 ms = 1.05x ours-ce-triton 60.0 ms"
+    slow = _rows("peaked", ours_ce_triton=60.0, ours_support_ids_triton=67.0)
+    assert gpu_results.replay_target(slow)[1] == "not met"
+    flat = _rows("flat", ours_ce_triton=60.0, ours_support_ids_triton=63.0)
+    assert gpu_results.replay_target(flat)[1:] == ("not measured", "not measured")
 
 
 def test_backend_choice_per_device_class() -> None:
