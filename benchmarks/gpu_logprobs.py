@@ -11,14 +11,20 @@ median kept; then one profiled call (:mod:`benchmarks.gpu_profile`: the GPU's bu
 fraction, kernels and launches per call). The peak extra memory is the growth of
 ``max_memory_allocated`` over what the inputs hold; ``dh`` and ``dW`` are compared, on
 a subset of rows and of vocabulary entries, with a float64 reference of the same
-objective (see :func:`reference`). Cotangents are ones (``(x * ones).sum()``,
+objective (see :func:`reference`; a sampling-replay family's over its kept set,
+:func:`replay_mask`), and so are the per-token logprobs (and the entropy) a method
+returns (``lp_rel_err``, ``ent_rel_err``). Cotangents are ones (``(x * ones).sum()``,
 contiguous, which veRL's backward asks for).
 
 Each size names its logits distribution (:func:`make_inputs`): ``flat`` (random
 weights, entropy near ``log V``) or ``peaked`` (a language model's: a mean entropy of
 ``PEAKED_ENTROPY`` nats, labels drawn from the softmax), recorded in each row; the
-peaked one runs the methods whose speed may depend on it (``PEERS_ON_PEAKED``). A size
-may drop methods (``skip``): naive's ``[n, V]`` fp32 logits at 32768 rows.
+peaked one runs the methods whose speed may depend on it and the sampling-replay methods
+(``PEERS_ON_PEAKED``; ``REPLAY_ON_PEAKED``: there the labels are drawn from the model's
+distribution, as a rollout's are, so most of them lie in the sampler's kept set; on flat
+logits a top-k bound of 50 would leave nearly every uniform label outside it). A size
+may drop methods (``skip``): naive's ``[n, V]`` fp32 logits at 32768 rows, the replay
+methods at every size but the peaked one.
 
 The sizes run in the order the targets need them (the targets' size first); a size whose
 process runs out of the budget gets a row "not reached" for each method it did not
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -44,13 +51,14 @@ from typing import Any
 import torch
 
 from ._harness import ROOT
-from .gpu_methods import METHODS, NotAvailable, objective
+from .gpu_methods import METHODS, REPLAY, REPLAY_METHODS, NotAvailable, kept_ids, objective
 from .gpu_profile import profile_call
 
 __all__ = [
     "PEAKED_ENTROPY",
     "PEERS_ON_PEAKED",
     "QUICK_SIZES",
+    "REPLAY_ON_PEAKED",
     "RESULTS",
     "SIZES",
     "TARGET_SIZE",
@@ -58,11 +66,17 @@ __all__ = [
     "main",
     "make_inputs",
     "methods_at",
+    "parameter_mask",
     "reference",
+    "reference_stats",
+    "replay_mask",
     "run_size",
     "size_of",
 ]
 
+REPLAY_ON_PEAKED = ["ours-ce-torch", *REPLAY_METHODS]
+"""Sampling replay and its torch baseline (``ours-ce-triton`` runs there already), last at
+the peaked size and on the peaked logits only (see the module docstring)."""
 PEERS_ON_PEAKED = [
     "floor3",
     "floor4",
@@ -76,26 +90,33 @@ PEERS_ON_PEAKED = [
     "cce-exact",
     "cce-mean",
     "cce-mean-exact",
+    *REPLAY_ON_PEAKED,
 ]
-"""The methods run again on the peaked logits: the ones whose speed may depend on them."""
+"""The methods run on the peaked logits: the ones whose speed may depend on them, and
+``REPLAY_ON_PEAKED``."""
 
 SIZES: list[dict[str, Any]] = [
     # the targets' size first; each size's "logits" is its distribution (see make_inputs)
-    {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "flat"},
+    {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "flat",
+     "skip": REPLAY_METHODS},
     {"tokens": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "peaked",
      "only": PEERS_ON_PEAKED},
     # naive needs [n, V] fp32 logits (80 GB at 32768 rows), and veRL's torch path the same
     {"tokens": 32768, "hidden": 4096, "vocab": 151936, "dtype": "bf16", "logits": "flat",
-     "skip": ["naive", "naive-loss", "verl", "ours-torch", "ours-loss-torch", "ours-ce-torch"]},
-    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "bf16", "logits": "flat"},
+     "skip": ["naive", "naive-loss", "verl", "ours-torch", "ours-loss-torch", "ours-ce-torch",
+              *REPLAY_METHODS]},
+    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "bf16", "logits": "flat",
+     "skip": REPLAY_METHODS},
     # last: if time is left
-    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "fp32", "logits": "flat"},
+    {"tokens": 8192, "hidden": 1024, "vocab": 65536, "dtype": "fp32", "logits": "flat",
+     "skip": REPLAY_METHODS},
 ]  # fmt: skip
 TARGET_SIZE = SIZES[0]
 QUICK_SIZES: list[dict[str, Any]] = [
-    {"tokens": 96, "hidden": 48, "vocab": 1000, "dtype": "fp32", "logits": "flat"},
+    {"tokens": 96, "hidden": 48, "vocab": 1000, "dtype": "fp32", "logits": "flat",
+     "skip": REPLAY_METHODS},
     {"tokens": 64, "hidden": 32, "vocab": 500, "dtype": "fp32", "logits": "peaked"},
-]
+]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESULTS = "gpu_logprobs.jsonl"
 SIZE_KEYS = ("tokens", "hidden", "vocab", "dtype", "logits")
@@ -166,21 +187,92 @@ def _chunks(n: int, v: int) -> range:
     return range(0, n, max(1, (1 << 27) // max(1, v)))  # 1 GiB of float64 logits a chunk
 
 
+Keep = Callable[[torch.Tensor, slice], torch.Tensor]
+"""A sampling-replay family's kept set: ``keep(z, rows)`` of the float64 logits ``z`` of
+the rows ``rows``, ``[r, V]`` bool."""
+
+
+def parameter_mask(
+    z: torch.Tensor,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> torch.Tensor:
+    """The tokens vLLM's sampler keeps, ``[r, V]`` bool, from the logits of whole rows,
+    its three rules in its order (``hookspec.conventions``, "Sampling support")::
+
+        keep = z >= max(z) + log(min_p)
+        keep &= z >= kth_largest(z[keep], top_k)                  # ties at the k-th kept
+        q = softmax(z[keep]);  above_j = sum of q_i over z_i > z_j
+        keep &= above_j < top_p                                   # a tie group whole
+    """
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p is not None and min_p > 0:
+        keep &= z >= z.amax(1, keepdim=True) + math.log(min_p)
+    if top_k is not None and top_k < z.shape[1]:
+        kth = z.masked_fill(~keep, -math.inf).topk(top_k, dim=1).values[:, -1:]
+        keep &= z >= kth
+    if top_p is not None and top_p < 1:
+        kept = z.masked_fill(~keep, -math.inf)
+        desc, order = kept.sort(1, descending=True)
+        q = desc.softmax(1)
+        before = q.cumsum(1) - q  # the mass of the entries sorted before each
+        tie_start = torch.searchsorted(-desc, -desc)  # the first entry equal to each
+        above = before.gather(1, tie_start)  # the mass strictly above each entry
+        keep &= torch.zeros_like(keep).scatter_(1, order, above < top_p)
+    return keep
+
+
+def replay_mask(family: str, y: torch.Tensor, vocab: int) -> Keep | None:
+    """The kept set of a sampling-replay ``family`` (:data:`benchmarks.gpu_methods.REPLAY`),
+    built here from the ids or parameters themselves (never from the method's
+    ``SamplingSupport``); ``None`` for another family (the whole vocabulary)."""
+    if family not in REPLAY:
+        return None
+    if family == "replay-ids":
+        ids = kept_ids(y, vocab)
+
+        def by_ids(z: torch.Tensor, rows: slice) -> torch.Tensor:
+            at = ids[rows]
+            at = torch.where(at >= 0, at, at[:, :1])  # padding: the label's column again
+            return torch.zeros_like(z, dtype=torch.bool).scatter_(1, at, True)
+
+        return by_ids
+    parameters = REPLAY[family]
+    return lambda z, rows: parameter_mask(z, **parameters)
+
+
+def _chunk_logprobs(
+    hc: torch.Tensor, w64: torch.Tensor, rows: slice, keep: Keep | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log q, kept)`` of one chunk of rows: ``log_softmax`` of the float64 logits over
+    the kept set (-inf outside it), and the kept set (``None``: every token)."""
+    z = hc @ w64.T
+    if keep is None:
+        return z.log_softmax(-1), None
+    kept = keep(z, rows)
+    return z.masked_fill_(~kept, -math.inf).log_softmax(-1), kept
+
+
 def reference_stats(
-    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, keep: Keep | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 logprobs and entropy of every row: ``logp = log_softmax(h @ w.T)``,
-    ``lp = logp[y]``, ``ent = -sum(exp(logp) * logp)``."""
+    """float64 logprobs and entropy of every row over the kept set ``keep`` (``None``: the
+    whole vocabulary): ``log q = log_softmax(z[kept])``, ``lp = log q[y]`` (-inf where
+    the label is not kept), ``ent = -sum(q * log q)`` over the kept tokens."""
     w64 = w.double()
     n, v = h.shape[0], w.shape[0]
     lp = torch.empty(n, dtype=torch.float64, device=h.device)
     ent = torch.empty_like(lp)
     step = _chunks(n, v).step
     for i0 in _chunks(n, v):
-        logp = (h[i0 : i0 + step].double() @ w64.T).log_softmax(-1)
-        lp[i0 : i0 + step] = logp.gather(1, y[i0 : i0 + step, None]).squeeze(1)
-        ent[i0 : i0 + step] = -(logp.exp() * logp).sum(-1)
-        del logp
+        sl = slice(i0, i0 + step)
+        logq, kept = _chunk_logprobs(h[sl].double(), w64, sl, keep)
+        lp[sl] = logq.gather(1, y[sl, None]).squeeze(1)
+        plogp = logq.exp() * logq
+        ent[sl] = -(plogp if kept is None else plogp.masked_fill_(~kept, 0.0)).sum(-1)
+        del logq, kept, plogp
     return lp, ent
 
 
@@ -192,17 +284,23 @@ def reference(
     cols: torch.Tensor,
     objective_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    keep: Keep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``dh[rows]`` and ``dW[cols]`` of ``objective_fn(lp, ent)``::
+    """float64 ``dh[rows]`` and ``dW[cols]`` of ``objective_fn(lp, ent)``, ``lp`` and
+    ``ent`` over the kept set ``keep`` (:func:`reference_stats`; ``None``: the whole
+    vocabulary, ``q = p``)::
 
     c_lp, c_ent = d objective / d lp, d objective / d ent      (autograd, float64, [n])
-    p = softmax(z);  d lp / dz = onehot(y) - p;  d ent / dz = -p * (log p + ent)
-    dz = c_lp * (onehot(y) - p) - c_ent * p * (log p + ent);  dh = dz @ W;  dW = dz.T @ h
+    c_lp = 0 where lp = -inf                                    (a label not kept)
+    q = softmax(z[kept]), 0 elsewhere;  d lp / dz = onehot(y) - q;  d ent / dz = -q (log q + ent)
+    dz = c_lp * (onehot(y) - q) - c_ent * q * (log q + ent);  dh = dz @ W;  dW = dz.T @ h
     """
-    lp, ent = reference_stats(h, w, y) if stats is None else stats
+    lp, ent = reference_stats(h, w, y, keep=keep) if stats is None else stats
     lp, ent = lp.detach().requires_grad_(), ent.detach().requires_grad_()
     c_lp, c_ent = torch.autograd.grad(objective_fn(lp, ent), (lp, ent), allow_unused=True)
     c_lp = torch.zeros_like(lp) if c_lp is None else c_lp
+    c_lp = torch.where(lp.isfinite(), c_lp, 0.0)
     c_ent = torch.zeros_like(ent) if c_ent is None else c_ent
     w64 = w.double()
     n, v = h.shape[0], w.shape[0]
@@ -212,16 +310,18 @@ def reference(
     for i0 in _chunks(n, v):
         sl = slice(i0, i0 + step)
         hc = h[sl].double()
-        logp = (hc @ w64.T).log_softmax(-1)
-        p = logp.exp()
-        dz = -c_ent[sl, None] * p * (logp + ent.detach()[sl, None])
-        dz -= c_lp[sl, None] * p
+        logq, kept = _chunk_logprobs(hc, w64, sl, keep)
+        q = logq.exp()
+        if kept is not None:
+            logq.masked_fill_(~kept, 0.0)  # q is 0 there: no -inf * 0
+        dz = -c_ent[sl, None] * q * (logq + ent.detach()[sl, None])
+        dz -= c_lp[sl, None] * q
         dz.scatter_add_(1, y[sl, None], c_lp[sl, None])
         dw += dz[:, cols].T @ hc
         sel = (rows >= i0) & (rows < i0 + hc.shape[0])
         if bool(sel.any()):
             parts.append(dz[rows[sel] - i0] @ w64)
-        del logp, p, dz
+        del logq, kept, q, dz
     return torch.cat(parts), dw
 
 
@@ -229,12 +329,43 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
 
 
+VALUE_FAMILIES = ("lp+ent", "lp", *REPLAY)
+"""The families whose methods return per-token logprobs (and the entropy, or None)."""
+
+
+def value_errors(
+    family: str, got: Result, stats: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, Any]:
+    """A method's per-token values against the float64 reference's: ``lp_rel_err`` over
+    the rows whose logprob both give finite, ``ent_rel_err`` where it returns the
+    entropy; for sampling replay ``outside_support`` (the share of labels the reference's
+    kept set leaves out: logprob -inf) and ``support_mismatch`` (rows where one of the two
+    gives -inf and the other not: a kept set that differs at the label)."""
+    out, ent = got
+    lp_ref, ent_ref = stats
+    both = out.isfinite() & lp_ref.isfinite()
+    fields: dict[str, Any] = {"lp_rel_err": _rel(out[both], lp_ref[both])}
+    if ent is not None:
+        fields["ent_rel_err"] = _rel(ent, ent_ref)
+    if family in REPLAY:
+        fields["outside_support"] = float((~lp_ref.isfinite()).double().mean())
+        fields["support_mismatch"] = int((out.isfinite() != lp_ref.isfinite()).sum())
+    return fields
+
+
 # -------------------------------------------------------------- one size, every method, one process
 
 
 def _time_once(
-    fn: Callable[..., Result], h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cuda: bool
+    fn: Callable[..., Result],
+    h: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    cuda: bool,
+    *,
+    seen: list[Result] | None = None,
 ) -> float:
+    """One forward + backward of ``fn``, timed; its outputs (detached) left in ``seen``."""
     h.grad = w.grad = None
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -242,6 +373,8 @@ def _time_once(
     else:
         t0 = time.perf_counter()
     out, ent = fn(h, w, y)
+    if seen is not None:
+        seen[:] = [(out.detach(), None if ent is None else ent.detach())]
     if out.requires_grad:
         loss = (out * torch.ones_like(out)).sum()
         if ent is not None:
@@ -252,6 +385,15 @@ def _time_once(
         torch.cuda.synchronize()
         return float(start.elapsed_time(end)) / 1e3
     return time.perf_counter() - t0
+
+
+def _replay_note(row: dict[str, Any]) -> str:
+    """A sampling-replay row's note: the labels outside the kept set, and any row where
+    the method and the reference disagree on whether the label is kept."""
+    note = f"{row.get('outside_support', 0.0):.1%} of labels outside the kept set (-inf)"
+    if row.get("support_mismatch"):
+        note += f"; {row['support_mismatch']} rows kept or not against the float64 reference"
+    return note
 
 
 def _device_fields(device: str) -> dict[str, Any]:
@@ -284,6 +426,7 @@ def _append(path: Path | None, row: dict[str, Any]) -> None:
               + (f"  {peak:6.2f} GB" if peak is not None else "")
               + (f"  dh {row['dh_rel_err']:.1e}  dW {row['dw_rel_err']:.1e}"
                  if "dh_rel_err" in row else "")
+              + (f"  lp {row['lp_rel_err']:.1e}" if "lp_rel_err" in row else "")
               + (f"  busy {row['busy_fraction']:.2f}"
                  if row.get("busy_fraction") is not None else "")
               + (f"  {row['kernels']} kernels {row['launches']} launches"
@@ -312,7 +455,7 @@ def run_size(
     h, w, y, info = make_inputs(size, device)
     rows = torch.linspace(0, n - 1, min(n, 128), device=device).long().unique()
     cols = torch.cat([y[:64], torch.linspace(0, v - 1, 64, device=device).long()]).unique()
-    stats: tuple[torch.Tensor, torch.Tensor] | None = None
+    stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per kept set ("": every token)
     refs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     fields = _device_fields(device)
     got = []
@@ -341,11 +484,12 @@ def run_size(
                     torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()
                 times, peaks = [], []
+                seen: list[Result] = []  # the last run's outputs
                 for _ in range(runs):
                     h.grad = w.grad = None
                     if cuda:
                         torch.cuda.reset_peak_memory_stats()
-                    times.append(_time_once(method.fn, h, w, y, cuda))
+                    times.append(_time_once(method.fn, h, w, y, cuda, seen=seen))
                     if cuda:
                         peaks.append(torch.cuda.max_memory_allocated() - base)
                 row.update(
@@ -358,24 +502,26 @@ def run_size(
                     profile_call(lambda fn=method.fn: _time_once(fn, h, w, y, cuda), device=device)
                 )
                 if method.family != "floor":
-                    if stats is None:
-                        stats = reference_stats(h.detach(), w.detach(), y)
-                    if method.family not in refs:
-                        refs[method.family] = reference(
-                            h.detach(),
-                            w.detach(),
-                            y,
-                            rows,
-                            cols,
-                            objective(method.family, n, device),
-                            stats,
+                    family, hd, wd = method.family, h.detach(), w.detach()
+                    keep = replay_mask(family, y, v)
+                    kept_set = family if keep is not None else ""
+                    if kept_set not in stats:
+                        stats[kept_set] = reference_stats(hd, wd, y, keep=keep)
+                    if family not in refs:
+                        goal = objective(family, n, device)
+                        refs[family] = reference(
+                            hd, wd, y, rows, cols, goal, stats[kept_set], keep=keep
                         )
-                    dh_ref, dw_ref = refs[method.family]
+                    dh_ref, dw_ref = refs[family]
                     if h.grad is None or w.grad is None:
                         raise RuntimeError("no gradient reached h or W")
                     row.update(
                         dh_rel_err=_rel(h.grad[rows], dh_ref), dw_rel_err=_rel(w.grad[cols], dw_ref)
                     )
+                    if family in VALUE_FAMILIES and seen:
+                        row.update(value_errors(family, seen[0], stats[kept_set]))
+                    if family in REPLAY:
+                        row["note"] = _replay_note(row)
             except NotAvailable as exc:
                 row["error"] = str(exc)
             except torch.cuda.OutOfMemoryError:

@@ -13,6 +13,11 @@ Every method belongs to one *family*, the quantity whose gradient it forms:
   linear cross entropy and CCE serve with ``reduction="mean"``); objective
   ``-mean(logprobs)``. Ours: ``fused_token_loss`` with that token loss (3 GEMMs).
 - ``floor``: bare GEMMs, no objective.
+- ``replay-ids``, ``replay-topk-topp``, ``replay-topp``: sampling replay, the label's
+  logprob under ``softmax(h @ w.T)`` renormalised over the tokens a sampler kept
+  (``linear_logprobs(..., support=)``, :data:`REPLAY`): by kept ids (:func:`kept_ids`),
+  or by vLLM's parameters with and without a top-k bound; objective the sum of the
+  finite logprobs (a label outside the support has logprob ``-inf`` and no gradient).
 
 Methods (a method that cannot run reports why, and the run goes on):
 
@@ -39,6 +44,10 @@ Methods (a method that cannot run reports why, and the run goes on):
 - ``cce``: Cut Cross-Entropy's ``linear_cross_entropy`` with its defaults (it skips
   gradient tiles below a threshold: inexact by design, and its speed depends on the
   logits); ``cce-exact``: with ``filter_eps=None`` (no filter).
+- ``ours-support-ids-{torch,triton}``, ``ours-support-topk-topp-{torch,triton}``,
+  ``ours-support-topp-{torch,triton}``: ``linear_logprobs(..., support=)`` (logprobs only)
+  by kept ids and by parameters, each against ``ours-ce-<backend>`` (``linear_logprobs``
+  on the same shape and backend; ``benchmarks.gpu_results``' "Sampling replay" table).
 - Like with like: per-token logprobs (``reduction="none"``: ``liger``, ``cce``,
   ``cce-exact``) against ``ours-ce-triton`` (``linear_logprobs``), family ``lp``; the
   scalar mean (``liger-mean``, ``cce-mean``, ``cce-mean-exact``) against
@@ -64,13 +73,18 @@ from .methods import floor3, floor4, naive, ppo_terms, verl
 
 __all__ = [
     "FAMILIES",
+    "KEPT",
     "METHODS",
+    "REPLAY",
+    "REPLAY_METHODS",
     "VERL_WHEEL_ENV",
     "Method",
     "NotAvailable",
     "grpo_token_loss",
+    "kept_ids",
     "loss_batch",
     "objective",
+    "replay_support",
 ]
 
 VERL_WHEEL_ENV = "HOOKSPEC_VERL_WHEEL"
@@ -83,7 +97,17 @@ CUTLASS_NOT_CARRIED = (
 )
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
-FAMILIES = ("floor", "lp+ent", "lp", "loss", "ce-mean")
+
+KEPT = 64
+"""The width of the kept ids, ``[n, KEPT]`` (``benchmarks.sampling``'s on the CPU)."""
+REPLAY: dict[str, dict[str, Any]] = {
+    "replay-ids": {"kept_ids": KEPT},
+    "replay-topk-topp": {"top_k": 50, "top_p": 0.9, "min_p": 0.01},
+    "replay-topp": {"top_p": 0.9},
+}
+"""Each sampling-replay family's support: ``KEPT`` ids a row (:func:`kept_ids`), or vLLM's
+parameters (``benchmarks.sampling``'s ``top-k+top-p`` and ``top-p`` on the CPU)."""
+FAMILIES = ("floor", "lp+ent", "lp", "loss", "ce-mean", *REPLAY)
 
 
 class NotAvailable(RuntimeError):
@@ -143,6 +167,8 @@ def objective(
     if family == "loss":
         batch = loss_batch(n, device)
         return lambda lp, ent: grpo_token_loss(lp, ent, batch)
+    if family in REPLAY:  # -inf: a label outside the support, no gradient
+        return lambda lp, ent: torch.where(lp.isfinite(), lp, 0.0).sum() + 0.0 * ent.sum()
     raise ValueError(f"no objective for family {family!r}")
 
 
@@ -187,6 +213,46 @@ def _ours_ce_mean(backend: str) -> Callable[..., Result]:
 
         options = LinearOptions(backend=backend)  # type: ignore[arg-type]
         return fused_token_loss(h, w, y, token_loss, options=options, entropy_grad=False).loss, None
+
+    return run
+
+
+# ---------------------------------------------------------------- sampling replay
+
+_KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def kept_ids(y: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[n, KEPT]`` kept ids: the label first, then random ids (repeats allowed: they
+    count once), -1 past a random count a row (at least the label); fixed seed, one
+    draw per size, so that the benchmark's reference reads the ids a method replays."""
+    n, device = int(y.shape[0]), y.device
+    key = (n, vocab, str(device))
+    if key not in _KEPT:
+        g = torch.Generator(device=device).manual_seed(2)
+        ids = torch.randint(0, vocab, (n, KEPT), generator=g, device=device)
+        count = torch.randint(1, KEPT + 1, (n, 1), generator=g, device=device)
+        _KEPT.clear()
+        _KEPT[key] = torch.where(torch.arange(KEPT, device=device) < count, ids, -1)
+    return torch.cat([y[:, None], _KEPT[key][:, 1:]], 1)
+
+
+def replay_support(family: str, y: torch.Tensor, vocab: int) -> Any:
+    """The ``SamplingSupport`` a method of a sampling-replay ``family`` passes."""
+    from torch_impl.processors import SamplingSupport
+
+    if family == "replay-ids":
+        return SamplingSupport(kept_ids=kept_ids(y, vocab))
+    return SamplingSupport(**REPLAY[family])
+
+
+def _ours_support(backend: str, family: str) -> Callable[..., Result]:
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Result:
+        from torch_impl.processors import LinearOptions, linear_logprobs
+
+        options = LinearOptions(backend=backend)  # type: ignore[arg-type]
+        support = replay_support(family, y, w.shape[0])
+        return linear_logprobs(h, w, y, options=options, support=support).logprobs, None
 
     return run
 
@@ -345,4 +411,23 @@ METHODS: dict[str, Method] = {
     "cce-mean": Method(_cce("mean", exact=False), "ce-mean", cuda_only=True),
     "cce-mean-exact": Method(_cce("mean", exact=True), "ce-mean", cuda_only=True),
     "verl": Method(verl, "lp+ent"),
+    # sampling replay, against ours-ce-<backend> (linear_logprobs) on the same shape
+    "ours-support-ids-triton": Method(
+        _ours_support("triton", "replay-ids"), "replay-ids", "triton"
+    ),
+    "ours-support-ids-torch": Method(_ours_support("torch", "replay-ids"), "replay-ids", "torch"),
+    "ours-support-topk-topp-triton": Method(
+        _ours_support("triton", "replay-topk-topp"), "replay-topk-topp", "triton"
+    ),
+    "ours-support-topk-topp-torch": Method(
+        _ours_support("torch", "replay-topk-topp"), "replay-topk-topp", "torch"
+    ),
+    "ours-support-topp-triton": Method(
+        _ours_support("triton", "replay-topp"), "replay-topp", "triton"
+    ),
+    "ours-support-topp-torch": Method(
+        _ours_support("torch", "replay-topp"), "replay-topp", "torch"
+    ),
 }
+REPLAY_METHODS = [name for name, m in METHODS.items() if m.family in REPLAY]
+"""The sampling-replay methods, in their order in :data:`METHODS`."""

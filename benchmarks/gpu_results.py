@@ -50,7 +50,7 @@ from .gpu_logprobs import (
 )
 from .gpu_measure import RESULTS as MEASURE_RESULTS
 from .gpu_measure import measured_passes
-from .gpu_methods import METHODS
+from .gpu_methods import KEPT, METHODS, REPLAY_METHODS
 
 __all__ = [
     "NO_RUN",
@@ -63,6 +63,7 @@ __all__ = [
     "model_predictions",
     "peers_target",
     "render",
+    "replay_lines",
     "targets",
     "write_page",
 ]
@@ -96,13 +97,38 @@ WHAT = {
     "cce-mean": "Cut Cross-Entropy 25.1.1, reduction mean, default gradient filter",
     "cce-mean-exact": "Cut Cross-Entropy 25.1.1, reduction mean, filter_eps=None",
     "verl": "veRL 0.9.1 FusedLinearForPPO (torch), logprobs + entropy",
+    "ours-support-ids-triton": f"ours, sampling replay by kept ids ([n, {KEPT}]), backend triton",
+    "ours-support-ids-torch": f"ours, sampling replay by kept ids ([n, {KEPT}]), backend torch",
+    "ours-support-topk-topp-triton": "ours, sampling replay by top_k=50, top_p=0.9, "
+    "min_p=0.01, backend triton",
+    "ours-support-topk-topp-torch": "ours, sampling replay by top_k=50, top_p=0.9, min_p=0.01, "
+    "backend torch",
+    "ours-support-topp-triton": "ours, sampling replay by top_p=0.9 (no top-k bound: the radix "
+    "select), backend triton",
+    "ours-support-topp-torch": "ours, sampling replay by top_p=0.9 (no top-k bound: the radix "
+    "select), backend torch",
 }
 FAMILY_TEXT = {
     "lp+ent": "logprobs + entropy",
     "lp": "logprobs only",
     "loss": "fused GRPO loss",
     "ce-mean": "mean cross entropy",
+    "replay-ids": "sampling replay by kept ids",
+    "replay-topk-topp": "sampling replay by top-k, top-p, min-p",
+    "replay-topp": "sampling replay by top-p alone",
 }
+REPLAY_TABLE = {
+    # family: (the support as passed, GEMMs forward + backward on paper: docs/gpu-design.md)
+    "lp": ("none (`linear_logprobs`)", 4),
+    "replay-ids": (f"`kept_ids` (`K = {KEPT}`)", 4),
+    "replay-topk-topp": ("`top_k=50, top_p=0.9, min_p=0.01`", 4),
+    "replay-topp": ("`top_p=0.9` (no top-k bound: the radix select)", 7),
+}
+"""The rows of the sampling-replay table: the baseline (``ours-ce-<backend>``) and each
+support, with its GEMM count for fp32 logits on paper ("Sampling replay" in
+docs/gpu-design.md: a logprob is 4)."""
+REPLAY_TARGET = 1.1
+"""Sampling replay by kept ids costs at most this many times ``linear_logprobs``."""
 MARKERS = ("run", "targets")
 NO_RUN = {
     "run": (
@@ -284,8 +310,14 @@ def _fmt(x: float, spec: str) -> str:
 def _best(rows: list[dict[str, Any]], size: dict[str, Any], family: str) -> tuple[str, float]:
     """Our faster backend on ``family`` at ``size`` (the one the auto table then picks)."""
     best = ("", math.nan)
+    base = {
+        "lp+ent": "ours",
+        "lp": "ours-ce",
+        "loss": "ours-loss",
+        "replay-ids": "ours-support-ids",
+    }
     for backend in ("torch", "triton"):
-        name = {"lp+ent": "ours", "lp": "ours-ce", "loss": "ours-loss"}[family] + f"-{backend}"
+        name = f"{base[family]}-{backend}"
         t = _num(_row(rows, size, name), "time_ms")
         if not math.isnan(t) and (math.isnan(best[1]) or t < best[1]):
             best = (name, t)
@@ -353,6 +385,7 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
             else f"ours {ours_e:.1e}, naive {_fmt(naive_e, '.1e')} (relative, against float64)",
         )
     )
+    out.append(replay_target(rows))
     out.append(
         (
             "On the CPU, nothing slower: at 8192 x 1024 x 65536 fp32, ours at most 0.8x"
@@ -363,6 +396,69 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
         )
     )
     return out
+
+
+def replay_target(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """Sampling replay by kept ids at most :data:`REPLAY_TARGET` times ``linear_logprobs``
+    (logprobs only) at the targets' size on the peaked logits, where the replay rows run:
+    the faster of our backends on each."""
+    size = dict(TARGET_SIZE, logits="peaked")
+    ids_name, ids_t = _best(rows, size, "replay-ids")
+    lp_name, lp_t = _best(rows, size, "lp")
+    ratio = ids_t / lp_t
+    measured = NOT
+    if not math.isnan(ratio):
+        measured = f"{ids_name} {ids_t:.1f} ms = {ratio:.2f}x {lp_name} {lp_t:.1f} ms"
+    return (
+        f"Sampling replay by kept ids, forward + backward: at most {REPLAY_TARGET}x "
+        "`linear_logprobs` on the same shape (peaked logits)",
+        NOT if math.isnan(ratio) else ("met" if ratio <= REPLAY_TARGET else "not met"),
+        measured,
+    )
+
+
+def replay_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The sampling-replay table of each size that runs the replay methods: each method's
+    time against ``linear_logprobs`` (``ours-ce-<backend>``) on the same shape and
+    backend, the GEMMs the design counts on paper, the errors against float64 over the
+    kept set."""
+    lines = [
+        "",
+        "Sampling replay (`linear_logprobs(support=)`, logprobs only; `benchmarks.gpu_methods`): "
+        "each support against `linear_logprobs` on the same shape and backend (`ours-ce-torch`, "
+        "`ours-ce-triton`), from the rows above; GEMMs: the design's count on paper "
+        '(docs/gpu-design.md, "Sampling replay"), not measured; errors relative to float64 '
+        "over the kept set (the logprob over the rows whose label it keeps).",
+    ]
+    for size in SIZES:
+        replay = methods_at(size, REPLAY_METHODS)
+        if not replay:
+            continue
+        lines += [
+            "",
+            f"{_shape(size)}:",
+            "",
+            "| method | support | backend | time ms | x linear_logprobs | GEMMs (on paper) "
+            "| logprob rel err | dh rel err | dW rel err | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        base = {b: _num(_row(rows, size, f"ours-ce-{b}"), "time_ms") for b in ("triton", "torch")}
+        for m in [f"ours-ce-{b}" for b in base] + replay:
+            r = _row(rows, size, m)
+            backend = METHODS[m].backend
+            support, gemms = REPLAY_TABLE[METHODS[m].family]
+            t = _num(r, "time_ms")
+            cells = [_fmt(t, ".1f"), _fmt(t / base[backend], ".2f"), str(gemms)]
+            cells += [_fmt(_num(r, k), ".1e") for k in ("lp_rel_err", "dh_rel_err", "dw_rel_err")]
+            note = "; ".join(
+                x for x in ((r or {}).get("error", ""), (r or {}).get("note", "")) if x
+            )
+            lines.append(
+                f"| {m} | {support} | {backend} | "
+                + " | ".join(cells)
+                + f" | {note.replace('|', '/')} |"
+            )
+    return lines
 
 
 LIKE_WITH_LIKE = (
@@ -656,6 +752,7 @@ def render(directory: Path | None) -> dict[str, str]:
             lines.append(
                 f"| {m} | {WHAT[m]} | " + " | ".join(cells) + f" | {note.replace('|', '/')} |"
             )
+    lines += replay_lines(rows)
     choice = backend_choice(rows)
     lines += [
         "",

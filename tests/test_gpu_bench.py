@@ -20,8 +20,15 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import gpu_logprobs, gpu_results
-from benchmarks.gpu_methods import METHODS, grpo_token_loss, loss_batch, objective
+from benchmarks import gpu_logprobs, gpu_methods, gpu_results
+from benchmarks.gpu_methods import (
+    METHODS,
+    REPLAY,
+    REPLAY_METHODS,
+    grpo_token_loss,
+    loss_batch,
+    objective,
+)
 
 # torch alone: the same outcome on every Megatron release and Python (docs/testing.md)
 pytestmark = pytest.mark.release_independent
@@ -207,6 +214,156 @@ def test_reference_matches_autograd(family: str) -> None:
     torch.testing.assert_close(dw, w.grad[cols], rtol=0, atol=1e-12)
 
 
+# ---------------------------------------------------------------- sampling replay
+
+REPLAY_SIZE = {"tokens": 8, "hidden": 8, "vocab": 128, "dtype": "fp32", "logits": "peaked"}
+"""Tiny: the Triton methods run under the interpreter (a few tenths of a second a call)."""
+
+
+def _kept_by_rule(z: torch.Tensor, parameters: dict[str, Any]) -> torch.Tensor:
+    """vLLM's rule written pairwise (``[n, V, V]``), another form than the benchmark's
+    sort: a token stays in top-k while fewer than k kept tokens are strictly above it,
+    and in top-p while the kept mass strictly above it is under ``top_p``."""
+    keep = torch.ones_like(z, dtype=torch.bool)
+    above = z[:, None, :] > z[:, :, None]  # [n, j, i]: z_i > z_j
+    if "min_p" in parameters:
+        keep &= z >= z.amax(1, keepdim=True) + torch.log(torch.tensor(parameters["min_p"]))
+    if "top_k" in parameters:
+        keep &= (above & keep[:, None, :]).sum(2) < parameters["top_k"]
+    if "top_p" in parameters:
+        q = z.masked_fill(~keep, -torch.inf).softmax(1)
+        keep &= (above * q[:, None, :]).sum(2) < parameters["top_p"]
+    return keep
+
+
+def _replay_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 leaves whose logits have ties (halves), so that the ties at the k-th and at
+    the top-p boundary are exercised; labels drawn among the largest logits."""
+    g = torch.Generator().manual_seed(3)
+    n, hid, v = 6, 8, 80
+    h = torch.randn(n, hid, generator=g, dtype=torch.float64)
+    w = torch.randn(v, hid, generator=g, dtype=torch.float64)
+    z = h @ w.T
+    y = z.topk(3, dim=1).indices[:, 2]  # the third largest: kept by most rules
+    return h * 3.0, w, y
+
+
+@pytest.mark.parametrize("family", list(REPLAY))
+def test_replay_reference_matches_autograd(family: str) -> None:
+    """The chunked float64 reference over a kept set equals autograd through the full
+    logits renormalised over that set, the set by the rule written another way."""
+    h, w, y = _replay_inputs()
+    h.requires_grad_()
+    w.requires_grad_()
+    z = h @ w.T
+    if family == "replay-ids":
+        ids = gpu_methods.kept_ids(y, w.shape[0])
+        kept = torch.zeros_like(z, dtype=torch.bool)
+        for i, row in enumerate(ids.tolist()):
+            kept[i, [j for j in row if j >= 0]] = True
+    else:
+        kept = _kept_by_rule(z.detach(), REPLAY[family])
+        assert 0 < int(kept.sum()) < kept.numel()  # the rule removes tokens, keeps some
+    logq = z.masked_fill(~kept, -torch.inf).log_softmax(-1)
+    lp = logq.gather(1, y[:, None]).squeeze(1)
+    logq = torch.where(kept, logq, 0.0)  # no -inf * 0 forward or backward
+    ent = -torch.where(kept, logq.exp() * logq, 0.0).sum(-1)
+    fn = objective(family, h.shape[0], "cpu")
+    fn(lp, ent).backward()
+    keep = gpu_logprobs.replay_mask(family, y, w.shape[0])
+    assert keep is not None
+    got_lp, got_ent = gpu_logprobs.reference_stats(h.detach(), w.detach(), y, keep=keep)
+    torch.testing.assert_close(got_lp, lp.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_ent, ent.detach(), rtol=0, atol=1e-12)
+    rows, cols = torch.tensor([0, 3, 5]), torch.tensor([1, 2, 40, 79])
+    dh, dw = gpu_logprobs.reference(h.detach(), w.detach(), y, rows, cols, fn, keep=keep)
+    assert h.grad is not None and w.grad is not None
+    torch.testing.assert_close(dh, h.grad[rows], rtol=0, atol=1e-12)
+    torch.testing.assert_close(dw, w.grad[cols], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["replay-topk-topp", "replay-topp"])
+def test_parameter_mask_keeps_tie_groups_whole(family: str) -> None:
+    """The sort-based rule equals the pairwise one on logits full of ties."""
+    z = (torch.randn(32, 120, generator=torch.Generator().manual_seed(4)) * 4).round() / 2
+    z = z.double()
+    want = _kept_by_rule(z, REPLAY[family])
+    torch.testing.assert_close(gpu_logprobs.parameter_mask(z, **REPLAY[family]), want)
+    assert bool((want.sum(1) < z.shape[1]).all())
+
+
+def test_parameter_mask_matches_jax_ref() -> None:
+    """Where JAX is installed: the benchmark's rule is ``jax_ref.sampling.kept_mask``."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_ref
+    from jax_ref.sampling import kept_mask
+
+    z = (torch.randn(16, 90, generator=torch.Generator().manual_seed(5)) * 4).round() / 2
+    z = z.double()
+    for parameters in REPLAY.values():
+        if "kept_ids" in parameters:
+            continue
+        with jax_ref.float64():
+            want = np.asarray(kept_mask(jnp.asarray(z.numpy()), **parameters))
+        got = gpu_logprobs.parameter_mask(z, **parameters).numpy()
+        assert (got == want).all(), parameters
+
+
+def test_replay_methods_match_the_float64_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sampling-replay method on both backends (Triton interpreted on a CPU), through
+    the benchmark's own row: values and gradients against float64 over the kept set (one
+    call each: the profiled call, tested above, left out)."""
+    monkeypatch.setattr(gpu_logprobs, "profile_call", lambda fn, device: {})
+    rows = gpu_logprobs.run_size(REPLAY_SIZE, REPLAY_METHODS, device="cpu", runs=1, warmup=0)
+    assert [r["method"] for r in rows] == REPLAY_METHODS
+    for r in rows:
+        assert r["error"] == "", r
+        assert r["family"] in REPLAY and r["backend"] in ("torch", "triton")
+        for key in ("lp_rel_err", "dh_rel_err", "dw_rel_err"):
+            assert r[key] < 1e-5, r  # fp32 against float64
+        assert r["support_mismatch"] == 0, r
+        assert "of labels outside the kept set" in r["note"]
+    outside = {r["family"]: r["outside_support"] for r in rows}
+    assert outside["replay-ids"] == 0.0  # the label is the first kept id
+
+
+def test_a_wrong_support_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method that replays another support than the family's gets errors far above an
+    fp32 method's: the check can fail."""
+    real = gpu_methods.replay_support
+
+    def wrong(family: str, y: torch.Tensor, vocab: int) -> Any:
+        support = real(family, y, vocab)
+        if family == "replay-ids":  # the label kept, the other ids one token over
+            ids = support.kept_ids.clone()
+            ids[:, 1:] = torch.where(ids[:, 1:] >= 0, (ids[:, 1:] + 1) % vocab, -1)
+            return type(support)(kept_ids=ids)
+        return type(support)(top_p=0.5)
+
+    monkeypatch.setattr(gpu_methods, "replay_support", wrong)
+    methods = ["ours-support-ids-torch", "ours-support-topp-torch"]
+    rows = gpu_logprobs.run_size(REPLAY_SIZE, methods, device="cpu", runs=1, warmup=0)
+    for r in rows:
+        assert r["error"] == "", r
+        assert r["lp_rel_err"] > 1e-3 or r["support_mismatch"] > 0, r
+        assert r["dh_rel_err"] > 1e-3, r
+
+
+def test_replay_runs_beside_its_baseline_on_peaked_logits() -> None:
+    """Each size that runs a replay method runs ``linear_logprobs`` on both backends too
+    (the ratio's denominator); the replay methods run on peaked logits only."""
+    sizes = [s for s in gpu_logprobs.SIZES if gpu_logprobs.methods_at(s, REPLAY_METHODS)]
+    assert sizes and all(s["logits"] == "peaked" for s in sizes)
+    for size in sizes:
+        assert gpu_logprobs.methods_at(size, REPLAY_METHODS) == REPLAY_METHODS
+        assert {"ours-ce-torch", "ours-ce-triton"} <= set(gpu_logprobs.methods_at(size, [*METHODS]))
+    target = gpu_logprobs.size_of(dict(gpu_logprobs.TARGET_SIZE, logits="peaked"))
+    assert target in [gpu_logprobs.size_of(s) for s in sizes]  # where replay_target reads
+
+
 def test_grpo_loss_is_ppo_of_the_batch() -> None:
     batch = loss_batch(4, "cpu")
     lp = torch.tensor([-1.0, -2.0, -3.0, -4.0])
@@ -251,8 +408,12 @@ def test_targets_from_rows() -> None:
                  liger=83.0, cce=58.0)  # fmt: skip
     got = {a: (b, c) for a, b, c in gpu_results.targets(rows)}
     verdicts = [b for b, _ in got.values()]
-    # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, the CPU's
-    assert verdicts == ["met", "met", "not measured", "not measured", "met", "met", "not measured"]
+    # floor4, floor3, busy (not profiled), peers (no peaked rows), memory, dh, replay (no
+    # peaked rows), the CPU's
+    assert verdicts == [
+        "met", "met", "not measured", "not measured", "met", "met", "not measured",
+        "not measured",
+    ]  # fmt: skip
     first = next(iter(got.values()))[1]
     assert "ours-triton 61.0 ms = 0.98x floor4" in first
     assert "ours-loss-torch 46.0 ms" in list(got.values())[1][1]
@@ -276,6 +437,30 @@ def test_peers_are_compared_like_with_like_on_both_logits() -> None:
     assert gpu_results.peers_target(_rows("flat", **times))[1] == "not measured"  # no peaked rows
     fast_cce = _rows("flat", **times) + _rows("peaked", **dict(times, cce_mean=40.0))
     assert gpu_results.peers_target(fast_cce)[1] == "not met"
+
+
+def test_replay_rows_against_linear_logprobs() -> None:
+    """The replay table: each row's ratio to ``linear_logprobs`` on its backend; the
+    kept-ids target from the faster backend of each, on the peaked logits."""
+    rows = _rows("peaked", ours_ce_triton=60.0, ours_ce_torch=80.0, ours_support_ids_triton=63.0,
+                 ours_support_ids_torch=90.0, ours_support_topp_triton=120.0)  # fmt: skip
+    for r in rows:
+        if r["family"] in REPLAY:
+            r.update(lp_rel_err=2e-3, note="5.0% of labels outside the kept set (-inf)")
+    text = "\n".join(gpu_results.replay_lines(rows))
+    assert "| ours-ce-torch | none (`linear_logprobs`) | torch | 80.0 | 1.00 | 4 |" in text
+    assert "| ours-support-ids-triton | `kept_ids` (`K = 64`) | triton | 63.0 | 1.05 | 4 " in text
+    assert "| ours-support-ids-torch | `kept_ids` (`K = 64`) | torch | 90.0 | 1.12 | 4 " in text
+    assert "| triton | 120.0 | 2.00 | 7 | 2.0e-03 | 3.0e-03 |" in text
+    assert "| ours-support-topp-torch | `top_p=0.9` (no top-k bound: the radix select) | torch " \
+        "| not measured | not measured | 7 |" in text  # fmt: skip
+    what, verdict, measured = gpu_results.replay_target(rows)
+    assert "1.1x" in what and verdict == "met"
+    assert measured == "ours-support-ids-triton 63.0 ms = 1.05x ours-ce-triton 60.0 ms"
+    slow = _rows("peaked", ours_ce_triton=60.0, ours_support_ids_triton=67.0)
+    assert gpu_results.replay_target(slow)[1] == "not met"
+    flat = _rows("flat", ours_ce_triton=60.0, ours_support_ids_triton=63.0)
+    assert gpu_results.replay_target(flat)[1:] == ("not measured", "not measured")
 
 
 def test_backend_choice_per_device_class() -> None:
