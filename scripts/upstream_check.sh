@@ -332,7 +332,7 @@ project_tests=(tests/test_upstream_series.py tests/test_enable.py tests/test_mtp
 if [ $full -eq 1 ]; then
   project_tests+=(tests/test_mtp_tp.py tests/test_schedule_plan.py)
 fi
-PYTHONPATH="$scratch/v0192:$root" "$python" -m pytest -q -p no:cacheprovider -p tests.stand_aside "${project_tests[@]}" || status=1
+PYTHONPATH="$scratch/v0192:$root" "$python" -m pytest -q -p no:cacheprovider -p tests.support.stand_aside "${project_tests[@]}" || status=1
 if [ $full -eq 1 ]; then
   step "the reproductions of docs/upstream.md on the patched 0.19.2 (reports 1, 4 and 5 no longer show)"
   for script in final_norm_schedule_plan.py interleaved_gloo_batch_p2p.py plan_mtp_overwrites_input_ids.py; do

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hookspec import ContractError, VocabShard
-from tests.backend_support import close_to_float64
-from tests.distributed import run_distributed
+from tests.support.backend_support import close_to_float64
+from tests.support.distributed import run_distributed
 from torch_impl.processors import (
     DistillConfig,
     LinearOptions,

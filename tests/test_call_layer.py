@@ -14,7 +14,7 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError
-from tests.hook_cases import model_inputs
+from tests.support.hook_cases import model_inputs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ from hookspec import (
     VocabShard,
 )
 from hookspec.collectives import CheckedCollectives, check_collective_result, checked_collectives
-from tests.identity_collectives import identity_collectives
+from tests.support.identity_collectives import identity_collectives
 from torch_impl import TorchCollectives
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss, topk_logprobs
 

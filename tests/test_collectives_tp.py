@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hookspec
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from torch_impl import TorchCollectives
 
 

@@ -14,8 +14,8 @@ import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
 from jax_ref.check.cases import synthetic_context
-from tests.distributed import run_distributed
-from tests.identity_collectives import identity_collectives
+from tests.support.distributed import run_distributed
+from tests.support.identity_collectives import identity_collectives
 from torch_impl.processors import (
     ContextRows,
     LinearOptions,

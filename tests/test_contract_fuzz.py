@@ -37,11 +37,11 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.fuzz_entries import ENTRIES
-from tests.fuzz_known import KNOWN_FINDINGS
-from tests.fuzz_support import Case, Draw, Result, classify, describe, run_case
-from tests.fuzz_surface import state_changes, state_snapshot
-from tests.fuzz_world import kept_alive
+from tests.support.fuzz_entries import ENTRIES
+from tests.support.fuzz_known import KNOWN_FINDINGS
+from tests.support.fuzz_support import Case, Draw, Result, classify, describe, run_case
+from tests.support.fuzz_surface import state_changes, state_snapshot
+from tests.support.fuzz_world import kept_alive
 from torch_impl.processors import (
     DistillConfig,
     SparseTeacher,
@@ -103,7 +103,7 @@ def test_a_case_reproduces_from_its_seed_and_index(one_thread: None) -> None:
     for index in (3, 11, 42):
         first, second = run_case(DEFAULT_SEED, index), run_case(DEFAULT_SEED, index)
         assert first == second
-        assert f"python -m tests.fuzz_support {DEFAULT_SEED} {index}" in first.describe()
+        assert f"python -m tests.support.fuzz_support {DEFAULT_SEED} {index}" in first.describe()
 
 
 # ---------------------------------------------------------------- the oracle can fail
@@ -230,7 +230,7 @@ def test_known_findings_are_named_and_reproduced() -> None:
 def test_a_known_finding_is_counted_and_another_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """The matching itself, with a known finding of its own (whatever is open): a
     finding it matches is counted as known, one it does not match stays a finding."""
-    import tests.fuzz_known as fk
+    import tests.support.fuzz_known as fk
 
     probe = fk.KnownFinding("probe", ("e",), "here", "this", lambda r: "probe" in r.message)
     monkeypatch.setattr(fk, "KNOWN_FINDINGS", (probe,))

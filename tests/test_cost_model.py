@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hookspec import DistillDivergence, OutputContext, TeacherTail, VocabShard
-from tests.backend_support import force_backend
+from tests.support.backend_support import force_backend
 from torch_impl import processors
 from torch_impl.processors import (
     DenseTeacher,

@@ -20,7 +20,7 @@ import torch
 
 import torch_impl
 from hookspec import ContractError
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from torch_impl._postprocess import as_inner_stage
 from torch_impl.testing.examples.critic import ValueBatch, value_head_processor
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch

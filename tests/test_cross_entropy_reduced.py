@@ -15,8 +15,8 @@ import torch
 
 import torch_impl
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import force_backend
-from tests.distributed import run_distributed
+from tests.support.backend_support import force_backend
+from tests.support.distributed import run_distributed
 from torch_impl.processors import cross_entropy_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")

@@ -18,7 +18,7 @@ import hookspec.conventions as hookspec_conventions
 from hookspec import ContractError, OutputContext, VocabShard, processor
 from jax_ref.check.comparison import cross_check
 from jax_ref.check.examples import logprobs_entropy_reference, vocab_parallel_logprobs
-from tests.backend_support import close_to_float64, skip_fp64_triton, token_problem
+from tests.support.backend_support import close_to_float64, skip_fp64_triton, token_problem
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,
@@ -489,7 +489,7 @@ def test_a_class_weighted_mean_of_weight_zero(
     every counted label of weight 0 (PyTorch: NaN): the cross-entropy term, smoothing
     included, is 0 with a zero gradient, the z-loss keeps its mean over the counted
     tokens (``hookspec.conventions``), against float64 materialised logits."""
-    from tests.backend_support import force_backend
+    from tests.support.backend_support import force_backend
 
     force_backend(monkeypatch, backend_name)
     g = torch.Generator().manual_seed(11)

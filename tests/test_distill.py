@@ -28,8 +28,8 @@ from hookspec import (
     TeacherTail,
     VocabShard,
 )
-from tests.distributed import GlooSequenceParallel, run_distributed
-from tests.fake_cuda import deferred_checks
+from tests.support.distributed import GlooSequenceParallel, run_distributed
+from tests.support.fake_cuda import deferred_checks
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,

@@ -445,14 +445,14 @@ def test_example_pair_check_can_fail() -> None:
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
 def test_example_pair_check_can_fail_under_context_parallel() -> None:
     """``--cp 2`` catches the template without its context-parallel count (the token mean
-    of each rank's own tokens, ``tests.template_variants.without_cp_count``): its loss
+    of each rank's own tokens, ``tests.support.template_variants.without_cp_count``): its loss
     fails, value and both gradients, its logprobs pass; the template passes (above)."""
     import io
 
     from jax_ref.check.hookcheck import main
 
     argv = [*PAIR, "--cp", "2", "--no-synthetic", "--quiet"]
-    argv[1] = "tests.template_variants:without_cp_count"
+    argv[1] = "tests.support.template_variants:without_cp_count"
     stdout, stderr = io.StringIO(), io.StringIO()
     code = main(argv, out=stdout, err=stderr)
     out = stdout.getvalue() + stderr.getvalue()

@@ -12,7 +12,7 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext
-from tests import hook_cases as cases
+from tests.support import hook_cases as cases
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 
 pytestmark = pytest.mark.usefixtures("megatron_single")

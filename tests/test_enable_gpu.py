@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import torch_impl
-from tests import hook_cases as cases
-from tests.distributed import run_distributed
+from tests.support import hook_cases as cases
+from tests.support.distributed import run_distributed
 from torch_impl.testing.tiny import TinyGPTShape, megatron_parallel, tiny_batch, tiny_config
 
 pytestmark = pytest.mark.gpu

@@ -14,8 +14,8 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import OutputContext
-from tests import hook_cases as cases
-from tests.distributed import run_distributed
+from tests.support import hook_cases as cases
+from tests.support.distributed import run_distributed
 from torch_impl.testing.tiny import build_tiny_gpt, megatron_parallel, tiny_batch
 
 

@@ -197,7 +197,7 @@ def test_on_a_fake_gpu_at_the_benchmark_size_the_single_pass_is_two_launches_a_t
     fake tensors (``tests/fake_cuda.py``): 11 more row tiles of 384 rows cost 22 more
     launches (one gradient buffer for both)."""
     pytest.importorskip("triton")
-    from .fake_cuda import fake_cuda, record_launches
+    from tests.support.fake_cuda import fake_cuda, record_launches
 
     monkeypatch.setitem(processors.GRAD_BUFFER_BYTES, "cuda", 8 << 30)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.peer_options import gpu_inputs, peer_options
+from tests.support.peer_options import gpu_inputs, peer_options
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 from torch_impl.value_checks import pending_checks, raise_pending_errors
 
@@ -188,5 +188,5 @@ def test_fused_loss_against_float64(backend: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_peer_options_against_float64(backend: str, dtype: torch.dtype) -> None:
-    """:func:`tests.peer_options.peer_options` compiled, at 1031 x 512 x 20011."""
+    """:func:`tests.support.peer_options.peer_options` compiled, at 1031 x 512 x 20011."""
     peer_options(1031, 512, 20011, dtype, "cuda", backend)

@@ -12,7 +12,7 @@ import pytest
 
 import hookspec
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.identity_collectives import identity_collectives
+from tests.support.identity_collectives import identity_collectives
 
 
 def test_import_pulls_in_no_framework() -> None:
@@ -300,9 +300,9 @@ def test_lazy_names_load_once_and_refuse_what_the_package_lacks() -> None:
 
 
 def test_the_tests_identity_collectives_have_exactly_the_methods_asked_for() -> None:
-    """tests.identity_collectives: the tests that ask which methods a user's
+    """tests.support.identity_collectives: the tests that ask which methods a user's
     collectives has rely on the class having those and no more."""
-    from tests.identity_collectives import OPTIONAL, REQUIRED
+    from tests.support.identity_collectives import OPTIONAL, REQUIRED
 
     methods = set(REQUIRED) | set(OPTIONAL)
 

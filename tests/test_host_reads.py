@@ -44,6 +44,8 @@ import pytest
 import torch
 
 from hookspec import OutputContext, VocabShard
+from tests.support.fake_cuda import backward, fake_cuda, record_launches
+from tests.support.host_reads_support import HostRead, HostReads
 from torch_impl import processors as P
 from torch_impl.mtp import detached_head, scaled_mtp_gradient
 from torch_impl.processors import (
@@ -54,9 +56,6 @@ from torch_impl.processors import (
     RatioLevel,
     SparseTeacher,
 )
-
-from .fake_cuda import backward, fake_cuda, record_launches
-from .host_reads_support import HostRead, HostReads
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # interpreted on a CPU: conftest.py
 

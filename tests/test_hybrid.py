@@ -18,7 +18,7 @@ pytest.importorskip(
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.hook_cases import grads, stock_loss, stock_loss_upstream
+from tests.support.hook_cases import grads, stock_loss, stock_loss_upstream
 from torch_impl import enable_output_processor, is_output_processor_enabled
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.schedule_plan import build_schedule_plan

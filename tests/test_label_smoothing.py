@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.backend_support import (
+from tests.support.backend_support import (
     close_to_float64,
     masked_context,
     masked_problem,
     skip_fp64_triton,
     token_problem,
 )
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from torch_impl.processors import (
     LinearOptions,
     cross_entropy_loss,

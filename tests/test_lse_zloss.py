@@ -17,8 +17,13 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import close_to_float64, masked_context, masked_problem, token_problem
-from tests.distributed import run_distributed
+from tests.support.backend_support import (
+    close_to_float64,
+    masked_context,
+    masked_problem,
+    token_problem,
+)
+from tests.support.distributed import run_distributed
 from torch_impl.processors import (
     LinearOptions,
     cross_entropy_loss,

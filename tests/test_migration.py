@@ -19,8 +19,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 import hookspec
 import torch_impl
 from hookspec import OutputContext
-from tests.mtp_support import LogitWatch
-from tests.plan_driver import cpu_stand_ins, run_plan
+from tests.support.mtp_support import LogitWatch
+from tests.support.plan_driver import cpu_stand_ins, run_plan
 from torch_impl import detached_head
 from torch_impl.mtp import default_mtp_loss
 from torch_impl.processors import cross_entropy_loss, selected_logprobs

@@ -19,8 +19,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.hook_cases import grads, stock_loss, stock_loss_upstream
-from tests.mtp_support import DEPTHS, LogitWatch, build_mtp_gpt
+from tests.support.hook_cases import grads, stock_loss, stock_loss_upstream
+from tests.support.mtp_support import DEPTHS, LogitWatch, build_mtp_gpt
 from torch_impl import enable_output_processor
 from torch_impl.mtp import default_mtp_loss, detached_head, mtp_semantics
 from torch_impl.processors import cross_entropy_loss

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 V, H = 64, 8
 
@@ -99,7 +99,7 @@ def _cp_rank(rank: int, from_packed: bool) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import hookspec
-    from tests.mtp_support import build_mtp_gpt
+    from tests.support.mtp_support import build_mtp_gpt
     from torch_impl import enable_output_processor
     from torch_impl.mtp import MTPOptions, default_mtp_loss
 

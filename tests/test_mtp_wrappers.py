@@ -24,8 +24,8 @@ import torch
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.hook_cases import grads
-from tests.mtp_support import build_mtp_gpt
+from tests.support.hook_cases import grads
+from tests.support.mtp_support import build_mtp_gpt
 from torch_impl import enable_output_processor
 from torch_impl.mtp import default_mtp_loss, detached_head, scaled_mtp_gradient
 from torch_impl.testing.tiny import tiny_batch

@@ -24,8 +24,8 @@ import torch
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.hook_cases import stock_loss
-from tests.plan_driver import cpu_stand_ins, run_plan
+from tests.support.hook_cases import stock_loss
+from tests.support.plan_driver import cpu_stand_ins, run_plan
 from torch_impl import enable_output_processor
 from torch_impl._compat import installed_megatron
 from torch_impl._plan_final_norm import add_missing_final_norm, missing_final_norm

@@ -8,7 +8,7 @@ built by ``torch_impl.build_output_context`` from a model whose process groups h
 Megatron's context-parallel group, as the hook builds them.
 
 The truth is one process with the whole batch and its full float64 logits
-(``tests.policy_truth.policy_truth``). Each rank's loss and metrics are its share:
+(``tests.support.policy_truth.policy_truth``). Each rank's loss and metrics are its share:
 their sum over the ranks is the whole batch's; each rank's hidden-state gradient is the
 whole loss's gradient at its tokens; the weight gradients sum to the whole one.
 """
@@ -35,9 +35,9 @@ from hookspec import (
     SingleProcessCollectives,
     VocabShard,
 )
-from tests.distributed import run_distributed
-from tests.identity_collectives import identity_collectives
-from tests.policy_truth import policy_truth
+from tests.support.distributed import run_distributed
+from tests.support.identity_collectives import identity_collectives
+from tests.support.policy_truth import policy_truth
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.cp import cp_chunk_index, padded_cu_seqlens, thd_partition_index
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.policy_truth import policy_truth
+from tests.support.policy_truth import policy_truth
 from torch_impl.processors import (
     DistillConfig,
     PolicyBatch,

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from hookspec import DistillDivergence, OutputContext, TeacherTail, VocabShard
-from tests.backend_support import force_backend
+from tests.support.backend_support import force_backend
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,

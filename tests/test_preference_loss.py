@@ -29,7 +29,7 @@ from jax_ref.check import builtin_processors as B
 from jax_ref.check.cases import synthetic_context
 from jax_ref.check.comparison import cross_check
 from jax_ref.check.hookcheck import BUILTIN_CHECKS, main
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from torch_impl.processors import (
     PreferenceBatch,
     PreferenceConfig,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hookspec import ContractError, VocabShard
-from tests.identity_collectives import identity_collectives
+from tests.support.identity_collectives import identity_collectives
 from torch_impl.processors import LinearOptions, linear_logprobs
 
 IGNORE = -100

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hookspec import VocabShard
-from tests.distributed import GlooSequenceParallel, run_distributed
+from tests.support.distributed import GlooSequenceParallel, run_distributed
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
 
 IGNORE = -100

@@ -26,9 +26,8 @@ if importlib.util.find_spec("triton") is None:
     )
 
 from hookspec import ContractError, VocabShard
+from tests.support.distributed import run_distributed
 from torch_impl.processors import LinearOptions, fused_token_loss, linear_logprobs
-
-from .distributed import run_distributed
 
 # numpy under the interpreter evaluates both sides of tl.where: the unused side's
 # inf * 0 (masked edge lanes, the first block of the online logsumexp) warns there

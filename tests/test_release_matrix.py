@@ -23,9 +23,9 @@ from megatron.core.transformer import multi_token_prediction as megatron_mtp
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.distributed import run_distributed
-from tests.hook_cases import grads, stock_loss, stock_loss_upstream
-from tests.mtp_support import build_mtp_gpt
+from tests.support.distributed import run_distributed
+from tests.support.hook_cases import grads, stock_loss, stock_loss_upstream
+from tests.support.mtp_support import build_mtp_gpt
 from torch_impl import _compat, enable_output_processor, installed_megatron
 from torch_impl._postprocess import as_inner_stage
 from torch_impl.doctor import MATRIX_RELEASES, TABLE_HEADER, facts_row
@@ -236,7 +236,7 @@ def test_schedule_plan_post_process_node_runs_the_hook_like_forward(processor: A
     after it otherwise; decided by counting the norm's calls in the node."""
     if not hasattr(GPTModel, "build_schedule_plan"):
         pytest.skip("GPTModel has no build_schedule_plan in this release")
-    from tests.plan_support import post_node
+    from tests.support.plan_support import post_node
 
     model = enable_output_processor(build_tiny_gpt()).eval()
     batch = tiny_batch()

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 
 import torch_impl
 from hookspec import ContractError
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.examples.grpo_toy import (
     CountingTask,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.backend_support import skip_fp64_triton
-from tests.distributed import run_distributed
-from tests.host_reads_support import HostRead, HostReads
+from tests.support.backend_support import skip_fp64_triton
+from tests.support.distributed import run_distributed
+from tests.support.host_reads_support import HostRead, HostReads
 from torch_impl.processors import (
     LinearOptions,
     SamplingSupport,

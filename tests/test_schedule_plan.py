@@ -21,9 +21,9 @@ import torch
 
 import hookspec
 from hookspec import ContractError, OutputContext
-from tests.hook_cases import stock_loss, stock_loss_upstream
-from tests.mtp_support import build_mtp_gpt
-from tests.plan_support import post_node
+from tests.support.hook_cases import stock_loss, stock_loss_upstream
+from tests.support.mtp_support import build_mtp_gpt
+from tests.support.plan_support import post_node
 from torch_impl import enable_output_processor
 from torch_impl._plan_final_norm import missing_final_norm
 from torch_impl._postprocess import as_inner_stage
@@ -264,7 +264,7 @@ def _keep_inputs(plan: Any) -> None:
     identities, so the nodes' early release of their inputs (``free_input``)
     would free their outputs too; Megatron allows this schedule only with
     ``expert_model_parallel_size > 1``. Keep the inputs (memory only)."""
-    from tests.plan_driver import layer_nodes
+    from tests.support.plan_driver import layer_nodes
 
     for i in range(plan.num_layers()):
         for node in layer_nodes(plan.get_layer(i)):
@@ -342,7 +342,7 @@ def _gpu_model(name: str) -> Any:
 @pytest.fixture
 def gpu_moe() -> Iterator[None]:
     """0.16.1's MoE router without Transformer Engine: see docs/upstream.md."""
-    from tests.plan_driver import moe_without_te
+    from tests.support.plan_driver import moe_without_te
 
     with moe_without_te():
         yield

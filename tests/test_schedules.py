@@ -39,8 +39,8 @@ import pytest
 import torch
 
 import torch_impl
-from tests import hook_cases as cases
-from tests.distributed import run_distributed
+from tests.support import hook_cases as cases
+from tests.support.distributed import run_distributed
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.schedules import (
     INTERLEAVED_GLOO,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.backend_support import close_to_float64, skip_fp64_triton, token_problem
-from tests.distributed import run_distributed
-from tests.peer_options import peer_options
+from tests.support.backend_support import close_to_float64, skip_fp64_triton, token_problem
+from tests.support.distributed import run_distributed
+from tests.support.peer_options import peer_options
 from torch_impl.processors import (
     DenseTeacher,
     DistillConfig,

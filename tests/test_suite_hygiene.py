@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-MODULES = sorted(TESTS.glob("*.py"))
+MODULES = sorted(TESTS.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    """The module's dotted name: ``tests.support.fuzz_world`` for its file."""
+    return ".".join(("tests", *path.relative_to(TESTS).with_suffix("").parts))
+
+
+def _id(path: Path) -> str:
+    return path.relative_to(TESTS).as_posix()
 
 
 def _tree(path: Path) -> ast.Module:
@@ -36,7 +45,7 @@ def _is_pytest_call(node: ast.AST, name: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=_id)
 def test_raises_names_one_exception_type(path: Path) -> None:
     """``pytest.raises`` of a tuple, of ``Exception`` or of ``BaseException`` passes
     on errors the test did not mean; name the one type (and match its message)."""
@@ -51,27 +60,31 @@ def test_raises_names_one_exception_type(path: Path) -> None:
     assert found == []
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=_id)
 def test_no_test_module_imports_another(path: Path) -> None:
     """Shared truths live in support modules (``tests/*_support.py``,
     ``tests/policy_truth.py``, ``tests/hook_cases.py``), not in test modules."""
-    own = f"tests.{path.stem}"
+    own = _name(path)
+    package = own.rpartition(".")[0]
     found = []
     for node in ast.walk(_tree(path)):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom):
-            names = [node.module or ""] if not node.level else [f"tests.{node.module}"]
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            names = [node.module or ""] if not node.level else [f"{base}.{node.module}"]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
-            if name.startswith("tests.test_") and name != own:
+            if (
+                name.startswith("tests.")
+                and name.rpartition(".")[2].startswith("test_")
+                and (name != own)
+            ):
                 found.append(f"{_where(path, node)} imports {name}")
     assert found == []
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in MODULES if p.name != "conftest.py"], ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "conftest.py"], ids=_id)
 def test_only_conftest_sets_triton_interpret(path: Path) -> None:
     """Triton reads ``TRITON_INTERPRET`` once, at its first import: ``conftest.py``
     sets it before any test module is collected; a module setting it again at
@@ -88,7 +101,7 @@ def test_only_conftest_sets_triton_interpret(path: Path) -> None:
     assert found == []
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=_id)
 def test_no_module_silences_every_warning(path: Path) -> None:
     """``filterwarnings("ignore")`` hides every warning, the new ones too; filter
     the named, known ones (``pyproject.toml`` lists Megatron Core's)."""

@@ -13,8 +13,8 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, ParallelLayout, VocabShard
-from tests.distributed import GlooSequenceParallel, run_distributed
-from tests.identity_collectives import identity_collectives
+from tests.support.distributed import GlooSequenceParallel, run_distributed
+from tests.support.identity_collectives import identity_collectives
 from torch_impl.processors import LinearOptions, linear_topk_logprobs, topk_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 

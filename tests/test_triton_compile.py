@@ -39,8 +39,8 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         allow_module_level=True,
     )
 
-from .compile_launches import small_dot_kernel
-from .launch_scenarios import SCENARIOS, STOPPED_BY_A_HOST_READ, record_all, unique
+from tests.support.compile_launches import small_dot_kernel
+from tests.support.launch_scenarios import SCENARIOS, STOPPED_BY_A_HOST_READ, record_all, unique
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Accessing the data pointer of FakeTensor:UserWarning"
@@ -60,7 +60,13 @@ def _compile(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # compile for real, not from a cache
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "tests.compile_launches", str(path), ",".join(map(str, archs))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.compile_launches",
+        str(path),
+        ",".join(map(str, archs)),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return list(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -190,7 +196,7 @@ def test_the_launches_cover_what_runs(recorded: list[Any]) -> None:
 def test_a_launch_the_interpreter_runs_can_fail_to_compile(tmp_path: Path) -> None:
     import torch
 
-    from .fake_cuda import record_launches
+    from tests.support.fake_cuda import record_launches
 
     a = torch.randn(8, 8)
     out = torch.empty(65)[1:]  # 4 bytes in: not 16-byte aligned
@@ -198,7 +204,7 @@ def test_a_launch_the_interpreter_runs_can_fail_to_compile(tmp_path: Path) -> No
         small_dot_kernel[(1,)](a, out, 8, BLOCK=8)
     assert torch.allclose(out.view(8, 8), a @ a, atol=1e-5)  # the interpreter ran it
     (launch,) = got
-    assert launch.kernel == "tests.compile_launches:small_dot_kernel"
+    assert launch.kernel == "tests.support.compile_launches:small_dot_kernel"
     assert launch.args[:2] == [
         {"tensor": "float32", "aligned16": True},
         {"tensor": "float32", "aligned16": False},

@@ -22,7 +22,7 @@ from hookspec import (
     SingleProcessCollectives,
     VocabShard,
 )
-from tests.identity_collectives import identity_collectives
+from tests.support.identity_collectives import identity_collectives
 
 V, H, B, S = 16, 4, 2, 8
 

@@ -23,8 +23,8 @@ import torch
 import hookspec
 import torch_impl
 from hookspec import ContractError, OutputContext, VocabShard
-from tests.fake_cuda import deferred_checks
-from tests.hook_cases import model_inputs
+from tests.support.fake_cuda import deferred_checks
+from tests.support.hook_cases import model_inputs
 from torch_impl import value_checks
 from torch_impl.processors import LinearOptions, linear_logprobs, selected_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
@@ -313,7 +313,7 @@ def test_cuda_graph_captures_a_processor_with_its_checks() -> None:
 
 # ---------------------------------------------------------------- when a deferred error surfaces
 # The rule of ``torch_impl.value_checks`` (module docstring), on the CUDA path emulated on
-# the CPU (``tests.fake_cuda.deferred_checks``): read at the entry of a checked call only.
+# the CPU (``tests.support.fake_cuda.deferred_checks``): read at the entry of a checked call only.
 
 BAD = torch.tensor([0, 7, -100])
 

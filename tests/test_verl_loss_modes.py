@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hookspec import Aggregation, ContractError, OutputContext, VocabShard
-from tests import verl_oracle
+from tests.support import verl_oracle
 from torch_impl.processors import (
     PolicyBatch,
     PolicyLossConfig,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hookspec import OutputContext, VocabShard
-from tests import verl_oracle
-from tests.distributed import run_distributed
+from tests.support import verl_oracle
+from tests.support.distributed import run_distributed
 from torch_impl.processors import (
     PolicyBatch,
     PolicyLossConfig,

@@ -18,7 +18,7 @@ import torch
 
 import torch_impl
 from hookspec import ContractError
-from tests import hook_cases as cases
+from tests.support import hook_cases as cases
 from torch_impl.processors import selected_logprobs
 from torch_impl.testing.tiny import build_tiny_gpt, tiny_batch
 

@@ -1,6 +1,6 @@
 """Compile recorded Triton launches ahead of time for NVIDIA GPUs, without a GPU.
 
-    python -m tests.compile_launches LAUNCHES.json ARCH[,ARCH...]   # prints one JSON list
+    python -m tests.support.compile_launches LAUNCHES.json ARCH[,ARCH...]   # prints one JSON list
 
 Run it where ``TRITON_INTERPRET`` is unset (the kernels must be ``JITFunction``s).
 Each launch of ``tests/launch_scenarios.py`` (kernel ``module:qualname``, arguments as

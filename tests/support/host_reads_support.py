@@ -21,7 +21,7 @@ __all__ = ["HostRead", "HostReads"]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # interpreted on a CPU: conftest.py
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default}
 SHAPE_FROM_VALUES = {
@@ -53,7 +53,7 @@ def _site() -> str:
         path = Path(frame.filename)
         # an environment installed inside the checkout (CI's .venvs/) is not the project
         installed = "site-packages" in path.parts or Path(sys.prefix) in path.parents
-        if ROOT in path.parents and path.parent.name != "tests" and not installed:
+        if ROOT in path.parents and ROOT / "tests" not in path.parents and not installed:
             return f"{path.relative_to(ROOT)}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "outside the project"
 

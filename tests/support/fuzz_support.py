@@ -6,7 +6,7 @@ an invalid domain. Each case is drawn from ``random.Random(f"{seed}:{index}")`` 
 (Python's string seeding is SHA-512 based, the same in every process), so a case
 reproduces from its seed and index::
 
-    python -m tests.fuzz_support SEED INDEX        # replays one case, prints its draw and outcome
+    python -m tests.support.fuzz_support SEED INDEX  # replays one case, prints its draw and outcome
 
 A case passes on exactly one of three outcomes:
 
@@ -19,7 +19,7 @@ A case passes on exactly one of three outcomes:
 
 Anything else is a *finding*: another exception type, an invalid draw accepted, a
 valid draw refused, a value off the float64 truth, a NaN where a number is expected.
-A finding that matches an entry of :data:`tests.fuzz_known.KNOWN_FINDINGS` (a named,
+A finding that matches an entry of :data:`tests.support.fuzz_known.KNOWN_FINDINGS` (a named,
 reproduced defect not fixed yet) is counted as known instead of failing the run.
 """
 
@@ -167,7 +167,7 @@ class Result:
             head
             + known
             + tail
-            + f"\n    replay: python -m tests.fuzz_support {self.seed} {self.index}"
+            + f"\n    replay: python -m tests.support.fuzz_support {self.seed} {self.index}"
         )
 
 
@@ -444,7 +444,7 @@ def run_spmd(size: int, fn: Callable[[int], Any], group: ThreadGroup | None = No
 
 
 def main(argv: Sequence[str]) -> int:
-    """Replay cases: ``python -m tests.fuzz_support SEED INDEX [INDEX ...]``."""
+    """Replay cases: ``python -m tests.support.fuzz_support SEED INDEX [INDEX ...]``."""
     seed, indices = int(argv[0]), [int(i) for i in argv[1:]]
     status = 0
     for index in indices:

@@ -1,5 +1,5 @@
 """A pytest plugin for the run against Megatron Core with the patch series of ``upstream/``
-(``scripts/upstream_check.sh`` loads it with ``-p tests.stand_aside``).
+(``scripts/upstream_check.sh`` loads it with ``-p tests.support.stand_aside``).
 
 There Megatron has every hook the adapter bridges (the output hook on ``HybridModel``,
 the per-depth MTP hook on ``HybridModel``, the plan's final norm after a dense last
@@ -84,7 +84,7 @@ def adapter_stands_aside(request: pytest.FixtureRequest) -> Iterator[collections
         facts.native_mtp_hook and facts.hybrid_native_hook and facts.plan_final_norm_after_dense
     ):
         raise pytest.UsageError(
-            "tests.stand_aside is for Megatron Core with the upstream/ patch series; "
+            "tests.support.stand_aside is for Megatron Core with the upstream/ patch series; "
             f"{facts.package} lacks it"
         )
     counts: collections.Counter[str] = collections.Counter()
