@@ -150,7 +150,7 @@ def _smoothed(
 
 def _processor(name: str, dtype: torch.dtype, backend: str | None) -> Scenario:
     def run() -> None:
-        from tests import test_host_reads as hr
+        from tests.processors import test_host_reads as hr
 
         call = hr.PROCESSORS.get(name) or hr.TENSOR_FUNCTIONS[name]
         d = hr._data("cuda")
@@ -209,7 +209,7 @@ def _scenarios() -> dict[str, Scenario]:
             out[
                 f"mean-logit:{'fused' if fused else 'logprobs'} softcap {cap} 2053x1024x32771 bf16"
             ] = _smoothed(2053, 1024, 32771, bf16, softcap=cap, fused=fused)
-    from tests import test_host_reads as hr
+    from tests.processors import test_host_reads as hr
 
     for dt in (bf16, fp32):
         for name in hr.PROCESSORS:

@@ -31,10 +31,10 @@ import pytest
 
 # test node id (without parameters) -> why the adapter's own path runs there
 OWN_PATH_EXPECTED: dict[str, str] = {
-    "tests/test_mtp.py::test_rolled_per_token_normalization_on_every_release": (
+    "tests/hook/test_mtp.py::test_rolled_per_token_normalization_on_every_release": (
         "MTPOptions(per_token_normalization='rolled') keeps the adapter's MTP loop"
     ),
-    "tests/test_mtp_tp.py::test_mtp_rolls_over_the_micro_batch_cp_group": (
+    "tests/hook/test_mtp_tp.py::test_mtp_rolls_over_the_micro_batch_cp_group": (
         "MTPOptions(cp_group_from_packed=True): Megatron rolls over the model's CP group only"
     ),
 }
