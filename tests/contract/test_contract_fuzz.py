@@ -1,5 +1,5 @@
 """The contract fuzzer: every public entry point called with arguments drawn from
-valid and invalid domains (``tests/fuzz_entries.py`` lists them: the processors on
+valid and invalid domains (``tests/support/fuzz_entries.py`` lists them: the processors on
 hand-built contexts over tensor-parallel ranks run as threads, the tensor functions
 with their ``LinearOptions``, the constructors of the public classes,
 ``validate_context``, ``checked_collectives`` with custom collectives that return wrong
@@ -14,11 +14,11 @@ one command (``HOOKSPEC_FUZZ_SLOW=1`` adds the tools' full runs, tens of seconds
 ``-k fuzz_budget`` runs the budget alone)::
 
     HOOKSPEC_FUZZ_CASES=20000 HOOKSPEC_FUZZ_SEED=8 \
-        python -m pytest -q -s tests/test_contract_fuzz.py
+        python -m pytest -q -s tests/contract/test_contract_fuzz.py
 
 A failure prints each finding's case with its seed and index; ``python -m
 tests.fuzz_support SEED INDEX`` replays one and prints its traceback. The defects
-found and not fixed yet are ``tests/fuzz_known.py``'s ``KNOWN_FINDINGS``: the run
+found and not fixed yet are ``tests/support/fuzz_known.py``'s ``KNOWN_FINDINGS``: the run
 counts them instead of failing, and each has a strict ``xfail`` below that runs its
 minimal reproduction.
 """

@@ -6,7 +6,7 @@ stage 0 runs the embedding and its layer and sends the hidden states; stage 1 se
 them as its input tensor, runs the processor, back-propagates and sends the input
 gradient back. The processor must run on the last stage only. Megatron's own
 schedules (1F1B, interleaved) also run on a CPU, under
-``torch_impl.testing.schedules.cpu_schedule()``; ``tests/test_schedules.py`` tests
+``torch_impl.testing.schedules.cpu_schedule()``; ``tests/hook/test_schedules.py`` tests
 the hook through them.
 """
 

@@ -17,7 +17,7 @@ layer) on 0.16.1 and 0.19.2:
 - ``logit_dtype`` (fp32 output logits) and logit softcapping by other names: read
   by neither release; keyed on the config attribute existing and being set, refused
   by name (:data:`UNSUPPORTED_LOGIT_OPTIONS`), tested with a stand-in config.
-  ``final_logit_softcapping`` is followed (``tests/test_softcap.py``).
+  ``final_logit_softcapping`` is followed (``tests/processors/test_softcap.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The plan's own nodes run in schedule order, pre-process, each layer's nodes,
 post-process, then the loss node and the backward in reverse, the way
 ``TransformerModelChunkSchedulePlan.run`` runs them, without streams
-(``tests/plan_driver.py``). "Stock plan": ``GPTModel.build_schedule_plan`` on a
+(``tests/support/plan_driver.py``). "Stock plan": ``GPTModel.build_schedule_plan`` on a
 model that was never enabled. "Adapted plan": ``torch_impl.build_schedule_plan``.
 
 Where the chunk's last decoder layer is dense, Megatron's plan never applies the

@@ -6,7 +6,7 @@ micro-batches, ``get_forward_backward_func`` (``torch_impl.testing.examples.grpo
    logprobs, the micro-batch losses (their mean), and every parameter's gradient
    (DDP's ``main_grad``) to ``rtol=1e-10``.
 2. The run: over a fixed number of steps with a fixed seed the mean reward rises from
-   chance (1/16) above a stated threshold, as the toy's does (``tests/test_rl_step.py``).
+   chance (1/16) above a stated threshold, as the toy's does (``tests/hook/test_rl_step.py``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 the tests build on: a supported entry point, apart from test support.
 
 Pipeline parallel: each stage holds the unpipelined model's tensors, checked with two
-gloo ranks in ``tests/test_enable_pp.py`` (a stage against pp=1, and the first
-micro-batch's values and gradients) and ``tests/test_schedules.py`` (1F1B, tied
+gloo ranks in ``tests/hook/test_enable_pp.py`` (a stage against pp=1, and the first
+micro-batch's values and gradients) and ``tests/hook/test_schedules.py`` (1F1B, tied
 embeddings, interleaved chunks), without copying weights.
 """
 

@@ -5,7 +5,7 @@ the interpreter), with a scalar and a per-token temperature, a logit scale and i
 labels; at tp=2 (gloo) each rank's ``db`` is its shard's; bf16 compute against float64
 beside the naive bf16 path; bad biases refused by name. Distillation is checked
 against its bias-free form on augmented operands (``[h, 1]``, ``[W, b]``: the same
-logits), whose float64 truth is ``tests/test_distill.py``'s."""
+logits), whose float64 truth is ``tests/processors/test_distill.py``'s."""
 
 from __future__ import annotations
 
@@ -341,7 +341,7 @@ def _bf16_run(
 @pytest.mark.parametrize("fn", ["logprobs", "fused"])
 def test_bf16_compute_against_float64_beside_the_naive_path(fn: str, backend: str) -> None:
     """Each value and gradient within a third of the naive bf16 path's error, or twice
-    the bf16 rounding of the float64 result (tests/test_precision.py's rule)."""
+    the bf16 rounding of the float64 result (tests/processors/test_precision.py's rule)."""
     g = torch.Generator().manual_seed(7)
     n, v = 96, 1024 if backend == "torch" else 256
     y = torch.randint(0, v, (n,), generator=g)

@@ -194,7 +194,7 @@ def test_on_a_fake_gpu_at_the_benchmark_size_the_single_pass_is_two_launches_a_t
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The CUDA branches (Triton backend, the GPU's tile sizes) at 151936 x 4096 bf16,
-    fake tensors (``tests/fake_cuda.py``): 11 more row tiles of 384 rows cost 22 more
+    fake tensors (``tests/support/fake_cuda.py``): 11 more row tiles of 384 rows cost 22 more
     launches (one gradient buffer for both)."""
     pytest.importorskip("triton")
     from tests.support.fake_cuda import fake_cuda, record_launches

@@ -8,7 +8,7 @@ GPU checks the design is held to live beside the code they test: the 1F1B plan e
 to ``forward`` (``test_schedule_plan.py``); the label check alone under sync debug
 mode, a bad label found without a host read, and a processor with its checks in a
 CUDA graph (``test_value_checks.py``); ``linear_logprobs``'s Triton kernels against
-float64 at real sizes (``test_processors_triton.py``). ``tests/test_gpu_bench.py``
+float64 at real sizes (``test_processors_triton.py``). ``tests/processors/test_gpu_bench.py``
 checks on the CPU that each of them is there and marked.
 """
 

@@ -2,8 +2,8 @@
 (``benchmarks.gpu_logprobs`` with ``benchmarks.gpu_methods``), its profiled call
 (``benchmarks.gpu_profile``) and its two logits distributions, at a tiny size, the
 Triton backend under Triton's interpreter. An API the benchmark calls that has moved
-fails here, in CI, and not on the GPU. (The doctor's GPU checks: ``tests/test_doctor.py``;
-``benchmarks.gpu_measure``: ``tests/test_gpu_bench.py``.)
+fails here, in CI, and not on the GPU. (The doctor's GPU checks: ``tests/releases/test_doctor.py``;
+``benchmarks.gpu_measure``: ``tests/processors/test_gpu_bench.py``.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and tensor function of ``torch_impl.processors``, forward and backward.
 On a GPU, a host read (``bool(t)``, ``t.item()``, ``int(t)``, ``float(t)``,
 ``t.tolist()``, ``if t:``, a boolean-mask index, ``nonzero``) waits for the device:
 a synchronisation in the training step, and an error under
-``torch.cuda.set_sync_debug_mode("error")`` (``tests/test_gpu_checks.py``) and in
+``torch.cuda.set_sync_debug_mode("error")`` (``tests/processors/test_gpu_checks.py``) and in
 CUDA graph capture. :class:`HostReads` fails on each, wherever it happens:
 
 - a ``TorchDispatchMode`` sees every aten op: ``_local_scalar_dense`` (what ``bool``,
@@ -18,11 +18,11 @@ Inside a Triton launch the mode steps aside: under ``TRITON_INTERPRET=1`` the
 interpreter copies the arguments to numpy, which on a GPU is a kernel launch.
 
 Two ways to run each call, both through the public API only, value checks off
-(the deferred label check is ``tests/test_value_checks.py``'s):
+(the deferred label check is ``tests/contract/test_value_checks.py``'s):
 
 - ``cpu``: real tensors on the CPU: the processors on the CPU's backend (torch),
   the tensor functions on both backends (Triton interpreted, py312);
-- ``cuda``: fake CUDA tensors (``tests/fake_cuda.py``): every call takes its CUDA
+- ``cuda``: fake CUDA tensors (``tests/support/fake_cuda.py``): every call takes its CUDA
   branches: ``backend="auto"`` is Triton there, so each processor's Triton path runs
   its host code (the kernels are recorded, not run), backward included.
 

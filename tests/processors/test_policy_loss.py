@@ -238,7 +238,7 @@ def test_context_parallel_shares_sum_to_the_loss() -> None:
         total = total + policy_loss(cfg)(ctx)["loss"]
     torch.testing.assert_close(total, whole["loss"], rtol=1e-12, atol=1e-12)
     # one-rank collectives have no context-parallel sum: what needs it is refused
-    # (tests/test_policy_cp.py runs cp=2 with TorchCollectives over two processes)
+    # (tests/processors/test_policy_cp.py runs cp=2 with TorchCollectives over two processes)
     ctx = _ctx(d["h"], d["w"], d["labels"], d["batch"], parallel=ParallelLayout(cp_size=2))
     with pytest.raises(
         ContractError, match=r"^collectives: .* for token-mean without context\.global_tokens"

@@ -1,5 +1,5 @@
 """``policy_loss`` with sampling replay (``PolicyBatch.sampling_support``), in float64 against
-veRL 0.9.1's own loss (``tests/verl_oracle.py``) fed with logprobs from materialised logits:
+veRL 0.9.1's own loss (``tests/support/verl_oracle.py``) fed with logprobs from materialised logits:
 the ratio's current logprob renormalised over the kept tokens (old and rollout logprobs
 given on the same support), the KL's over the whole vocabulary against a reference taken
 without the support (or on it, ``reference_on_support``), the counted tokens whose label is
@@ -232,7 +232,7 @@ def test_bf16_compute_beside_naive_bf16_against_float64(
     verl: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At the GPU's compute dtype (bf16 operands, forced on the CPU as
-    ``tests/test_precision.py`` does) the loss and the gradient of h stay within a small
+    ``tests/processors/test_precision.py`` does) the loss and the gradient of h stay within a small
     multiple of naive bf16's error (materialised bf16 logits, fp32 softmax) against float64
     on the same rounded inputs."""
     d = _problem(17, "top_k")

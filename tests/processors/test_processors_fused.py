@@ -112,7 +112,7 @@ def test_only_needed_gradients_and_no_grad_mode() -> None:
 
 def test_second_backward_raises() -> None:
     """One behaviour for every gradient formed in the forward pass (distillation's:
-    ``tests/test_distill.py``): the first backward hands the gradients over."""
+    ``tests/processors/test_distill.py``): the first backward hands the gradients over."""
     x = _inputs(torch.float32, seed=3)
     h = x["h"].clone().requires_grad_()
     f = fused_token_loss(h, x["w"], x["y"], _loss(x))

@@ -1,4 +1,4 @@
-"""Rollout correction against veRL 0.9.1's own functions (``tests/verl_oracle.py``), in
+"""Rollout correction against veRL 0.9.1's own functions (``tests/support/verl_oracle.py``), in
 float64: the importance weights, the rejection mask and the metrics of every option
 (``compute_rollout_correction_and_rejection_mask``), and the policy loss with them through
 the processor — values and the gradients of the hidden states and the weight — against
@@ -322,7 +322,7 @@ def test_bad_correction_options_are_refused_by_name(kwargs: dict[str, Any], fiel
 
 def test_bf16_compute_beside_naive_bf16_against_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     """The corrected loss at the GPU's compute dtype (bf16 operands, forced on the CPU as
-    ``tests/test_precision.py`` does): no worse than the naive bf16 loss (bf16 logits,
+    ``tests/processors/test_precision.py`` does): no worse than the naive bf16 loss (bf16 logits,
     float32 log-softmax) against float64, plus bf16's rounding."""
     cfg = LOSSES["decoupled-tis-token-mean"]
     d = _problem(seed=11)

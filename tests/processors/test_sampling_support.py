@@ -410,8 +410,9 @@ def test_kept_ids_changed_in_place_after_the_forward_change_nothing() -> None:
     ids=["kept ids", "top-k bound", "radix"],
 )  # fmt: skip
 def test_no_host_read(support: SamplingSupport, backend: str) -> None:
-    """Forward and backward read no device value on the host (``tests/test_host_reads.py``'s
-    detector), scalar parameters and kept ids alike; a per-token ``top_k`` is read once
+    """Forward and backward read no device value on the host
+    (``tests/processors/test_host_reads.py``'s detector), scalar parameters and kept ids
+    alike; a per-token ``top_k`` is read once
     (its candidates' width), documented."""
     p = with_labels(problem(49), torch.ones(N, V, dtype=torch.bool), seed=50)
     h, w = p["h"].float().requires_grad_(), p["w"].float().requires_grad_()

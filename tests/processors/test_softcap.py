@@ -838,7 +838,7 @@ def test_a_bias_enters_before_the_cap(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_the_gpu_checks_body_on_the_cpu(dtype: torch.dtype, backend: str) -> None:
-    """``tests/test_gpu_checks.py``'s softcap-and-bias check at a small size, so that its
+    """``tests/processors/test_gpu_checks.py``'s softcap-and-bias check at a small size, so that its
     body's API drift fails here and not on the GPU."""
     peer_options(67, 24, 301, dtype, "cpu", backend)
 

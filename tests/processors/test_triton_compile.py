@@ -4,11 +4,11 @@ on, in the specialisation that launches, without a GPU.
 The interpreter checks less than the compiler (block shapes, ``tl.dot`` sizes,
 loop-carried types). Here the launches are not written by hand: each call of the GPU
 benchmark and of the GPU tests runs on a fake CUDA device at its real size
-(``tests/launch_scenarios.py``), and every launch of any ``@triton.jit`` kernel is
+(``tests/support/launch_scenarios.py``), and every launch of any ``@triton.jit`` kernel is
 recorded with the arguments the launcher specialises on: pointer dtypes and 16-byte
 alignment, integers (1, multiples of 16, width), constexprs and ``num_warps``. Each
 distinct specialisation is then compiled through Triton's NVIDIA backend and
-``ptxas`` (``tests/compile_launches.py``) for Hopper (sm_90) and Ampere (sm_80), and
+``ptxas`` (``tests/support/compile_launches.py``) for Hopper (sm_90) and Ampere (sm_80), and
 its shared memory checked against the part's per-block limit. A new kernel, flag or
 launch shape is picked up by the recording, with no change here.
 """
@@ -150,7 +150,7 @@ def test_every_kernel_and_every_gpu_call_is_recorded(recorded: list[Any]) -> Non
         x.scenario for x in recorded
     }
     assert not silent, sorted(silent)
-    # a host read would end a call on fake tensors (tests/test_host_reads.py finds none)
+    # a host read would end a call on fake tensors (tests/processors/test_host_reads.py finds none)
     assert not STOPPED_BY_A_HOST_READ
 
 

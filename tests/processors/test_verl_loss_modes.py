@@ -1,10 +1,10 @@
 """Every loss mode of veRL 0.9.1 under every aggregation, at several group sizes and with
 the decoupled rollout correction, against veRL's own ``compute_policy_loss_<mode>``
-(``tests/verl_oracle.py``) in float64: ``policy_loss`` through the processor (each mode on
+(``tests/support/verl_oracle.py``) in float64: ``policy_loss`` through the processor (each mode on
 its own path) against veRL's loss of logprobs from materialised logits, its weights and
 rejected mask from veRL's ``compute_rollout_correction_and_rejection_mask`` as veRL's
 trainer hands them over. Compared: the loss, the gradients of the hidden states and the
-weight, and every metric veRL logs. ``tests/test_verl_parity.py`` holds the differences
+weight, and every metric veRL logs. ``tests/processors/test_verl_parity.py`` holds the differences
 kept on purpose; the ones these batches meet are undone here, each where it is met."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ EPS_TOL = {"rtol": 1e-7, "atol": 1e-8}
 """Where veRL's ``n_k + 1e-8`` enters the loss (seq-mean-token-mean, geo_mean's means): at
 most ``1e-8`` relative per sequence, summed over sequences of either sign (losses and
 gradients of order 1); pinned alone by ``test_seq_mean_token_mean_differs_from_verls_by_its_
-epsilon_alone`` in ``tests/test_verl_parity.py``."""
+epsilon_alone`` in ``tests/processors/test_verl_parity.py``."""
 VERL_EPS = 1e-8
 """veRL's ``masked_mean`` divides by ``sum(M) + 1e-8``: undone exactly for the metrics."""
 
@@ -56,7 +56,7 @@ MODE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 """Each mode's options, chosen so that its branches are taken on the batches below
 (clip_cov's ratio allows every candidate: among more, veRL draws at random and ours takes
-the largest covariances, pinned in ``tests/test_verl_parity.py``)."""
+the largest covariances, pinned in ``tests/processors/test_verl_parity.py``)."""
 
 MODES = list(MODE_OPTIONS)
 

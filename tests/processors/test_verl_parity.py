@@ -1,5 +1,5 @@
 """veRL 0.9.1's KL estimators and aggregations against ours, with veRL's own functions
-(``tests/verl_oracle.py``) as the oracle, in float64: ``kl_penalty`` under every name veRL
+(``tests/support/verl_oracle.py``) as the oracle, in float64: ``kl_penalty`` under every name veRL
 accepts (``kl``, ``k1``, ``abs``, ``mse``, ``k2``, ``low_var_kl``, ``k3``, each with ``+``),
 values and gradients; ``agg_loss`` in its five modes against ``aggregation_weights``; and
 the GRPO loss veRL's actor forms (``compute_policy_loss_vanilla`` plus ``kl_coef`` times

@@ -56,6 +56,6 @@ def test_changelog_top_entry_is_the_version() -> None:
 
 
 def test_every_package_is_marked_typed() -> None:
-    """PEP 561: each package ships ``py.typed`` (tests/test_install_wheel.py checks the wheel)."""
+    """PEP 561: each package ships ``py.typed`` (test_install_wheel.py checks the wheel)."""
     for package in ("hookspec", "torch_impl", "jax_ref"):
         assert (ROOT / package / "py.typed").is_file(), package

@@ -62,8 +62,8 @@ def test_raises_names_one_exception_type(path: Path) -> None:
 
 @pytest.mark.parametrize("path", MODULES, ids=_id)
 def test_no_test_module_imports_another(path: Path) -> None:
-    """Shared truths live in support modules (``tests/*_support.py``,
-    ``tests/policy_truth.py``, ``tests/hook_cases.py``), not in test modules."""
+    """Shared truths live in support modules (``tests/support/``: ``policy_truth.py``,
+    ``hook_cases.py``, the ``*_support.py`` modules), not in test modules."""
     own = _name(path)
     package = own.rpartition(".")[0]
     found = []

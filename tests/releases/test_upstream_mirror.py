@@ -10,7 +10,7 @@ re-read against the new source (then re-pin); on a release with no pins at all
 it fails too, rather than skipping. Each block's docstring names the upstream
 function and the releases it was read against (:data:`READ_AGAINST`); on the
 other releases the pins fence the source the release-matrix tests (bitwise
-stock, ``tests/test_release_matrix.py``) passed on.
+stock, ``tests/releases/test_release_matrix.py``) passed on.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def _exists(path: str) -> bool:
 def test_the_installed_release_is_pinned() -> None:
     """A release without pins runs the mirrors unfenced: fail, naming it, never skip."""
     assert INSTALLED in PINS, (
-        f"megatron-core {INSTALLED} has no pinned sources in tests/test_upstream_mirror.py: "
+        f"megatron-core {INSTALLED} has no pinned sources in "
+        "tests/releases/test_upstream_mirror.py: "
         f"read {', '.join(sorted({b for bs in BLOCKS.values() for b in bs}))} against it, "
         "then pin its sources (and add it to the release matrix)"
     )

@@ -3,7 +3,7 @@
     python -m tests.support.compile_launches LAUNCHES.json ARCH[,ARCH...]   # prints one JSON list
 
 Run it where ``TRITON_INTERPRET`` is unset (the kernels must be ``JITFunction``s).
-Each launch of ``tests/launch_scenarios.py`` (kernel ``module:qualname``, arguments as
+Each launch of ``tests/support/launch_scenarios.py`` (kernel ``module:qualname``, arguments as
 the launcher sees them, constexprs) is rebuilt with stand-in tensors that carry the
 recorded dtype and 16-byte alignment, bound by Triton's own launcher binder (the
 signature, the constexprs and the ``tt.divisibility`` attributes a real launch
@@ -28,7 +28,7 @@ import triton.language as tl
 
 @triton.jit
 def small_dot_kernel(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """A self-test kernel (tests/test_triton_compile.py): runs under the interpreter;
+    """A self-test kernel (tests/processors/test_triton_compile.py): runs under the interpreter;
     compiled, ``tl.dot`` needs at least 16 in each dimension."""
     i = tl.arange(0, BLOCK)
     a = tl.load(a_ptr + i[:, None] * BLOCK + i[None, :], mask=i[:, None] < n)

@@ -1,5 +1,5 @@
 """The contract fuzzer's entry points and their weights: :func:`draw_case` picks one
-and draws its arguments (test support for ``tests/test_contract_fuzz.py``)."""
+and draws its arguments (test support for ``tests/contract/test_contract_fuzz.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The contract fuzzer's known findings: defects it found that are not fixed yet,
 each named, with its minimal reproduction (a strict ``xfail`` in
-``tests/test_contract_fuzz.py`` runs each one), and matched by entry point, draw and
+``tests/contract/test_contract_fuzz.py`` runs each one), and matched by entry point, draw and
 message, so that the default run stays green while each stays visible: the run
 counts and prints every case it matched. Remove an entry with its fix (its strict
 ``xfail`` then fails first, as a reminder).
@@ -56,7 +56,7 @@ KNOWN_FINDINGS: tuple[KnownFinding, ...] = (
         name="bf16-compute-beyond-its-bound",
         entries=("linear_topk_logprobs", "linear_logprobs"),
         where="the tensor functions with compute_dtype=bfloat16, or the fuzzer's bf16 error bound "
-        "(tests/fuzz_world.py Precision): not yet told apart",
+        "(tests/support/fuzz_world.py Precision): not yet told apart",
         reproduction="seed 32, case 26513 (float32 inputs, bf16 GEMMs, one row per tile, k=1 with "
         "entropy): d hidden off float64 by 4.07e-4 against a bound of 3.81e-4; seed 33, case 7509: "
         "the ids not float64's top 6 (-6.47619 taken over -6.47477, 1.4e-3 apart in bf16 GEMMs); "
@@ -75,7 +75,7 @@ an unused count without its ``context.`` prefix; the bucket tails formed by canc
 top-k with entropy keeping its graph through ``ctx``) and the three found since (sparse
 distillation under inference mode with inputs that require grad; the bucket's student tail
 rounded to the floor; the bucket's gradient at the listed ids cancelling) are fixed, each
-pinned by ``tests/test_contract_fuzz.py``'s ``test_a_fixed_finding_stays_fixed``."""
+pinned by ``tests/contract/test_contract_fuzz.py``'s ``test_a_fixed_finding_stays_fixed``."""
 
 
 def known_finding(result: Any) -> str:

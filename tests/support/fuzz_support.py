@@ -1,5 +1,5 @@
 """The contract fuzzer's machinery: seeded draws, cases, the three outcomes, and the
-known findings (test support for ``tests/test_contract_fuzz.py``).
+known findings (test support for ``tests/contract/test_contract_fuzz.py``).
 
 A *case* is one call of a public entry point with arguments drawn from a valid or
 an invalid domain. Each case is drawn from ``random.Random(f"{seed}:{index}")`` alone

@@ -3,7 +3,7 @@ state and an output weight split over ``tp`` ranks run as threads, labels with t
 ignore index, the logit scale, the caller's autocast or grad mode), the
 ``OutputContext`` of each rank, the invalid mutations of a context, and the harness
 that runs a processor on every rank and compares values and gradients with a float64
-truth (test support for the fuzzer: ``tests/fuzz_support.py``).
+truth (test support for the fuzzer: ``tests/support/fuzz_support.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The host-read detector of ``tests/test_host_reads.py`` (its docstring says what it
+"""The host-read detector of ``tests/processors/test_host_reads.py`` (its docstring says what it
 finds and how), shared by the test files that prove a call reads no device value on the
 host: :class:`HostReads` fails with :class:`HostRead` at each read, naming the site."""
 

@@ -2,7 +2,7 @@
 on a CPU.
 
 Each scenario is a call the GPU command makes, through the public API, at its real
-size and dtype, on a fake CUDA device (``tests/fake_cuda.py``): the processors take
+size and dtype, on a fake CUDA device (``tests/support/fake_cuda.py``): the processors take
 their CUDA branches (``backend="auto"`` -> Triton, 1 GiB chunks, the GPU kernel
 config, bf16 gradients written in place), the kernels are recorded, not run, and
 backward runs through the graph by hand. So the launches are the GPU's, with the
@@ -11,9 +11,9 @@ GPU's constexprs, dtypes and divisibility, whatever module defines the kernels.
 - ``bench:<method>:<size>``: each Triton method of ``benchmarks.gpu_methods.METHODS``
   (the method function itself) at each size of ``benchmarks.gpu_logprobs.SIZES``;
 - ``gpu-test:...``: the shapes, dtypes and options of the gpu-marked tests that call
-  the processors' tensor functions (``tests/test_gpu_checks.py``,
-  ``tests/test_processors_triton.py``);
-- ``processor:...``: every processor and tensor function of ``tests/test_host_reads.py``
+  the processors' tensor functions (``tests/processors/test_gpu_checks.py``,
+  ``tests/processors/test_processors_triton.py``);
+- ``processor:...``: every processor and tensor function of ``tests/processors/test_host_reads.py``
   at a small awkward size (what the Megatron GPU tests run on their tiny models), in
   bf16 and fp32.
 
@@ -254,8 +254,8 @@ def record_all(names: list[str] | None = None) -> list[Launch]:
                 try:
                     run()
                 except DataDependentOutputException:
-                    # a host read (tests/test_host_reads.py fails for it) ends the call on fake
-                    # tensors; the launches before it count
+                    # a host read (tests/processors/test_host_reads.py fails for it) ends the
+                    # call on fake tensors; the launches before it count
                     stopped.append(name)
             for launch in got:
                 launch.scenario = name

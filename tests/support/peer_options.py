@@ -1,6 +1,6 @@
 """The peers' options at an awkward size against float64, one body for the GPU check
-(``tests/test_gpu_checks.py``, compiled, at 1031 x 512 x 20011) and a CPU test
-(``tests/test_softcap.py``, small, the Triton interpreter), so that the GPU check's
+(``tests/processors/test_gpu_checks.py``, compiled, at 1031 x 512 x 20011) and a CPU test
+(``tests/processors/test_softcap.py``, small, the Triton interpreter), so that the GPU check's
 API drift fails CI and not the GPU command."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The template processor of ``docs/examples/my_processor.py`` with one defect, a
 ``module:attr`` target that ``hookcheck``'s spawned ranks import
-(``tests/test_docs.py``)."""
+(``tests/project/test_docs.py``)."""
 
 from __future__ import annotations
 
