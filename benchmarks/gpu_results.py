@@ -70,7 +70,10 @@ __all__ = [
 
 RELEASES = ("0.19.2", "0.16.1")
 NOT = "not measured"
-PROCESSOR_ONLY = ("tests/test_gpu_checks.py", "tests/test_processors_triton.py")
+PROCESSOR_ONLY = (
+    "tests/processors/test_gpu_checks.py",
+    "tests/processors/test_processors_triton.py",
+)
 """GPU test files that test no Megatron code: run on the first release only
 (scripts/gpu_tests.sh)."""
 GPU_MARK = re.compile(r"^[ \t]*(@pytest\.mark\.gpu\b|pytestmark[ \t]*=.*pytest\.mark\.gpu\b)", re.M)
@@ -151,8 +154,8 @@ the tables with every row "not measured"."""
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """The test files holding ``gpu``-marked tests, in the order scripts/gpu_tests.sh runs them."""
     found = sorted(
-        f"tests/{p.name}"
-        for p in (root / "tests").glob("test_*.py")
+        p.relative_to(root).as_posix()
+        for p in (root / "tests").glob("*/test_*.py")
         if GPU_MARK.search(p.read_text())
     )
     first = [f for f in PROCESSOR_ONLY if f in found]

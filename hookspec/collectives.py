@@ -13,7 +13,7 @@ hidden states ``[s, b, h]`` are transposed by the einsum) so that they line up
 with the ``[b, s]`` labels; the input of ``all_reduce_max`` is detached in a
 framework with autograd (``z.detach()`` in torch); remote and
 ignored labels are clamped to a valid row and masked out. It runs as written
-with numpy and one rank (a doctest in ``tests/test_hookspec.py``); a processor
+with numpy and one rank (a doctest in ``tests/contract/test_hookspec.py``); a processor
 does the same with torch and ``ctx.collectives``::
 
     >>> import numpy as np

@@ -17,7 +17,7 @@
 #                                          # tests collected and skipped, a tiny benchmark
 #
 # Time budget: every step runs under `timeout -k 3 LIMIT`; the limits plus the 3 s of each
-# kill add up to at most 480 s (8 minutes), installs included. tests/test_gpu_bench.py reads
+# kill add up to at most 480 s (8 minutes), installs included. tests/processors/test_gpu_bench.py reads
 # this table and the `timeout` calls of this script and of gpu_bench.sh, and checks both.
 # The environment step's limit covers the first cold `import torch` of a fresh machine
 # (10.6 s seen on a loaded CPU); the benchmark gave it the time (it stops starting methods
@@ -85,8 +85,8 @@ grep -e "what=" "$out/measure.log" | cut -c1-160
 
 # The files with gpu-marked tests, the two that test no Megatron code first; those two run on the
 # first release only (benchmarks.gpu_results.PROCESSOR_ONLY, kept equal by a test).
-processor_only=(tests/test_gpu_checks.py tests/test_processors_triton.py)
-mapfile -t marked < <(grep -lE '^[[:space:]]*(@pytest\.mark\.gpu\b|pytestmark[[:space:]]*=.*pytest\.mark\.gpu\b)' tests/test_*.py | sort)
+processor_only=(tests/processors/test_gpu_checks.py tests/processors/test_processors_triton.py)
+mapfile -t marked < <(grep -lE '^[[:space:]]*(@pytest\.mark\.gpu\b|pytestmark[[:space:]]*=.*pytest\.mark\.gpu\b)' tests/*/test_*.py | sort)
 megatron_files=()
 for f in "${marked[@]}"; do
   [[ " ${processor_only[*]} " == *" $f "* ]] || megatron_files+=("$f")

@@ -11,7 +11,7 @@
 # checks that `megatron.core` then imports from that folder. The releases the environments
 # themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
 # here they only print their row of the release table (docs/releases.md). Every release prints
-# `python -m torch_impl.doctor --facts-row`, the row tests/test_release_matrix.py checks.
+# `python -m torch_impl.doctor --facts-row`, the row tests/releases/test_release_matrix.py checks.
 # Two releases run at a time, each into its own log; the logs print whole, in order, at the end.
 # Exit status: 0 when every release passed, 1 otherwise. Expects both environments set up.
 set -uo pipefail
@@ -30,7 +30,7 @@ MATRIX=(
   "0.18.2 py312"
   "0.19.2 py312"
 )
-TESTS=(tests/test_enable.py tests/test_enable_tp.py tests/test_hybrid.py tests/test_release_matrix.py tests/test_doctor.py tests/test_upstream_mirror.py)
+TESTS=(tests/hook/test_enable.py tests/hook/test_enable_tp.py tests/hook/test_hybrid.py tests/releases/test_release_matrix.py tests/releases/test_doctor.py tests/releases/test_upstream_mirror.py)
 
 wanted=("$@")
 selected() { [ ${#wanted[@]} -eq 0 ] && return 0; local w; for w in "${wanted[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }

@@ -3,7 +3,7 @@
 #   bash scripts/run_notebooks.sh                                    # every notebooks/*.ipynb
 #   bash scripts/run_notebooks.sh notebooks/02_validate_in_depth.ipynb
 # Each runs in a fresh kernel of the py312 environment's Python (or $PYTHON), working
-# directory notebooks/, as tests/test_notebooks.py runs them. The first error stops the
+# directory notebooks/, as tests/project/test_notebooks.py runs them. The first error stops the
 # script and leaves that notebook as it was.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

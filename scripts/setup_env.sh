@@ -52,7 +52,7 @@ if [ ! -x "$env_dir/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
   echo "$want" > "$stamp"
 fi
 # py312 only: veRL without its dependencies, the oracle of the parity tests (its pure-Python
-# wheel; tests/verl_oracle.py loads the three modules it calls)
+# wheel; tests/support/verl_oracle.py loads the three modules it calls)
 if [ "$name" = py312 ]; then
   oracle=$(sed -n 's/^verl==//p' "$root/requirements/verl-oracle.txt")
   if [ "$("$env_dir/bin/python" -c 'import importlib.metadata as m; print(m.version("verl"))' 2>/dev/null)" != "$oracle" ]; then

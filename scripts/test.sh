@@ -49,16 +49,17 @@ done
 # tp=2 runs (gloo, the same kernels as tp=1) and the 262144-entry vocabulary (size, not
 # version); and the cost model's out_dtype self-test, whose addmm(out_dtype=) torch 2.11
 # cannot run on meta tensors (its decomposition takes out_dtype for beta; CUDA runs the kernel).
-gpu_image_tests=(tests/test_processors_triton.py tests/test_triton_compile.py tests/test_cost_model.py
-  tests/test_host_reads.py tests/test_processors_logprobs.py tests/test_processors_fused.py
-  tests/test_processors_defects.py tests/test_topk.py tests/test_distill.py tests/test_gpu_bench.py
-  tests/test_precision.py tests/test_gpu_model.py tests/test_gpu_paths_on_cpu.py
-  tests/test_softcap.py::test_whole_blocks_against_float64 tests/test_softcap.py::test_the_gpu_checks_body_on_the_cpu
-  tests/test_softcap.py::test_the_mean_logit_is_of_the_capped_logits
-  tests/test_doctor.py::test_gpu_checks_run_on_the_cpu_with_the_interpreter)
+procs=tests/processors  # every file below but the doctor's
+gpu_image_tests=($procs/test_processors_triton.py $procs/test_triton_compile.py $procs/test_cost_model.py
+  $procs/test_host_reads.py $procs/test_processors_logprobs.py $procs/test_processors_fused.py
+  $procs/test_processors_defects.py $procs/test_topk.py $procs/test_distill.py $procs/test_gpu_bench.py
+  $procs/test_precision.py $procs/test_gpu_model.py $procs/test_gpu_paths_on_cpu.py
+  $procs/test_softcap.py::test_whole_blocks_against_float64 $procs/test_softcap.py::test_the_gpu_checks_body_on_the_cpu
+  $procs/test_softcap.py::test_the_mean_logit_is_of_the_capped_logits
+  tests/releases/test_doctor.py::test_gpu_checks_run_on_the_cpu_with_the_interpreter)
 step "pytest on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's pair)"
 "$venvs/py312-gpu/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 -k "not tp2 and not vocab_262144" \
-  --deselect tests/test_cost_model.py::test_counter_counts_out_dtype_products "${gpu_image_tests[@]}" || status=1
+  --deselect $procs/test_cost_model.py::test_counter_counts_out_dtype_products "${gpu_image_tests[@]}" || status=1
 step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
 bash scripts/matrix.sh || status=1
 step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh)"

@@ -328,11 +328,11 @@ step "git am and the sign-off (the megatron/ part, on a copy of 0.19.2)"
   signoff_check "$scratch/orig" upstream/series || status=1
 
 step "the project's hook, MTP, HybridModel and plan tests on the patched 0.19.2 (the adapter stands aside)"
-project_tests=(tests/test_upstream_series.py tests/test_enable.py tests/test_mtp.py tests/test_hybrid.py tests/test_plan_whole.py)
+project_tests=(tests/releases/test_upstream_series.py tests/hook/test_enable.py tests/hook/test_mtp.py tests/hook/test_hybrid.py tests/hook/test_plan_whole.py)
 if [ $full -eq 1 ]; then
-  project_tests+=(tests/test_mtp_tp.py tests/test_schedule_plan.py)
+  project_tests+=(tests/hook/test_mtp_tp.py tests/hook/test_schedule_plan.py)
 fi
-PYTHONPATH="$scratch/v0192:$root" "$python" -m pytest -q -p no:cacheprovider -p tests.stand_aside "${project_tests[@]}" || status=1
+PYTHONPATH="$scratch/v0192:$root" "$python" -m pytest -q -p no:cacheprovider -p tests.support.stand_aside "${project_tests[@]}" || status=1
 if [ $full -eq 1 ]; then
   step "the reproductions of docs/upstream.md on the patched 0.19.2 (reports 1, 4 and 5 no longer show)"
   for script in final_norm_schedule_plan.py interleaved_gloo_batch_p2p.py plan_mtp_overwrites_input_ids.py; do

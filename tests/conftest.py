@@ -30,7 +30,7 @@ if importlib.util.find_spec("torch") is not None:
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each of the processors' backends in turn, through ``backend="auto"`` (a module's
     own ``backend`` fixture or parameter takes precedence)."""
-    from tests.backend_support import force_backend
+    from tests.support.backend_support import force_backend
 
     return force_backend(monkeypatch, request.param)
 

@@ -160,7 +160,7 @@ def default_output(
         return compute_language_model_loss(labels, logits)
 
     Mirrors the tail of ``GPTModel._postprocess`` (megatron-core 0.16.1 and
-    0.19.2, training path), pinned by ``tests/test_upstream_mirror.py``.
+    0.19.2, training path), pinned by ``tests/releases/test_upstream_mirror.py``.
     """
     logits, _ = output_layer(
         hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output

@@ -50,7 +50,7 @@ def hook_keywords(
     Mirrors ``GPTModel._postprocess`` (megatron-core 0.19.2): the tied output
     weight (``shared_embedding_or_output_weight()`` when
     ``share_embeddings_and_output_weights``, else ``None``) and the keywords of
-    its ``output_processor(...)`` call; pinned by ``tests/test_upstream_mirror.py``.
+    its ``output_processor(...)`` call; pinned by ``tests/releases/test_upstream_mirror.py``.
     """
     output_weight = None
     if model.share_embeddings_and_output_weights:

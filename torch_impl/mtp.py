@@ -123,7 +123,7 @@ def _top1_accepted(ctx: OutputContext, logits: torch.Tensor) -> torch.Tensor:
 
     Mirrors ``multi_token_prediction._compute_mtp_acceptance_counts`` (with
     ``_mtp_logits_are_vocab_sharded`` and ``_vocab_parallel_argmax``,
-    megatron-core 0.19.2); pinned by ``tests/test_upstream_mirror.py``."""
+    megatron-core 0.19.2); pinned by ``tests/releases/test_upstream_mirror.py``."""
     with torch.no_grad():
         gathered = ctx.runtime_gather_output
         sharded = (
@@ -273,7 +273,7 @@ class MTPLayerAdapter:
     ``detach_encoder``, detaches the last two values it returns, the token
     embeddings and the input hidden states: ``(..., decoder_input, hidden_states)``
     in megatron-core 0.16.1 (four values) and 0.19.2 (five, with ``padding_mask``),
-    pinned by ``tests/test_mtp.py::test_detach_encoder_*``. The hidden states stay
+    pinned by ``tests/hook/test_mtp.py::test_detach_encoder_*``. The hidden states stay
     a tensor that requires grad, as Megatron's own ``mtp_detach_heads`` path keeps
     them (activation checkpointing needs one such input). With
     ``cp_group_from_packed`` the layer's ``cp_group`` reads the micro-batch's group
@@ -365,7 +365,7 @@ def attach_mtp_losses(
     mask multiply, the scaling by ``mtp_loss_scaling_factor / K`` and the token
     counts (:func:`mtp_semantics` picks between them), the logging; labels
     ``None`` are derived from ``input_ids`` as 0.19.2 does, on every release.
-    Pinned by ``tests/test_upstream_mirror.py``.
+    Pinned by ``tests/releases/test_upstream_mirror.py``.
     """
     config = model.config
     semantics = mtp_semantics()

@@ -182,7 +182,7 @@ CORRECTED_CONFIG = PolicyLossConfig.grpo(
 def loss_and_policy_metrics(proc: Processor, /) -> Processor:
     """``proc``'s result without the ``rollout_corr/`` metrics: the JAX reference checks the
     loss, its gradients and the policy metrics; the correction's metrics are checked
-    against veRL's own functions in the tests (``tests/test_rollout_correction.py``)."""
+    against veRL's own functions in the tests (``tests/processors/test_rollout_correction.py``)."""
 
     def fn(ctx: OutputContext) -> Any:
         out = proc(ctx)

@@ -15,7 +15,7 @@ by cutting each sequence into ``2 cp`` equal chunks and giving rank ``r`` chunks
   sequence's part tested equal to Megatron's non-packed split of that sequence).
   Each rank keeps the global ``cu_seqlens``; its own boundaries are ``cu / cp``.
 
-Used by ``tests/test_policy_cp.py``; nothing in the library imports it.
+Used by ``tests/processors/test_policy_cp.py``; nothing in the library imports it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ vocab-sharded head, whose ranks each hold a part); for a replicated head the
 gradient is scaled by ``1 / tp`` before that sum, so the decoder receives it once.
 The head's own gradient is the whole one on every rank (a replicated parameter,
 like a layer norm's without sequence parallelism). Tested at tp=1 and tp=2 over
-gloo against a float64 computation (``tests/test_critic.py``).
+gloo against a float64 computation (``tests/hook/test_critic.py``).
 
 Usage::
 

@@ -1,0 +1,1 @@
+"""The contract: hookspec on its own, validation of every input, value checks, the fuzzer."""
