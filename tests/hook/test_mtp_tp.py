@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.support.distributed import run_distributed
+from tests.support.distributed import rank_context, run_distributed
 
 V, H = 64, 8
 
@@ -182,11 +182,10 @@ def test_mtp_rolls_over_the_micro_batch_cp_group() -> None:
 
     from torch_impl.testing.tiny import free_port
 
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors = rank_context().SimpleQueue()
     try:
         mp.start_processes(
-            _two_ranks_tp1, args=(free_port(), errors), nprocs=2, start_method="spawn"
+            _two_ranks_tp1, args=(free_port(), errors), nprocs=2, start_method="forkserver"
         )
     except mp.ProcessRaisedException as exc:
         reports = []

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 
 import torch_impl
 from hookspec import ContractError
-from tests.support.distributed import run_distributed
+from tests.support.distributed import rank_context, run_distributed
 from torch_impl.processors import PolicyBatch, PolicyLossConfig, policy_loss
 from torch_impl.testing.examples.grpo_toy import (
     CountingTask,
@@ -210,8 +210,7 @@ def _row(stats: Any) -> tuple[float, float, float, float]:
 @pytest.mark.slow
 @pytest.mark.release_independent  # the tp=2 step's equality above runs on every environment
 def test_tp2_grpo_toy_run_reward_rises() -> None:
-    ctx = torch.multiprocessing.get_context("spawn")
-    result = ctx.SimpleQueue()
+    result = rank_context().SimpleQueue()
     run_distributed(_toy_rank, result, tp=2)
     rows = result.get()
     rewards = [r[0] for r in rows]

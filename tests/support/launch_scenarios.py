@@ -9,7 +9,8 @@ backward runs through the graph by hand. So the launches are the GPU's, with the
 GPU's constexprs, dtypes and divisibility, whatever module defines the kernels.
 
 - ``bench:<method>:<size>``: each Triton method of ``benchmarks.gpu_methods.METHODS``
-  (the method function itself) at each size of ``benchmarks.gpu_logprobs.SIZES``;
+  (the method function itself) at each size of ``benchmarks.gpu_logprobs.SIZES`` that
+  runs it (``methods_at``: the sampling-replay methods at the peaked size only);
 - ``gpu-test:...``: the shapes, dtypes and options of the gpu-marked tests that call
   the processors' tensor functions (``tests/processors/test_gpu_checks.py``,
   ``tests/processors/test_processors_triton.py``);
@@ -162,14 +163,14 @@ def _processor(name: str, dtype: torch.dtype, backend: str | None) -> Scenario:
 
 
 def _scenarios() -> dict[str, Scenario]:
-    from benchmarks.gpu_logprobs import SIZES
+    from benchmarks.gpu_logprobs import SIZES, methods_at
     from benchmarks.gpu_methods import METHODS
 
     out: dict[str, Scenario] = {}
-    for size in SIZES:
+    for size in SIZES:  # each Triton method at the sizes the benchmark runs it
         tag = f"{size['tokens']}x{size['hidden']}x{size['vocab']} {size['dtype']}"
-        for m, method in METHODS.items():
-            if method.backend == "triton":
+        for m in methods_at(size, list(METHODS)):
+            if METHODS[m].backend == "triton":
                 out[f"bench:{m}:{tag}"] = _bench(m, size)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     for backend in ("triton", "auto"):
