@@ -175,7 +175,8 @@ def main(argv: Sequence[str]) -> int:
     paths = [Path(p) for p in argv] or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
     for path in paths:
         seconds = store(path)
-        print(f"{path}: executed in {seconds:.1f} s", flush=True)
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        print(f"{shown}: executed in {seconds:.1f} s", flush=True)
     return 0
 
 
