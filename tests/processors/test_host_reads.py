@@ -338,6 +338,7 @@ def test_every_public_function_is_covered() -> None:
         "kl_penalty",
         "rollout_correction",
         "context_rows",  # the hook's tensors as rows, read by the processors' cases
+        "context_options",  # the options the processors build from the same context
         "from_rows",
         "to_rows",
     }  # no logits, no tiles
