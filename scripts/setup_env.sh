@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Create (or reuse) one pinned environment of the project.
-#   bash scripts/setup_env.sh py312   # Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12
-#   bash scripts/setup_env.sh py311   # Python 3.11, megatron-core 0.16.1 (no hook), jax 0.10
-#   bash scripts/setup_env.sh py312-gpu   # Python 3.12, torch 2.11.0 + Triton 3.6.0: the GPU
-#                                         # machine's pair, for the GPU-relevant CPU tests
+#   bash scripts/setup_env.sh py312   # Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12,
+#                                     # torch 2.11.0 + Triton 3.6.0: the GPU machine's pair
+#   bash scripts/setup_env.sh py311   # Python 3.11, megatron-core 0.16.1 (no hook), jax 0.10,
+#                                     # torch 2.13.0 (CPU): the newest torch
 # Environments live in $HOOKSPEC_VENVS (default: .venvs/ in the checkout). An environment
 # whose requirements file is unchanged is reused; the project itself is (re)installed
 # editable from this checkout every time, which takes seconds.
 set -euo pipefail
-name=${1:?usage: setup_env.sh py311|py312|py312-gpu}
+name=${1:?usage: setup_env.sh py311|py312}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venvs=${HOOKSPEC_VENVS:-$root/.venvs}
 req=$root/requirements/$name.txt
@@ -35,8 +35,8 @@ pip_install() {  # pip, without the notes some pip configurations print for ever
 
 case $name in
   py311) py=$(find_python 3.11) ;;
-  py312 | py312-gpu) py=$(find_python 3.12) ;;
-  *) echo "setup_env.sh: unknown environment '$name' (py311, py312 or py312-gpu)" >&2; exit 2 ;;
+  py312) py=$(find_python 3.12) ;;
+  *) echo "setup_env.sh: unknown environment '$name' (py311 or py312)" >&2; exit 2 ;;
 esac
 
 env_dir=$venvs/$name
@@ -59,7 +59,7 @@ if [ "$name" = py312 ]; then
     pip_install --no-deps -r "$root/requirements/verl-oracle.txt"
   fi
 fi
-# HOOKSPEC_DEPS_ONLY=1: the requirements only (scripts/test.sh builds the three environments
+# HOOKSPEC_DEPS_ONLY=1: the requirements only (scripts/test.sh builds the two environments
 # side by side that way, then installs the project into each, one after another)
 if [ "${HOOKSPEC_DEPS_ONLY:-0}" = 1 ]; then echo "== $name requirements ready: $env_dir"; exit 0; fi
 pip_install --no-deps --no-build-isolation -e "$root" >/dev/null

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up both environments and run every test: lint, type checks, and pytest on
-#   py312: Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12
-#   py311: Python 3.11, megatron-core 0.16.1 (no hook; the adapter's own path), jax 0.10
-# then the GPU-relevant CPU tests on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's
-# pair: the Triton interpreter, the compile test, the cost model, the processors),
+#   py312: Python 3.12, megatron-core 0.19.2 (native hook), jax 0.12, and the GPU machine's
+#          torch 2.11.0 + Triton 3.6.0 (the Triton interpreter, the compile test)
+#   py311: Python 3.11, megatron-core 0.16.1 (no hook; the adapter's own path), jax 0.10,
+#          torch 2.13.0 (CPU)
 # then the release matrix (scripts/matrix.sh): the tests marked release_matrix on every
 # megatron-core release from 0.13.1 to 0.19.2, each in the environment of its Python,
 # and the patch series of upstream/ on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh).
@@ -12,21 +12,21 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venvs=${HOOKSPEC_VENVS:-$root/.venvs}
-# The three environments' requirements are installed side by side (mostly downloads and
+# The two environments' requirements are installed side by side (mostly downloads and
 # unpacking), each into its own log, printed once all have ended; then the project itself
 # into each, one after another (an editable install reads the one checkout).
 setup_logs=$(mktemp -d)
 trap 'rm -rf "$setup_logs"' EXIT
 setup_pids=()
-for name in py312 py311 py312-gpu; do
+for name in py312 py311; do
   HOOKSPEC_DEPS_ONLY=1 bash scripts/setup_env.sh "$name" >"$setup_logs/$name.log" 2>&1 &
   setup_pids+=($!)
 done
 setup_status=0
 for pid in "${setup_pids[@]}"; do wait "$pid" || setup_status=1; done
-cat "$setup_logs"/py312.log "$setup_logs"/py311.log "$setup_logs"/py312-gpu.log
+cat "$setup_logs"/py312.log "$setup_logs"/py311.log
 [ $setup_status -eq 0 ] || { echo "== setting up an environment failed (its log is above)"; exit 1; }
-for name in py312 py311 py312-gpu; do bash scripts/setup_env.sh "$name" || exit 1; done
+for name in py312 py311; do bash scripts/setup_env.sh "$name" || exit 1; done
 
 status=0
 step() { echo; echo "== $*  [$((SECONDS / 60)) min $((SECONDS % 60)) s into the run]"; }
@@ -41,25 +41,10 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 # run once, in py312; the 25 slowest tests are printed (docs/testing.md: what runs where, why).
 for name in py311 py312; do
   once=(); [ "$name" = py311 ] && once=(-m "not release_independent")
-  step "pytest on $name ($("$venvs/$name/bin/python" -c 'import importlib.metadata as md, sys; v = md.version("megatron-core"); print(f"Python {sys.version.split()[0]}, megatron-core {v}")'))"
+  step "pytest on $name ($("$venvs/$name/bin/python" -c 'import importlib.metadata as md, sys; v, t = md.version("megatron-core"), md.version("torch"); print(f"Python {sys.version.split()[0]}, megatron-core {v}, torch {t}")'))"
   "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 \
     ${once[@]+"${once[@]}"} "$@" || status=1
 done
-# The GPU machine's torch and Triton: the tests whose outcome depends on them. Left out: the
-# tp=2 runs (gloo, the same kernels as tp=1) and the 262144-entry vocabulary (size, not
-# version); and the cost model's out_dtype self-test, whose addmm(out_dtype=) torch 2.11
-# cannot run on meta tensors (its decomposition takes out_dtype for beta; CUDA runs the kernel).
-procs=tests/processors  # every file below but the doctor's
-gpu_image_tests=($procs/test_processors_triton.py $procs/test_triton_compile.py $procs/test_cost_model.py
-  $procs/test_host_reads.py $procs/test_processors_logprobs.py $procs/test_processors_fused.py
-  $procs/test_processors_defects.py $procs/test_topk.py $procs/test_distill.py $procs/test_gpu_bench.py
-  $procs/test_precision.py $procs/test_gpu_model.py $procs/test_gpu_paths_on_cpu.py
-  $procs/test_softcap.py::test_whole_blocks_against_float64 $procs/test_softcap.py::test_the_gpu_checks_body_on_the_cpu
-  $procs/test_softcap.py::test_the_mean_logit_is_of_the_capped_logits
-  tests/releases/test_doctor.py::test_gpu_checks_run_on_the_cpu_with_the_interpreter)
-step "pytest on py312-gpu (torch 2.11.0 + Triton 3.6.0, the GPU machine's pair)"
-"$venvs/py312-gpu/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 -k "not tp2 and not vocab_262144" \
-  --deselect $procs/test_cost_model.py::test_counter_counts_out_dtype_products "${gpu_image_tests[@]}" || status=1
 step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
 bash scripts/matrix.sh || status=1
 step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh)"

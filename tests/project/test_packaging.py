@@ -34,10 +34,11 @@ def test_extras_bring_the_frameworks() -> None:
     ]  # what test_notebooks executes with
 
 
-def test_requirements_pin_the_two_megatron_releases() -> None:
+def test_requirements_pin_the_two_megatron_releases_and_the_gpu_machines_torch() -> None:
     py312 = (ROOT / "requirements" / "py312.txt").read_text().split()
     py311 = (ROOT / "requirements" / "py311.txt").read_text().split()
-    assert "megatron-core==0.19.2" in py312 and "torch==2.13.0" in py312
+    assert "megatron-core==0.19.2" in py312 and "torch==2.11.0" in py312  # the GPU machine's
+    assert "triton==3.6.0" in py312
     assert "megatron-core==0.16.1" in py311 and "torch==2.13.0" in py311
 
 
