@@ -31,6 +31,7 @@ N, H, V = 10, 6, 23
 def _torch_at_least(major: int, minor: int) -> bool:
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
+
 # torch alone: the same outcome on every Megatron release and Python (docs/testing.md)
 pytestmark = pytest.mark.release_independent
 
