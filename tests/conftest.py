@@ -45,6 +45,7 @@ def megatron_single() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -53,3 +54,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def slow_first(items: list[pytest.Item]) -> None:
+    """The files that hold a test marked ``slow`` first, each file's tests in their order:
+    pytest-xdist's ``loadfile`` hands out files in collection order, so a slow file left
+    for last keeps one worker busy while the other has nothing to do."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

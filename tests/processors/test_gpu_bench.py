@@ -670,6 +670,7 @@ def test_measure_first_runs_before_the_tests_and_the_benchmark() -> None:
     assert order == sorted(order)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings(
     "ignore::RuntimeWarning:triton.runtime.interpreter"
 )  # masked lanes: -inf - -inf

@@ -626,6 +626,7 @@ def test_pair_losses_gradients_and_formulas(method: str) -> None:
             )
 
 
+@pytest.mark.release_independent  # hookcheck over the preference processors: torch and JAX alone
 def test_hookcheck_builtin_checks_pass() -> None:
     """The two built-in checks, run as ``hookcheck`` runs them (the tiny GPT in fp32 and
     bf16, tied, and the awkward case, whose masked row leaves one pair)."""

@@ -347,6 +347,7 @@ PAIR = [
 @pytest.mark.skipif(
     not (HAS_JAX and HAS_MEGATRON), reason="hookcheck needs jax, flax and megatron-core"
 )
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "cp2"])
 def test_example_pair_passes_hookcheck(tp: int, cp: int) -> None:
     """``python -m jax_ref.check.hookcheck`` on the template pair, as the docs
@@ -443,6 +444,7 @@ def test_example_pair_check_can_fail() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.release_independent
 @pytest.mark.skipif(not (HAS_JAX and HAS_MEGATRON), reason="needs jax, flax and megatron-core")
 def test_example_pair_check_can_fail_under_context_parallel() -> None:

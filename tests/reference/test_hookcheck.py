@@ -101,6 +101,7 @@ def test_non_finite_values_fail_with_a_clear_line():
     assert _summary(out)["unshifted_softmax", "gpt", "float32"] == "ok"
 
 
+@pytest.mark.release_independent  # the hook at tp=2 on every release: test_enable_tp.py
 def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     """Two gloo ranks (Megatron tp=2, vocab split), the reference sharded over two
     virtual JAX devices, in float32 and bfloat16 (``--dtype``: the GPT in bf16 on the
@@ -132,6 +133,7 @@ def test_missing_tensor_parallel_reduction_is_caught_on_two_ranks():
     assert "Traceback" not in out + proc.stderr
 
 
+@pytest.mark.release_independent  # Megatron's cp split on every release: test_policy_cp.py
 def test_context_parallel_passes_shares_and_catches_a_rank_local_mean():
     """``--cp 2``: every case split over two gloo ranks as Megatron splits a batch. The
     per-token recipe and the token mean over the CP group's count pass; the same mean

@@ -328,6 +328,7 @@ def test_config_is_read_by_attribute_without_torch() -> None:
 # ---------------------------------------------------------------- two ranks
 
 
+@pytest.mark.slow
 @pytest.mark.release_independent
 def test_hookcheck_two_ranks_and_sharded_references() -> None:
     """hookcheck --tp 2: top-k and both distillation forms on two gloo ranks against

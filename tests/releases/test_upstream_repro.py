@@ -60,6 +60,7 @@ def test_every_script_is_listed_and_documented() -> None:
         assert f"scripts/repro/{name}" in doc, name
 
 
+@pytest.mark.slow  # each script starts its own processes
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_defect_shows_as_documented(script: str) -> None:
     if RELEASE not in EXPECTED[script]:
