@@ -26,12 +26,6 @@ from torch_impl.processors import (
 )
 
 N, H, V = 10, 6, 23
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
-
-
 # torch alone: the same outcome on every Megatron release and Python (docs/testing.md)
 pytestmark = pytest.mark.release_independent
 
@@ -110,7 +104,7 @@ def _context(h: Any, w: Any, p: dict[str, Any]) -> OutputContext:
     )
 
 
-DYNAMO_BUILDS_FROZEN_DATACLASSES = _torch_at_least(2, 13)
+DYNAMO_BUILDS_FROZEN_DATACLASSES = torch.__version__ >= (2, 13)  # TorchVersion compares
 """Dynamo before torch 2.13 fails with an internal ``AssertionError`` (``self.source is
 not None``, ``variables/user_defined.py``) when it traces the construction of a frozen
 dataclass whose field has a ``default_factory`` that is itself a frozen dataclass, as
