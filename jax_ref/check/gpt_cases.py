@@ -253,11 +253,16 @@ def run_tensor_parallel(
 def spawn_ranks(
     worker: Any, world: int, payload: Any, *, timeout_s: float, what: str
 ) -> dict[int, Any]:
-    """``worker(rank, world, port, payload, results)`` on ``world`` spawned processes,
-    each putting ``(rank, status, payload)`` on ``results`` (``"ok"``, ``"contract"``:
-    a ``ContractError``'s fields, ``"error"``: its first line and traceback); rank ->
-    the ``"ok"`` payloads. A rank's ``ContractError`` is raised here; another failure,
-    a rank that dies or a run past ``timeout_s`` is a ``RuntimeError`` naming it."""
+    """``worker(rank, world, port, payload, results)`` on ``world`` processes, each putting
+    ``(rank, status, payload)`` on ``results`` (``"ok"``, ``"contract"``: a
+    ``ContractError``'s fields, ``"error"``: its first line and traceback); rank -> the
+    ``"ok"`` payloads. A rank's ``ContractError`` is raised here; another failure, a rank
+    that dies or a run past ``timeout_s`` is a ``RuntimeError`` naming it.
+
+    One process is spawned (a fresh interpreter: nothing of the caller's state, threads or
+    devices comes along); it imports what every rank imports and forks the ranks from
+    there (:func:`_fork_ranks`), so that torch and Megatron are imported once a run, not
+    once a rank: about 10 s of CPU each on a CPU, most of a small check's time."""
     import torch.multiprocessing as mp
 
     from torch_impl.process_state import free_port
@@ -265,12 +270,8 @@ def spawn_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, world, port, payload, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    launcher = ctx.Process(target=_fork_ranks, args=(worker, world, port, payload, results))
+    launcher.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -278,17 +279,20 @@ def spawn_ranks(
             try:
                 rank, status, payload = results.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
-                ]
-                if dead:
-                    code = procs[dead[0]].exitcode
+                if launcher.exitcode not in (None, 0):
                     raise RuntimeError(
-                        f"rank {dead[0]} of {world} exited with code {code} before reporting"
+                        f"the process starting the {world} ranks exited with code "
+                        f"{launcher.exitcode} before they reported"
                     ) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{what} run timed out after {timeout_s:.0f} s") from None
                 continue
+            if status == "died" and rank in got:  # after its report: the others still count
+                continue
+            if status == "died":
+                raise RuntimeError(
+                    f"rank {rank} of {world} exited with code {payload} before reporting"
+                )
             if status == "contract":
                 field, expected, actual, hint = payload
                 raise ContractError(field, expected=expected, actual=actual, hint=hint)
@@ -299,8 +303,48 @@ def spawn_ranks(
                 raise error
             got[rank] = payload
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+        if len(got) < world:  # a failure or the timeout: the other ranks' work is not wanted
+            launcher.terminate()  # its SIGTERM handler ends the ranks it forked
+        launcher.join(timeout=30)
+        if launcher.is_alive():
+            launcher.kill()
+            launcher.join()
     return got
+
+
+_RANK_IMPORTS = ("megatron.core", "torch_impl.process_state", "torch_impl.tiny")
+"""What every rank imports before it runs a case: imported once, in :func:`_fork_ranks`."""
+
+
+def _fork_ranks(worker: Any, world: int, port: int, payload: Any, results: Any) -> None:
+    """The spawned process of :func:`spawn_ranks`: import :data:`_RANK_IMPORTS`, fork the
+    ``world`` ranks (nothing has run here but imports: no threads to inherit, no CUDA),
+    and put ``(rank, "died", exitcode)`` on ``results`` for a rank that exits non-zero. A
+    SIGTERM (the caller's timeout) ends the ranks too: they are daemonic, and the handler
+    exits through ``multiprocessing``'s clean-up, which terminates them."""
+    import importlib
+    import signal
+    import sys
+    from multiprocessing.connection import wait
+
+    import torch.multiprocessing as mp
+
+    for name in _RANK_IMPORTS:
+        importlib.import_module(name)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    ctx = mp.get_context("fork")
+    ranks = [
+        ctx.Process(target=worker, args=(r, world, port, payload, results), daemon=True)
+        for r in range(world)
+    ]
+    for rank in ranks:
+        rank.start()
+    running = dict(enumerate(ranks))
+    while running:
+        wait([rank.sentinel for rank in running.values()])
+        for r, rank in list(running.items()):
+            if rank.exitcode is None:
+                continue
+            del running[r]
+            if rank.exitcode != 0:
+                results.put((r, "died", rank.exitcode))
