@@ -214,7 +214,9 @@ def worker(rank: int, port: int, queue: mp.Queue[str]) -> None:
 
 def main() -> None:
     port = free_port()
-    ctx = mp.get_context("spawn")
+    # forked, not spawned: nothing has run here but imports, and a rank then need not
+    # import torch and Megatron again (most of the run time on a CPU)
+    ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
     for p in procs:

@@ -62,7 +62,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # forked, not spawned: nothing has run here but imports, and a rank then need not
+    # import torch and Megatron again (most of the run time on a CPU)
+    ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(rank, port, queue)) for rank in range(2)]
     for p in procs:
