@@ -2,10 +2,11 @@
 
 Each script under ``scripts/repro/`` runs on a CPU with torch and megatron-core only
 and prints one JSON line whose ``defect`` says whether the Megatron defect showed.
-Here each runs in a fresh interpreter on this environment's release, and the test
-asserts what docs/upstream.md says of that release: when a release fixes a defect
-(or starts to show one), this test fails and the document is re-read, so it cannot
-go stale silently.
+Here each runs on this environment's release, in a process forked from one that has
+imported torch and megatron.core only (what a fresh interpreter running it does first), and
+the test asserts what docs/upstream.md says of that release: when a release fixes a defect
+(or starts to show one), this test fails and the document is re-read, so it cannot go stale
+silently.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import select
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,19 +38,61 @@ EXPECTED: dict[str, dict[str, bool]] = {
 }
 
 
-def _run(script: str) -> dict[str, object]:
+# A script runs in a process forked from one that has imported torch and megatron.core and
+# nothing else (each script's first imports): as a fresh interpreter would run it, without
+# the ~10 s of CPU those imports take in each.
+_SERVER = r"""
+import os, runpy, sys, traceback
+import torch, megatron.core
+for line in sys.stdin:
+    script, out, err = line.rstrip("\n").split("\t")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv, code = [script], 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[subprocess.Popen[str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "repro" / script)],
-        capture_output=True,
+    with subprocess.Popen(
+        [sys.executable, "-c", _SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=600,
         cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    ) as proc:  # on leaving: its pipes closed (the end of its input ends it), and waited for
+        yield proc
+
+
+def _run(server: subprocess.Popen[str], script: str, tmp: Path) -> dict[str, object]:
+    assert server.stdin is not None and server.stdout is not None
+    out, err = tmp / "stdout", tmp / "stderr"
+    server.stdin.write(f"{ROOT / 'scripts' / 'repro' / script}\t{out}\t{err}\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], 600)
+    if not ready:
+        server.kill()
+        pytest.fail(f"{script} ran past 600 s")
+    returncode = int(server.stdout.readline())
+    stdout, stderr = out.read_text(), err.read_text()
+    assert returncode == 0, stdout + stderr
+    report: dict[str, object] = json.loads(stdout.strip().splitlines()[-1])
     assert report["megatron_core"] == RELEASE
     return report
 
@@ -62,10 +107,12 @@ def test_every_script_is_listed_and_documented() -> None:
 
 @pytest.mark.slow  # each script starts its own processes
 @pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_defect_shows_as_documented(script: str) -> None:
+def test_defect_shows_as_documented(
+    script: str, server: subprocess.Popen[str], tmp_path: Path
+) -> None:
     if RELEASE not in EXPECTED[script]:
         pytest.skip(f"megatron-core {RELEASE} is not a pinned release of this test")
-    report = _run(script)
+    report = _run(server, script, tmp_path)
     assert report["defect"] is EXPECTED[script][RELEASE], report
     if script == "final_norm_schedule_plan.py":
         # the cause, not only the symptom: the plan is forward without the final norm
