@@ -11,7 +11,9 @@
 # checks that `megatron.core` then imports from that folder. The releases the environments
 # themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
 # here they only print their row of the release table (docs/releases.md). Every release prints
-# `python -m torch_impl.doctor --facts-row`, the row tests/releases/test_release_matrix.py checks.
+# `python -m torch_impl.doctor --facts-row`, the row tests/releases/test_release_matrix.py checks
+# (for a fetched release, by the process that checked the import: one import of torch and
+# Megatron for both).
 # Two releases run at a time, each into its own log; the logs print whole, in order, at the end.
 # Exit status: 0 when every release passed, 1 otherwise. Expects both environments set up.
 set -uo pipefail
@@ -45,8 +47,15 @@ install_release() {  # $1 release, $2 python; prints the target folder
     mkdir -p "$cache"
     wheel=$(ls "$cache"/megatron_core-"$release"-*.whl 2>/dev/null | head -n 1)
     if [ -z "$wheel" ]; then
-      pip_quiet "$python" -m pip download -q --no-deps --only-binary=:all: -d "$cache" "megatron-core==$release" >&2 || return 1
-      wheel=$(ls "$cache"/megatron_core-"$release"-*.whl | head -n 1)
+      # into a folder of its own, then moved into the cache whole: scripts/upstream_check.sh,
+      # which scripts/test.sh runs beside this script, may be fetching 0.18.2 too
+      local fetch
+      fetch=$(mktemp -d "$cache/.fetch.XXXXXX") || return 1
+      pip_quiet "$python" -m pip download -q --no-deps --only-binary=:all: -d "$fetch" "megatron-core==$release" >&2 &&
+        mv "$fetch"/megatron_core-"$release"-*.whl "$cache"/
+      rm -rf "$fetch"
+      wheel=$(ls "$cache"/megatron_core-"$release"-*.whl 2>/dev/null | head -n 1)
+      [ -n "$wheel" ] || return 1
     fi
     rm -rf "$target"
     pip_quiet "$python" -m pip install -q --no-deps --no-index --target "$target" "$wheel" >&2 || return 1
@@ -72,21 +81,30 @@ run_release() {  # $1 release, $2 environment; prints its log, ends with its row
     echo "could not fetch or install megatron-core $release"
     echo "ROW $release  $env  FAILED: install"; return
   fi
-  if ! PYTHONPATH="$target" "$python" - "$target" "$release" <<'EOF2'
-import importlib.metadata as md, os, sys
-import megatron.core
+  # One process: the import check, then (exit status 3 where megatron.core did not import
+  # from the target folder) the doctor's row, as `python -m torch_impl.doctor --facts-row`.
+  local ok=1 rc=0
+  PYTHONPATH="$target" "$python" - "$target" "$release" <<'EOF2' || rc=$?
+import importlib.metadata as md, os, sys, traceback
 target, release = os.path.realpath(sys.argv[1]), sys.argv[2]
+try:
+    import megatron.core
+except Exception:
+    traceback.print_exc()
+    sys.exit(3)
 where = os.path.realpath(megatron.core.__file__)
 version = md.version("megatron-core")
 print(f"megatron.core from {where} (metadata {version})")
-sys.exit(0 if where.startswith(target + os.sep) and version == release else 1)
+if not (where.startswith(target + os.sep) and version == release):
+    sys.exit(3)
+from torch_impl.doctor import main
+sys.exit(main(["--facts-row"]))
 EOF2
-  then
+  if [ $rc -eq 3 ]; then
     echo "megatron.core did not import from $target"
     echo "ROW $release  $env  FAILED: not shadowed"; return
   fi
-  local ok=1
-  PYTHONPATH="$target" "$python" -m torch_impl.doctor --facts-row || ok=0
+  [ $rc -eq 0 ] || ok=0
   PYTHONPATH="$target" "$python" -m pytest -q -p no:cacheprovider -m release_matrix "${TESTS[@]}" || ok=0
   if [ $ok = 1 ]; then echo "ROW $release  $env  passed  $((SECONDS - start)) s"
   else echo "ROW $release  $env  FAILED  $((SECONDS - start)) s"; fi

@@ -4,9 +4,10 @@
 #          torch 2.11.0 + Triton 3.6.0 (the Triton interpreter, the compile test)
 #   py311: Python 3.11, megatron-core 0.16.1 (no hook; the adapter's own path), jax 0.10,
 #          torch 2.13.0 (CPU)
-# then the release matrix (scripts/matrix.sh): the tests marked release_matrix on every
-# megatron-core release from 0.13.1 to 0.19.2, each in the environment of its Python,
-# and the patch series of upstream/ on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh).
+# then, side by side, the release matrix (scripts/matrix.sh): the tests marked release_matrix
+# on every megatron-core release from 0.13.1 to 0.19.2, each in the environment of its
+# Python, and the patch series of upstream/ on copies of 0.19.2 and 0.18.2
+# (scripts/upstream_check.sh); each into its own log, both printed whole once both have ended.
 # Extra arguments go to both pytest runs (e.g. -x, -k tp2).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,16 +16,16 @@ venvs=${HOOKSPEC_VENVS:-$root/.venvs}
 # The two environments' requirements are installed side by side (mostly downloads and
 # unpacking), each into its own log, printed once all have ended; then the project itself
 # into each, one after another (an editable install reads the one checkout).
-setup_logs=$(mktemp -d)
-trap 'rm -rf "$setup_logs"' EXIT
+logs=$(mktemp -d)  # the logs of the steps that run side by side
+trap 'rm -rf "$logs"' EXIT
 setup_pids=()
 for name in py312 py311; do
-  HOOKSPEC_DEPS_ONLY=1 bash scripts/setup_env.sh "$name" >"$setup_logs/$name.log" 2>&1 &
+  HOOKSPEC_DEPS_ONLY=1 bash scripts/setup_env.sh "$name" >"$logs/$name.log" 2>&1 &
   setup_pids+=($!)
 done
 setup_status=0
 for pid in "${setup_pids[@]}"; do wait "$pid" || setup_status=1; done
-cat "$setup_logs"/py312.log "$setup_logs"/py311.log
+cat "$logs"/py312.log "$logs"/py311.log
 [ $setup_status -eq 0 ] || { echo "== setting up an environment failed (its log is above)"; exit 1; }
 for name in py312 py311; do bash scripts/setup_env.sh "$name" || exit 1; done
 
@@ -45,10 +46,31 @@ for name in py311 py312; do
   "$venvs/$name/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 \
     ${once[@]+"${once[@]}"} "$@" || status=1
 done
-step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh)"
-bash scripts/matrix.sh || status=1
-step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh)"
-bash scripts/upstream_check.sh || status=1
+# The release matrix and the upstream check run side by side: one after the other, a core
+# would idle (the matrix's last round runs one release, the upstream check mostly one process
+# at a time). The matrix runs at a lower priority (nice): the upstream check's steps are one
+# chain, the longer, and the matrix's releases fill the core it leaves. Each writes its own
+# log, which ends with its wall time and exit status; the two print whole, in this order,
+# once both have ended. The step fails if either fails.
+side_by_side() {  # $1 log, $2.. the command
+  local log=$1 start=$SECONDS rc
+  shift
+  "$@" >"$log" 2>&1
+  rc=$?
+  echo "($*: $((SECONDS - start)) s, exit status $rc)" >>"$log"
+  return $rc
+}
+step "release matrix (scripts/matrix.sh) and upstream check (scripts/upstream_check.sh), side by side; their logs follow"
+side_by_side "$logs/matrix.log" nice -n 10 bash scripts/matrix.sh &
+matrix_pid=$!
+side_by_side "$logs/upstream.log" bash scripts/upstream_check.sh &
+upstream_pid=$!
+wait "$matrix_pid" || status=1
+wait "$upstream_pid" || status=1
+step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh), its log"
+cat "$logs/matrix.log"
+step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh), its log"
+cat "$logs/upstream.log"
 echo
 echo "== $((SECONDS / 60)) min $((SECONDS % 60)) s in all"
 if [ $status -eq 0 ]; then echo "== all checks passed on py311, py312 and the release matrix"; else echo "== SOME CHECKS FAILED"; fi

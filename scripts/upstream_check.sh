@@ -24,7 +24,8 @@
 #      as upstream/README.md tells the submitter, carries exactly one Signed-off-by, the
 #      submitter's, who is also its author.
 #   4. megatron-core 0.18.2 (its wheel fetched once into the cache scripts/matrix.sh
-#      uses): the patches of upstream/series-0.18.2 and their tests.
+#      uses): the patches of upstream/series-0.18.2 and their tests. It runs beside
+#      steps 1 to 3 (mostly one process at a time), into its own log, printed after them.
 #
 #   bash scripts/upstream_check.sh              # all of it on 0.19.2 and 0.18.2 (CI)
 #   bash scripts/upstream_check.sh --full       # also test_mtp_tp.py, test_schedule_plan.py
@@ -60,9 +61,11 @@ while [ $# -gt 0 ]; do
 done
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+v0182_pid=  # step 4, while it runs in the background
+trap '[ -z "$v0182_pid" ] || kill -- "-$v0182_pid" 2>/dev/null; rm -rf "$scratch"' EXIT
 status=0
 started=$SECONDS
+port_base=29500  # torchrun's master port: port_base + RANDOM % 1000 (step 4: its own range)
 step() { echo; echo "== upstream: $*"; }
 
 series_patches() {  # $1 series file: its patches, in order
@@ -122,7 +125,7 @@ run_checks() {  # $1 folder, $2.. patch names: their tests there, pytest -rA, on
   fi
   if [ ${#unit2[@]} -gt 0 ]; then
     (cd "$target" && PYTHONPATH="$path" "$python" -m torch.distributed.run --nproc-per-node 2 \
-      --master-port "$((29500 + RANDOM % 1000))" "${pytest[@]}" --noconftest "${unit2[@]}") || rc=1
+      --master-port "$((port_base + RANDOM % 1000))" "${pytest[@]}" --noconftest "${unit2[@]}") || rc=1
   fi
   return $rc
 }
@@ -264,6 +267,35 @@ sys.exit(0 if where.startswith(os.path.realpath(sys.argv[1]) + os.sep) else 1)
 EOF
 }
 
+check_0182() {  # step 4: 0.18.2 patched with upstream/series-0.18.2; 1 if a check failed
+  local wheel fetch patch names=() rc=0
+  local port_base=30500  # its torchrun may run beside step 1's
+  step "megatron-core 0.18.2, patched with upstream/series-0.18.2"
+  wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    # fetched into a folder of its own, then moved into the cache whole: scripts/matrix.sh,
+    # which scripts/test.sh runs beside this script, may be fetching it too
+    mkdir -p "$cache"
+    fetch=$(mktemp -d "$cache/.fetch.XXXXXX") || return 1
+    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$fetch" "megatron-core==0.18.2" &&
+      mv "$fetch"/megatron_core-0.18.2-*.whl "$cache"/
+    rm -rf "$fetch"
+    wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl 2>/dev/null | head -n 1)
+    [ -n "$wheel" ] || return 1
+  fi
+  "$python" -m pip install -q --no-deps --no-index --target "$scratch/v0182" "$wheel" || return 1
+  imports_from "$scratch/v0182" || rc=1
+  while read -r patch; do
+    apply_one "$patch" "$scratch/v0182" || { echo "$patch does not apply to 0.18.2" >&2; return 1; }
+    echo "applied $patch"
+    names+=("$(basename "$patch")")
+  done < <(series_patches upstream/series-0.18.2)
+  run_checks "$scratch/v0182" "${names[@]}" >"$scratch/v0182.log" 2>&1 || rc=1
+  grep -E '^(FAILED|ERROR) ' "$scratch/v0182.log" | sort -u >&2
+  grep -E '^[0-9]+ (passed|failed)' "$scratch/v0182.log"
+  return $rc
+}
+
 finish() {
   echo
   if [ $status -eq 0 ]; then
@@ -303,8 +335,15 @@ if [ -n "$checkout" ]; then
   finish
 fi
 
+# Step 4 runs beside steps 1 to 3, in a process group of its own (set -m; an early exit
+# ends it with its processes), into its own log, printed after them.
+set -m
+check_0182 >"$scratch/v0182-step.log" 2>&1 </dev/null &
+v0182_pid=$!
+set +m
+
 step "megatron-core 0.19.2 (py312's), each patch of upstream/series without and with its fix"
-site=$("$python" -c 'import megatron.core, os; print(os.path.dirname(os.path.dirname(os.path.realpath(megatron.core.__file__))))')
+site=$("$python" -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(os.path.realpath(u.find_spec("megatron.core").origin))))')
 dist=$("$python" -c 'import importlib.metadata as md; print(md.distribution("megatron-core")._path)')
 release=$("$python" -c 'import importlib.metadata as md; print(md.version("megatron-core"))')
 if [ "$release" != 0.19.2 ]; then
@@ -342,22 +381,7 @@ if [ $full -eq 1 ]; then
   done
 fi
 
-step "megatron-core 0.18.2, patched with upstream/series-0.18.2"
-wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl 2>/dev/null | head -n 1)
-if [ -z "$wheel" ]; then
-  mkdir -p "$cache"
-  "$python" -m pip download -q --no-deps --only-binary=:all: -d "$cache" "megatron-core==0.18.2" || exit 1
-  wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl | head -n 1)
-fi
-"$python" -m pip install -q --no-deps --no-index --target "$scratch/v0182" "$wheel" || exit 1
-imports_from "$scratch/v0182" || status=1
-names=()
-while read -r patch; do
-  apply_one "$patch" "$scratch/v0182" || { echo "$patch does not apply to 0.18.2" >&2; exit 1; }
-  echo "applied $patch"
-  names+=("$(basename "$patch")")
-done < <(series_patches upstream/series-0.18.2)
-run_checks "$scratch/v0182" "${names[@]}" >"$scratch/v0182.log" 2>&1 || status=1
-grep -E '^(FAILED|ERROR) ' "$scratch/v0182.log" | sort -u >&2
-grep -E '^[0-9]+ (passed|failed)' "$scratch/v0182.log"
+wait "$v0182_pid" || status=1
+v0182_pid=
+cat "$scratch/v0182-step.log"
 finish
