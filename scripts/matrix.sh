@@ -5,7 +5,7 @@
 #   bash scripts/matrix.sh              # every release below
 #   bash scripts/matrix.sh 0.15.3       # some of them
 #
-# Each release's wheel is fetched once with `pip download --no-deps` into
+# Each release's wheel is fetched once (scripts/mcore_wheel.sh, `pip download --no-deps`) into
 # .venvs/cache/mcore/, installed with `pip install --no-deps --target .venvs/mcore/<release>`
 # and put first on PYTHONPATH of the environment of its Python (py311 or py312); the run
 # checks that `megatron.core` then imports from that folder. The releases the environments
@@ -44,19 +44,7 @@ pip_quiet() {  # pip, without the notes some pip configurations print for every 
 install_release() {  # $1 release, $2 python; prints the target folder
   local release=$1 python=$2 target=$venvs/mcore/$1 wheel
   if [ ! -f "$target/.installed" ]; then
-    mkdir -p "$cache"
-    wheel=$(ls "$cache"/megatron_core-"$release"-*.whl 2>/dev/null | head -n 1)
-    if [ -z "$wheel" ]; then
-      # into a folder of its own, then moved into the cache whole: scripts/upstream_check.sh,
-      # which scripts/test.sh runs beside this script, may be fetching 0.18.2 too
-      local fetch
-      fetch=$(mktemp -d "$cache/.fetch.XXXXXX") || return 1
-      pip_quiet "$python" -m pip download -q --no-deps --only-binary=:all: -d "$fetch" "megatron-core==$release" >&2 &&
-        mv "$fetch"/megatron_core-"$release"-*.whl "$cache"/
-      rm -rf "$fetch"
-      wheel=$(ls "$cache"/megatron_core-"$release"-*.whl 2>/dev/null | head -n 1)
-      [ -n "$wheel" ] || return 1
-    fi
+    wheel=$(bash "$root/scripts/mcore_wheel.sh" "$cache" "$release" "$python") || return 1
     rm -rf "$target"
     pip_quiet "$python" -m pip install -q --no-deps --no-index --target "$target" "$wheel" >&2 || return 1
     touch "$target/.installed"

@@ -67,9 +67,9 @@ side_by_side "$logs/upstream.log" bash scripts/upstream_check.sh &
 upstream_pid=$!
 wait "$matrix_pid" || status=1
 wait "$upstream_pid" || status=1
-step "release matrix: the release_matrix tests on megatron-core 0.13.1 to 0.19.2 (scripts/matrix.sh), its log"
+echo; echo "== the release matrix's log (the release_matrix tests on megatron-core 0.13.1 to 0.19.2)"
 cat "$logs/matrix.log"
-step "upstream: the patch series on copies of 0.19.2 and 0.18.2 (scripts/upstream_check.sh), its log"
+echo; echo "== the upstream check's log (the patch series on copies of 0.19.2 and 0.18.2)"
 cat "$logs/upstream.log"
 echo
 echo "== $((SECONDS / 60)) min $((SECONDS % 60)) s in all"

@@ -23,9 +23,10 @@
 #   3. The sign-off: each patch applied with `git am --signoff` and its author reset,
 #      as upstream/README.md tells the submitter, carries exactly one Signed-off-by, the
 #      submitter's, who is also its author.
-#   4. megatron-core 0.18.2 (its wheel fetched once into the cache scripts/matrix.sh
-#      uses): the patches of upstream/series-0.18.2 and their tests. It runs beside
-#      steps 1 to 3 (mostly one process at a time), into its own log, printed after them.
+#   4. megatron-core 0.18.2 (its wheel fetched once, by scripts/mcore_wheel.sh, into the
+#      cache scripts/matrix.sh uses): the patches of upstream/series-0.18.2 and their
+#      tests. It runs beside steps 1 to 3 (mostly one process at a time), into its own
+#      log, printed after them.
 #
 #   bash scripts/upstream_check.sh              # all of it on 0.19.2 and 0.18.2 (CI)
 #   bash scripts/upstream_check.sh --full       # also test_mtp_tp.py, test_schedule_plan.py
@@ -268,21 +269,10 @@ EOF
 }
 
 check_0182() {  # step 4: 0.18.2 patched with upstream/series-0.18.2; 1 if a check failed
-  local wheel fetch patch names=() rc=0
+  local wheel patch names=() rc=0
   local port_base=30500  # its torchrun may run beside step 1's
   step "megatron-core 0.18.2, patched with upstream/series-0.18.2"
-  wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl 2>/dev/null | head -n 1)
-  if [ -z "$wheel" ]; then
-    # fetched into a folder of its own, then moved into the cache whole: scripts/matrix.sh,
-    # which scripts/test.sh runs beside this script, may be fetching it too
-    mkdir -p "$cache"
-    fetch=$(mktemp -d "$cache/.fetch.XXXXXX") || return 1
-    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$fetch" "megatron-core==0.18.2" &&
-      mv "$fetch"/megatron_core-0.18.2-*.whl "$cache"/
-    rm -rf "$fetch"
-    wheel=$(ls "$cache"/megatron_core-0.18.2-*.whl 2>/dev/null | head -n 1)
-    [ -n "$wheel" ] || return 1
-  fi
+  wheel=$(bash "$root/scripts/mcore_wheel.sh" "$cache" 0.18.2 "$python") || return 1
   "$python" -m pip install -q --no-deps --no-index --target "$scratch/v0182" "$wheel" || return 1
   imports_from "$scratch/v0182" || rc=1
   while read -r patch; do

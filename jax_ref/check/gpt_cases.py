@@ -287,9 +287,9 @@ def spawn_ranks(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{what} run timed out after {timeout_s:.0f} s") from None
                 continue
-            if status == "died" and rank in got:  # after its report: the others still count
-                continue
             if status == "died":
+                if rank in got:  # after its report: the others still count
+                    continue
                 raise RuntimeError(
                     f"rank {rank} of {world} exited with code {payload} before reporting"
                 )
