@@ -172,6 +172,21 @@ def test_a_run_elsewhere_is_told_apart_from_a_torch_upgrade() -> None:
     assert platform_differs({"metadata": {}}, here)
 
 
+@pytest.mark.skipif(not HAS_NBCLIENT, reason="nbclient, nbformat or ipykernel is not installed")
+def test_the_kernel_talks_over_unix_sockets_and_binds_no_tcp_port() -> None:
+    # A TCP kernel's five ports are picked free, freed and bound again by the kernel: another
+    # process of a parallel run can take one in between ("Address already in use").
+    import nbformat
+
+    cell = (
+        "import json\nfrom ipykernel.connect import get_connection_info\n"
+        "print(json.loads(get_connection_info())['transport'])"
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    execute(nb)
+    assert nb.cells[0].outputs[0]["text"] == "ipc\n"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not HAS_NBCLIENT,

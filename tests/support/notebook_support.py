@@ -41,6 +41,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,7 +102,8 @@ def platform_differs(stored: dict[str, Any], here: dict[str, str]) -> str | None
 
 def execute(nb: Any, *, timeout: int = CELL_TIMEOUT_S) -> None:
     """Run the ``nbformat`` notebook ``nb`` top to bottom in place, in a fresh ipykernel of
-    this interpreter started with :func:`kernel_env` in ``notebooks/``, shut down after.
+    this interpreter started with :func:`kernel_env` in ``notebooks/``, its channels on Unix
+    sockets in a temporary directory (no TCP port to lose to a parallel test), shut down after.
     Raises ``nbclient``'s ``CellExecutionError``, naming the cell, on the first error."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -114,15 +116,25 @@ def execute(nb: Any, *, timeout: int = CELL_TIMEOUT_S) -> None:
             argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
             return KernelSpec(argv=argv, display_name="Python 3", language="python")
 
-    client = NotebookClient(
-        nb,
-        km=AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisPython()),
-        timeout=timeout,
-        record_timing=False,  # no per-cell timestamps in the stored file
-        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
-    )
-    # cleanup_kc: shut the kernel down after (nbclient keeps it alive when given its manager)
-    client.execute(cleanup_kc=True, env=kernel_env())
+    with tempfile.TemporaryDirectory(prefix="nb-kernel-") as sockets:
+        # The kernel's channels are Unix sockets in a directory of its own (transport "ipc"):
+        # with TCP, the client picks five free ports, frees them and the kernel binds them,
+        # and another process of a parallel test run can take one in between.
+        km = AsyncKernelManager(
+            kernel_name="python3",
+            kernel_spec_manager=ThisPython(),
+            transport="ipc",
+            ip=os.path.join(sockets, "kernel"),
+        )
+        client = NotebookClient(
+            nb,
+            km=km,
+            timeout=timeout,
+            record_timing=False,  # no per-cell timestamps in the stored file
+            resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+        )
+        # cleanup_kc: shut the kernel down after (nbclient keeps it alive given its manager)
+        client.execute(cleanup_kc=True, env=kernel_env())
 
 
 def store(path: Path) -> float:
