@@ -179,6 +179,7 @@ def megatron_parallel(
     port: int | None = None,
     backend: str = "gloo",
     vpp: int | None = None,
+    store: torch.distributed.Store | None = None,
 ) -> Iterator[None]:
     """Initialise ``torch.distributed`` (gloo by default) on loopback and Megatron's
     model parallel groups (``tp`` x ``cp`` x ``pp`` ranks: tensor, context and
@@ -191,7 +192,11 @@ def megatron_parallel(
     colliding with the caller's. One process (``world_size`` 1) with no ``port``
     given needs no rendezvous: its group is made over an in-memory store
     (``torch.distributed.HashStore``), no port at all, so that processes started
-    side by side (test workers) cannot collide on one.
+    side by side (test workers) cannot collide on one. ``store``: the ranks meet at
+    this store instead of a port (as ``init_process_group(store=)``), typically a
+    client of a ``torch.distributed.TCPStore`` the launcher holds: a port chosen free
+    and bound only once the ranks have started can be taken in between by another
+    process; the launcher's server holds its port from before they start.
 
     The caller's state is left as found: a process group the caller initialised
     (of ``world_size`` ranks) is used and kept; Megatron's groups the caller
@@ -203,7 +208,12 @@ def megatron_parallel(
     from megatron.core import parallel_state
 
     world_size = world_size or tp * pp * cp
-    made_group = _join_process_group(world_size, rank=rank, port=port, backend=backend)
+    if store is not None and port is not None:
+        raise ValueError(
+            f"megatron_parallel: port={port} and store={store!r} given; the ranks meet at one "
+            "of them, expected port=None with a store"
+        )
+    made_group = _join_process_group(world_size, rank=rank, port=port, backend=backend, store=store)
     made_state = _check_megatron_groups(parallel_state, tp, pp, cp, made_group=made_group)
     try:
         with process_groups_kept():
@@ -226,7 +236,14 @@ def megatron_parallel(
             torch.distributed.destroy_process_group()
 
 
-def _join_process_group(world_size: int, *, rank: int, port: int | None, backend: str) -> bool:
+def _join_process_group(
+    world_size: int,
+    *,
+    rank: int,
+    port: int | None,
+    backend: str,
+    store: torch.distributed.Store | None,
+) -> bool:
     """:func:`megatron_parallel`'s process group: the caller's (of ``world_size`` ranks,
     else ``RuntimeError``), or one made here; whether it was made here."""
     if torch.distributed.is_initialized():
@@ -237,7 +254,9 @@ def _join_process_group(world_size: int, *, rank: int, port: int | None, backend
                 "a process of its own"
             )
         return False
-    if world_size == 1 and port is None:  # one process meets no one: no port to collide on
+    if store is not None:
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    elif world_size == 1 and port is None:  # one process meets no one: no port to collide on
         torch.distributed.init_process_group(
             backend, store=torch.distributed.HashStore(), rank=0, world_size=1
         )

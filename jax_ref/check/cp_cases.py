@@ -184,7 +184,8 @@ def _cp_worker(rank: int, cp: int, port: int, cases: tuple[CPCase, ...], results
 
         from torch_impl.process_state import megatron_parallel
 
-        with megatron_parallel(cp=cp, rank=rank, world_size=cp, port=port):
+        store = torch.distributed.TCPStore("127.0.0.1", port, cp, is_master=False)
+        with megatron_parallel(cp=cp, rank=rank, world_size=cp, store=store):
             group = parallel_state.get_context_parallel_group()
             wires = [_run_rank(case, rank, cp, group) for case in cases]
         results.put((rank, "ok", wires))

@@ -229,7 +229,8 @@ def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], result
     try:
         from torch_impl.process_state import megatron_parallel
 
-        with megatron_parallel(tp=tp, rank=rank, world_size=tp, port=port):
+        store = torch.distributed.TCPStore("127.0.0.1", port, tp, is_master=False)
+        with megatron_parallel(tp=tp, rank=rank, world_size=tp, store=store):
             wires = [_run_to_wire(run_gpt_case(case)) for case in cases]
         results.put((rank, "ok", wires))
     except ContractError as exc:
@@ -262,15 +263,18 @@ def spawn_ranks(
     One process is spawned (a fresh interpreter: nothing of the caller's state, threads or
     devices comes along); it imports what every rank imports and forks the ranks from
     there (:func:`_fork_ranks`), so that torch and Megatron are imported once a run, not
-    once a rank: about 10 s of CPU each on a CPU, most of a small check's time."""
-    import torch.multiprocessing as mp
+    once a rank: about 10 s of CPU each on a CPU, most of a small check's time.
 
-    from torch_impl.process_state import free_port
+    The ranks meet at ``port``, where this process holds a ``torch.distributed.TCPStore``
+    for the length of the run (each rank a client of it): a port chosen free and bound by
+    rank 0 once started could be taken in between by another process."""
+    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    launcher = ctx.Process(target=_fork_ranks, args=(worker, world, port, payload, results))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    args = (worker, world, store.port, payload, results)
+    launcher = ctx.Process(target=_fork_ranks, args=args)
     launcher.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s

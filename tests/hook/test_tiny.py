@@ -69,3 +69,36 @@ def test_one_process_takes_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.distributed.all_reduce(x)
         assert torch.distributed.get_world_size() == 1 and torch.equal(x, torch.ones(2))
     assert not torch.distributed.is_initialized()
+
+
+def test_ranks_meet_at_a_given_store_and_a_port_beside_it_is_refused() -> None:
+    store = torch.distributed.HashStore()
+    with tiny.megatron_parallel(store=store):
+        assert torch.distributed.get_world_size() == 1
+    assert store.num_keys() > 0  # the group met there
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"port=29500 and store=.*expected port=None"):
+        with tiny.megatron_parallel(store=store, port=29500):
+            pass
+    assert not torch.distributed.is_initialized()
+
+
+def _sum_of_ranks(rank: int) -> None:
+    x = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(x)
+    assert x.item() == 1.0
+
+
+def test_test_ranks_meet_at_the_parents_store_not_a_port_freed_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port chosen free and bound by rank 0 only once started could be taken in between
+    by a parallel test's process: the parent holds the ranks' store from the start."""
+    from tests.support.distributed import run_distributed
+
+    def no_port() -> int:
+        raise AssertionError("the test's ranks were given a port to bind later")
+
+    monkeypatch.setattr(process_state, "free_port", no_port)
+    monkeypatch.setattr(support, "free_port", no_port)
+    run_distributed(_sum_of_ranks, tp=2)
