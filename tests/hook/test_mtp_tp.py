@@ -165,7 +165,8 @@ def _two_ranks_tp1(rank: int, port: int, errors: Any) -> None:
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
-        with megatron_parallel(rank=rank, world_size=2, port=port):
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
+        with megatron_parallel(rank=rank, world_size=2, store=store):
             for from_packed in (True, False):
                 _cp_rank(rank, from_packed)
     except BaseException:
@@ -180,12 +181,11 @@ def test_mtp_rolls_over_the_micro_batch_cp_group() -> None:
     the model's CP group is used, here of one rank, and they are not."""
     import torch.multiprocessing as mp
 
-    from torch_impl.testing.tiny import free_port
-
     errors = rank_context().SimpleQueue()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     try:
         mp.start_processes(
-            _two_ranks_tp1, args=(free_port(), errors), nprocs=2, start_method="forkserver"
+            _two_ranks_tp1, args=(store.port, errors), nprocs=2, start_method="forkserver"
         )
     except mp.ProcessRaisedException as exc:
         reports = []

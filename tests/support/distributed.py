@@ -4,7 +4,8 @@
 pipeline parallel; ``vpp``: model chunks per pipeline rank, for the interleaved
 schedule); each initialises
 ``torch.distributed`` and Megatron's parallel groups, calls ``fn(rank, *args)``
-and reports an exception back to the parent, which re-raises it with the rank.
+and reports an exception back to the parent, which re-raises it with the rank. The ranks
+meet at a ``TCPStore`` the parent holds, on a port it bound before they started.
 ``fn`` must be a module-level function (it is pickled).
 
 The ranks are forked from a server process that has imported torch and Megatron once
@@ -75,13 +76,15 @@ def _worker(
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
+        world_size = tp * pp * cp
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
         with megatron_parallel(
             tp=tp,
             pp=pp,
             cp=cp,
             rank=rank,
-            world_size=tp * pp * cp,
-            port=port,
+            world_size=world_size,
+            store=store,
             backend=backend,
             vpp=vpp,
         ):
@@ -100,15 +103,16 @@ def run_distributed(
     vpp: int | None = None,
     cp: int = 1,
 ) -> None:
-    from torch_impl.testing.tiny import free_port
-
     errors = rank_context().SimpleQueue()
-    port = free_port()
+    # The ranks meet at a store this process holds, its port bound from now on: a port
+    # chosen free and bound by rank 0 once started could be taken in between.
+    world_size = tp * pp * cp
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
     try:
         mp.start_processes(
             _worker,
-            args=(fn, tp, pp, port, backend, args, errors, vpp, cp),
-            nprocs=tp * pp * cp,
+            args=(fn, tp, pp, store.port, backend, args, errors, vpp, cp),
+            nprocs=world_size,
             join=True,
             start_method="forkserver",
         )
