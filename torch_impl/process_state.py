@@ -208,11 +208,6 @@ def megatron_parallel(
     from megatron.core import parallel_state
 
     world_size = world_size or tp * pp * cp
-    if store is not None and port is not None:
-        raise ValueError(
-            f"megatron_parallel: port={port} and store={store!r} given; the ranks meet at one "
-            "of them, expected port=None with a store"
-        )
     made_group = _join_process_group(world_size, rank=rank, port=port, backend=backend, store=store)
     made_state = _check_megatron_groups(parallel_state, tp, pp, cp, made_group=made_group)
     try:
@@ -246,6 +241,11 @@ def _join_process_group(
 ) -> bool:
     """:func:`megatron_parallel`'s process group: the caller's (of ``world_size`` ranks,
     else ``RuntimeError``), or one made here; whether it was made here."""
+    if store is not None and port is not None:
+        raise ValueError(
+            f"megatron_parallel: port={port} and store={store!r} given; the ranks meet at one "
+            "of them, expected port=None with a store"
+        )
     if torch.distributed.is_initialized():
         if torch.distributed.get_world_size() != world_size:
             raise RuntimeError(
