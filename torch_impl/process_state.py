@@ -10,6 +10,8 @@ test, a training script under torchrun).
   Megatron's model-parallel groups for the length of a block, reusing a caller's
   and tearing down only what it made, the groups included (with the two groups
   Megatron's ``destroy_model_parallel`` leaves referenced: :func:`groups_left_released`);
+- :func:`launcher_store` and :func:`rank_store`: the store a launcher holds for the
+  ranks it starts, and a rank's client of it (``megatron_parallel(store=)``);
 - :func:`known_noise_silenced`: the known import-time notices of Megatron Core
   and torch on a CPU, silenced by message, nothing else.
 """
@@ -39,8 +41,10 @@ __all__ = [
     "group_globals",
     "groups_left_released",
     "known_noise_silenced",
+    "launcher_store",
     "megatron_parallel",
     "process_groups_kept",
+    "rank_store",
     "registered_process_groups",
     "tool_state",
 ]
@@ -168,6 +172,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def launcher_store(world_size: int) -> torch.distributed.TCPStore:
+    """A ``TCPStore`` server on a loopback port the OS picks, for ``world_size`` ranks this
+    process then starts to meet at, each through :func:`rank_store` at its ``port``. The
+    launcher holds the port from before the ranks start until it drops the store: a port
+    chosen free (:func:`free_port`) and bound by rank 0 once started can be taken in between
+    by another process, as a parallel test run's processes bind ports all the time."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+    )
+
+
+def rank_store(port: int, world_size: int) -> torch.distributed.TCPStore:
+    """A rank's client of the :func:`launcher_store` at ``port``, for
+    ``megatron_parallel(store=)``."""
+    return torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
+
+
 @contextlib.contextmanager
 def megatron_parallel(
     *,
@@ -193,10 +214,8 @@ def megatron_parallel(
     given needs no rendezvous: its group is made over an in-memory store
     (``torch.distributed.HashStore``), no port at all, so that processes started
     side by side (test workers) cannot collide on one. ``store``: the ranks meet at
-    this store instead of a port (as ``init_process_group(store=)``), typically a
-    client of a ``torch.distributed.TCPStore`` the launcher holds: a port chosen free
-    and bound only once the ranks have started can be taken in between by another
-    process; the launcher's server holds its port from before they start.
+    this store instead of a port (as ``init_process_group(store=)``), a
+    :func:`rank_store` of the :func:`launcher_store` that started them, say.
 
     The caller's state is left as found: a process group the caller initialised
     (of ``world_size`` ranks) is used and kept; Megatron's groups the caller

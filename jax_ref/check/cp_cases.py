@@ -182,10 +182,9 @@ def _cp_worker(rank: int, cp: int, port: int, cases: tuple[CPCase, ...], results
     try:
         from megatron.core import parallel_state
 
-        from torch_impl.process_state import megatron_parallel
+        from torch_impl.process_state import megatron_parallel, rank_store
 
-        store = torch.distributed.TCPStore("127.0.0.1", port, cp, is_master=False)
-        with megatron_parallel(cp=cp, rank=rank, world_size=cp, store=store):
+        with megatron_parallel(cp=cp, rank=rank, world_size=cp, store=rank_store(port, cp)):
             group = parallel_state.get_context_parallel_group()
             wires = [_run_rank(case, rank, cp, group) for case in cases]
         results.put((rank, "ok", wires))

@@ -227,10 +227,9 @@ def _run_from_wire(wire: dict[str, Any]) -> TorchRun:
 def _tp_worker(rank: int, tp: int, port: int, cases: tuple[GPTCase, ...], results: Any) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     try:
-        from torch_impl.process_state import megatron_parallel
+        from torch_impl.process_state import megatron_parallel, rank_store
 
-        store = torch.distributed.TCPStore("127.0.0.1", port, tp, is_master=False)
-        with megatron_parallel(tp=tp, rank=rank, world_size=tp, store=store):
+        with megatron_parallel(tp=tp, rank=rank, world_size=tp, store=rank_store(port, tp)):
             wires = [_run_to_wire(run_gpt_case(case)) for case in cases]
         results.put((rank, "ok", wires))
     except ContractError as exc:
@@ -265,14 +264,15 @@ def spawn_ranks(
     there (:func:`_fork_ranks`), so that torch and Megatron are imported once a run, not
     once a rank: about 10 s of CPU each on a CPU, most of a small check's time.
 
-    The ranks meet at ``port``, where this process holds a ``torch.distributed.TCPStore``
-    for the length of the run (each rank a client of it): a port chosen free and bound by
-    rank 0 once started could be taken in between by another process."""
+    The ranks meet at ``port``, a :func:`~torch_impl.process_state.launcher_store` this
+    process holds for the length of the run."""
     import torch.multiprocessing as mp
+
+    from torch_impl.process_state import launcher_store
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = torch.distributed.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    store = launcher_store(world)
     args = (worker, world, store.port, payload, results)
     launcher = ctx.Process(target=_fork_ranks, args=args)
     launcher.start()

@@ -162,11 +162,11 @@ def _two_ranks_tp1(rank: int, port: int, errors: Any) -> None:
     """Two processes, tp = pp = 1 (so Megatron's own CP group is of one rank)."""
     import traceback
 
+    from torch_impl.process_state import rank_store
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
-        store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
-        with megatron_parallel(rank=rank, world_size=2, store=store):
+        with megatron_parallel(rank=rank, world_size=2, store=rank_store(port, 2)):
             for from_packed in (True, False):
                 _cp_rank(rank, from_packed)
     except BaseException:
@@ -181,8 +181,10 @@ def test_mtp_rolls_over_the_micro_batch_cp_group() -> None:
     the model's CP group is used, here of one rank, and they are not."""
     import torch.multiprocessing as mp
 
+    from torch_impl.process_state import launcher_store
+
     errors = rank_context().SimpleQueue()
-    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    store = launcher_store(2)
     try:
         mp.start_processes(
             _two_ranks_tp1, args=(store.port, errors), nprocs=2, start_method="forkserver"

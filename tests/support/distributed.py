@@ -5,7 +5,7 @@ pipeline parallel; ``vpp``: model chunks per pipeline rank, for the interleaved
 schedule); each initialises
 ``torch.distributed`` and Megatron's parallel groups, calls ``fn(rank, *args)``
 and reports an exception back to the parent, which re-raises it with the rank. The ranks
-meet at a ``TCPStore`` the parent holds, on a port it bound before they started.
+meet at a ``launcher_store`` the parent holds (``torch_impl.process_state``).
 ``fn`` must be a module-level function (it is pickled).
 
 The ranks are forked from a server process that has imported torch and Megatron once
@@ -73,18 +73,18 @@ def _worker(
     vpp: int | None = None,
     cp: int = 1,
 ) -> None:
+    from torch_impl.process_state import rank_store
     from torch_impl.testing.tiny import megatron_parallel
 
     try:
         world_size = tp * pp * cp
-        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
         with megatron_parallel(
             tp=tp,
             pp=pp,
             cp=cp,
             rank=rank,
             world_size=world_size,
-            store=store,
+            store=rank_store(port, world_size),
             backend=backend,
             vpp=vpp,
         ):
@@ -103,11 +103,11 @@ def run_distributed(
     vpp: int | None = None,
     cp: int = 1,
 ) -> None:
+    from torch_impl.process_state import launcher_store
+
     errors = rank_context().SimpleQueue()
-    # The ranks meet at a store this process holds, its port bound from now on: a port
-    # chosen free and bound by rank 0 once started could be taken in between.
     world_size = tp * pp * cp
-    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
+    store = launcher_store(world_size)  # held until the ranks are done
     try:
         mp.start_processes(
             _worker,
