@@ -5,8 +5,8 @@
 #   bash scripts/matrix.sh              # every release below
 #   bash scripts/matrix.sh 0.15.3       # some of them
 #
-# Each release's wheel is fetched once (scripts/mcore_wheel.sh, `pip download --no-deps`) into
-# .venvs/cache/mcore/, installed with `pip install --no-deps --target .venvs/mcore/<release>`
+# Each release's wheel is fetched once (`pip download --no-deps`) into .venvs/cache/mcore/,
+# installed with `pip install --no-deps --target .venvs/mcore/<release>` (scripts/mcore_install.sh)
 # and put first on PYTHONPATH of the environment of its Python (py311 or py312); the run
 # checks that `megatron.core` then imports from that folder. The releases the environments
 # themselves pin (0.16.1 in py311, 0.19.2 in py312) get the full suite from scripts/test.sh:
@@ -37,16 +37,11 @@ TESTS=(tests/hook/test_enable.py tests/hook/test_enable_tp.py tests/hook/test_hy
 wanted=("$@")
 selected() { [ ${#wanted[@]} -eq 0 ] && return 0; local w; for w in "${wanted[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 
-pip_quiet() {  # pip, without the notes some pip configurations print for every package
-  "$@" 2> >(grep -v -e "is ignored: it is neither a file nor a directory" -e "Running pip as the 'root' user" >&2)
-}
-
 install_release() {  # $1 release, $2 python; prints the target folder
-  local release=$1 python=$2 target=$venvs/mcore/$1 wheel
+  local release=$1 python=$2 target=$venvs/mcore/$1
   if [ ! -f "$target/.installed" ]; then
-    wheel=$(bash "$root/scripts/mcore_wheel.sh" "$cache" "$release" "$python") || return 1
     rm -rf "$target"
-    pip_quiet "$python" -m pip install -q --no-deps --no-index --target "$target" "$wheel" >&2 || return 1
+    bash "$root/scripts/mcore_install.sh" "$cache" "$release" "$python" "$target" >&2 || return 1
     touch "$target/.installed"
   fi
   echo "$target"

@@ -23,8 +23,8 @@
 #   3. The sign-off: each patch applied with `git am --signoff` and its author reset,
 #      as upstream/README.md tells the submitter, carries exactly one Signed-off-by, the
 #      submitter's, who is also its author.
-#   4. megatron-core 0.18.2 (its wheel fetched once, by scripts/mcore_wheel.sh, into the
-#      cache scripts/matrix.sh uses): the patches of upstream/series-0.18.2 and their
+#   4. megatron-core 0.18.2 (installed by scripts/mcore_install.sh, its wheel fetched once
+#      into the cache scripts/matrix.sh uses): the patches of upstream/series-0.18.2 and their
 #      tests. It runs beside steps 1 to 3 (mostly one process at a time), into its own
 #      log, printed after them.
 #
@@ -269,11 +269,10 @@ EOF
 }
 
 check_0182() {  # step 4: 0.18.2 patched with upstream/series-0.18.2; 1 if a check failed
-  local wheel patch names=() rc=0
+  local patch names=() rc=0
   local port_base=30500  # its torchrun may run beside step 1's
   step "megatron-core 0.18.2, patched with upstream/series-0.18.2"
-  wheel=$(bash "$root/scripts/mcore_wheel.sh" "$cache" 0.18.2 "$python") || return 1
-  "$python" -m pip install -q --no-deps --no-index --target "$scratch/v0182" "$wheel" || return 1
+  bash "$root/scripts/mcore_install.sh" "$cache" 0.18.2 "$python" "$scratch/v0182" || return 1
   imports_from "$scratch/v0182" || rc=1
   while read -r patch; do
     apply_one "$patch" "$scratch/v0182" || { echo "$patch does not apply to 0.18.2" >&2; return 1; }
